@@ -1,0 +1,38 @@
+"""HybridPS: a heterogeneous-memory parameter server for PyTorch training.
+
+Model data (params, grads, fp32 master weights, Adam momentum and variance) lives in
+fixed-size chunks that move between CPU and GPU memory on demand.
+
+    import hybridps
+    engine = hybridps.initialize(model, optimizer, config=hybridps.Config(devices={"cuda:0": "8GiB"}))
+"""
+
+from hybridps.client.client import Client
+from hybridps.client.states import ChunkState, TensorState
+from hybridps.common.config import Config
+from hybridps.common.errors import (
+    CapacityError,
+    ConfigError,
+    HybridPSError,
+    ManagerError,
+    ProtocolError,
+    RegistrationError,
+    StateError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError",
+    "ChunkState",
+    "Client",
+    "Config",
+    "ConfigError",
+    "HybridPSError",
+    "ManagerError",
+    "ProtocolError",
+    "RegistrationError",
+    "StateError",
+    "TensorState",
+    "__version__",
+]

@@ -1,0 +1,214 @@
+"""Chunk manager: where every chunk of one client lives, and the moves that change it.
+
+Owns placement of new chunks, bringing a chunk to a device (evicting others to make room),
+freeing payloads, this client's per-device accounting (used, peak) and movement statistics.
+Every byte it allocates or frees is reported to the node manager (``add``/``remove``), and
+every destination it does not dictate (a new chunk, an evicted chunk) comes from the node
+manager's ``schedule``.
+
+Does not own tensor states (chunk.py), which chunk to evict (eviction.py) or how much of the
+compute device activations need right now (the tracer supplies ``reserve_fn``).
+
+[Note: budgets]
+A device's budget is the room chunks may take on it. For a GPU it is
+``capacity - reserve(now) - margin``: ``reserve`` is the non-model memory (activations,
+temporaries) the warm-up trace expects at this moment and the next, so chunks shrink while
+activations grow during forward and backward and expand again for the optimizer step (the
+"tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
+word because the CPU is shared by every rank of the node.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+
+from hybridps.client.chunk import Chunk
+from hybridps.client.eviction import EvictionPolicy, LRUPolicy
+from hybridps.client.states import ChunkState
+from hybridps.common.devices import DeviceInventory
+from hybridps.common.errors import CapacityError
+from hybridps.common.units import format_bytes
+from hybridps.manager.embedded import ManagerConnection
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkManager:
+    """Placement, movement and accounting of one client's chunks."""
+
+    def __init__(
+        self,
+        inventory: DeviceInventory,
+        connection: ManagerConnection,
+        *,
+        margin_bytes: int = 0,
+        eviction: EvictionPolicy | None = None,
+    ):
+        self.inventory = inventory
+        self.connection = connection
+        self.compute = inventory.compute_device
+        self.margin_bytes = margin_bytes
+        self.eviction: EvictionPolicy = eviction or LRUPolicy()
+        #: bytes of non-model memory to keep free on a device now; set by the tracer.
+        self.reserve_fn: Callable[[str], int] = lambda device: 0
+        self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
+        self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
+        self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
+        self.moved_bytes: collections.Counter[str] = collections.Counter()
+        self.moves = 0
+        self.evictions = 0
+        self.clock = 0
+        #: called as on_move(chunk, src, dst) after every move (tracer, trace export).
+        self.move_listeners: list[Callable[[Chunk, str, str], None]] = []
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def budget(self, device: str) -> int:
+        spec = self.inventory[device]
+        if not spec.is_gpu:
+            return spec.capacity_bytes
+        return spec.capacity_bytes - self.reserve_fn(device) - self.margin_bytes
+
+    def _over_budget_gpus(self, size: int) -> list[str]:
+        return [d.name for d in self.inventory.gpus if self.used_bytes[d.name] + size > self.budget(d.name)]
+
+    # -- placement -------------------------------------------------------------------------
+
+    def place(self, chunk: Chunk, refer_device: str) -> None:
+        """Allocate ``chunk`` (zeroed) near ``refer_device``, wherever the manager finds room."""
+        device = self.connection.schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
+        self._allocate(chunk, device)
+
+    def bring(self, chunk: Chunk, device: str, *, who: str = "") -> None:
+        """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
+
+        The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
+        protects it, so it is never chosen as its own victim.
+        """
+        self.clock += 1
+        chunk.last_use = self.clock
+        if chunk.device == device:
+            return
+        self.make_room(device, chunk.nbytes, protect=chunk, who=who)
+        if chunk.payload is None:
+            self._allocate(chunk, device)
+        else:
+            self._move(chunk, device)
+
+    def free(self, chunk: Chunk) -> None:
+        """Drop the payload of a chunk whose slots are all FREE."""
+        if chunk.payload is None:
+            return
+        device = chunk.device
+        assert device is not None
+        chunk.drop()
+        self._account(device, chunk, -1)
+        self.connection.remove(device, chunk.nbytes)
+
+    def make_room(self, device: str, size: int, *, protect: Chunk | None = None, who: str = "") -> None:
+        """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
+        budget = self.budget(device)
+        if self.used_bytes[device] + size <= budget:
+            return
+        victims = [c for c in self.resident[device].values() if c is not protect and c.state is not ChunkState.COMPUTE]
+        need = self.used_bytes[device] + size - budget
+        if sum(c.nbytes for c in victims) < need:
+            raise CapacityError(self._no_room_message(device, size, budget, who))
+        while self.used_bytes[device] + size > budget:
+            victim = self.eviction.choose(victims, self)
+            victims.remove(victim)
+            self.evict(victim)
+
+    def fit_budget(self, device: str, *, who: str = "") -> None:
+        """Evict until the chunks on ``device`` fit its budget of this moment (tidal shrink)."""
+        if self.used_bytes[device] > self.budget(device):
+            self.make_room(device, 0, who=who)
+
+    def evict(self, chunk: Chunk) -> None:
+        """Move ``chunk`` off its device, to where the node manager says (the CPU first)."""
+        src = chunk.device
+        assert src is not None
+        dst = self.connection.schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
+        self.evictions += 1
+        self._move(chunk, dst)
+
+    # -- mechanics -------------------------------------------------------------------------
+
+    def _allocate(self, chunk: Chunk, device: str) -> None:
+        self.connection.add(device, chunk.nbytes)
+        try:
+            chunk.allocate(self.inventory[device])
+        except BaseException:
+            self.connection.remove(device, chunk.nbytes)
+            raise
+        self._account(device, chunk, +1)
+
+    def _move(self, chunk: Chunk, device: str) -> None:
+        src = chunk.device
+        assert src is not None and src != device
+        self.connection.add(device, chunk.nbytes)
+        try:
+            chunk.move_to(self.inventory[device])
+        except BaseException:
+            self.connection.remove(device, chunk.nbytes)
+            raise
+        self._account(device, chunk, +1)
+        self._account(src, chunk, -1)
+        self.connection.remove(src, chunk.nbytes)
+        self.moves += 1
+        self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
+        for listener in self.move_listeners:
+            listener(chunk, src, device)
+
+    def _account(self, device: str, chunk: Chunk, sign: int) -> None:
+        self.used_bytes[device] += sign * chunk.nbytes
+        if sign > 0:
+            self.resident[device][chunk.chunk_id] = chunk
+            self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
+        else:
+            del self.resident[device][chunk.chunk_id]
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def _no_room_message(self, device: str, size: int, budget: int, who: str) -> str:
+        pinned = [c for c in self.resident[device].values() if c.state is ChunkState.COMPUTE]
+        where = f" for {who}" if who else ""
+        return (
+            f"{device} has no room{where}: needs {format_bytes(size)} ({size} B) more, chunks in use there hold "
+            f"{format_bytes(self.used_bytes[device])} ({len(pinned)} in COMPUTE, "
+            f"{format_bytes(sum(c.nbytes for c in pinned))}), budget now {format_bytes(budget)} = capacity "
+            f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_fn(device))}"
+            f" - margin {format_bytes(self.margin_bytes)}. Raise the capacity of {device}, lower chunk_size, or "
+            f"reduce activations (smaller batch, activation checkpointing).\n{self.memory_report()}"
+        )
+
+    def memory_report(self) -> str:
+        lines = ["memory report:"]
+        for d in self.inventory:
+            chunks = self.resident[d.name].values()
+            computing = sum(1 for c in chunks if c.state is ChunkState.COMPUTE)
+            lines.append(
+                f"  {d.name:8s} capacity {format_bytes(d.capacity_bytes):>11s}  chunks {len(chunks):4d} "
+                f"({computing} COMPUTE) {format_bytes(self.used_bytes[d.name]):>11s}  non-model "
+                f"{format_bytes(self.reserve_fn(d.name)):>11s}"
+            )
+        return "\n".join(lines)
+
+    def device_stats(self) -> dict[str, dict]:
+        return {
+            d.name: {
+                "capacity_bytes": d.capacity_bytes,
+                "used_bytes": self.used_bytes[d.name],
+                "peak_bytes": self.peak_bytes[d.name],
+                "chunks": len(self.resident[d.name]),
+                "simulated": d.simulated,
+            }
+            for d in self.inventory
+        }
+
+    def release_all(self, chunks: Iterable[Chunk]) -> None:
+        """Free every payload (client shutdown)."""
+        for chunk in chunks:
+            self.free(chunk)

@@ -1,0 +1,500 @@
+"""Client: one per data-parallel rank; owns that rank's params and their chunks.
+
+The public surface is the seed's: ``register_module``, ``register_param``, ``register_optim``,
+``access``, ``release`` (plus ``memory_stats`` and ``close``). Params are laid out into
+chunk lists by kind (param, grad, master, momentum, variance) with one shared layout; while a
+param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
+slot in a chunk on the compute device.
+
+Owns: the param registry (slot, shape, access count, grad flag), the chunk lists, the
+placeholders. Delegates placement and movement to the chunk manager, memory authority to
+the node manager, and training mechanics to hooks/optimizer modules.
+
+[Note: access counting]
+``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
+recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
+last ``release``. The state given to the last release is the one the param ends in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.chunk_manager import ChunkManager
+from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.states import ChunkState, TensorState
+from hybridps.common.config import Config
+from hybridps.common.devices import DeviceInventory
+from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
+from hybridps.common.protocol import ClientInfo
+from hybridps.common.units import format_bytes
+from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
+
+if TYPE_CHECKING:
+    from hybridps.client.optimizer import ChunkedAdam
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class ParamInfo:
+    """What the client knows of one registered param."""
+
+    param: nn.Parameter
+    name: str
+    slot: Slot
+    shape: torch.Size
+    orig_dtype: torch.dtype
+    refs: int = 0  # nested accesses (see [Note: access counting])
+    has_grad: bool = False  # a grad for this iteration sits in its grad slot
+
+    @property
+    def chunk(self) -> int:
+        return self.slot.chunk
+
+    def describe(self) -> str:
+        return f"param {self.name!r} (shape {tuple(self.shape)})"
+
+
+class Client:
+    """A HybridPS client: chunked storage of one rank's model data."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        inventory: DeviceInventory | None = None,
+        connection: ManagerConnection | None = None,
+        rank: int = 0,
+        local_rank: int = 0,
+    ):
+        self.config = config or Config()
+        self.inventory = inventory or DeviceInventory.build(self.config.devices, simulate=self.config.simulate)
+        self.compute = self.inventory.compute_device
+        self.param_dtype = self.config.param_dtype
+        info = ClientInfo(
+            rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(self.inventory.names)
+        )
+        if connection is None:
+            connection = self._connect(info)
+        self.connection = connection
+        self.chunks = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
+        self.layout: ChunkLayout | None = None
+        self.lists: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
+        self._params: dict[int, ParamInfo] = {}
+        self.params: list[ParamInfo] = []  # registration order
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._next_chunk_id = 0
+        self.optimizer: ChunkedAdam | None = None
+        self.min_compute_bytes = 0
+        self.min_compute_module = ""
+        #: handles of hooks installed on the model (engine); removed by close().
+        self.hook_handles: list = []
+        self._closed = False
+        self._broken: str | None = None
+        self._chunk_size_auto = self.config.chunk_size is None
+
+    def _connect(self, info: ClientInfo) -> ManagerConnection:
+        if self.config.manager is None:
+            return EmbeddedManager(self.inventory).connect(info)
+        from hybridps.client.remote import connect_remote  # the daemon's client stub
+
+        return connect_remote(self.config.manager, info, self.inventory)
+
+    # -- kinds -----------------------------------------------------------------------------
+
+    @property
+    def kinds(self) -> list[ChunkKind]:
+        """Chunk lists this client keeps (momentum and variance appear with register_optim)."""
+        kinds = [ChunkKind.PARAM]
+        if not self.config.grad_reuse:
+            kinds.append(ChunkKind.GRAD)
+        if self.has_master:
+            kinds.append(ChunkKind.MASTER)
+        return kinds
+
+    @property
+    def has_master(self) -> bool:
+        """Whether fp32 master weights need their own chunks.
+
+        In fp32 without grad reuse the param chunks are already fp32 and never overwritten by
+        grads, so they are the master copy.
+        """
+        return self.config.grad_reuse or self.config.precision != "fp32"
+
+    @property
+    def master_kind(self) -> ChunkKind:
+        return ChunkKind.MASTER if self.has_master else ChunkKind.PARAM
+
+    @property
+    def grad_kind(self) -> ChunkKind:
+        return ChunkKind.PARAM if self.config.grad_reuse else ChunkKind.GRAD
+
+    def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
+        return self.param_dtype if kind in (ChunkKind.PARAM, ChunkKind.GRAD) else torch.float32
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register_module(self, module: nn.Module) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+        self._check_open()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self._params]
+        if not named:
+            raise RegistrationError(f"{type(module).__name__} has no parameters that are not registered already")
+        owners = _param_owners(module)
+        self._register(named, owners)
+
+    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
+        """Move one ``nn.Parameter`` into chunks. Plain tensors are refused: their identity
+        would not survive the move (see the seed design: only Parameters can be redirected)."""
+        self._check_open()
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(
+                f"register_param takes an nn.Parameter, got {type(param).__name__} of shape {tuple(param.shape)}"
+                if isinstance(param, torch.Tensor)
+                else f"register_param takes an nn.Parameter, got {type(param).__name__}"
+            )
+        if id(param) in self._params:
+            raise RegistrationError(f"{self._params[id(param)].describe()} is already registered")
+        label = name or f"param{len(self.params)}"
+        self._register([(label, param)], {id(param): [(label, None)]})
+
+    def _register(self, named: list[tuple[str, nn.Parameter]], owners: dict[int, list]) -> None:
+        if self.optimizer is not None:
+            raise StateError("register params before register_optim: optimizer states are laid out with the params")
+        for name, p in named:
+            if p.device.type == "meta":
+                raise RegistrationError(f"param {name!r} (shape {tuple(p.shape)}) is on the meta device and has no data; materialize it first")
+            if not p.is_floating_point():
+                raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
+        if self.layout is None:
+            self.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
+        plan = self.layout.copy()
+        slots = [plan.add(p.numel()) for _, p in named]
+        self._check_fits(plan, slots, named, owners)
+        done: list[ParamInfo] = []
+        try:
+            for (name, p), slot in zip(named, slots):
+                done.append(self._commit(name, p, slot, plan))
+        except BaseException as exc:
+            self._rollback(done)
+            self._broken = f"registration failed ({exc}); the params were given their data back"
+            raise
+        self.layout = plan
+
+    def _pick_chunk_size(self, numels: list[int]) -> int:
+        if self.config.chunk_size is not None:
+            return self.config.chunk_size
+        cap = self.compute.capacity_bytes - self.config.margin if self.compute.is_gpu else None
+        size = choose_chunk_size(
+            numels, elem_bytes=self.param_dtype.itemsize, capacity_bytes=cap, alignment=self.config.alignment
+        )
+        logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
+        return size
+
+    def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
+        """Refuse, before anything moves, a capacity that no module could run in."""
+        per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
+        slot_of = {id(p): s for (_, p), s in zip(named, slots)}
+        for info in self.params:
+            slot_of[id(info.param)] = info.slot
+        by_module: dict[str, set[int]] = {}
+        for pid, mods in owners.items():
+            for mod_name, _ in mods:
+                by_module.setdefault(mod_name, set()).add(slot_of[pid].chunk)
+        budget = self.compute.capacity_bytes - self.config.margin
+        for mod_name, chunk_ids in by_module.items():
+            need = sum(plan.capacity(c) for c in chunk_ids) * per_chunk
+            if need > self.min_compute_bytes:
+                self.min_compute_bytes, self.min_compute_module = need, mod_name
+        if self.compute.is_gpu and self.min_compute_bytes > budget:
+            what = "param + grad chunks" if not self.config.grad_reuse else "param chunks"
+            raise ConfigError(
+                f"{self.compute.name} capacity {format_bytes(self.compute.capacity_bytes)} ({self.compute.capacity_bytes} B"
+                f"{', minus margin' if self.config.margin else ''}) is below the minimum this model needs: module "
+                f"{self.min_compute_module!r} computes with {what} of {format_bytes(self.min_compute_bytes)} "
+                f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
+                + (" or lower chunk_size." if not self._chunk_size_auto else ".")
+            )
+        total = plan.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds)
+        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.chunks.used_bytes.values())
+        already = self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds) if self.layout else 0
+        if total - already > room:
+            raise CapacityError(
+                f"model data of {format_bytes(total)} does not fit the {format_bytes(room)} free on "
+                f"{', '.join(self.inventory.names)}; give HybridPS more memory (Config.devices)"
+            )
+
+    def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
+        while len(self.lists[ChunkKind.PARAM]) <= slot.chunk:
+            self._new_chunk_row(plan.capacity(len(self.lists[ChunkKind.PARAM])))
+        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype)
+        src = p.data.reshape(-1)
+        with torch.no_grad():
+            for kind in self.kinds:
+                chunk = self.lists[kind][slot.chunk]
+                chunk.add_slot(slot)
+                if kind is ChunkKind.GRAD:
+                    continue  # grads arrive in backward
+                chunk.view(slot).copy_(src)
+                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())
+        self._params[id(p)] = info
+        self.params.append(info)
+        p.data = self._placeholder(self.param_dtype)
+        return info
+
+    def _new_chunk_row(self, capacity: int) -> None:
+        """Create chunk i of every kind; param and master chunks get payloads now."""
+        index = len(self.lists[ChunkKind.PARAM])
+        for kind in self.kinds:
+            chunk = Chunk(kind, index, capacity, self.kind_dtype(kind), self._next_chunk_id)
+            self._next_chunk_id += 1
+            self.lists[kind].append(chunk)
+            if kind is ChunkKind.PARAM:
+                self.chunks.place(chunk, self.compute.name)
+            elif kind is ChunkKind.MASTER:
+                self.chunks.place(chunk, "cpu")
+
+    def _rollback(self, done: list[ParamInfo]) -> None:
+        """Give the params of a failed registration their data back (nothing is lost)."""
+        for info in reversed(done):
+            source = self.lists[self.master_kind][info.chunk]
+            if source.payload is not None:
+                info.param.data = source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True)
+            del self._params[id(info.param)]
+            self.params.remove(info)
+
+    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+        """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        self._check_open()
+        from hybridps.client.optimizer import ChunkedAdam
+
+        if self.optimizer is not None:
+            raise StateError("register_optim was called already; one optimizer per client")
+        chunked = ChunkedAdam(self, optimizer)
+        for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
+            chunks = []
+            for i, param_chunk in enumerate(self.lists[ChunkKind.PARAM]):
+                chunk = Chunk(kind, i, param_chunk.capacity, torch.float32, self._next_chunk_id)
+                self._next_chunk_id += 1
+                for slot in param_chunk.slots:
+                    chunk.add_slot(slot)  # FREE: payload allocated at the first step
+                chunks.append(chunk)
+            self.lists[kind] = chunks
+        self.optimizer = chunked
+        return chunked
+
+    # -- access / release ------------------------------------------------------------------
+
+    def param_info(self, param: torch.Tensor) -> ParamInfo:
+        try:
+            return self._params[id(param)]
+        except KeyError:
+            shape = tuple(param.shape) if isinstance(param, torch.Tensor) else "?"
+            raise RegistrationError(
+                f"tensor of shape {shape} and dtype {getattr(param, 'dtype', '?')} is not registered with this client; "
+                f"register_module(model) or register_param(param) first"
+            ) from None
+
+    def is_registered(self, param: torch.Tensor) -> bool:
+        return id(param) in self._params
+
+    def access(self, param: nn.Parameter, *, who: str = "") -> torch.Tensor:
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
+        info = self.param_info(param)
+        if info.refs == 0:
+            chunk = self.lists[ChunkKind.PARAM][info.chunk]
+            what = info.describe()
+            previous = chunk.slot_state(info.slot)
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, what)
+            try:
+                self.chunks.bring(chunk, self.compute.name, who=who or what)
+            except BaseException:
+                chunk.set_slot_state(info.slot, previous, what)
+                raise
+            param.data = chunk.view(info.slot).view(info.shape)
+        info.refs += 1
+        return param.data
+
+    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
+        """End one access of ``param``; the last release puts it in ``state``."""
+        info = self.param_info(param)
+        chunk = self.lists[ChunkKind.PARAM][info.chunk]
+        if not isinstance(state, TensorState):
+            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
+        if info.refs == 0:
+            raise StateError(
+                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
+                f"call access() first"
+            )
+        if state is TensorState.COMPUTE:
+            raise StateError(f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE")
+        info.refs -= 1
+        if info.refs:
+            return
+        chunk.set_slot_state(info.slot, state, info.describe())
+        param.data = self._placeholder(self.param_dtype)
+        if chunk.state is ChunkState.FREE:
+            self.chunks.free(chunk)
+
+    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> Chunk:
+        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (optimizer)."""
+        chunk = self.lists[kind][index]
+        previous = list(chunk.states)
+        chunk.set_all_states(TensorState.COMPUTE, f"{kind.value} chunk {index}")
+        try:
+            self.chunks.bring(chunk, device, who=who)
+        except BaseException:
+            for slot, state in zip(chunk.slots, previous):
+                chunk.set_slot_state(slot, state, "rollback")
+            raise
+        return chunk
+
+    def release_chunk(self, chunk: Chunk, state: TensorState = TensorState.HOLD) -> None:
+        chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+        if chunk.state is ChunkState.FREE:
+            self.chunks.free(chunk)
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        ph = self._placeholders.get(dtype)
+        if ph is None:
+            ph = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.compute.torch_device)
+        return ph
+
+    # -- grads -----------------------------------------------------------------------------
+
+    def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
+        param must be accessed), else its slot in the grad chunk, accumulating."""
+        info = self.param_info(param)
+        with torch.no_grad():
+            if self.config.grad_reuse:
+                if info.refs == 0:
+                    raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
+                if info.has_grad:
+                    raise StateError(
+                        f"{info.describe()} already holds a grad in its slot (grad_reuse=True); call step() before "
+                        f"the next backward, or set Config(grad_reuse=False) to accumulate gradients"
+                    )
+                chunk = self.lists[ChunkKind.PARAM][info.chunk]
+                chunk.view(info.slot).copy_(grad.reshape(-1))
+            else:
+                chunk = self.lists[ChunkKind.GRAD][info.chunk]
+                chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
+                self.chunks.bring(chunk, self.compute.name, who=info.describe() + " grad")
+                view = chunk.view(info.slot)
+                if info.has_grad:
+                    view.add_(grad.reshape(-1))
+                else:
+                    view.copy_(grad.reshape(-1))
+                chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
+        info.has_grad = True
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        """The grad of ``info`` as stored (its chunk must be allocated)."""
+        return self.lists[self.grad_kind][info.chunk].view(info.slot)
+
+    # -- stats -----------------------------------------------------------------------------
+
+    def all_chunks(self) -> Iterator[Chunk]:
+        for chunks in self.lists.values():
+            yield from chunks
+
+    @property
+    def model_data_bytes(self) -> int:
+        """Bytes of every chunk of every kind, allocated or not: the model data footprint."""
+        return sum(c.nbytes for c in self.all_chunks())
+
+    def memory_stats(self) -> dict:
+        kinds = {
+            kind.value: {
+                "chunks": len(chunks),
+                "bytes": sum(c.nbytes for c in chunks),
+                "allocated_bytes": sum(c.nbytes for c in chunks if c.payload is not None),
+            }
+            for kind, chunks in self.lists.items()
+        }
+        return {
+            "devices": self.chunks.device_stats(),
+            "moved_bytes": dict(self.chunks.moved_bytes),
+            "moves": self.chunks.moves,
+            "evictions": self.chunks.evictions,
+            "chunks": sum(len(c) for c in self.lists.values()),
+            "model_data_bytes": self.model_data_bytes,
+            "params": len(self.params),
+            "param_elements": sum(i.slot.numel for i in self.params),
+            "chunk_size": self.layout.chunk_size if self.layout else self.config.chunk_size,
+            "compute_device": self.compute.name,
+            "min_compute_bytes": self.min_compute_bytes,
+            "min_compute_module": self.min_compute_module,
+            "kinds": kinds,
+        }
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this client is closed; create a new Client")
+        if self._broken:
+            raise StateError(f"this client cannot be used: {self._broken}; create a new Client")
+
+    def close(self, *, restore: bool = True) -> None:
+        """Remove hooks and give every chunk back. With ``restore`` the params get their
+        values back as ordinary tensors (fp32 master values when there is a master), so the
+        model stays usable; without, they keep empty placeholders."""
+        if self._closed:
+            return
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
+        try:
+            if restore:
+                self._restore_params()
+            self.chunks.release_all(self.all_chunks())
+        finally:
+            self._closed = True
+            self.connection.close()
+
+    def _restore_params(self) -> None:
+        source_kind = self.master_kind
+        for info in self.params:
+            chunk = self.lists[source_kind][info.chunk]
+            if chunk.payload is None:
+                info.param.data = torch.zeros(info.shape, dtype=info.orig_dtype, device=self.compute.torch_device)
+            else:
+                value = chunk.view(info.slot).view(info.shape)
+                info.param.data = value.to(device=self.compute.torch_device, dtype=info.orig_dtype, copy=True)
+            info.refs = 0
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
+            f"{sum(len(c) for c in self.lists.values())}, model_data={format_bytes(self.model_data_bytes)})"
+        )
+
+
+def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """For each param, the modules that hold it directly (a tied param has several)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mod_name, mod in module.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
+    return owners

@@ -1,0 +1,149 @@
+"""Chunk layout: which tensor sits in which chunk at which offset. Pure arithmetic on sizes.
+
+One layout serves every chunk kind (param, grad, fp32 master, momentum, variance), so chunk
+i of each kind covers the same params and the optimizer can step chunk i of all kinds
+together. Tensors are placed in registration order; a tensor that does not fit in the open
+chunk opens the next one; a tensor larger than the chunk size gets a chunk of its own size.
+
+The layout never touches tensors, so the capacity planner lays out a 50B-parameter model
+with the same code, from sizes alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hybridps.common.errors import ConfigError
+
+#: Upper bound of an automatically chosen chunk, in elements (128 MiB of fp16): large enough
+#: for full-bandwidth copies and collectives, small enough to place finely.
+MAX_AUTO_CHUNK_ELEMS = 64 * 2**20
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives: chunk index and element offset inside every kind's chunk."""
+
+    index: int  # registration index of the tensor
+    chunk: int
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class ChunkLayout:
+    """Incremental assignment of tensors to fixed-size chunks, in registration order."""
+
+    def __init__(self, chunk_size: int, alignment: int = 1):
+        if chunk_size < 1 or alignment < 1:
+            raise ConfigError(f"chunk_size={chunk_size} and alignment={alignment} must be positive")
+        self.chunk_size = chunk_size
+        self.alignment = alignment
+        self.slots: list[Slot] = []
+        self._capacity: list[int] = []  # elements per chunk
+        self._members: list[list[int]] = []  # slot indices per chunk
+        self._fill: list[int] = []  # next free offset per chunk
+        self._open: int | None = None  # chunk still taking tensors
+
+    def add(self, numel: int) -> Slot:
+        """Place a tensor of ``numel`` elements and return its slot."""
+        if numel < 0:
+            raise ConfigError(f"a tensor cannot have {numel} elements")
+        if numel > self.chunk_size:
+            chunk = self._new_chunk(numel)
+            self._open = None  # an oversize chunk is full by construction
+        else:
+            chunk = self._open
+            if chunk is None or align_up(self._fill[chunk], self.alignment) + numel > self._capacity[chunk]:
+                chunk = self._new_chunk(self.chunk_size)
+                self._open = chunk
+        offset = align_up(self._fill[chunk], self.alignment)
+        slot = Slot(len(self.slots), chunk, offset, numel)
+        self.slots.append(slot)
+        self._members[chunk].append(slot.index)
+        self._fill[chunk] = offset + numel
+        return slot
+
+    def copy(self) -> ChunkLayout:
+        """An independent copy (to try a registration before committing it)."""
+        clone = ChunkLayout(self.chunk_size, self.alignment)
+        clone.slots = list(self.slots)
+        clone._capacity = list(self._capacity)
+        clone._members = [list(m) for m in self._members]
+        clone._fill = list(self._fill)
+        clone._open = self._open
+        return clone
+
+    def _new_chunk(self, capacity: int) -> int:
+        self._capacity.append(capacity)
+        self._members.append([])
+        self._fill.append(0)
+        return len(self._capacity) - 1
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._capacity)
+
+    def capacity(self, chunk: int) -> int:
+        """Elements in chunk ``chunk`` (the chunk size, or an oversize tensor's size)."""
+        return self._capacity[chunk]
+
+    def used(self, chunk: int) -> int:
+        """Elements from the start of the chunk to the end of its last tensor."""
+        return self._fill[chunk]
+
+    def members(self, chunk: int) -> list[Slot]:
+        return [self.slots[i] for i in self._members[chunk]]
+
+    @property
+    def total_elements(self) -> int:
+        """Elements of all chunks of one kind, padding included."""
+        return sum(self._capacity)
+
+    @property
+    def tensor_elements(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+def layout_waste(numels: Sequence[int], chunk_size: int, alignment: int) -> int:
+    """Padding elements a layout of ``numels`` with ``chunk_size`` would have."""
+    layout = ChunkLayout(chunk_size, alignment)
+    for n in numels:
+        layout.add(n)
+    return layout.total_elements - layout.tensor_elements
+
+
+def choose_chunk_size(
+    numels: Sequence[int],
+    *,
+    elem_bytes: int,
+    capacity_bytes: int | None = None,
+    alignment: int = 8,
+    max_elems: int = MAX_AUTO_CHUNK_ELEMS,
+) -> int:
+    """Pick a chunk size (elements) for tensors of ``numels`` laid out in that order.
+
+    Bounds: at most ``max_elems``; at most a quarter of the model, so at least a few chunks
+    exist to place and move; at most a quarter of the compute capacity, so a module's param
+    and grad chunks plus a neighbour fit beside activations. Within the bounds the size with
+    the least padding wins, and among equals the larger (fewer chunks, larger copies).
+    """
+    total = sum(align_up(n, alignment) for n in numels)
+    if total == 0:
+        return alignment
+    hi = min(max_elems, max(alignment, total // 4))
+    if capacity_bytes is not None:
+        hi = min(hi, max(alignment, capacity_bytes // (4 * elem_bytes)))
+    hi = max(alignment, hi - hi % alignment)
+    candidates = {max(alignment, align_up(hi * k // 16, alignment)) for k in range(4, 17)}
+    candidates |= {align_up(n, alignment) for n in numels if hi // 4 <= n <= hi}
+    best = min(candidates, key=lambda c: (layout_waste(numels, c, alignment), -c))
+    return best

@@ -1,0 +1,124 @@
+"""``Config``: every knob of a HybridPS client, validated once, frozen afterwards.
+
+Owns defaults, units and the checks that need no model (names, ranges, a capacity smaller
+than one chunk). Checks that need the model (the smallest capacity a module can run in) live
+with the layout in the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hybridps.common.devices import SIMULATE_MODES, canonical_device_name, parse_capacity
+from hybridps.common.errors import ConfigError
+from hybridps.common.units import format_bytes, parse_bytes
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+EVICTIONS = ("auto", "lru", "opt")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Configuration of one HybridPS client (one per data-parallel rank).
+
+    Capacities take bytes or strings with units ("256MiB", "2GiB"). See docs/CONFIG.md for
+    the reference of every field.
+    """
+
+    #: "fp32", "fp16" (dynamic loss scaling) or "bf16". Master weights are fp32 in every mode.
+    precision: str = "fp32"
+    #: Memory HybridPS may use per device, e.g. {"cuda:0": "8GiB", "cpu": "64GiB"}. On a GPU
+    #: the activations share this capacity (tidal budget). "cpu" defaults to available RAM;
+    #: a visible GPU defaults to most of its free memory. Empty = every visible GPU + CPU.
+    devices: Mapping[str, int | str | None] = dataclasses.field(default_factory=dict)
+    #: True: simulate a listed cuda:N that is not visible; False: require real GPUs;
+    #: "always": simulate every listed GPU.
+    simulate: bool | str = True
+    #: Elements per chunk; None chooses one from the model (and the compute capacity).
+    chunk_size: int | None = None
+    #: Store each grad in its param's own slot after backward (14 B/param in fp16). Forbids
+    #: gradient accumulation; set False to accumulate (16 B/param).
+    grad_reuse: bool = True
+    #: None: embedded in-process manager. "auto" or an endpoint ("ipc://...", "tcp://...")
+    #: : the node's hybridps-manager daemon.
+    manager: str | None = None
+    #: Bytes kept free on the compute device at every moment, on top of the traced
+    #: non-model memory.
+    margin: int | str = 0
+    #: Offsets of tensors inside chunks are multiples of this many elements.
+    alignment: int = 8
+    #: Eviction: "lru", "opt" (furthest next use from the warm-up trace) or "auto" (opt once a
+    #: trace exists, lru before).
+    eviction: str = "auto"
+    #: fp16 loss scaling: a fixed scale, or None for dynamic scaling.
+    static_loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_factor: float = 2.0
+    loss_scale_backoff_factor: float = 0.5
+    loss_scale_growth_interval: int = 2000
+    min_loss_scale: float = 1.0
+    #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
+    trace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.devices, Mapping):
+            raise ConfigError(f"devices={self.devices!r} must be a mapping such as {{'cuda:0': '8GiB'}}")
+        devices: dict[str, int | None] = {}
+        for name, cap in self.devices.items():
+            canon = canonical_device_name(name)
+            if canon in devices:
+                raise ConfigError(f"devices lists {canon} twice (as {name!r}); keep one entry")
+            devices[canon] = parse_capacity(canon, cap)
+        object.__setattr__(self, "devices", types.MappingProxyType(devices))
+        if self.simulate not in SIMULATE_MODES:
+            raise ConfigError(f"simulate={self.simulate!r}; use True (simulate missing GPUs), False or 'always'")
+        if self.chunk_size is not None:
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+                raise ConfigError(f"chunk_size={self.chunk_size!r} must be a positive number of elements, or None")
+            chunk_bytes = self.chunk_size * self.param_dtype.itemsize
+            for name, cap in devices.items():
+                if name != "cpu" and cap is not None and cap < chunk_bytes:
+                    raise ConfigError(
+                        f"{name} capacity {format_bytes(cap)} ({cap} B) is smaller than one chunk: chunk_size="
+                        f"{self.chunk_size} elements x {self.param_dtype.itemsize} B = {chunk_bytes} B; raise the "
+                        f"capacity or lower chunk_size"
+                    )
+        if not isinstance(self.grad_reuse, bool):
+            raise ConfigError(f"grad_reuse={self.grad_reuse!r} must be True or False")
+        if self.manager is not None and not isinstance(self.manager, str):
+            raise ConfigError(f"manager={self.manager!r}; use None (embedded), 'auto' or an endpoint string")
+        object.__setattr__(self, "margin", parse_bytes(self.margin, what="margin"))
+        if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1:
+            raise ConfigError(f"alignment={self.alignment!r} must be a positive number of elements")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction={self.eviction!r}; use one of {', '.join(EVICTIONS)}")
+        _positive("initial_loss_scale", self.initial_loss_scale)
+        _positive("min_loss_scale", self.min_loss_scale)
+        if self.static_loss_scale is not None:
+            _positive("static_loss_scale", self.static_loss_scale)
+        if not (self.loss_scale_growth_factor > 1.0):
+            raise ConfigError(f"loss_scale_growth_factor={self.loss_scale_growth_factor!r} must be > 1")
+        if not (0.0 < self.loss_scale_backoff_factor < 1.0):
+            raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
+        if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
+            raise ConfigError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the param (and grad) chunks: what forward and backward compute in."""
+        return PRECISIONS[self.precision]
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name}={value!r} must be a positive number")

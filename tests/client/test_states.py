@@ -1,0 +1,44 @@
+import pytest
+
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.layout import Slot
+from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, TensorState, transition
+from hybridps.common.errors import StateError
+
+S = TensorState
+
+
+def test_every_state_has_an_explicit_row_in_the_transition_table():
+    assert set(ALLOWED_TRANSITIONS) == set(TensorState)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [(S.FREE, S.HOLD_AFTER_FWD), (S.FREE, S.HOLD_AFTER_BWD), (S.HOLD, S.HOLD), (S.HOLD, S.HOLD_AFTER_FWD), (S.COMPUTE, S.COMPUTE)],
+)
+def test_an_illegal_transition_raises_naming_both_states(old, new):
+    with pytest.raises(StateError, match=f"{old.name} -> {new.name}"):
+        transition(old, new, "param w")
+
+
+def test_the_training_cycle_of_a_param_is_legal():
+    state = S.HOLD
+    for new in (S.COMPUTE, S.HOLD_AFTER_FWD, S.COMPUTE, S.HOLD_AFTER_BWD, S.COMPUTE, S.HOLD, S.FREE, S.COMPUTE):
+        state = transition(state, new, "p")
+
+
+def test_a_chunk_state_is_derived_from_its_tensors():
+    chunk = Chunk(ChunkKind.PARAM, 0, 8, __import__("torch").float32, 0)
+    a, b = Slot(0, 0, 0, 4), Slot(1, 0, 4, 4)
+    chunk.add_slot(a)
+    chunk.add_slot(b)
+    assert chunk.state is ChunkState.FREE
+    chunk.set_slot_state(a, S.HOLD, "a")
+    assert chunk.state is ChunkState.HOLD
+    chunk.set_slot_state(b, S.COMPUTE, "b")
+    assert chunk.state is ChunkState.COMPUTE
+    chunk.set_slot_state(b, S.HOLD_AFTER_FWD, "b")
+    assert chunk.state is ChunkState.HOLD
+    chunk.set_slot_state(a, S.FREE, "a")
+    chunk.set_slot_state(b, S.FREE, "b")
+    assert chunk.state is ChunkState.FREE

@@ -1,0 +1,86 @@
+import pytest
+
+from hybridps.common.devices import DeviceSpec
+from hybridps.common.errors import CapacityError, ManagerError
+from hybridps.common.protocol import ClientInfo
+from hybridps.manager.ledger import Ledger
+from hybridps.manager.policy import schedule
+
+
+def make_ledger():
+    return Ledger([DeviceSpec(name="cpu", capacity_bytes=1000), DeviceSpec(name="cuda:0", capacity_bytes=100, simulated=True)])
+
+
+def test_usage_is_booked_per_client_and_device_with_peaks():
+    led = make_ledger()
+    led.register("a", ClientInfo(rank=0))
+    led.register("b", ClientInfo(rank=1))
+    led.add("a", "cuda:0", 60)
+    led.add("b", "cpu", 300)
+    led.remove("a", "cuda:0", 50)
+    snap = led.snapshot()
+    assert snap["devices"]["cuda:0"] == {"capacity_bytes": 100, "used_bytes": 10, "free_bytes": 90, "peak_bytes": 60, "simulated": True}
+    assert {c["client_id"]: c["usage"] for c in snap["clients"]} == {"a": {"cuda:0": 10}, "b": {"cpu": 300}}
+
+
+def test_booking_past_capacity_is_refused_and_changes_nothing():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.add("a", "cuda:0", 90)
+    with pytest.raises(CapacityError, match="cannot book"):
+        led.add("a", "cuda:0", 11)
+    assert led.device("cuda:0").used_bytes == 90
+
+
+def test_removing_more_than_held_is_refused_and_nothing_goes_negative():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.register("b", ClientInfo())
+    led.add("a", "cpu", 10)
+    led.add("b", "cpu", 10)
+    with pytest.raises(ManagerError, match="holds only 10 B"):
+        led.remove("a", "cpu", 11)
+    assert led.device("cpu").used_bytes == 20
+
+
+@pytest.mark.parametrize("size", [-1, 2**70, 1.5, "3", True])
+def test_absurd_sizes_are_refused(size):
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    with pytest.raises(ManagerError):
+        led.add("a", "cpu", size)
+    assert led.device("cpu").used_bytes == 0
+
+
+def test_unregistering_a_client_reclaims_what_it_held():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.add("a", "cpu", 10)
+    led.add("a", "cuda:0", 20)
+    assert led.unregister("a") == {"cpu": 10, "cuda:0": 20}
+    assert led.device("cpu").used_bytes == 0 and led.device("cuda:0").used_bytes == 0
+
+
+def test_unknown_devices_and_clients_are_named():
+    led = make_ledger()
+    with pytest.raises(ManagerError, match="unknown client 'zz'"):
+        led.add("zz", "cpu", 1)
+    led.register("a", ClientInfo())
+    with pytest.raises(ManagerError, match="unknown device 'cuda:7'"):
+        led.add("a", "cuda:7", 1)
+
+
+def test_schedule_prefers_the_referred_device_then_cpu_then_the_roomiest_gpu():
+    free = {"cpu": 50, "cuda:0": 10, "cuda:1": 30, "cuda:2": 40}
+    reach = ["cpu", "cuda:0", "cuda:1", "cuda:2"]
+    assert schedule(10, "cuda:0", free, reach) == "cuda:0"
+    assert schedule(20, "cuda:0", free, reach) == "cpu"
+    assert schedule(35, "cuda:0", {**free, "cpu": 0}, reach) == "cuda:2"
+    assert schedule(20, "cpu", {**free, "cpu": 0}, reach, exclude=["cuda:2"]) == "cuda:1"
+
+
+def test_schedule_without_room_names_the_size_and_what_is_free():
+    with pytest.raises(CapacityError) as e:
+        schedule(100, "cuda:0", {"cpu": 50, "cuda:0": 10}, ["cpu", "cuda:0"])
+    msg = str(e.value)
+    assert "100 B" in msg and "cpu 50 B" in msg and "cuda:0 10 B" in msg
