@@ -20,6 +20,8 @@ from hybridps.common.errors import (
     StateError,
 )
 
+from hybridps.engine import Engine, initialize
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Client",
     "Config",
     "ConfigError",
+    "Engine",
     "HybridPSError",
     "ManagerError",
     "ProtocolError",
@@ -35,4 +38,5 @@ __all__ = [
     "StateError",
     "TensorState",
     "__version__",
+    "initialize",
 ]

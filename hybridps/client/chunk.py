@@ -13,7 +13,7 @@ import enum
 import torch
 
 from hybridps.client.layout import Slot
-from hybridps.client.states import ChunkState, TensorState, transition
+from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, TensorState, transition
 from hybridps.common.devices import DeviceSpec
 
 
@@ -64,15 +64,23 @@ class Chunk:
     def slot_state(self, slot: Slot) -> TensorState:
         return self.states[self._pos[slot.index]]
 
-    def set_slot_state(self, slot: Slot, new: TensorState, what: str) -> None:
+    def set_slot_state(self, slot: Slot, new: TensorState, what: object) -> None:
+        """Change one slot's state; ``what`` names the tensor in errors (formatted only then)."""
         pos = self._pos[slot.index]
         old = self.states[pos]
-        transition(old, new, what)
-        self._count(old, -1)
-        self._count(new, +1)
+        if new not in ALLOWED_TRANSITIONS[old]:
+            transition(old, new, str(what))  # raises with the full message
+        if old is TensorState.COMPUTE:
+            self._n_compute -= 1
+        elif old is TensorState.FREE:
+            self._n_free -= 1
+        if new is TensorState.COMPUTE:
+            self._n_compute += 1
+        elif new is TensorState.FREE:
+            self._n_free += 1
         self.states[pos] = new
 
-    def set_all_states(self, new: TensorState, what: str) -> None:
+    def set_all_states(self, new: TensorState, what: object) -> None:
         for slot in self.slots:
             self.set_slot_state(slot, new, what)
 

@@ -62,6 +62,10 @@ class ChunkManager:
         self.clock = 0
         #: called as on_move(chunk, src, dst) after every move (tracer, trace export).
         self.move_listeners: list[Callable[[Chunk, str, str], None]] = []
+        #: called as on_access(chunk) on every bring (tracer: the warm-up access order).
+        self.access_listeners: list[Callable[[Chunk], None]] = []
+        #: storage addresses of every payload, to tell model data from other tensors.
+        self.payload_ptrs: set[int] = set()
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -81,7 +85,7 @@ class ChunkManager:
         device = self.connection.schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
         self._allocate(chunk, device)
 
-    def bring(self, chunk: Chunk, device: str, *, who: str = "") -> None:
+    def bring(self, chunk: Chunk, device: str, *, who: object = "") -> None:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
 
         The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
@@ -89,6 +93,8 @@ class ChunkManager:
         """
         self.clock += 1
         chunk.last_use = self.clock
+        for listener in self.access_listeners:
+            listener(chunk)
         if chunk.device == device:
             return
         self.make_room(device, chunk.nbytes, protect=chunk, who=who)
@@ -103,11 +109,11 @@ class ChunkManager:
             return
         device = chunk.device
         assert device is not None
-        chunk.drop()
         self._account(device, chunk, -1)
+        chunk.drop()
         self.connection.remove(device, chunk.nbytes)
 
-    def make_room(self, device: str, size: int, *, protect: Chunk | None = None, who: str = "") -> None:
+    def make_room(self, device: str, size: int, *, protect: Chunk | None = None, who: object = "") -> None:
         """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
@@ -121,10 +127,18 @@ class ChunkManager:
             victims.remove(victim)
             self.evict(victim)
 
-    def fit_budget(self, device: str, *, who: str = "") -> None:
-        """Evict until the chunks on ``device`` fit its budget of this moment (tidal shrink)."""
-        if self.used_bytes[device] > self.budget(device):
-            self.make_room(device, 0, who=who)
+    def fit_budget(self, device: str) -> None:
+        """Evict chunks not in COMPUTE until the chunks on ``device`` fit its budget of this
+        moment (tidal shrink). Best effort: chunks in COMPUTE stay, and the next access that
+        truly finds no room raises."""
+        budget = self.budget(device)
+        if self.used_bytes[device] <= budget:
+            return
+        victims = [c for c in self.resident[device].values() if c.state is not ChunkState.COMPUTE]
+        while victims and self.used_bytes[device] > budget:
+            victim = self.eviction.choose(victims, self)
+            victims.remove(victim)
+            self.evict(victim)
 
     def evict(self, chunk: Chunk) -> None:
         """Move ``chunk`` off its device, to where the node manager says (the CPU first)."""
@@ -133,6 +147,11 @@ class ChunkManager:
         dst = self.connection.schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
         self.evictions += 1
         self._move(chunk, dst)
+
+    def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
+        """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
+        if src != dst:
+            self.moved_bytes[f"{src}->{dst}"] += nbytes
 
     # -- mechanics -------------------------------------------------------------------------
 
@@ -149,13 +168,14 @@ class ChunkManager:
         src = chunk.device
         assert src is not None and src != device
         self.connection.add(device, chunk.nbytes)
+        self._account(src, chunk, -1)
         try:
             chunk.move_to(self.inventory[device])
         except BaseException:
+            self._account(src, chunk, +1)
             self.connection.remove(device, chunk.nbytes)
             raise
         self._account(device, chunk, +1)
-        self._account(src, chunk, -1)
         self.connection.remove(src, chunk.nbytes)
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
@@ -163,16 +183,21 @@ class ChunkManager:
             listener(chunk, src, device)
 
     def _account(self, device: str, chunk: Chunk, sign: int) -> None:
+        """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on ``device``."""
+        assert chunk.payload is not None
         self.used_bytes[device] += sign * chunk.nbytes
+        ptr = chunk.payload.untyped_storage().data_ptr()
         if sign > 0:
             self.resident[device][chunk.chunk_id] = chunk
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
+            self.payload_ptrs.add(ptr)
         else:
             del self.resident[device][chunk.chunk_id]
+            self.payload_ptrs.discard(ptr)
 
     # -- reporting -------------------------------------------------------------------------
 
-    def _no_room_message(self, device: str, size: int, budget: int, who: str) -> str:
+    def _no_room_message(self, device: str, size: int, budget: int, who: object) -> str:
         pinned = [c for c in self.resident[device].values() if c.state is ChunkState.COMPUTE]
         where = f" for {who}" if who else ""
         return (

@@ -64,6 +64,8 @@ class ParamInfo:
     def describe(self) -> str:
         return f"param {self.name!r} (shape {tuple(self.shape)})"
 
+    __str__ = describe
+
 
 class Client:
     """A HybridPS client: chunked storage of one rank's model data."""
@@ -294,6 +296,7 @@ class Client:
                 chunks.append(chunk)
             self.lists[kind] = chunks
         self.optimizer = chunked
+        chunked.attach_state()
         return chunked
 
     # -- access / release ------------------------------------------------------------------
@@ -311,26 +314,25 @@ class Client:
     def is_registered(self, param: torch.Tensor) -> bool:
         return id(param) in self._params
 
-    def access(self, param: nn.Parameter, *, who: str = "") -> torch.Tensor:
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
-        info = self.param_info(param)
+        info = self._params.get(id(param)) or self.param_info(param)
         if info.refs == 0:
             chunk = self.lists[ChunkKind.PARAM][info.chunk]
-            what = info.describe()
             previous = chunk.slot_state(info.slot)
-            chunk.set_slot_state(info.slot, TensorState.COMPUTE, what)
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
             try:
-                self.chunks.bring(chunk, self.compute.name, who=who or what)
+                self.chunks.bring(chunk, self.compute.name, who=who or info)
             except BaseException:
-                chunk.set_slot_state(info.slot, previous, what)
+                chunk.set_slot_state(info.slot, previous, info)
                 raise
-            param.data = chunk.view(info.slot).view(info.shape)
+            param.data = chunk.payload[info.slot.offset : info.slot.end].view(info.shape)  # type: ignore[index]
         info.refs += 1
         return param.data
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
-        info = self.param_info(param)
+        info = self._params.get(id(param)) or self.param_info(param)
         chunk = self.lists[ChunkKind.PARAM][info.chunk]
         if not isinstance(state, TensorState):
             raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
@@ -344,28 +346,64 @@ class Client:
         info.refs -= 1
         if info.refs:
             return
-        chunk.set_slot_state(info.slot, state, info.describe())
+        chunk.set_slot_state(info.slot, state, info)
         param.data = self._placeholder(self.param_dtype)
         if chunk.state is ChunkState.FREE:
             self.chunks.free(chunk)
 
-    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> Chunk:
-        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (optimizer)."""
+    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
+        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (the
+        optimizer works on whole chunks). Returns the slot states it had, for ``release_chunk``."""
         chunk = self.lists[kind][index]
         previous = list(chunk.states)
-        chunk.set_all_states(TensorState.COMPUTE, f"{kind.value} chunk {index}")
+        what = f"{kind.value} chunk {index}"
+        chunk.set_all_states(TensorState.COMPUTE, what)
         try:
-            self.chunks.bring(chunk, device, who=who)
+            self.chunks.bring(chunk, device, who=who or what)
         except BaseException:
-            for slot, state in zip(chunk.slots, previous):
-                chunk.set_slot_state(slot, state, "rollback")
+            self._set_states(chunk, previous)
             raise
-        return chunk
+        return previous
 
-    def release_chunk(self, chunk: Chunk, state: TensorState = TensorState.HOLD) -> None:
-        chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
+        """End a chunk access: every slot to ``state``, or back to the states in a list."""
+        if isinstance(state, TensorState):
+            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+        else:
+            self._set_states(chunk, state)
         if chunk.state is ChunkState.FREE:
             self.chunks.free(chunk)
+
+    @staticmethod
+    def _set_states(chunk: Chunk, states: list[TensorState]) -> None:
+        for slot, state in zip(chunk.slots, states):
+            chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
+
+    def place_optimizer_states(self, spare_bytes: int) -> int:
+        """Move whole optimizer rows (master, momentum, variance of one chunk index) to the
+        compute GPU while they fit in ``spare_bytes``; return the bytes moved.
+
+        Called once the warm-up trace says how much of the GPU activations never need: a row
+        on the GPU steps there, so its param chunk never leaves the GPU for the optimizer.
+        """
+        if not self.compute.is_gpu:
+            return 0
+        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.lists]
+        moved = 0
+        for index in range(len(self.lists[ChunkKind.PARAM])):
+            row = [self.lists[k][index] for k in kinds if self.lists[k][index].device != self.compute.name]
+            row_bytes = sum(c.nbytes for c in row)
+            if not row or row_bytes > spare_bytes - moved:
+                continue
+            for chunk in row:
+                if chunk.payload is not None:
+                    self.chunks.bring(chunk, self.compute.name, who="optimizer state placement")
+            moved += row_bytes
+        return moved
+
+    def chunk_params(self, index: int) -> list[ParamInfo]:
+        """The params of chunk ``index``, in slot order."""
+        return [self.params[s.index] for s in self.lists[ChunkKind.PARAM][index].slots]
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         ph = self._placeholders.get(dtype)
@@ -405,6 +443,32 @@ class Client:
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         """The grad of ``info`` as stored (its chunk must be allocated)."""
         return self.lists[self.grad_kind][info.chunk].view(info.slot)
+
+    # -- values ----------------------------------------------------------------------------
+
+    def read_param(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s value at full precision (the master copy where one exists)."""
+        info = self.param_info(param)
+        chunk = self.lists[self.master_kind][info.chunk]
+        if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
+            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
+        if chunk.payload is None:
+            return torch.zeros(info.shape, dtype=chunk.dtype)
+        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+
+    @torch.no_grad()
+    def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``param``'s value (master copy and compute-precision copy)."""
+        info = self.param_info(param)
+        if tuple(value.shape) != tuple(info.shape):
+            raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
+        if info.has_grad and self.config.grad_reuse:
+            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
+        for kind in dict.fromkeys((ChunkKind.PARAM, self.master_kind)):
+            chunk = self.lists[kind][info.chunk]
+            if chunk.payload is None:
+                self.chunks.place(chunk, self.compute.name if kind is ChunkKind.PARAM else "cpu")
+            chunk.view(info.slot).copy_(value.reshape(-1))
 
     # -- stats -----------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch
+
 from hybridps.common.errors import ConfigError
 
 #: Upper bound of an automatically chosen chunk, in elements (128 MiB of fp16): large enough
@@ -121,6 +123,21 @@ def layout_waste(numels: Sequence[int], chunk_size: int, alignment: int) -> int:
     return layout.total_elements - layout.tensor_elements
 
 
+def layout_waste_many(numels: Sequence[int], chunk_sizes: Sequence[int], alignment: int) -> torch.Tensor:
+    """Padding of the layouts of ``numels`` for many chunk sizes at once (the same greedy
+    placement as ``ChunkLayout``, vectorised over the sizes)."""
+    sizes = torch.tensor(list(chunk_sizes), dtype=torch.int64)
+    fill = torch.full_like(sizes, -1)  # next free offset of the open chunk; -1: none open
+    capacity = torch.zeros_like(sizes)  # elements of all chunks so far
+    for n in numels:
+        start = (fill.clamp(min=0) + alignment - 1) // alignment * alignment
+        oversize = n > sizes
+        opens = (~oversize) & ((fill < 0) | (start + n > sizes))
+        capacity += torch.where(oversize, n, torch.where(opens, sizes, 0))
+        fill = torch.where(oversize, -1, torch.where(opens, n, start + n))
+    return capacity - sum(numels)
+
+
 def choose_chunk_size(
     numels: Sequence[int],
     *,
@@ -133,17 +150,30 @@ def choose_chunk_size(
 
     Bounds: at most ``max_elems``; at most a quarter of the model, so at least a few chunks
     exist to place and move; at most a quarter of the compute capacity, so a module's param
-    and grad chunks plus a neighbour fit beside activations. Within the bounds the size with
-    the least padding wins, and among equals the larger (fewer chunks, larger copies).
+    and grad chunks plus a neighbour fit beside activations; at least a sixteenth of the
+    upper bound. Candidates are a grid over that range plus every sum of consecutive tensor
+    sizes that falls in it (a repeated block of a model packs without padding); the size
+    with the least padding wins, and among equals the larger (fewer chunks, larger copies).
     """
-    total = sum(align_up(n, alignment) for n in numels)
+    aligned = [align_up(n, alignment) for n in numels]
+    total = sum(aligned)
     if total == 0:
         return alignment
     hi = min(max_elems, max(alignment, total // 4))
     if capacity_bytes is not None:
         hi = min(hi, max(alignment, capacity_bytes // (4 * elem_bytes)))
     hi = max(alignment, hi - hi % alignment)
-    candidates = {max(alignment, align_up(hi * k // 16, alignment)) for k in range(4, 17)}
-    candidates |= {align_up(n, alignment) for n in numels if hi // 4 <= n <= hi}
-    best = min(candidates, key=lambda c: (layout_waste(numels, c, alignment), -c))
-    return best
+    lo = max(alignment, hi // 16)
+    candidates = {max(alignment, align_up(hi * k // 64, alignment)) for k in range(4, 65)}
+    for i in range(len(aligned)):
+        run = 0
+        for n in aligned[i:]:
+            run += n
+            if run > hi:
+                break
+            if run >= lo:
+                candidates.add(run)
+    ordered = sorted(candidates)
+    waste = layout_waste_many(numels, ordered, alignment)
+    best = min(range(len(ordered)), key=lambda k: (int(waste[k]), -ordered[k]))
+    return ordered[best]

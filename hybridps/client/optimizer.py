@@ -1,0 +1,429 @@
+"""Chunked Adam/AdamW: the optimizer step over master, momentum and variance chunks.
+
+``ChunkedAdam`` replaces a user's ``torch.optim.Adam`` or ``AdamW``: it shares the user's
+``param_groups`` (so lr, betas, eps, weight_decay per group and every
+``torch.optim.lr_scheduler`` work as usual), and steps chunk by chunk where each chunk's
+master copy lies (device-aware: CPU chunks on the CPU, GPU chunks on the GPU), with the same
+torch kernels a plain optimizer would use, applied to whole runs of params at once. After a
+chunk steps, its low-precision params are written back into the param chunk in one copy.
+
+Owns: step counts per param, gradient clipping by global norm (folded into the step),
+overflow checks for fp16 (one reduction per chunk), and the torch-compatible
+``state_dict``. Does not own chunk placement (the chunk manager) or the loss scale value
+(loss_scaler.py).
+
+[Note: exactness]
+Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
+stepping a run of params as one flat view of a chunk reproduces the per-param step exactly.
+With ``fused=True`` (or left at None, the default here) the fused kernel is used and matches
+``torch.optim.AdamW(fused=True)`` bit for bit; with ``fused=False`` the for-loop kernel
+matches torch's default CPU path bit for bit. The global norm for clipping is computed as
+``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the norm of those).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.optim.adam as torch_adam
+
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.loss_scaler import LossScaler
+from hybridps.client.states import TensorState
+from hybridps.common.errors import ConfigError, RegistrationError, StateError
+
+if TYPE_CHECKING:
+    from hybridps.client.client import Client, ParamInfo
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
+
+
+def _validate(optimizer: object) -> None:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        cls = type(optimizer)
+        name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
+        raise ConfigError(
+            f"unsupported optimizer {name}; HybridPS steps "
+            f"{' and '.join(SUPPORTED_OPTIMIZERS)} over chunks"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
+            if group.get(key, False) == bad:
+                raise ConfigError(f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False")
+
+
+class ChunkedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over chunks; a torch Optimizer wherever users touch it."""
+
+    def __init__(self, client: Client, optimizer: torch.optim.Optimizer):
+        _validate(optimizer)
+        self.client = client
+        self.inner = optimizer
+        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+        self._check_params(optimizer)
+        imported = optimizer.state_dict() if len(optimizer.state) else None
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", decoupled_default)
+        n = len(client.params)
+        self.group_of: list[int | None] = [None] * n  # registration index -> group
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self.group_of[client.param_info(p).slot.index] = g
+        self.steps: list[int] = [0] * n
+        self.scaler: LossScaler | None = None
+        self._clip_coef: torch.Tensor | None = None
+        self._found_inf: bool | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        #: called at the start and end of each chunk's step (tracer ticks, trace export)
+        self.step_listeners: list[Callable[[str, int], None]] = []
+        if imported is not None:
+            self._imported_state = imported  # loaded once the chunk lists exist
+        else:
+            self._imported_state = None
+
+    def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
+        client = self.client
+        in_optim: dict[int, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                in_optim[id(p)] = p
+        foreign = [p for pid, p in in_optim.items() if not client.is_registered(p)]
+        if foreign:
+            shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
+            raise RegistrationError(
+                f"the optimizer holds {len(foreign)} params that are not the model's (shapes {shapes}"
+                f"{', ...' if len(foreign) > 5 else ''}); build it over model.parameters() of the registered model"
+            )
+        missing = [i.name for i in client.params if i.param.requires_grad and id(i.param) not in in_optim]
+        if missing:
+            raise RegistrationError(
+                f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}); pass model.parameters() or set requires_grad=False on frozen params"
+            )
+
+    def attach_state(self) -> None:
+        """Load a state the wrapped optimizer already had (called once chunks exist)."""
+        if self._imported_state is not None:
+            self.load_state_dict(self._imported_state)
+            self._imported_state = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "client", None) is not None and hasattr(self, "steps"):
+            raise StateError("HybridPS lays out optimizer states when the optimizer is registered; add param groups before initialize()")
+        super().add_param_group(param_group)
+
+    # -- grads -----------------------------------------------------------------------------
+
+    def _grad_infos(self) -> dict[int, list[ParamInfo]]:
+        """Params holding a grad that this optimizer steps, by chunk, in slot order."""
+        out: dict[int, list[ParamInfo]] = {}
+        for info in self.client.params:
+            if info.has_grad and self.group_of[info.slot.index] is not None:
+                out.setdefault(info.chunk, []).append(info)
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the global norm of all grads to ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns the total norm (of the unscaled grads under fp16). The scaling is applied
+        during the next step, not by an extra pass over the grads.
+        """
+        grads = self._grad_infos()
+        if not grads:
+            return torch.tensor(0.0)
+        low = self.client.param_dtype != torch.float32
+        norms: list[torch.Tensor] = []
+        first_device = None
+        for index, infos in grads.items():
+            views = [self.client.grad_view(i) for i in infos]
+            first_device = first_device or views[0].device
+            norms.extend(torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type))
+        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+        if self.scaler is not None:
+            total = total / self.scaler.scale
+        finite = bool(torch.isfinite(total))
+        if self.scaler is not None:
+            self._found_inf = not finite
+        if error_if_nonfinite and not finite:
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        return total
+
+    def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
+        """True if any grad is inf or NaN: one fp32 reduction per chunk."""
+        sums = []
+        for index in grads:
+            chunk = self.client.lists[self.client.grad_kind][index]
+            assert chunk.payload is not None
+            sums.append(chunk.payload[: self.client.layout.used(index)].sum(dtype=torch.float32).cpu())
+        return not bool(torch.isfinite(torch.stack(sums)).all())
+
+    # -- step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._grad_infos()
+        if not grads:
+            return loss
+        try:
+            if self.scaler is not None:
+                found_inf = self._found_inf if self._found_inf is not None else self._overflow(grads)
+                if found_inf:
+                    logger.info("fp16 overflow: step skipped, loss scale %g -> %g", self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
+                    self.scaler.update(True)
+                    if self.client.config.grad_reuse:
+                        self._restore_params(grads)
+                    return loss
+            inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
+            for index, infos in grads.items():
+                self._step_chunk(index, infos, inv_scale)
+            for infos in grads.values():
+                for info in infos:
+                    self.steps[info.slot.index] += 1
+                    if self.client.config.grad_reuse:
+                        info.has_grad = False  # the grad slot now holds the param again
+            if self.scaler is not None:
+                self.scaler.update(False)
+        finally:
+            self._clip_coef = None
+            self._found_inf = None
+        return loss
+
+    def _step_chunk(self, index: int, infos: list[ParamInfo], inv_scale: float | None) -> None:
+        client = self.client
+        master_kind, grad_kind = client.master_kind, client.grad_kind
+        master_chunk = client.lists[master_kind][index]
+        # Device-aware: step where the master copy lies (seed design: Adam on the CPU unless
+        # the states are already on a GPU), bringing momentum, variance and grads there.
+        device = master_chunk.device or "cpu"
+        for listener in self.step_listeners:
+            listener("start", index)
+        taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
+        try:
+            for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
+                previous = client.access_chunk(kind, index, device, who=f"optimizer step of chunk {index}")
+                after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
+                taken.append((client.lists[kind][index], after))
+            used = client.layout.used(index)
+            master = master_chunk.payload
+            grad_chunk = client.lists[grad_kind][index]
+            m, v = client.lists[ChunkKind.MOMENTUM][index].payload, client.lists[ChunkKind.VARIANCE][index].payload
+            assert master is not None and grad_chunk.payload is not None and m is not None and v is not None
+            runs = self._runs(infos)
+            if grad_chunk.dtype == torch.float32 and inv_scale is None:
+                grads = grad_chunk.payload
+                if self._clip_coef is not None:
+                    coef = self._clip_coef.to(grads.device)
+                    for _, _, start, end in runs:
+                        grads[start:end].mul_(coef)
+            else:
+                grads = self._buffer(device, grad_chunk.capacity)
+                grads[:used].copy_(grad_chunk.payload[:used])
+                factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+                if self._clip_coef is not None:
+                    factor = factor * self._clip_coef.cpu()
+                if inv_scale is not None or self._clip_coef is not None:
+                    grads[:used].mul_(factor.to(grads.device))
+            by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for group, step, start, end in runs:
+                by_key.setdefault((group, step), []).append((start, end))
+            for (g, step), spans in by_key.items():
+                self._adam(self.param_groups[g], step, [(master, grads, m, v, s, e) for s, e in spans])
+            if master_kind is not ChunkKind.PARAM:
+                self._write_back(index, used)
+        finally:
+            for chunk, after in reversed(taken):
+                client.release_chunk(chunk, after)
+            for listener in self.step_listeners:
+                listener("end", index)
+
+    def _runs(self, infos: list[ParamInfo]) -> list[tuple[int, int, int, int]]:
+        """Maximal runs of neighbouring params (same group, same step count) with grads, as
+        (group, step, start, end) element ranges of the chunk. Runs may span alignment padding,
+        which is zero in every kind and stays zero under Adam."""
+        runs: list[tuple[int, int, int, int]] = []
+        prev_end_slot = None
+        for info in infos:
+            g = self.group_of[info.slot.index]
+            assert g is not None
+            step = self.steps[info.slot.index]
+            if runs and runs[-1][0] == g and runs[-1][1] == step and prev_end_slot == info.slot.index - 1:
+                group, s, start, _ = runs[-1]
+                runs[-1] = (group, s, start, info.slot.end)
+            else:
+                runs.append((g, step, info.slot.offset, info.slot.end))
+            prev_end_slot = info.slot.index
+        return runs
+
+    def _adam(self, group: dict, step: int, spans: list) -> None:
+        params = [master[s:e] for master, _, _, _, s, e in spans]
+        grads = [g[s:e] for _, g, _, _, s, e in spans]
+        exp_avgs = [m[s:e] for _, _, m, _, s, e in spans]
+        exp_avg_sqs = [v[s:e] for _, _, _, v, s, e in spans]
+        device = params[0].device
+        fused = group.get("fused") is not False
+        step_device = device if (fused and device.type != "cpu") else torch.device("cpu")
+        state_steps = [torch.tensor(float(step), dtype=torch.float32, device=step_device) for _ in spans]
+        beta1, beta2 = group["betas"]
+        torch_adam.adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            state_steps,
+            foreach=False,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            has_complex=False,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group.get("maximize", False),
+        )
+
+    def _buffer(self, device: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            torch_device = self.client.inventory[device].torch_device
+            buf = self._buffers[device] = torch.empty(numel, dtype=torch.float32, device=torch_device)
+        return buf
+
+    def _write_back(self, index: int, used: int) -> None:
+        """Low-precision (or grad-reused) params <- master, one copy per chunk."""
+        client = self.client
+        param_chunk = client.lists[ChunkKind.PARAM][index]
+        master_chunk = client.lists[client.master_kind][index]
+        assert param_chunk.payload is not None and master_chunk.payload is not None
+        param_chunk.payload[:used].copy_(master_chunk.payload[:used])
+        client.chunks.count_transfer(master_chunk.device, param_chunk.device, used * param_chunk.dtype.itemsize)
+
+    def _restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
+        """After a skipped step under grad reuse, give the param slots their values back."""
+        for index, infos in grads.items():
+            self._write_back(index, self.client.layout.used(index))
+            for info in infos:
+                info.has_grad = False
+
+    # -- grads lifetime --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all grads. Under grad reuse, grads not consumed by a step are replaced by the
+        params' values from the master copy (nothing is lost)."""
+        client = self.client
+        grads = {i: infos for i, infos in self._grad_infos().items()}
+        if client.config.grad_reuse:
+            if grads:
+                self._restore_params(grads)
+        else:
+            for chunk in client.lists[ChunkKind.GRAD]:
+                if chunk.payload is None:
+                    continue
+                for slot, state in zip(chunk.slots, list(chunk.states)):
+                    if state is not TensorState.FREE:
+                        chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
+                client.chunks.free(chunk)
+        for info in client.params:
+            info.has_grad = False
+        self._clip_coef = None
+        self._found_inf = None
+
+    # -- state dict ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """A ``torch.optim.Adam``-compatible state dict (per-param exp_avg, exp_avg_sq, step),
+        plus the fp32 ``master`` param where the model computes in lower precision."""
+        client = self.client
+        index_of: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = []
+            for p in group["params"]:
+                index_of[id(p)] = len(index_of)
+                packed["params"].append(index_of[id(p)])
+            groups.append(packed)
+        state: dict[int, dict] = {}
+        with torch.no_grad():
+            for info in client.params:
+                idx = index_of.get(id(info.param))
+                if idx is None or self.steps[info.slot.index] == 0:
+                    continue
+                entry = {"step": torch.tensor(float(self.steps[info.slot.index]))}
+                for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE)):
+                    entry[key] = self._read(kind, info)
+                if client.param_dtype != torch.float32:
+                    entry["master"] = self._read(client.master_kind, info)
+                state[idx] = entry
+        return {"state": state, "param_groups": groups}
+
+    def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
+        chunk = self.client.lists[kind][info.chunk]
+        if chunk.payload is None:
+            return torch.zeros(info.shape, dtype=torch.float32)
+        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
+        same params). Everything is checked before anything is written."""
+        client = self.client
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        params: dict[int, ParamInfo] = {}
+        for g, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ConfigError(f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}")
+            for idx, p in zip(saved["params"], group["params"]):
+                params[idx] = client.param_info(p)
+        for idx, entry in state_dict["state"].items():
+            info = params.get(int(idx))
+            if info is None:
+                raise ConfigError(f"state dict has state for param index {idx}, which no param group lists")
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key in entry and tuple(entry[key].shape) != tuple(info.shape):
+                    raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
+        with torch.no_grad():
+            for g, (saved, group) in enumerate(zip(groups, self.param_groups)):
+                for k, v in saved.items():
+                    if k != "params":
+                        group[k] = v
+            for info in client.params:
+                self.steps[info.slot.index] = 0
+            for idx, entry in state_dict["state"].items():
+                info = params[int(idx)]
+                self.steps[info.slot.index] = int(entry["step"])
+                for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE), ("master", client.master_kind)):
+                    if key in entry and (key != "master" or client.param_dtype != torch.float32):
+                        self._write(kind, info, entry[key])
+                if "master" in entry and client.param_dtype != torch.float32:
+                    self._write(ChunkKind.PARAM, info, entry["master"])
+
+    def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
+        client = self.client
+        chunk = client.lists[kind][info.chunk]
+        device = chunk.device or "cpu"
+        previous = client.access_chunk(kind, info.chunk, device)
+        try:
+            chunk.view(info.slot).copy_(value.reshape(-1))
+        finally:
+            after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
+            client.release_chunk(chunk, after)

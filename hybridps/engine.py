@@ -1,0 +1,251 @@
+"""``hybridps.initialize`` and the ``Engine``: single-rank training over chunks.
+
+The engine wires a model and an Adam/AdamW optimizer to a Client: it registers the model
+(params into chunks) and the optimizer (master, momentum, variance chunks), installs the
+module hooks, the memory tracer and, for fp16, the loss scaler, and offers the training
+loop's verbs (forward, backward, clip_grad_norm_, step, zero_grad).
+
+It owns the iteration's order (forward -> backward -> step) and the checks on it; chunk
+mechanics stay in the client, the step in the chunked optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridps.client.chunk import ChunkKind
+from hybridps.client.client import Client
+from hybridps.client.eviction import BeladyPolicy
+from hybridps.client.hooks import ModuleHooks
+from hybridps.client.loss_scaler import LossScaler
+from hybridps.client.optimizer import ChunkedAdam
+from hybridps.client.tracer import MemoryTracer
+from hybridps.common.config import Config
+from hybridps.common.errors import ConfigError, StateError
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None) -> Engine:
+    """Put ``model`` and ``optimizer`` under HybridPS and return the training engine.
+
+    ``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` over ``model.parameters()``
+    (param groups welcome). After this call the model's params are empty placeholders
+    outside forward and backward; use ``engine.optimizer`` (it shares the param groups
+    with ``optimizer``) for LR schedulers and state dicts.
+    """
+    return Engine(model, optimizer, config or Config())
+
+
+class Engine:
+    """The training loop's verbs over a model whose data lives in chunks."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *, client: Client | None = None):
+        self.config = config
+        self.client = client or Client(config)
+        self.module = model
+        device = self.client.compute.torch_device
+        try:
+            for buf in model.buffers():
+                buf.data = buf.data.to(device)
+            self.client.register_module(model)
+            self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
+        except BaseException:
+            self.client.close()
+            raise
+        self.tracer = MemoryTracer(self.client, enabled=config.trace)
+        if config.eviction in ("opt", "auto"):
+            self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
+        self.hooks = ModuleHooks(self.client, model, self.tracer)
+        self.hooks.install()
+        if config.precision == "fp16":
+            self.optimizer.scaler = LossScaler(
+                scale=config.static_loss_scale or config.initial_loss_scale,
+                growth_factor=config.loss_scale_growth_factor,
+                backoff_factor=config.loss_scale_backoff_factor,
+                growth_interval=config.loss_scale_growth_interval,
+                min_scale=config.min_loss_scale,
+                dynamic=config.static_loss_scale is None,
+            )
+        self._in_iteration = False
+        self._backward_since_step = False
+
+    # -- the loop --------------------------------------------------------------------------
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self.optimizer.scaler
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model. Floating-point inputs are cast to the compute precision and every
+        tensor input is moved to the compute device."""
+        if self.config.grad_reuse and self._backward_since_step:
+            raise StateError(
+                "forward after backward without step(): with grad_reuse=True the grads sit in the params' own "
+                "slots, so the params are not there to compute with. Call engine.step() (or engine.zero_grad() "
+                "to drop the grads) first, or set Config(grad_reuse=False) to accumulate gradients over micro-batches"
+            )
+        training = self.module.training and torch.is_grad_enabled()
+        if training and not self._in_iteration:
+            self.tracer.start_iteration()
+            self._in_iteration = True
+        args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
+        with self.tracer.saved_tensors() if training else _null():
+            return self.module(*args, **kwargs)
+
+    def _prepare_inputs(self, obj: Any) -> Any:
+        device, dtype = self.client.compute.torch_device, self.client.param_dtype
+        if isinstance(obj, torch.Tensor):
+            if obj.is_floating_point() and obj.dtype != dtype:
+                obj = obj.to(dtype)
+            return obj.to(device)
+        if isinstance(obj, tuple):
+            return type(obj)(*(self._prepare_inputs(x) for x in obj)) if hasattr(obj, "_fields") else tuple(self._prepare_inputs(x) for x in obj)
+        if isinstance(obj, list):
+            return [self._prepare_inputs(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: self._prepare_inputs(v) for k, v in obj.items()}
+        return obj
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled under fp16); grads land in their chunk slots."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"backward takes a one-element loss tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+        if not loss.requires_grad:
+            raise StateError("the loss does not require grad: was the forward run under torch.no_grad() or in eval mode?")
+        if self.config.grad_reuse and self._backward_since_step:
+            raise StateError(
+                "second backward without step(): gradient accumulation needs Config(grad_reuse=False), since with "
+                "grad reuse each grad overwrites its param"
+            )
+        scaled = loss.float() * self.scaler.scale if self.scaler is not None else loss
+        try:
+            scaled.backward()
+        finally:
+            self.hooks.end_backward()
+            self._backward_since_step = True
+        self.tracer.tick(("backward_end",))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global grad norm (as ``torch.nn.utils.clip_grad_norm_``); returns the norm."""
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def step(self) -> None:
+        """Optimizer step over every chunk that holds grads; ends the iteration."""
+        self.tracer.tick(("step",))
+        try:
+            self.optimizer.step()
+        finally:
+            self.tracer.tick(("step_end",))
+            if self._in_iteration:
+                warmup = not self.tracer.has_trace
+                self.tracer.end_iteration()
+                self._in_iteration = False
+                if warmup and self.tracer.has_trace:
+                    self._place_optimizer_states()
+            if self.config.grad_reuse:
+                self._backward_since_step = False
+
+    def _place_optimizer_states(self) -> None:
+        """After warm-up: put optimizer rows on the GPU where activations never need the room."""
+        compute = self.client.compute
+        if not compute.is_gpu:
+            return
+        per_iteration = [c for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.client.lists.get(k, [])]
+        spare = (
+            compute.capacity_bytes
+            - self.config.margin
+            - max(self.tracer.non_model, default=0)
+            - sum(c.nbytes for c in per_iteration)
+        )
+        if spare > 0:
+            moved = self.client.place_optimizer_states(spare)
+            logger.info("optimizer states on %s after warm-up: %d B (spare %d B)", compute.name, moved, spare)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+        self._backward_since_step = False
+
+    # -- conveniences ----------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def memory_stats(self) -> dict:
+        """The client's memory stats plus, per device, the non-model peak (activations) and
+        the peak of chunks + non-model on the compute device after warm-up."""
+        stats = self.client.memory_stats()
+        trace = self.tracer.stats()
+        for name, dev in stats["devices"].items():
+            compute = name == self.client.compute.name
+            dev["non_model_peak_bytes"] = trace["non_model_peak_bytes"] if compute else 0
+            if compute:
+                dev["peak_total_bytes"] = trace["peak_total_bytes"]
+                dev["peak_total_warmup_bytes"] = trace["peak_total_warmup_bytes"]
+        stats["trace"] = trace
+        if self.scaler is not None:
+            stats["loss_scale"] = self.scaler.scale
+            stats["skipped_steps"] = self.scaler.skipped_steps
+        return stats
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with full-precision weights (fp32 masters), on the CPU,
+        gathered one param at a time; the same keys as ``module.state_dict()``."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if self.client.is_registered(value):
+                out[key] = self.client.read_param(value)
+            else:
+                out[key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load model weights (e.g. from ``state_dict`` or a plain ``model.state_dict()``).
+        Every key and shape is checked before anything is written."""
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise ConfigError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for key, value in state_dict.items():
+            if key in own:
+                expected = self.client.param_info(own[key]).shape if self.client.is_registered(own[key]) else own[key].shape
+                if tuple(value.shape) != tuple(expected):
+                    raise ConfigError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(expected)} in the model")
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key not in own:
+                    continue
+                if self.client.is_registered(own[key]):
+                    self.client.write_param(own[key], value)
+                else:
+                    own[key].copy_(value)
+
+    def close(self) -> None:
+        """Remove hooks, give memory back; the model gets its (fp32 master) values back."""
+        self.client.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,83 @@
+"""Shared pieces of the training tests: a learnable token stream, models, optimizers, loops."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import hybridps
+from hybridps.models import GPT, GPTConfig
+
+SMALL_GPT = GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=32)
+
+
+def tokens(step: int, batch: int = 2, seq: int = 32, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of an arithmetic token stream (x[t+1] = x[t] + 7): learnable, deterministic."""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    x = (start + 7 * torch.arange(seq + 1)) % vocab
+    return x[:, :-1], x[:, 1:]
+
+
+def adamw_groups(model: torch.nn.Module, lr: float = 3e-4, **kwargs) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (the usual GPT recipe: two param groups)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, **kwargs)
+
+
+def gpt_pair(cfg: GPTConfig = SMALL_GPT, seed: int = 0) -> tuple[GPT, GPT]:
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    return model, copy.deepcopy(model)
+
+
+def model_data_bytes(cfg: GPTConfig) -> int:
+    return cfg.n_params * 16
+
+
+def train_plain(model, optimizer, steps, *, clip=1.0, scheduler=None, batch=2, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = tokens(step, batch, model.cfg.seq_len)
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_engine(engine, steps, *, clip=1.0, scheduler=None, batch=2, start=0, seq=32):
+    losses = []
+    for step in range(start, start + steps):
+        x, y = tokens(step, batch, seq)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        if clip:
+            engine.clip_grad_norm_(clip)
+        engine.step()
+        engine.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def eval_loss(forward, cfg: GPTConfig = SMALL_GPT) -> float:
+    """Loss on a fixed held-out batch (seed far from the training seeds)."""
+    x, y = tokens(10_000, batch=8, seq=cfg.seq_len)
+    with torch.no_grad():
+        _, loss = forward(x, y)
+    return loss.item()
+
+
+def engine_for(model, optimizer, fraction: float, cfg: GPTConfig = SMALL_GPT, **config) -> hybridps.Engine:
+    capacity = int(model_data_bytes(cfg) * fraction)
+    return hybridps.initialize(model, optimizer, hybridps.Config(devices={"cuda:0": capacity}, **config))
