@@ -348,3 +348,24 @@ def test_a_changed_access_order_is_detected_and_traced_again():
         engine.backward(engine(torch.randn(2, 8), use_b).sum())
         engine.step()
     assert engine.memory_stats()["trace"]["retraces"] >= 1
+
+
+def test_a_meta_simulation_replays_training_without_allocating_model_memory():
+    """simulate='meta': the real client, hooks, tracer and optimizer run on meta tensors, so
+    a model far larger than this machine's memory lays out, places and moves its chunks."""
+    cfg = GPTConfig(n_layer=4, d_model=4096, n_head=32, seq_len=256, vocab_size=32000)  # 0.93 B params, ~15 GB of model data
+    with torch.device("meta"):
+        model = GPT(cfg)
+    config = hybridps.Config(devices={"cuda:0": "8GiB", "cpu": "64GiB"}, simulate="meta", precision="fp16")
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device="meta")
+    for _ in range(2):
+        _, loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    stats = engine.memory_stats()
+    assert stats["model_data_bytes"] >= 14 * cfg.n_params
+    gpu = stats["devices"]["cuda:0"]
+    assert 0 < gpu["peak_bytes"] <= gpu["capacity_bytes"]
+    assert gpu["non_model_peak_bytes"] > 0 and stats["moves"] > 0

@@ -24,6 +24,8 @@ import collections
 import logging
 from collections.abc import Callable, Iterable
 
+import torch
+
 from hybridps.client.chunk import Chunk
 from hybridps.client.eviction import EvictionPolicy, LRUPolicy
 from hybridps.client.states import ChunkState
@@ -33,6 +35,13 @@ from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: its address, or for meta tensors (which all have
+    address 0) the storage object itself."""
+    storage = t.untyped_storage()
+    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 class ChunkManager:
@@ -186,7 +195,7 @@ class ChunkManager:
         """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on ``device``."""
         assert chunk.payload is not None
         self.used_bytes[device] += sign * chunk.nbytes
-        ptr = chunk.payload.untyped_storage().data_ptr()
+        ptr = storage_key(chunk.payload)
         if sign > 0:
             self.resident[device][chunk.chunk_id] = chunk
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])

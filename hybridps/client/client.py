@@ -176,7 +176,7 @@ class Client:
         if self.optimizer is not None:
             raise StateError("register params before register_optim: optimizer states are laid out with the params")
         for name, p in named:
-            if p.device.type == "meta":
+            if p.device.type == "meta" and not self.compute.meta:
                 raise RegistrationError(f"param {name!r} (shape {tuple(p.shape)}) is on the meta device and has no data; materialize it first")
             if not p.is_floating_point():
                 raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridps.client.chunk import Chunk
+from hybridps.client.chunk_manager import storage_key
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
@@ -113,7 +114,7 @@ class MemoryTracer:
     def _pack(self, t: torch.Tensor):
         if self.client.is_registered(t):
             return t
-        key = t.untyped_storage().data_ptr()
+        key = storage_key(t)
         if key in self.client.chunks.payload_ptrs:
             return t  # a view of model data, not an activation
         refs = self._saved_refs.get(key, 0)

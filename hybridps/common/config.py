@@ -37,7 +37,8 @@ class Config:
     #: a visible GPU defaults to most of its free memory. Empty = every visible GPU + CPU.
     devices: Mapping[str, int | str | None] = dataclasses.field(default_factory=dict)
     #: True: simulate a listed cuda:N that is not visible; False: require real GPUs;
-    #: "always": simulate every listed GPU.
+    #: "always": simulate every listed GPU; "meta": simulate every device with no memory
+    #: behind it (capacity planning: sizes and moves are real, values are not).
     simulate: bool | str = True
     #: Elements per chunk; None chooses one from the model (and the compute capacity).
     chunk_size: int | None = None
@@ -78,7 +79,7 @@ class Config:
             devices[canon] = parse_capacity(canon, cap)
         object.__setattr__(self, "devices", types.MappingProxyType(devices))
         if self.simulate not in SIMULATE_MODES:
-            raise ConfigError(f"simulate={self.simulate!r}; use True (simulate missing GPUs), False or 'always'")
+            raise ConfigError(f"simulate={self.simulate!r}; use True (simulate missing GPUs), False, 'always' or 'meta'")
         if self.chunk_size is not None:
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
                 raise ConfigError(f"chunk_size={self.chunk_size!r} must be a positive number of elements, or None")

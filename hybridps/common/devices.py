@@ -12,7 +12,10 @@ Nothing here probes CUDA at import time; ``DeviceInventory.build`` does it when 
 ``simulate=True`` ("auto") simulates a listed ``cuda:N`` only when that GPU is not visible,
 so the same test runs on a laptop and on a GPU node. ``simulate=False`` requires real GPUs
 and fails on a missing one. ``simulate="always"`` simulates every listed GPU even when real
-ones exist (handy to reproduce a CI run on a GPU machine).
+ones exist (handy to reproduce a CI run on a GPU machine). ``simulate="meta"`` simulates
+every device, the CPU included, with payloads on PyTorch's ``meta`` device: sizes, states,
+placement and moves are all real, but no memory is allocated and no values exist. The
+capacity planner replays whole training iterations of huge models this way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
-SIMULATE_MODES = (True, False, "always")
+SIMULATE_MODES = (True, False, "always", "meta")
 
 # Fraction of a real GPU's free memory offered to HybridPS when no capacity is given: the
 # rest is left to the CUDA context, cuBLAS workspaces and allocator fragmentation.
@@ -61,6 +64,8 @@ class DeviceSpec:
     name: str
     capacity_bytes: int
     simulated: bool = False
+    #: payloads live on the meta device: accounted, never allocated (capacity planning)
+    meta: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", canonical_device_name(self.name))
@@ -84,6 +89,8 @@ class DeviceSpec:
     @property
     def torch_device(self) -> torch.device:
         """Where this device's chunk payloads physically live."""
+        if self.meta:
+            return torch.device("meta")
         if self.type == "cpu" or self.simulated:
             return torch.device("cpu")
         return torch.device(self.name)
@@ -137,7 +144,9 @@ class DeviceInventory:
         None means "what the machine has".
         """
         if simulate not in SIMULATE_MODES:
-            raise ConfigError(f"simulate={simulate!r}; use True (simulate missing GPUs), False or 'always'")
+            raise ConfigError(f"simulate={simulate!r}; use True (simulate missing GPUs), False, 'always' or 'meta'")
+        if simulate == "meta":
+            return cls._build_meta(requested)
         if cuda_capacities is None:
             cuda_capacities = visible_gpu_capacities()
         requested = {canonical_device_name(k): v for k, v in requested.items()}
@@ -178,6 +187,18 @@ class DeviceInventory:
             if d.simulated:
                 logger.info("simulating %s in CPU memory", d.describe())
         return inv
+
+    @classmethod
+    def _build_meta(cls, requested: Mapping[str, int | None]) -> DeviceInventory:
+        specs = []
+        for name, cap in requested.items():
+            name = canonical_device_name(name)
+            if cap is None:
+                raise ConfigError(f"{name} needs a capacity under simulate='meta' (nothing is read from the machine)")
+            specs.append(DeviceSpec(name=name, capacity_bytes=cap, simulated=name != "cpu", meta=True))
+        if not any(s.name == "cpu" for s in specs):
+            raise ConfigError("simulate='meta' needs a 'cpu' capacity too, e.g. devices={'cuda:0': '80GiB', 'cpu': '1TiB'}")
+        return cls(specs)
 
     def __iter__(self):
         return iter(self._devices.values())
