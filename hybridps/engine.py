@@ -73,6 +73,8 @@ class Engine:
             )
         self._in_iteration = False
         self._backward_since_step = False
+        #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
+        self.global_step = 0
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -98,7 +100,9 @@ class Engine:
             self._in_iteration = True
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
         with self.tracer.saved_tensors() if training else _null():
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        self.client.end_forward()
+        return out
 
     def _prepare_inputs(self, obj: Any) -> Any:
         device, dtype = self.client.compute.torch_device, self.client.param_dtype
@@ -131,6 +135,7 @@ class Engine:
         finally:
             self.hooks.end_backward()
             self._backward_since_step = True
+        self.client.end_backward()
         self.tracer.tick(("backward_end",))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -142,6 +147,7 @@ class Engine:
         self.tracer.tick(("step",))
         try:
             self.optimizer.step()
+            self.global_step += 1
         finally:
             self.tracer.tick(("step_end",))
             if self._in_iteration:
@@ -200,12 +206,15 @@ class Engine:
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with full-precision weights (fp32 masters), on the CPU,
-        gathered one param at a time; the same keys as ``module.state_dict()``."""
+        """The model's state dict with full-precision weights (fp32 masters), on the CPU; the
+        same keys as ``module.state_dict()``. With several ranks every rank calls it and gets
+        the whole dict (chunk groups are gathered one at a time); for large models use
+        ``save_checkpoint``, which gathers nothing."""
+        values = {id(info.param): value for info, value in self.client.full_values()}
         out: dict[str, torch.Tensor] = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            if self.client.is_registered(value):
-                out[key] = self.client.read_param(value)
+            if id(value) in values:
+                out[key] = values[id(value)]
             else:
                 out[key] = value.detach().to("cpu", copy=True)
         return out
@@ -228,9 +237,25 @@ class Engine:
                 if key not in own:
                     continue
                 if self.client.is_registered(own[key]):
-                    self.client.write_param(own[key], value)
+                    if self.client.owns(self.client.param_info(own[key]).chunk):
+                        self.client.write_param(own[key], value)
                 else:
                     own[key].copy_(value)
+
+    def save_checkpoint(self, path, *, lr_scheduler=None, client_state: dict | None = None) -> None:
+        """Write weights (safetensors, by param name), optimizer state, loss scaler, step and
+        ``lr_scheduler`` to directory ``path``, atomically. Every rank calls it; each writes
+        only what it owns. See hybridps/checkpoint.py for the format."""
+        from hybridps.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, lr_scheduler=lr_scheduler, client_state=client_state)
+
+    def load_checkpoint(self, path, *, lr_scheduler=None) -> dict | None:
+        """Resume from a checkpoint written by any number of ranks; returns ``client_state``.
+        A mismatch (names, shapes, dtypes) raises before anything changes."""
+        from hybridps.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, lr_scheduler=lr_scheduler)
 
     def close(self) -> None:
         """Remove hooks, give memory back; the model gets its (fp32 master) values back."""

@@ -18,13 +18,14 @@ from hybridps.common.devices import DeviceSpec
 
 
 class ChunkKind(enum.Enum):
-    """The chunk lists. Chunk i of every kind covers the same tensors."""
+    """The chunk lists. Chunk i of every model kind covers the same tensors."""
 
     PARAM = "param"  # fp32/fp16/bf16 params; with grad reuse also their grads after backward
     GRAD = "grad"  # grads, only when grad reuse is off (accumulation)
     MASTER = "master"  # fp32 master params (absent in fp32 without grad reuse: PARAM is the master)
     MOMENTUM = "momentum"  # Adam exp_avg, fp32
     VARIANCE = "variance"  # Adam exp_avg_sq, fp32
+    BUFFER = "buffer"  # results of client.allreduce/broadcast: a layout of their own, replicated
 
 
 class Chunk:
@@ -41,10 +42,12 @@ class Chunk:
         self.slots: list[Slot] = []
         self._pos: dict[int, int] = {}  # slot.index -> position in self.slots / self.states
         self.states: list[TensorState] = []
-        self._n_compute = 0
-        self._n_free = 0
+        self.counts: dict[TensorState, int] = {s: 0 for s in TensorState}
         self.last_use = 0  # access clock, for LRU
         self.used = 0  # elements up to the end of the last slot
+        #: this rank keeps the chunk (always, on one rank); other ranks' chunks are gathered
+        #: for use and dropped after
+        self.owned = True
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -52,14 +55,8 @@ class Chunk:
         self._pos[slot.index] = len(self.slots)
         self.slots.append(slot)
         self.states.append(state)
-        self._count(state, +1)
+        self.counts[state] += 1
         self.used = max(self.used, slot.end)
-
-    def _count(self, state: TensorState, delta: int) -> None:
-        if state is TensorState.COMPUTE:
-            self._n_compute += delta
-        elif state is TensorState.FREE:
-            self._n_free += delta
 
     def slot_state(self, slot: Slot) -> TensorState:
         return self.states[self._pos[slot.index]]
@@ -70,14 +67,9 @@ class Chunk:
         old = self.states[pos]
         if new not in ALLOWED_TRANSITIONS[old]:
             transition(old, new, str(what))  # raises with the full message
-        if old is TensorState.COMPUTE:
-            self._n_compute -= 1
-        elif old is TensorState.FREE:
-            self._n_free -= 1
-        if new is TensorState.COMPUTE:
-            self._n_compute += 1
-        elif new is TensorState.FREE:
-            self._n_free += 1
+        counts = self.counts
+        counts[old] -= 1
+        counts[new] += 1
         self.states[pos] = new
 
     def set_all_states(self, new: TensorState, what: object) -> None:
@@ -86,9 +78,9 @@ class Chunk:
 
     @property
     def state(self) -> ChunkState:
-        if self._n_compute:
+        if self.counts[TensorState.COMPUTE]:
             return ChunkState.COMPUTE
-        if self._n_free == len(self.states):
+        if self.counts[TensorState.FREE] == len(self.states):
             return ChunkState.FREE
         return ChunkState.HOLD
 
@@ -106,10 +98,12 @@ class Chunk:
         assert self.payload is not None, f"{self} has no payload"
         return self.payload[slot.offset : slot.end]
 
-    def allocate(self, device: DeviceSpec) -> None:
-        """Give the chunk a zeroed payload on ``device`` (zeros: padding must never hold garbage)."""
+    def allocate(self, device: DeviceSpec, *, zero: bool = True) -> None:
+        """Give the chunk a payload on ``device``: zeroed (padding must never hold garbage)
+        unless the caller overwrites all of it right away (``zero=False``)."""
         assert self.payload is None, f"{self} is already allocated"
-        self.payload = torch.zeros(self.capacity, dtype=self.dtype, device=device.torch_device)
+        make = torch.zeros if zero else torch.empty
+        self.payload = make(self.capacity, dtype=self.dtype, device=device.torch_device)
         self.device = device.name
 
     def move_to(self, device: DeviceSpec, *, non_blocking: bool = False) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -64,6 +64,8 @@ class ChunkManager:
         self.reserve_fn: Callable[[str], int] = lambda device: 0
         self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
+        #: peak of this client's chunk bytes on all devices together
+        self.peak_all_bytes = 0
         self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
         self.moved_bytes: collections.Counter[str] = collections.Counter()
         self.moves = 0
@@ -89,12 +91,12 @@ class ChunkManager:
 
     # -- placement -------------------------------------------------------------------------
 
-    def place(self, chunk: Chunk, refer_device: str) -> None:
-        """Allocate ``chunk`` (zeroed) near ``refer_device``, wherever the manager finds room."""
+    def place(self, chunk: Chunk, refer_device: str, *, zero: bool = True) -> None:
+        """Allocate ``chunk`` near ``refer_device``, wherever the manager finds room."""
         device = self.connection.schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
-        self._allocate(chunk, device)
+        self._allocate(chunk, device, zero=zero)
 
-    def bring(self, chunk: Chunk, device: str, *, who: object = "") -> None:
+    def bring(self, chunk: Chunk, device: str, *, who: object = "", protect: Collection[Chunk] = (), zero: bool = True) -> None:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
 
         The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
@@ -106,9 +108,9 @@ class ChunkManager:
             listener(chunk)
         if chunk.device == device:
             return
-        self.make_room(device, chunk.nbytes, protect=chunk, who=who)
+        self.make_room(device, chunk.nbytes, protect=(chunk, *protect), who=who)
         if chunk.payload is None:
-            self._allocate(chunk, device)
+            self._allocate(chunk, device, zero=zero)
         else:
             self._move(chunk, device)
 
@@ -122,12 +124,12 @@ class ChunkManager:
         chunk.drop()
         self.connection.remove(device, chunk.nbytes)
 
-    def make_room(self, device: str, size: int, *, protect: Chunk | None = None, who: object = "") -> None:
+    def make_room(self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "") -> None:
         """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
             return
-        victims = [c for c in self.resident[device].values() if c is not protect and c.state is not ChunkState.COMPUTE]
+        victims = [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]
         need = self.used_bytes[device] + size - budget
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(self._no_room_message(device, size, budget, who))
@@ -164,10 +166,10 @@ class ChunkManager:
 
     # -- mechanics -------------------------------------------------------------------------
 
-    def _allocate(self, chunk: Chunk, device: str) -> None:
+    def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True) -> None:
         self.connection.add(device, chunk.nbytes)
         try:
-            chunk.allocate(self.inventory[device])
+            chunk.allocate(self.inventory[device], zero=zero)
         except BaseException:
             self.connection.remove(device, chunk.nbytes)
             raise
@@ -199,6 +201,7 @@ class ChunkManager:
         if sign > 0:
             self.resident[device][chunk.chunk_id] = chunk
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
+            self.peak_all_bytes = max(self.peak_all_bytes, sum(self.used_bytes.values()))
             self.payload_ptrs.add(ptr)
         else:
             del self.resident[device][chunk.chunk_id]

@@ -26,10 +26,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.chunk_manager import ChunkManager
+from hybridps.client.comm import Collectives
+from hybridps.client.groups import ChunkGroups
 from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
 from hybridps.client.states import ChunkState, TensorState
 from hybridps.common.config import Config
@@ -56,6 +59,7 @@ class ParamInfo:
     orig_dtype: torch.dtype
     refs: int = 0  # nested accesses (see [Note: access counting])
     has_grad: bool = False  # a grad for this iteration sits in its grad slot
+    kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
 
     @property
     def chunk(self) -> int:
@@ -76,11 +80,17 @@ class Client:
         *,
         inventory: DeviceInventory | None = None,
         connection: ManagerConnection | None = None,
-        rank: int = 0,
-        local_rank: int = 0,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ):
         self.config = config or Config()
-        self.inventory = inventory or DeviceInventory.build(self.config.devices, simulate=self.config.simulate)
+        rank, local_rank, world_size = _topology(rank, local_rank, world_size, process_group)
+        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        self.inventory = inventory or DeviceInventory.build(
+            self.config.devices, simulate=self.config.simulate, local_rank=local_rank, world_size=world_size
+        )
         self.compute = self.inventory.compute_device
         self.param_dtype = self.config.param_dtype
         info = ClientInfo(
@@ -94,6 +104,8 @@ class Client:
         self.lists: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
         self._params: dict[int, ParamInfo] = {}
         self.params: list[ParamInfo] = []  # registration order
+        self.buffers: list[ParamInfo] = []  # results of allreduce/broadcast
+        self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._next_chunk_id = 0
         self.optimizer: ChunkedAdam | None = None
@@ -101,6 +113,17 @@ class Client:
         self.min_compute_module = ""
         #: handles of hooks installed on the model (engine); removed by close().
         self.hook_handles: list = []
+        self.groups: ChunkGroups | None = None
+        if world_size > 1:
+            comm = Collectives(
+                rank=rank,
+                world_size=world_size,
+                group=process_group,
+                store=_store_of(process_group),
+                timeout_s=self.config.collective_timeout_s,
+                device=_backend_device(process_group, self.compute),
+            )
+            self.groups = ChunkGroups(self, comm)
         self._closed = False
         self._broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
@@ -175,6 +198,11 @@ class Client:
     def _register(self, named: list[tuple[str, nn.Parameter]], owners: dict[int, list]) -> None:
         if self.optimizer is not None:
             raise StateError("register params before register_optim: optimizer states are laid out with the params")
+        if self.groups is not None and self.layout is not None:
+            raise StateError(
+                f"with {self.world_size} ranks the chunk groups are laid out once: register the whole model in one "
+                f"register_module call"
+            )
         for name, p in named:
             if p.device.type == "meta" and not self.compute.meta:
                 raise RegistrationError(f"param {name!r} (shape {tuple(p.shape)}) is on the meta device and has no data; materialize it first")
@@ -184,7 +212,12 @@ class Client:
             self.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
         plan = self.layout.copy()
         slots = [plan.add(p.numel()) for _, p in named]
+        if self.groups is not None:
+            plan.pad_to_multiple(self.world_size)
         self._check_fits(plan, slots, named, owners)
+        if self.groups is not None:
+            self._register_distributed(named, slots, plan)
+            return
         done: list[ParamInfo] = []
         try:
             for (name, p), slot in zip(named, slots):
@@ -195,12 +228,37 @@ class Client:
             raise
         self.layout = plan
 
+    def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
+        """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
+        assert self.groups is not None
+        self.layout = plan
+        self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
+        for index in range(plan.num_chunks):
+            self._new_chunk_row(plan.capacity(index))
+        values: dict[int, torch.Tensor] = {}
+        for (name, p), slot in zip(named, slots):
+            info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype)
+            self._params[id(p)] = info
+            self.params.append(info)
+            for kind in self.kinds:
+                self.lists[kind][slot.chunk].add_slot(slot)
+            values[slot.index] = p.data
+        self.groups.distribute(values, sync=self.config.sync_module_states)
+        self.groups.setup()
+        for info in self.params:
+            info.param.data = self._placeholder(self.param_dtype)
+
     def _pick_chunk_size(self, numels: list[int]) -> int:
         if self.config.chunk_size is not None:
             return self.config.chunk_size
         cap = self.compute.capacity_bytes - self.config.margin if self.compute.is_gpu else None
         size = choose_chunk_size(
-            numels, elem_bytes=self.param_dtype.itemsize, capacity_bytes=cap, alignment=self.config.alignment
+            numels,
+            elem_bytes=self.param_dtype.itemsize,
+            capacity_bytes=cap,
+            alignment=self.config.alignment,
+            # several ranks: enough chunks that each rank owns a balanced share
+            min_chunks=4 if self.world_size == 1 else 8 * self.world_size,
         )
         logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
         return size
@@ -214,7 +272,12 @@ class Client:
         by_module: dict[str, set[int]] = {}
         for pid, mods in owners.items():
             for mod_name, _ in mods:
-                by_module.setdefault(mod_name, set()).add(slot_of[pid].chunk)
+                chunk = slot_of[pid].chunk
+                if self.groups is None:
+                    by_module.setdefault(mod_name, set()).add(chunk)
+                else:  # a module computes with its whole chunk group gathered
+                    g = self.groups.group_of(chunk)
+                    by_module.setdefault(mod_name, set()).update(self.groups.members(g))
         budget = self.compute.capacity_bytes - self.config.margin
         for mod_name, chunk_ids in by_module.items():
             need = sum(plan.capacity(c) for c in chunk_ids) * per_chunk
@@ -229,7 +292,7 @@ class Client:
                 f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
                 + (" or lower chunk_size." if not self._chunk_size_auto else ".")
             )
-        total = plan.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds)
+        total = plan.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds) // self.world_size
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.chunks.used_bytes.values())
         already = self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds) if self.layout else 0
         if total - already > room:
@@ -256,13 +319,20 @@ class Client:
         p.data = self._placeholder(self.param_dtype)
         return info
 
+    def owns(self, index: int) -> bool:
+        """Whether this rank keeps chunk ``index`` (always, on one rank)."""
+        return self.groups is None or self.groups.owns(index)
+
     def _new_chunk_row(self, capacity: int) -> None:
-        """Create chunk i of every kind; param and master chunks get payloads now."""
+        """Create chunk i of every kind; param and master chunks this rank keeps get payloads now."""
         index = len(self.lists[ChunkKind.PARAM])
         for kind in self.kinds:
             chunk = Chunk(kind, index, capacity, self.kind_dtype(kind), self._next_chunk_id)
+            chunk.owned = self.owns(index)
             self._next_chunk_id += 1
             self.lists[kind].append(chunk)
+            if not chunk.owned:
+                continue
             if kind is ChunkKind.PARAM:
                 self.chunks.place(chunk, self.compute.name)
             elif kind is ChunkKind.MASTER:
@@ -290,6 +360,7 @@ class Client:
             chunks = []
             for i, param_chunk in enumerate(self.lists[ChunkKind.PARAM]):
                 chunk = Chunk(kind, i, param_chunk.capacity, torch.float32, self._next_chunk_id)
+                chunk.owned = self.owns(i)
                 self._next_chunk_id += 1
                 for slot in param_chunk.slots:
                     chunk.add_slot(slot)  # FREE: payload allocated at the first step
@@ -318,7 +389,9 @@ class Client:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
         info = self._params.get(id(param)) or self.param_info(param)
         if info.refs == 0:
-            chunk = self.lists[ChunkKind.PARAM][info.chunk]
+            chunk = self.lists[info.kind][info.chunk]
+            if self.groups is not None and info.kind is ChunkKind.PARAM:
+                self.groups.ensure_gathered(info.chunk, who)
             previous = chunk.slot_state(info.slot)
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
             try:
@@ -333,7 +406,7 @@ class Client:
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
         info = self._params.get(id(param)) or self.param_info(param)
-        chunk = self.lists[ChunkKind.PARAM][info.chunk]
+        chunk = self.lists[info.kind][info.chunk]
         if not isinstance(state, TensorState):
             raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
         if info.refs == 0:
@@ -347,8 +420,10 @@ class Client:
         if info.refs:
             return
         chunk.set_slot_state(info.slot, state, info)
-        param.data = self._placeholder(self.param_dtype)
-        if chunk.state is ChunkState.FREE:
+        param.data = self._placeholder(chunk.dtype)
+        if self.groups is not None and info.kind is ChunkKind.PARAM:
+            self.groups.after_release(info.chunk)
+        elif chunk.state is ChunkState.FREE:
             self.chunks.free(chunk)
 
     def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
@@ -391,6 +466,8 @@ class Client:
         kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.lists]
         moved = 0
         for index in range(len(self.lists[ChunkKind.PARAM])):
+            if not self.owns(index):
+                continue
             row = [self.lists[k][index] for k in kinds if self.lists[k][index].device != self.compute.name]
             row_bytes = sum(c.nbytes for c in row)
             if not row or row_bytes > spare_bytes - moved:
@@ -417,6 +494,9 @@ class Client:
         """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
         param must be accessed), else its slot in the grad chunk, accumulating."""
         info = self.param_info(param)
+        if self.groups is not None:
+            self._store_local_grad(info, grad)
+            return
         with torch.no_grad():
             if self.config.grad_reuse:
                 if info.refs == 0:
@@ -440,6 +520,93 @@ class Client:
                 chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
         info.has_grad = True
 
+    @torch.no_grad()
+    def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """Multi-rank: the local grad waits in its slot of the gathered group (grad reuse) or
+        of a staging chunk until the group is reduce-scattered to its owner."""
+        assert self.groups is not None
+        if self.config.grad_reuse:
+            if info.refs == 0:
+                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
+            target = self.lists[ChunkKind.PARAM][info.chunk].view(info.slot)
+        else:
+            target = self.groups.grad_slot_view(info)
+        if self.groups.local_flags[info.slot.index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+        self.groups.note_grad(info)
+
+    # -- collectives whose results HybridPS manages (the seed's "allreduce to me" / "broadcast from me")
+
+    @torch.no_grad()
+    def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", name: str | None = None) -> nn.Parameter:
+        """All-reduce ``tensor`` over the ranks, chunk by chunk; return the result as a tensor
+        that lives in HybridPS chunks (``access``/``release`` it like a param)."""
+        if op not in ("avg", "sum"):
+            raise ConfigError(f"op={op!r}; use 'avg' or 'sum'")
+        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
+        if self.groups is not None:
+            for piece in self._pieces(flat):
+                self.groups.comm.all_reduce(piece, what=f"allreduce of {name or 'a tensor'}")
+                if op == "avg":
+                    piece.div_(self.world_size)
+        return self._managed(flat.view(tensor.shape), name or "allreduce")
+
+    @torch.no_grad()
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str | None = None) -> nn.Parameter:
+        """Broadcast rank ``src``'s ``tensor`` (same shape and dtype on every rank), chunk by
+        chunk; return the result as a HybridPS-managed tensor."""
+        if not 0 <= src < self.world_size:
+            raise ConfigError(f"src={src} is not a rank of this world of {self.world_size}")
+        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
+        if self.groups is not None:
+            for piece in self._pieces(flat):
+                self.groups.comm.broadcast(piece, src, what=f"broadcast of {name or 'a tensor'}")
+        return self._managed(flat.view(tensor.shape), name or "broadcast")
+
+    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        size = self.layout.chunk_size if self.layout is not None else max(1, flat.numel())
+        return [flat[i : i + size] for i in range(0, flat.numel(), size)] or [flat]
+
+    def _managed(self, value: torch.Tensor, name: str) -> nn.Parameter:
+        """Register ``value`` as a buffer tensor in chunks of its own list."""
+        self._check_open()
+        if not value.is_floating_point():
+            raise ConfigError(f"{name}: only floating-point tensors can be managed (got {value.dtype})")
+        if self._buffer_layout is None:
+            size = self.layout.chunk_size if self.layout is not None else max(value.numel(), 1)
+            self._buffer_layout = ChunkLayout(size, self.config.alignment)
+        chunks = self.lists.setdefault(ChunkKind.BUFFER, [])
+        slot = self._buffer_layout.add(value.numel())
+        while len(chunks) <= slot.chunk:
+            chunk = Chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype, self._next_chunk_id)
+            self._next_chunk_id += 1
+            self.chunks.place(chunk, self.compute.name)
+            chunks.append(chunk)
+        chunk = chunks[slot.chunk]
+        if chunk.dtype != value.dtype:
+            raise ConfigError(f"{name}: managed tensors of one client share a dtype ({chunk.dtype}); got {value.dtype}")
+        param = nn.Parameter(torch.empty(0, dtype=value.dtype), requires_grad=False)
+        info = ParamInfo(param=param, name=f"{name}#{len(self.buffers)}", slot=slot, shape=value.shape, orig_dtype=value.dtype, kind=ChunkKind.BUFFER)
+        chunk.add_slot(slot)
+        chunk.view(slot).copy_(value.reshape(-1))
+        chunk.set_slot_state(slot, TensorState.HOLD, info)
+        self._params[id(param)] = info
+        self.buffers.append(info)
+        param.data = self._placeholder(value.dtype)
+        return param
+
+    def end_forward(self) -> None:
+        """The forward of an iteration returned (drops gathered groups it no longer needs)."""
+        if self.groups is not None:
+            self.groups.end_forward()
+
+    def end_backward(self) -> None:
+        """Backward returned: reduce what is left and agree across ranks on which params have grads."""
+        if self.groups is not None:
+            self.groups.end_backward()
+
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         """The grad of ``info`` as stored (its chunk must be allocated)."""
         return self.lists[self.grad_kind][info.chunk].view(info.slot)
@@ -447,8 +614,11 @@ class Client:
     # -- values ----------------------------------------------------------------------------
 
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU copy of ``param``'s value at full precision (the master copy where one exists)."""
+        """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
+        With several ranks only for params in chunks this rank owns (see ``full_values``)."""
         info = self.param_info(param)
+        if not self.owns(info.chunk):
+            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
         chunk = self.lists[self.master_kind][info.chunk]
         if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
             raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
@@ -460,6 +630,8 @@ class Client:
     def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Set ``param``'s value (master copy and compute-precision copy)."""
         info = self.param_info(param)
+        if not self.owns(info.chunk):
+            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
         if tuple(value.shape) != tuple(info.shape):
             raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
         if info.has_grad and self.config.grad_reuse:
@@ -478,14 +650,16 @@ class Client:
 
     @property
     def model_data_bytes(self) -> int:
-        """Bytes of every chunk of every kind, allocated or not: the model data footprint."""
-        return sum(c.nbytes for c in self.all_chunks())
+        """Bytes of every chunk of every kind this rank keeps, allocated or not: its share of
+        the model data (with several ranks, gathered copies of other ranks' chunks are not
+        counted: they come and go)."""
+        return sum(c.nbytes for c in self.all_chunks() if c.owned and (c.slots or c.payload is not None))
 
     def memory_stats(self) -> dict:
         kinds = {
             kind.value: {
-                "chunks": len(chunks),
-                "bytes": sum(c.nbytes for c in chunks),
+                "chunks": sum(1 for c in chunks if c.owned),
+                "bytes": sum(c.nbytes for c in chunks if c.owned and (c.slots or c.payload is not None)),
                 "allocated_bytes": sum(c.nbytes for c in chunks if c.payload is not None),
             }
             for kind, chunks in self.lists.items()
@@ -495,8 +669,9 @@ class Client:
             "moved_bytes": dict(self.chunks.moved_bytes),
             "moves": self.chunks.moves,
             "evictions": self.chunks.evictions,
-            "chunks": sum(len(c) for c in self.lists.values()),
+            "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
+            "peak_model_data_bytes": self.chunks.peak_all_bytes,
             "params": len(self.params),
             "param_elements": sum(i.slot.numel for i in self.params),
             "chunk_size": self.layout.chunk_size if self.layout else self.config.chunk_size,
@@ -504,6 +679,9 @@ class Client:
             "min_compute_bytes": self.min_compute_bytes,
             "min_compute_module": self.min_compute_module,
             "kinds": kinds,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            **({"dist": self.groups.stats()} if self.groups is not None else {}),
         }
 
     # -- lifetime --------------------------------------------------------------------------
@@ -531,15 +709,30 @@ class Client:
             self._closed = True
             self.connection.close()
 
+    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
+        """Every param's full-precision value (CPU), in registration order. With several ranks
+        every rank must iterate this together: values of other ranks' chunks are gathered one
+        chunk group at a time."""
+        if self.groups is None:
+            for info in self.params:
+                yield info, self.read_param(info.param)
+            return
+        for g in range(self.groups.num_groups):
+            rows = self.groups.gather_rows(self.master_kind, g)
+            for r, index in enumerate(self.groups.ranked(g)):
+                for slot in self.lists[ChunkKind.PARAM][index].slots:
+                    info = self.params[slot.index]
+                    yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
+
     def _restore_params(self) -> None:
-        source_kind = self.master_kind
-        for info in self.params:
-            chunk = self.lists[source_kind][info.chunk]
-            if chunk.payload is None:
-                info.param.data = torch.zeros(info.shape, dtype=info.orig_dtype, device=self.compute.torch_device)
-            else:
-                value = chunk.view(info.slot).view(info.shape)
-                info.param.data = value.to(device=self.compute.torch_device, dtype=info.orig_dtype, copy=True)
+        device = self.compute.torch_device
+        for info, value in self.full_values():
+            info.param.data = value.to(device=device, dtype=info.orig_dtype)
+            info.refs = 0
+        for info in self.buffers:
+            chunk = self.lists[ChunkKind.BUFFER][info.chunk]
+            assert chunk.payload is not None
+            info.param.data = chunk.view(info.slot).view(info.shape).to(device=device, copy=True)
             info.refs = 0
 
     def __enter__(self) -> Client:
@@ -562,3 +755,46 @@ def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
         for p in mod.parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
     return owners
+
+
+def _topology(rank, local_rank, world_size, group) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size): given, else from torch.distributed, else torchrun's
+    environment, else a single rank."""
+    if world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size(group)
+        else:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            if world_size > 1:
+                raise StateError(
+                    f"WORLD_SIZE={world_size} but torch.distributed is not initialized; call "
+                    f"hybridps.init_distributed() (or torch.distributed.init_process_group) first"
+                )
+    if rank is None:
+        rank = dist.get_rank(group) if world_size > 1 else int(os.environ.get("RANK", "0"))
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank if world_size > 1 else 0)))
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+    return rank, local_rank, world_size
+
+
+def _store_of(group: dist.ProcessGroup | None):
+    """The store behind the default process group (for the collective watchdog), if any."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # a custom group without a store: no watchdog, only the backend's timeout
+        return None
+
+
+def _backend_device(group: dist.ProcessGroup | None, compute) -> torch.device:
+    """NCCL moves CUDA tensors only; gloo takes CPU tensors."""
+    try:
+        backend = dist.get_backend(group)
+    except Exception:
+        return torch.device("cpu")
+    if backend == "nccl" and compute.is_gpu and not compute.simulated:
+        return compute.torch_device
+    return torch.device("cpu")

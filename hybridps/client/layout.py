@@ -84,6 +84,13 @@ class ChunkLayout:
         clone._open = self._open
         return clone
 
+    def pad_to_multiple(self, n: int) -> None:
+        """Close the open chunk and append empty chunks until the count is a multiple of ``n``
+        (chunk groups of the data-parallel ranks)."""
+        self._open = None
+        while self.num_chunks % n:
+            self._new_chunk(self.chunk_size)
+
     def _new_chunk(self, capacity: int) -> int:
         self._capacity.append(capacity)
         self._members.append([])
@@ -145,11 +152,12 @@ def choose_chunk_size(
     capacity_bytes: int | None = None,
     alignment: int = 8,
     max_elems: int = MAX_AUTO_CHUNK_ELEMS,
+    min_chunks: int = 4,
 ) -> int:
     """Pick a chunk size (elements) for tensors of ``numels`` laid out in that order.
 
-    Bounds: at most ``max_elems``; at most a quarter of the model, so at least a few chunks
-    exist to place and move; at most a quarter of the compute capacity, so a module's param
+    Bounds: at most ``max_elems``; at most 1/``min_chunks`` of the model, so enough chunks
+    exist to place, move and share among ranks; at most a quarter of the compute capacity, so a module's param
     and grad chunks plus a neighbour fit beside activations; at least a sixteenth of the
     upper bound. Candidates are a grid over that range plus every sum of consecutive tensor
     sizes that falls in it (a repeated block of a model packs without padding); the size
@@ -159,7 +167,7 @@ def choose_chunk_size(
     total = sum(aligned)
     if total == 0:
         return alignment
-    hi = min(max_elems, max(alignment, total // 4))
+    hi = min(max_elems, max(alignment, total // min_chunks))
     if capacity_bytes is not None:
         hi = min(hi, max(alignment, capacity_bytes // (4 * elem_bytes)))
     hi = max(alignment, hi - hi % alignment)
@@ -173,7 +181,7 @@ def choose_chunk_size(
                 break
             if run >= lo:
                 candidates.add(run)
-    ordered = sorted(candidates)
+    ordered = sorted(c for c in candidates if lo <= c <= hi) or [hi]
     waste = layout_waste_many(numels, ordered, alignment)
     best = min(range(len(ordered)), key=lambda k: (int(waste[k]), -ordered[k]))
     return ordered[best]

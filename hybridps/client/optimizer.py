@@ -136,7 +136,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         during the next step, not by an extra pass over the grads.
         """
         grads = self._grad_infos()
-        if not grads:
+        groups = self.client.groups
+        if not grads and groups is None:
             return torch.tensor(0.0)
         low = self.client.param_dtype != torch.float32
         norms: list[torch.Tensor] = []
@@ -145,7 +146,10 @@ class ChunkedAdam(torch.optim.Optimizer):
             views = [self.client.grad_view(i) for i in infos]
             first_device = first_device or views[0].device
             norms.extend(torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type))
-        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+        if groups is None:
+            total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+        else:
+            total = self._global_norm(norms, norm_type)
         if self.scaler is not None:
             total = total / self.scaler.scale
         finite = True if total.is_meta else bool(torch.isfinite(total))
@@ -157,16 +161,32 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total
 
+    def _global_norm(self, norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The norm over every rank's grads: each owner contributes the norms of its own."""
+        groups = self.client.groups
+        assert groups is not None
+        if norm_type == float("inf"):
+            local = torch.stack([n.cpu() for n in norms]).max() if norms else torch.tensor(0.0)
+            groups.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, what="grad norm")
+            return local
+        local = torch.stack([n.cpu() ** norm_type for n in norms]).sum() if norms else torch.tensor(0.0)
+        local = local.to(torch.float64)
+        groups.comm.all_reduce(local, what="grad norm")
+        return (local ** (1.0 / norm_type)).to(torch.float32)
+
     def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
-        """True if any grad is inf or NaN: one fp32 reduction per chunk."""
+        """True if any grad (on any rank) is inf or NaN: one fp32 reduction per chunk."""
         if self.client.compute.meta:
             return False  # no values to overflow (capacity planning)
-        sums = []
+        sums = [torch.zeros(())]
         for index in grads:
             chunk = self.client.lists[self.client.grad_kind][index]
             assert chunk.payload is not None
             sums.append(chunk.payload[: self.client.layout.used(index)].sum(dtype=torch.float32).cpu())
-        return not bool(torch.isfinite(torch.stack(sums)).all())
+        found = torch.tensor(0 if bool(torch.isfinite(torch.stack(sums)).all()) else 1, dtype=torch.uint8)
+        if self.client.groups is not None:
+            self.client.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
+        return bool(found)
 
     # -- step ------------------------------------------------------------------------------
 
@@ -177,7 +197,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self._grad_infos()
-        if not grads:
+        groups = self.client.groups
+        if not grads and groups is None:
             return loss
         try:
             if self.scaler is not None:
@@ -191,6 +212,10 @@ class ChunkedAdam(torch.optim.Optimizer):
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
             for index, infos in grads.items():
                 self._step_chunk(index, infos, inv_scale)
+            if groups is not None:  # reduced chunks whose params all lacked grads
+                for index in sorted(groups.write_back - set(grads)):
+                    self._write_back(index, self.client.layout.used(index))
+                groups.write_back.clear()
             for infos in grads.values():
                 for info in infos:
                     self.steps[info.slot.index] += 1
@@ -319,8 +344,13 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
         """After a skipped step under grad reuse, give the param slots their values back."""
-        for index, infos in grads.items():
+        indices = set(grads)
+        if self.client.groups is not None:
+            indices |= self.client.groups.write_back
+            self.client.groups.write_back.clear()
+        for index in sorted(indices):
             self._write_back(index, self.client.layout.used(index))
+        for infos in grads.values():
             for info in infos:
                 info.has_grad = False
 
@@ -333,7 +363,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         client = self.client
         grads = {i: infos for i, infos in self._grad_infos().items()}
         if client.config.grad_reuse:
-            if grads:
+            if grads or (client.groups is not None and client.groups.write_back):
                 self._restore_params(grads)
         else:
             for chunk in client.lists[ChunkKind.GRAD]:

@@ -34,7 +34,9 @@ class Config:
     precision: str = "fp32"
     #: Memory HybridPS may use per device, e.g. {"cuda:0": "8GiB", "cpu": "64GiB"}. On a GPU
     #: the activations share this capacity (tidal budget). "cpu" defaults to available RAM;
-    #: a visible GPU defaults to most of its free memory. Empty = every visible GPU + CPU.
+    #: a visible GPU defaults to most of its free memory. Empty = every visible GPU + CPU
+    #: (with several ranks: this rank's GPU). "cuda:local" names the GPU of this rank
+    #: (cuda:LOCAL_RANK), so one config serves every rank of a node.
     devices: Mapping[str, int | str | None] = dataclasses.field(default_factory=dict)
     #: True: simulate a listed cuda:N that is not visible; False: require real GPUs;
     #: "always": simulate every listed GPU; "meta": simulate every device with no memory
@@ -65,6 +67,11 @@ class Config:
     min_loss_scale: float = 1.0
     #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
     trace: bool = True
+    #: Multi-rank: start every rank from rank 0's initial weights (as DDP does).
+    sync_module_states: bool = True
+    #: Multi-rank: how long a rank waits for the others at a collective before it fails
+    #: naming the ranks that did not arrive.
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -108,6 +115,7 @@ class Config:
             raise ConfigError(f"loss_scale_growth_factor={self.loss_scale_growth_factor!r} must be > 1")
         if not (0.0 < self.loss_scale_backoff_factor < 1.0):
             raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
+        _positive("collective_timeout_s", self.collective_timeout_s)
         if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
             raise ConfigError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
 

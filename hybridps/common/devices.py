@@ -37,6 +37,20 @@ _NAME = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
 SIMULATE_MODES = (True, False, "always", "meta")
 
+#: The GPU of this rank (cuda:LOCAL_RANK); resolved by ``resolve_local``.
+LOCAL_GPU = "cuda:local"
+
+
+def resolve_local(requested: Mapping[str, int | None], local_rank: int) -> dict[str, int | None]:
+    """Replace "cuda:local" by this rank's GPU name."""
+    out: dict[str, int | None] = {}
+    for name, cap in requested.items():
+        real = f"cuda:{local_rank}" if name == LOCAL_GPU else name
+        if real in out:
+            raise ConfigError(f"devices lists {real} twice (once as {LOCAL_GPU!r} for local rank {local_rank})")
+        out[real] = cap
+    return out
+
 # Fraction of a real GPU's free memory offered to HybridPS when no capacity is given: the
 # rest is left to the CUDA context, cuBLAS workspaces and allocator fragmentation.
 DEFAULT_GPU_FRACTION = 0.92
@@ -46,6 +60,8 @@ def canonical_device_name(name: str) -> str:
     """Return the canonical form of a device name: "cpu" or "cuda:N" ("cuda" is "cuda:0")."""
     if not isinstance(name, str):
         raise ConfigError(f"device name {name!r} is not a string; use 'cpu' or 'cuda:N'")
+    if name.strip().lower() == LOCAL_GPU:
+        return LOCAL_GPU
     m = _NAME.match(name.strip().lower())
     if m is None:
         raise ConfigError(f"unknown device {name!r}; use 'cpu' or 'cuda:N' (for example 'cuda:0')")
@@ -136,6 +152,8 @@ class DeviceInventory:
         *,
         simulate: bool | str = True,
         cuda_capacities: Mapping[str, int] | None = None,
+        local_rank: int = 0,
+        world_size: int = 1,
     ) -> DeviceInventory:
         """Build an inventory from ``{name: capacity_bytes or None}``.
 
@@ -146,13 +164,18 @@ class DeviceInventory:
         if simulate not in SIMULATE_MODES:
             raise ConfigError(f"simulate={simulate!r}; use True (simulate missing GPUs), False, 'always' or 'meta'")
         if simulate == "meta":
-            return cls._build_meta(requested)
+            return cls._build_meta(resolve_local(requested, local_rank))
         if cuda_capacities is None:
             cuda_capacities = visible_gpu_capacities()
-        requested = {canonical_device_name(k): v for k, v in requested.items()}
+        requested = resolve_local({canonical_device_name(k): v for k, v in requested.items()}, local_rank)
         if not any(n != "cpu" for n in requested) and simulate != "always":
-            # Nothing asked for: every visible GPU at its default capacity.
-            requested = {**{n: None for n in cuda_capacities}, **requested}
+            # Nothing asked for: every visible GPU at its default capacity (this rank's GPU
+            # when there are several ranks).
+            visible = {n: None for n in cuda_capacities}
+            if world_size > 1:
+                mine = f"cuda:{local_rank}"
+                visible = {mine: None} if mine in visible else {}
+            requested = {**visible, **requested}
         specs = []
         for name, cap in requested.items():
             if name == "cpu":

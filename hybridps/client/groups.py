@@ -1,0 +1,345 @@
+"""Chunk groups: model data stored once across data-parallel ranks, in whole chunks.
+
+Chunks are grouped ``world_size`` at a time (the layout is padded with empty chunks to a
+whole number of groups); each rank owns one chunk of each group and is the only rank that
+keeps it, its fp32 master, momentum and variance. With equal chunks rank r owns chunk r of
+each group; a group holding an oversize chunk (a param larger than the chunk size) gives its
+members to the ranks that own the fewest bytes so far, so shares stay balanced. Before a param of a group is used the group is
+all-gathered; once every param of the group has been used by the forward (all slots
+HOLD_AFTER_FWD) the copies of other ranks' chunks are dropped; after backward the group's
+grads are reduce-scattered (averaged) to their owners; each owner steps its own chunks.
+Communication is the ZeRO-3 volume (params all-gathered twice, grads reduce-scattered once
+per step) in chunk-sized messages.
+
+Owns: ownership arithmetic, which groups are gathered, local grad bookkeeping per group,
+staging buffers for local grads when grad reuse is off, the initial distribution of rank
+0's weights. Every decision that leads to a collective depends only on the access order,
+never on memory pressure, so all ranks issue the same collectives in the same order
+(moving a gathered chunk off the GPU is local; dropping it would not be).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.comm import Collectives
+from hybridps.client.states import TensorState
+
+if TYPE_CHECKING:
+    from hybridps.client.client import Client, ParamInfo
+
+logger = logging.getLogger(__name__)
+
+_S = TensorState
+
+
+class ChunkGroups:
+    """The data-parallel side of one client."""
+
+    def __init__(self, client: Client, comm: Collectives):
+        self.client = client
+        self.comm = comm
+        self.rank = comm.rank
+        self.world = comm.world_size
+        self.gathered: set[int] = set()
+        self.grad_slots: list[int] = []  # per group: slots whose param requires grad
+        self.grads_seen: list[int] = []  # per group: local grads of this backward
+        self.local_flags: torch.Tensor = torch.zeros(0, dtype=torch.uint8)
+        self.pending: set[int] = set()  # groups holding local grads not yet reduced
+        self.write_back: set[int] = set()  # owned chunks whose param slots need the master copy
+        self.staging: dict[int, Chunk] = {}  # local grads when grad reuse is off
+        self._next_staging_id = -1
+        self.gathers = 0
+        self.reduces = 0
+        self.owner_of: list[int] = []
+        self.by_rank: list[list[int]] = []
+
+    # -- arithmetic ------------------------------------------------------------------------
+
+    def assign(self, weights: list[int]) -> None:
+        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner).
+
+        Greedy and deterministic, so every rank computes the same table: groups are taken
+        most uneven first, and within a group the heaviest member goes to the least loaded
+        rank. Equal weights give rank r member r of every group.
+        """
+        assert len(weights) % self.world == 0
+        n_groups = len(weights) // self.world
+        load = [0] * self.world
+        self.owner_of = [0] * len(weights)
+        self.by_rank = [[0] * self.world for _ in range(n_groups)]
+
+        def spread(g: int) -> int:
+            w = [weights[i] for i in self.members(g)]
+            return max(w) - min(w)
+
+        for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
+            members = sorted(self.members(g), key=lambda i: (-weights[i], i))
+            free = list(range(self.world))
+            for index in members:
+                r = min(free, key=lambda q: (load[q], q))
+                free.remove(r)
+                self.owner_of[index] = r
+                self.by_rank[g][r] = index
+                load[r] += weights[index]
+
+    def owner(self, index: int) -> int:
+        return self.owner_of[index]
+
+    def group_of(self, index: int) -> int:
+        return index // self.world
+
+    def members(self, group: int) -> range:
+        return range(group * self.world, (group + 1) * self.world)
+
+    def ranked(self, group: int) -> list[int]:
+        """The group's chunk indices in the order of their owners' ranks (collective order)."""
+        return self.by_rank[group]
+
+    def owns(self, index: int) -> bool:
+        return self.owner_of[index] == self.rank
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.client.lists[ChunkKind.PARAM]) // self.world
+
+    def setup(self) -> None:
+        """Per-group counters, once the layout is final."""
+        client = self.client
+        self.grad_slots = [0] * self.num_groups
+        self.grads_seen = [0] * self.num_groups
+        for info in client.params:
+            if info.param.requires_grad:
+                self.grad_slots[self.group_of(info.chunk)] += 1
+        self.local_flags = torch.zeros(len(client.params), dtype=torch.uint8)
+
+    # -- initial values --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def distribute(self, values: dict[int, torch.Tensor], sync: bool) -> None:
+        """Fill every owned row (master and param chunk) with the initial values: rank 0's,
+        scattered group by group (``sync``), or each rank's own."""
+        client = self.client
+        rows = client.lists[ChunkKind.PARAM]
+        for g in range(self.num_groups):
+            members = self.ranked(g)
+            cap = max(rows[i].capacity for i in members)
+            own_index = members[self.rank]
+            if sync:
+                mine = torch.zeros(cap, dtype=torch.float32)
+                outgoing = None
+                if self.rank == 0:
+                    outgoing = [self._row_values(i, values, cap) for i in members]
+                self.comm.scatter(mine, outgoing, src=0, what=f"initial weights of chunk group {g}")
+            else:
+                mine = self._row_values(own_index, values, cap)
+            for kind in dict.fromkeys((ChunkKind.PARAM, client.master_kind)):
+                chunk = client.lists[kind][own_index]
+                assert chunk.payload is not None
+                chunk.payload.copy_(mine[: chunk.capacity])
+                for slot in chunk.slots:
+                    chunk.set_slot_state(slot, _S.HOLD, "initial weights")
+
+    def _row_values(self, index: int, values: dict[int, torch.Tensor], cap: int) -> torch.Tensor:
+        row = torch.zeros(cap, dtype=torch.float32)
+        for slot in self.client.lists[ChunkKind.PARAM][index].slots:
+            row[slot.offset : slot.end].copy_(values[slot.index].reshape(-1))
+        return row
+
+    # -- forward: gather and drop ----------------------------------------------------------
+
+    def ensure_gathered(self, index: int, who: object = "") -> None:
+        """All-gather the group of chunk ``index`` unless it is here already."""
+        g = self.group_of(index)
+        if g in self.gathered:
+            return
+        client = self.client
+        members = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
+        compute = client.compute.name
+        for chunk in members:
+            client.chunks.bring(chunk, compute, who=who or f"chunk group {g}", protect=members, zero=chunk.owned)
+        own = members[self.rank]
+        assert own.payload is not None
+        if all(c.capacity == own.capacity for c in members):
+            self.comm.all_gather([c.payload for c in members], own.payload, what=f"params of chunk group {g}")
+        else:  # an oversize chunk in the group: one broadcast per member
+            for r, chunk in enumerate(members):
+                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})")
+        for chunk in members:
+            if not chunk.owned:
+                chunk.set_all_states(_S.HOLD, f"gathered {chunk}")
+        self.gathered.add(g)
+        self.gathers += 1
+
+    def after_release(self, index: int) -> None:
+        """Drop a group's foreign chunks once the forward is done with every param of it,
+        or reduce its grads once backward is done with them."""
+        g = self.group_of(index)
+        if g in self.pending:
+            if self.grads_seen[g] == self.grad_slots[g] and self._idle(g):
+                self.reduce(g)
+            return
+        if g in self.gathered and self._forward_done(g):
+            self._drop(g)
+
+    def _members(self, g: int) -> list[Chunk]:
+        return [self.client.lists[ChunkKind.PARAM][i] for i in self.members(g)]
+
+    def _idle(self, g: int) -> bool:
+        return not any(c.counts[_S.COMPUTE] for c in self._members(g))
+
+    def _forward_done(self, g: int) -> bool:
+        for chunk in self._members(g):
+            n = chunk.counts
+            if n[_S.COMPUTE] or n[_S.HOLD] or n[_S.HOLD_AFTER_BWD]:
+                return False
+        return True
+
+    def _drop(self, g: int) -> None:
+        for chunk in self._members(g):
+            if chunk.owned:
+                continue
+            for slot, state in zip(chunk.slots, list(chunk.states)):
+                if state is not _S.FREE:
+                    chunk.set_slot_state(slot, _S.FREE, f"dropping {chunk}")
+            self.client.chunks.free(chunk)
+        self.gathered.discard(g)
+
+    def end_forward(self) -> None:
+        """Drop every gathered group that holds no grads and is not in use."""
+        for g in sorted(self.gathered):
+            members = self._members(g)
+            if not any(c.counts[_S.COMPUTE] or c.counts[_S.HOLD_AFTER_BWD] for c in members):
+                self._drop(g)
+
+    # -- backward: local grads and their reduction -----------------------------------------
+
+    def grad_slot_view(self, info: ParamInfo) -> torch.Tensor:
+        """Where the local grad of ``info`` goes when grad reuse is off (a staging chunk)."""
+        client = self.client
+        chunk = self.staging.get(info.chunk)
+        if chunk is None:
+            chunk = self._new_staging(info.chunk)
+        if chunk.payload is None or chunk.device != client.compute.name:
+            client.chunks.bring(chunk, client.compute.name, who=f"{info} local grad")
+        return chunk.view(info.slot)
+
+    def _new_staging(self, index: int) -> Chunk:
+        client = self.client
+        row = client.lists[ChunkKind.PARAM][index]
+        chunk = Chunk(ChunkKind.GRAD, index, row.capacity, client.param_dtype, self._next_staging_id)
+        self._next_staging_id -= 1
+        chunk.owned = False
+        for slot in row.slots:
+            chunk.add_slot(slot, _S.HOLD_AFTER_BWD)  # the payload is kept until the reduction
+        self.staging[index] = chunk
+        return chunk
+
+    def note_grad(self, info: ParamInfo) -> None:
+        g = self.group_of(info.chunk)
+        if not self.local_flags[info.slot.index]:
+            self.local_flags[info.slot.index] = 1
+            self.grads_seen[g] += 1
+        self.pending.add(g)
+
+    @torch.no_grad()
+    def reduce(self, g: int) -> None:
+        """Average the group's local grads into their owners' chunks; drop foreign copies."""
+        client = self.client
+        compute = client.compute.name
+        rows = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
+        reuse = client.config.grad_reuse
+        if reuse:
+            sources = rows
+            for chunk in sources:  # the group may have been gathered for backward only in part of it
+                client.chunks.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
+                assert chunk.payload is not None
+                for slot in chunk.slots:  # slots without a local grad hold params, not grads
+                    if not self.local_flags[slot.index]:
+                        chunk.payload[slot.offset : slot.end].zero_()
+        else:
+            sources = [self.staging.get(i) or self._new_staging(i) for i in self.ranked(g)]
+            for chunk in sources:
+                client.chunks.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
+        own_index = self.ranked(g)[self.rank]
+        own_src = sources[self.rank]
+        result = torch.empty(own_src.capacity, dtype=own_src.dtype, device=own_src.payload.device)
+        if all(c.capacity == own_src.capacity for c in sources):
+            self.comm.reduce_scatter_avg(result, [c.payload for c in sources], what=f"grads of chunk group {g}")
+        else:
+            for r, chunk in enumerate(sources):
+                self.comm.reduce_avg(chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})")
+            result.copy_(own_src.payload)
+        if reuse:
+            own = rows[self.rank]
+            own.payload.copy_(result)
+            self.write_back.add(own_index)
+            for slot, state in zip(own.slots, list(own.states)):
+                if state is not _S.HOLD_AFTER_BWD:
+                    own.set_slot_state(slot, _S.COMPUTE, "reduced grad")
+                    own.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")
+        else:
+            self._accumulate(own_index, result)
+            for i in self.members(g):
+                chunk = self.staging.pop(i, None)
+                if chunk is not None:
+                    client.chunks.free(chunk)
+        self._drop(g)
+        self.grads_seen[g] = 0
+        self.pending.discard(g)
+        self.reduces += 1
+
+    def _accumulate(self, index: int, reduced: torch.Tensor) -> None:
+        """Owner's grad chunk += reduced grads (accumulation over micro-batches)."""
+        client = self.client
+        chunk = client.lists[ChunkKind.GRAD][index]
+        fresh = chunk.payload is None
+        if fresh:
+            client.chunks.place(chunk, client.compute.name)
+        assert chunk.payload is not None
+        if fresh:
+            chunk.payload.copy_(reduced.to(chunk.payload.device))
+        else:
+            chunk.payload.add_(reduced.to(chunk.payload.device))
+        for slot, state in zip(chunk.slots, list(chunk.states)):
+            if state is _S.FREE:
+                chunk.set_slot_state(slot, _S.COMPUTE, "reduced grad")
+                chunk.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")
+
+    def end_backward(self) -> None:
+        """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
+        for g in sorted(self.pending):
+            self.reduce(g)
+        flags = self.local_flags.clone()
+        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
+        for info in self.client.params:
+            if self.owns(info.chunk):
+                if flags[info.slot.index]:
+                    info.has_grad = True
+            else:
+                info.has_grad = False
+        self.local_flags.zero_()
+        self.end_forward()
+
+    @torch.no_grad()
+    def gather_rows(self, kind: ChunkKind, g: int) -> list[torch.Tensor]:
+        """CPU copies of every member of group ``g`` of ``kind``, in the order of ``ranked(g)``
+        (owners' values, all-gathered through temporary buffers; the chunks stay put)."""
+        rows = self.client.lists[kind]
+        members = self.ranked(g)
+        cap = max(rows[i].capacity for i in members)
+        own = rows[members[self.rank]]
+        mine = torch.zeros(cap, dtype=own.dtype, device=self.comm.device)
+        if own.payload is not None:
+            mine[: own.capacity].copy_(own.payload)
+        outputs = [torch.empty_like(mine) for _ in members]
+        self.comm.all_gather(outputs, mine, what=f"{kind.value} values of chunk group {g}")
+        return [o.cpu() for o in outputs]
+
+    def stats(self) -> dict:
+        return {"groups": self.num_groups, "gathers": self.gathers, "reduces": self.reduces, **self.comm.stats()}

@@ -1,0 +1,191 @@
+"""Data-parallel training over chunk groups (gloo, CPU, simulated GPUs): every piece of model
+data kept on one rank, losses equal to single-rank training on the same global batch."""
+
+import math
+
+import pytest
+import torch
+
+import hybridps
+from hybridps.client.chunk import ChunkKind
+from tests.dist import run_ranks
+from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens, train_plain
+
+GLOBAL_BATCH = 4
+
+
+def _config(**kw):
+    kw.setdefault("collective_timeout_s", 60.0)
+    return hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, **kw)
+
+
+def _train_ranks(rank, world, steps, kw):
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), _config(**kw))
+    losses = []
+    for step in range(steps):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x[rank::world], y[rank::world])
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    stats = engine.memory_stats()
+    state = engine.state_dict()  # collective: every rank gathers, rank 0 reports
+    return {
+        "losses": losses,
+        "model_data_bytes": stats["model_data_bytes"],
+        "peak_bytes": stats["peak_model_data_bytes"],
+        "max_group_bytes": max(
+            sum(engine.client.lists[ChunkKind.PARAM][i].nbytes for i in engine.client.groups.members(g))
+            for g in range(engine.client.groups.num_groups)
+        ),
+        "gpu_peak": stats["devices"]["cuda:0"]["peak_bytes"],
+        "gpu_capacity": stats["devices"]["cuda:0"]["capacity_bytes"],
+        "dist": stats["dist"],
+        "chunk_size": stats["chunk_size"],
+        "state": state if rank == 0 else None,
+    }
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), _config())
+    losses = []
+    for step in range(6):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "model_data_bytes": engine.memory_stats()["model_data_bytes"], "state": engine.state_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_train_like_one_rank_with_each_chunk_stored_once(world, single_rank):
+    results = run_ranks(_train_ranks, world, 6, {}, timeout_s=90)
+    for r in results:
+        for got, want in zip(r["losses"], single_rank["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], single_rank["losses"])
+    # The trained weights agree too (gathered on rank 0). Averaging grads over ranks rounds
+    # differently from one big batch, and Adam divides by sqrt(v): where a grad is nearly 0
+    # that rounding can move an element by up to ~lr per step, so the bound is lr / 10.
+    for key, value in single_rank["state"].items():
+        torch.testing.assert_close(results[0]["state"][key], value, rtol=1e-4, atol=1e-4)
+    total = sum(r["model_data_bytes"] for r in results)
+    assert total <= 1.10 * single_rank["model_data_bytes"], "padding to whole chunk groups stays small"
+    for r in results:
+        share = r["model_data_bytes"]
+        assert abs(share - total / world) <= 0.10 * total / world, (share, total / world)
+        # What a rank holds at most: its share plus the gathered working set: the group in
+        # use, its neighbour (a module can straddle two groups), and the tied embedding's
+        # group, whose grad accumulates from the head's backward (first) to the embedding's
+        # (last).
+        bound = share + 3 * r["max_group_bytes"]
+        assert r["peak_bytes"] <= bound, (r["peak_bytes"], share, r["max_group_bytes"])
+        assert r["gpu_peak"] <= r["gpu_capacity"]
+    # Communication per rank and step: params gathered for forward and backward, grads
+    # reduce-scattered once (3 x params x (W-1)/W), plus padding and the tied embedding's
+    # group gathered again for the head. Uneven groups (an oversize chunk) use one
+    # broadcast/reduce per member, so ranks differ: take the mean.
+    ops = ("all_gather", "broadcast", "reduce_scatter", "reduce")
+    received = sum(r["dist"]["bytes_received"].get(op, 0) for r in results for op in ops) / world / 6
+    params_bytes = SMALL_GPT.n_params * 4 * (world - 1) / world
+    assert 3 * params_bytes <= received <= 4 * params_bytes, received / params_bytes
+
+
+def _accumulate(rank, world, kw):
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), _config(**kw))
+    losses = []
+    for step in range(4):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        x, y = x[rank::world], y[rank::world]
+        total = torch.zeros(())
+        for micro in range(2):
+            _, loss = engine(x[micro::2], y[micro::2])
+            engine.backward(loss / 2)
+            total += loss.detach() / 2
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def test_accumulated_micro_batches_without_grad_reuse_match_one_rank(single_rank):
+    results = run_ranks(_accumulate, 2, {"grad_reuse": False}, timeout_s=90)
+    for losses in results:
+        for got, want in zip(losses, single_rank["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def _overflow_on_one_rank(rank, world):
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _config(precision="fp16"))
+    out = []
+    for step in range(3):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x[rank::world], y[rank::world])
+        if step == 2 and rank == 1:
+            loss = loss * float("inf")  # only rank 1 overflows
+        engine.backward(loss)
+        norm = engine.clip_grad_norm_(1.0)
+        scale = engine.scaler.scale
+        engine.step()
+        engine.zero_grad()
+        out.append((scale, engine.scaler.scale, math.isfinite(norm.item())))
+    return out, engine.memory_stats()["skipped_steps"]
+
+
+def test_an_fp16_overflow_on_one_rank_makes_every_rank_skip_the_step():
+    (a, skipped_a), (b, skipped_b) = run_ranks(_overflow_on_one_rank, 2, timeout_s=90)
+    assert a == b, "ranks must agree on norms, skips and scales"
+    before, after, finite = a[2]
+    assert after == before / 2 and not finite
+    assert skipped_a == skipped_b >= 1
+
+
+def _managed_collectives(rank, world):
+    client = hybridps.Client(hybridps.Config(devices={"cuda:0": "1MiB"}, chunk_size=1000))
+    client.register_module(torch.nn.Linear(40, 40))
+    local = torch.arange(2500, dtype=torch.float32) * (rank + 1)
+    reduced = client.allreduce(local, op="sum")
+    broadcast = client.broadcast(torch.full((3, 5), float(rank)), src=1)
+    values = client.access(reduced).clone(), client.access(broadcast).clone()
+    kinds = client.memory_stats()["kinds"]
+    client.release(reduced)
+    client.release(broadcast)
+    calls = client.groups.comm.calls["all_reduce"]
+    client.close()
+    return values, kinds["buffer"]["chunks"], calls
+
+
+def test_allreduce_and_broadcast_return_tensors_managed_in_chunks():
+    results = run_ranks(_managed_collectives, 2, timeout_s=90)
+    for (reduced, broadcast), n_chunks, calls in results:
+        assert torch.equal(reduced, torch.arange(2500, dtype=torch.float32) * 3)
+        assert torch.equal(broadcast, torch.ones(3, 5))
+        assert n_chunks == 2  # a tensor never straddles chunks: 2500 elements get a chunk of their own
+        assert calls == 3  # one collective per chunk-sized piece (chunk_size=1000)
+
+
+def test_one_rank_owns_every_chunk_and_model_data_matches_the_layout():
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), _config())
+    client = engine.client
+    assert client.groups is None and all(c.owned for c in client.all_chunks())
+    assert len(client.lists[ChunkKind.MOMENTUM]) == len(client.lists[ChunkKind.PARAM])
+
+
+def test_plain_pytorch_agrees_with_the_single_rank_reference(single_rank):
+    _, reference = gpt_pair()
+    expected = train_plain(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True), 6, batch=GLOBAL_BATCH)
+    assert expected == single_rank["losses"]

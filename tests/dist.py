@@ -1,0 +1,105 @@
+"""Run a function on N ranks (gloo, CPU) in spawned processes; any rank's failure or a
+timeout fails the caller, with that rank's traceback."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, outdir, timeout_s, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import faulthandler
+
+    import torch
+
+    torch.set_num_threads(1)
+    # a hang shows where each rank was stuck instead of a bare timeout
+    stacks = open(os.path.join(outdir, f"{rank}.stacks"), "w")
+    faulthandler.dump_traceback_later(timeout_s, exit=False, file=stacks)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world, *args)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("ok", result), f)
+    except BaseException as exc:
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), f)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False):
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return the list of results.
+
+    Raises RankFailed with the first failing rank's traceback (or on timeout), unless
+    ``expect_failure``: then returns the per-rank ("ok"|"error", payload) pairs.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world, free_port(), fn, args, outdir, timeout_s, env or {}),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = timeout_s + 60  # process start-up and import time
+        waited = 0.0
+        error = None
+        try:
+            while not ctx.join(timeout=1.0):
+                waited += 1.0
+                if waited > deadline:
+                    raise RankFailed(f"ranks did not finish within {deadline:.0f} s:\n" + _stacks(outdir, world))
+        except mp.ProcessRaisedException as exc:
+            error = exc
+        except mp.ProcessExitedException as exc:
+            error = exc
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        outcomes = []
+        for rank in range(world):
+            path = os.path.join(outdir, f"{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    outcomes.append(pickle.load(f))
+            else:
+                outcomes.append(("error", f"rank {rank} left no result"))
+    if expect_failure:
+        return outcomes
+    failed = [payload for status, payload in outcomes if status != "ok"]
+    if failed or error is not None:
+        raise RankFailed("\n".join(failed) or str(error))
+    return [payload for _, payload in outcomes]
+
+
+def _stacks(outdir: str, world: int) -> str:
+    out = []
+    for rank in range(world):
+        path = os.path.join(outdir, f"{rank}.stacks")
+        if os.path.exists(path):
+            with open(path) as f:
+                out.append(f"--- rank {rank} ---\n{f.read()[-4000:]}")
+    return "\n".join(out)
