@@ -8,6 +8,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
@@ -24,14 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, outdir, timeout_s, env):
+def _worker(rank, world, port, fn, args, outdir, timeout_s, env, threads):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import faulthandler
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     # a hang shows where each rank was stuck instead of a bare timeout
     stacks = open(os.path.join(outdir, f"{rank}.stacks"), "w")
     faulthandler.dump_traceback_later(timeout_s, exit=False, file=stacks)
@@ -49,8 +50,11 @@ def _worker(rank, world, port, fn, args, outdir, timeout_s, env):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False):
+def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False, threads: int = 1):
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return the list of results.
+
+    Each rank uses ``threads`` CPU threads (results are bitwise comparable only between
+    processes with the same thread count: it changes reduction orders).
 
     Raises RankFailed with the first failing rank's traceback (or on timeout), unless
     ``expect_failure``: then returns the per-rank ("ok"|"error", payload) pairs.
@@ -58,7 +62,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None 
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _worker,
-            args=(world, free_port(), fn, args, outdir, timeout_s, env or {}),
+            args=(world, free_port(), fn, args, outdir, timeout_s, env or {}, threads),
             nprocs=world,
             join=False,
             start_method="spawn",
@@ -67,10 +71,18 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None 
         waited = 0.0
         error = None
         try:
-            while not ctx.join(timeout=1.0):
-                waited += 1.0
-                if waited > deadline:
+            if expect_failure:
+                # let the surviving ranks run into their own errors (ctx.join would kill them)
+                start = time.monotonic()
+                for p in ctx.processes:
+                    p.join(max(0.0, deadline - (time.monotonic() - start)))
+                if any(p.is_alive() for p in ctx.processes):
                     raise RankFailed(f"ranks did not finish within {deadline:.0f} s:\n" + _stacks(outdir, world))
+            else:
+                while not ctx.join(timeout=1.0):
+                    waited += 1.0
+                    if waited > deadline:
+                        raise RankFailed(f"ranks did not finish within {deadline:.0f} s:\n" + _stacks(outdir, world))
         except mp.ProcessRaisedException as exc:
             error = exc
         except mp.ProcessExitedException as exc:

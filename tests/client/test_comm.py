@@ -1,0 +1,76 @@
+"""Failures across ranks are loud: a failing rank fails the run, a dead or diverging rank is
+named by the collective watchdog instead of hanging everyone."""
+
+import os
+import re
+
+import pytest
+import torch
+
+import hybridps
+from hybridps.client.chunk import ChunkKind
+from tests.dist import RankFailed, run_ranks
+from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens
+
+
+def _engine(timeout_s=5.0):
+    model, _ = gpt_pair()
+    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, collective_timeout_s=timeout_s)
+    return hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+
+
+def _step(engine, rank, world, step):
+    x, y = tokens(step, batch=4)
+    _, loss = engine(x[rank::world], y[rank::world])
+    engine.backward(loss)
+    engine.step()
+    engine.zero_grad()
+
+
+def _raises_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom")
+    return rank
+
+
+def test_a_rank_that_raises_fails_the_run_with_that_ranks_error():
+    with pytest.raises(RankFailed, match="rank 1: ValueError: boom"):
+        run_ranks(_raises_on_rank_1, 2, timeout_s=30)
+
+
+def _dies_after_one_step(rank, world):
+    engine = _engine()
+    _step(engine, rank, world, 0)
+    if rank == 1:
+        os._exit(3)  # a crash: no exception, no goodbye
+    _step(engine, rank, world, 1)
+    return "rank 0 should not get here"
+
+
+def test_a_dead_rank_is_named_by_the_watchdog_within_its_timeout():
+    outcomes = run_ranks(_dies_after_one_step, 2, timeout_s=60, expect_failure=True)
+    status, message = outcomes[0]
+    assert status == "error"
+    assert "CollectiveError" in message and "ranks [1] did not arrive" in message
+    assert re.search(r"params of chunk (group )?\d+", message) and "timed out after 5 s" in message
+    assert outcomes[1] == ("error", "rank 1 left no result")
+
+
+def _diverges(rank, world):
+    engine = _engine()
+    if rank == 1:  # rank 1 touches a param of the last chunk group before the forward
+        client = engine.client
+        last = client.groups.num_groups - 1
+        index = next(i for i in client.groups.members(last) if client.lists[ChunkKind.PARAM][i].slots)
+        param = client.params[client.lists[ChunkKind.PARAM][index].slots[0].index].param
+        client.access(param)
+    _step(engine, rank, world, 0)
+
+
+def test_ranks_that_access_chunks_in_different_orders_are_told_apart():
+    outcomes = run_ranks(_diverges, 2, timeout_s=60, expect_failure=True)
+    for status, message in outcomes:
+        assert status == "error"
+        assert "ranks diverged at collective" in message
+        # each rank says what it was doing: gathering the first group, or the last one
+        assert len(set(re.findall(r"\(group (\d+)\)|chunk group (\d+)", message))) == 2
