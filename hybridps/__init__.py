@@ -21,6 +21,7 @@ from hybridps.common.errors import (
 )
 
 from hybridps.engine import Engine, initialize
+from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,6 @@ __all__ = [
     "StateError",
     "TensorState",
     "__version__",
+    "init_distributed",
     "initialize",
 ]

@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridps.client.chunk import ChunkKind
 from hybridps.client.client import Client
+from hybridps.client.events import EventRecorder
 from hybridps.client.eviction import BeladyPolicy
 from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
@@ -62,6 +63,10 @@ class Engine:
             self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
         self.hooks.install()
+        self.events = EventRecorder(self.client)
+        self.events.enabled = config.record
+        self.tracer.tick_listeners.append(self.events.on_moment)
+        self.optimizer.step_listeners.append(self.events.on_step)
         if config.precision == "fp16":
             self.optimizer.scaler = LossScaler(
                 scale=config.static_loss_scale or config.initial_loss_scale,
@@ -241,6 +246,20 @@ class Engine:
                         self.client.write_param(own[key], value)
                 else:
                     own[key].copy_(value)
+
+    def record(self, enabled: bool = True) -> None:
+        """Start (or stop) recording chunk events and the memory history."""
+        self.events.enabled = enabled
+
+    def export_trace(self, path) -> None:
+        """Write the recorded chunk accesses, moves, evictions, optimizer steps and moments as a
+        Chrome trace (open in chrome://tracing or ui.perfetto.dev)."""
+        self.events.export_trace(path)
+
+    def plot_memory(self, path) -> dict:
+        """Write a PNG of memory over moments per device (model data, non-model data,
+        capacity); returns the plotted series."""
+        return self.events.plot_memory(path)
 
     def save_checkpoint(self, path, *, lr_scheduler=None, client_state: dict | None = None) -> None:
         """Write weights (safetensors, by param name), optimizer state, loss scaler, step and

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable
 
 import torch
@@ -71,8 +72,8 @@ class ChunkManager:
         self.moves = 0
         self.evictions = 0
         self.clock = 0
-        #: called as on_move(chunk, src, dst) after every move (tracer, trace export).
-        self.move_listeners: list[Callable[[Chunk, str, str], None]] = []
+        #: called as on_move(chunk, src, dst, seconds, evicted) after every move (trace export).
+        self.move_listeners: list[Callable[[Chunk, str, str, float, bool], None]] = []
         #: called as on_access(chunk) on every bring (tracer: the warm-up access order).
         self.access_listeners: list[Callable[[Chunk], None]] = []
         #: storage addresses of every payload, to tell model data from other tensors.
@@ -157,7 +158,7 @@ class ChunkManager:
         assert src is not None
         dst = self.connection.schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
         self.evictions += 1
-        self._move(chunk, dst)
+        self._move(chunk, dst, evicted=True)
 
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
@@ -175,11 +176,12 @@ class ChunkManager:
             raise
         self._account(device, chunk, +1)
 
-    def _move(self, chunk: Chunk, device: str) -> None:
+    def _move(self, chunk: Chunk, device: str, *, evicted: bool = False) -> None:
         src = chunk.device
         assert src is not None and src != device
         self.connection.add(device, chunk.nbytes)
         self._account(src, chunk, -1)
+        started = time.perf_counter()
         try:
             chunk.move_to(self.inventory[device])
         except BaseException:
@@ -190,8 +192,9 @@ class ChunkManager:
         self.connection.remove(src, chunk.nbytes)
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
+        seconds = time.perf_counter() - started
         for listener in self.move_listeners:
-            listener(chunk, src, device)
+            listener(chunk, src, device, seconds, evicted)
 
     def _account(self, device: str, chunk: Chunk, sign: int) -> None:
         """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on ``device``."""

@@ -88,6 +88,8 @@ class MemoryTracer:
         self.non_model_peak = 0
         self.total_peak = 0  # chunks + non-model on the compute device, after warm-up
         self.total_peak_warmup = 0
+        #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
+        self.tick_listeners: list = []
         client.chunks.reserve_fn = self.reserve
         client.chunks.access_listeners.append(self._on_access)
 
@@ -178,6 +180,8 @@ class MemoryTracer:
                 self._lose_trace(label)
         self.moment += 1
         self.observe(live)
+        for listener in self.tick_listeners:
+            listener(label, live)
         if self.device.is_gpu:
             self.client.chunks.fit_budget(self.device.name)
 

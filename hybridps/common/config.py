@@ -67,6 +67,9 @@ class Config:
     min_loss_scale: float = 1.0
     #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
     trace: bool = True
+    #: Record chunk events and the memory history from the start (export_trace, plot_memory);
+    #: ``engine.record(True)`` turns it on later.
+    record: bool = False
     #: Multi-rank: start every rank from rank 0's initial weights (as DDP does).
     sync_module_states: bool = True
     #: Multi-rank: how long a rank waits for the others at a collective before it fails

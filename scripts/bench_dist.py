@@ -1,0 +1,228 @@
+"""HybridPS vs DeepSpeed ZeRO-3 on the same model and global batch, at 1 and 2 ranks (CPU, gloo).
+
+Both systems shard all model data across the ranks (ZeRO-3); both compute on the CPU here.
+Per system and world size it reports: median step time, peak RSS per rank, and bytes
+received per rank and step by collectives, next to the ZeRO-3 theory of
+3 x params x (W-1)/W (params all-gathered for forward and for backward, grads
+reduce-scattered once).
+
+The byte counts come from one instrument for both systems: in this benchmark process only,
+``torch.distributed``'s collectives are wrapped to add up what each rank receives. (The
+library itself never patches torch.)
+
+    pip install deepspeed   # the peer; not a HybridPS dependency
+    python scripts/bench_dist.py                       # JSON on stdout
+    python scripts/bench_dist.py --systems hybridps --worlds 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hybridps.models import GPT, GPTConfig  # noqa: E402
+
+
+def batch(step: int, b: int, t: int, vocab: int):
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (b, 1), generator=g)
+    x = (start + 7 * torch.arange(t + 1)) % vocab
+    return x[:, :-1], x[:, 1:]
+
+
+class ByteCounter:
+    """Bytes each rank receives, by collective, counted around torch.distributed calls."""
+
+    def __init__(self):
+        self.bytes = collections.Counter()
+        self.enabled = False
+
+    def install(self) -> None:
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        def world():
+            return dist.get_world_size()
+
+        rules = {
+            "all_gather_into_tensor": lambda a, k: (world() - 1) * nbytes(a[1] if len(a) > 1 else k["input_tensor"]),
+            "_all_gather_base": lambda a, k: (world() - 1) * nbytes(a[1]),
+            "all_gather": lambda a, k: (world() - 1) * nbytes(a[1] if len(a) > 1 else k["tensor"]),
+            "reduce_scatter_tensor": lambda a, k: (world() - 1) * nbytes(a[0] if a else k["output"]),
+            "_reduce_scatter_base": lambda a, k: (world() - 1) * nbytes(a[0]),
+            "reduce_scatter": lambda a, k: (world() - 1) * nbytes(a[0] if a else k["output"]),
+            "all_reduce": lambda a, k: 2 * (world() - 1) * nbytes(a[0] if a else k["tensor"]) // world(),
+            "broadcast": lambda a, k: 0 if dist.get_rank() == (a[1] if len(a) > 1 else k.get("src", 0)) else nbytes(a[0] if a else k["tensor"]),
+            "reduce": lambda a, k: (world() - 1) * nbytes(a[0]) if dist.get_rank() == (a[1] if len(a) > 1 else k.get("dst", 0)) else 0,
+        }
+        for name, rule in rules.items():
+            if not hasattr(dist, name):
+                continue
+            original = getattr(dist, name)
+
+            def wrapped(*args, _orig=original, _rule=rule, _name=name, **kwargs):
+                if self.enabled and dist.get_world_size() > 1:
+                    try:
+                        self.bytes[_name] += int(_rule(args, kwargs))
+                    except Exception:  # an unusual signature: the op is still run
+                        self.bytes[_name + "_uncounted"] += 1
+                return _orig(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(rank, world, port, system, args, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, args.threads // world))
+    counter = ByteCounter()
+    counter.install()
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    micro = args.batch // world
+    if system == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+        def step_fn(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    else:
+        import hybridps
+
+        hybridps.init_distributed(backend="gloo")
+        engine = hybridps.initialize(model, optimizer, hybridps.Config(devices={}, simulate=False))
+
+        def step_fn(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+            return loss
+
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        x, y = batch(step, args.batch, args.seq, args.vocab)
+        x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
+        counter.enabled = step >= args.warmup
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = step_fn(x, y)
+        if world > 1:
+            dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    counter.enabled = False
+    result = {
+        "rank": rank,
+        "step_s": statistics.median(times),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "bytes_received_per_step": {k: v / args.steps for k, v in counter.bytes.items()},
+        "last_loss": losses[-1],
+        "params": cfg.n_params,
+    }
+    with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(system: str, world: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(world, _free_port(), system, args, outdir), nprocs=world, start_method="spawn")
+        ranks = [json.load(open(os.path.join(outdir, f"{r}.json"))) for r in range(world)]
+    params = ranks[0]["params"]
+    received = statistics.mean(sum(r["bytes_received_per_step"].values()) for r in ranks)
+    theory = 3 * params * 4 * (world - 1) / world
+    return {
+        "system": system,
+        "world_size": world,
+        "step_s": round(max(r["step_s"] for r in ranks), 4),
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+        "bytes_received_per_rank_step": round(received),
+        "bytes_by_collective_rank0": {k: round(v) for k, v in ranks[0]["bytes_received_per_step"].items()},
+        "zero3_theory_bytes": round(theory),
+        "over_theory": round(received / theory, 3) if theory else None,
+        "last_loss": ranks[0]["last_loss"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by the ranks")
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--systems", default="hybridps,deepspeed")
+    args = ap.parse_args()
+    results = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for system in args.systems.split(","):
+            results.append(run(system, world, args))
+    by = {(r["system"], r["world_size"]): r for r in results}
+    ratios = {
+        f"world_{w}": round(by[("hybridps", w)]["step_s"] / by[("deepspeed", w)]["step_s"], 3)
+        for w in {r["world_size"] for r in results}
+        if ("hybridps", w) in by and ("deepspeed", w) in by
+    }
+    print(json.dumps({
+        "benchmark": "dist",
+        "date": datetime.date.today().isoformat(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "model": {"d_model": args.d_model, "layers": args.layers, "seq": args.seq, "global_batch": args.batch},
+        "results": results,
+        "hybridps_over_deepspeed_step_time": ratios,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
