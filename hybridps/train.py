@@ -1,0 +1,291 @@
+"""``hybridps train``: train a byte-level GPT on real text through HybridPS.
+
+By default the text is the Python standard library's own source files (present on every
+machine with Python), the manager is embedded, and when no GPU is visible a simulated
+``cuda:0`` is given a capacity below the model data, so the run moves chunks as it would on
+a small GPU. Prints progress (loss, tokens/s, memory per device) and a summary; ``--ckpt``
+saves at the end, ``--resume`` continues a run, ``--plot`` writes the memory plot,
+``--trace`` a Chrome trace. Under torchrun every rank runs this same command.
+
+    hybridps train                       # about a minute on 2 CPU cores
+    hybridps train --data ~/corpus.txt --steps 2000 --ckpt runs/a
+    torchrun --nproc_per_node 2 -m hybridps.train --manager auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from hybridps.common.units import format_bytes, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def stdlib_text(max_bytes: int) -> bytes:
+    """The first ``max_bytes`` of the standard library's .py files, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return read_corpus(root, max_bytes)
+
+
+def read_corpus(path: Path, max_bytes: int) -> bytes:
+    """Bytes of a file, or of a folder's text files (sorted, recursively), up to ``max_bytes``."""
+    if path.is_file():
+        return path.read_bytes()[:max_bytes]
+    if not path.is_dir():
+        raise SystemExit(f"--data {path}: no such file or folder")
+    out = bytearray()
+    for f in sorted(path.rglob("*")):
+        if f.suffix not in (".py", ".txt", ".md", ".rst") or not f.is_file() or "site-packages" in f.parts:
+            continue
+        try:
+            out += f.read_bytes() + b"\n"
+        except OSError:
+            continue
+        if len(out) >= max_bytes:
+            break
+    if not out:
+        raise SystemExit(f"--data {path}: no .py/.txt/.md/.rst files found")
+    return bytes(out[:max_bytes])
+
+
+class ByteBatches:
+    """Random windows of a byte string, the same on every rank for a given step (each rank
+    takes its own rows), with a held-out tail for evaluation."""
+
+    def __init__(self, data: bytes, seq_len: int, *, holdout: float = 0.05):
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        if t.numel() < 4 * (seq_len + 1):
+            raise SystemExit(f"the text has {t.numel()} bytes; need at least {4 * (seq_len + 1)} for seq_len={seq_len}")
+        cut = int(t.numel() * (1 - holdout))
+        self.train, self.val = t[:cut], t[cut:]
+        self.seq_len = seq_len
+
+    def get(self, step: int, batch: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(step if split == "train" else 10**9 + step)
+        starts = torch.randint(0, data.numel() - self.seq_len - 1, (batch,), generator=g)
+        x = torch.stack([data[s : s + self.seq_len] for s in starts.tolist()])
+        y = torch.stack([data[s + 1 : s + 1 + self.seq_len] for s in starts.tolist()])
+        return x, y
+
+
+def estimate_activation_bytes(cfg, batch: int) -> int:
+    """Rough bytes autograd saves for backward in one GPT forward (fp32): ~20 tensors of
+    batch x seq x d_model per block, plus the logits."""
+    per_block = 20 * batch * cfg.seq_len * cfg.d_model * 4
+    return cfg.n_layer * per_block + 3 * batch * cfg.seq_len * cfg.vocab_size * 4
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--data", type=Path, default=None, help="a text file or folder (default: the Python standard library's sources)")
+    ap.add_argument("--data-bytes", default="8MiB", help="how much text to read (default 8MiB)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    ap.add_argument("--gpu-capacity", default="auto",
+                    help="capacity of the (simulated) GPU: bytes with units, or 'auto' = activations + 40%% of the model data")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--manager", default=None, help="node daemon endpoint ('auto' for the default); default: embedded")
+    ap.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here at the end")
+    ap.add_argument("--resume", type=Path, default=None, help="continue from this checkpoint")
+    ap.add_argument("--plot", type=Path, default=None, help="write the memory plot (PNG) here")
+    ap.add_argument("--trace", type=Path, default=None, help="write a Chrome trace of chunk events here")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import hybridps
+    from hybridps.models import GPT, GPTConfig
+
+    rank, local_rank, world = hybridps.init_distributed()
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
+    torch.manual_seed(args.seed)
+    data = read_corpus(args.data, parse_bytes(args.data_bytes)) if args.data else stdlib_text(parse_bytes(args.data_bytes))
+    batches = ByteBatches(data, args.seq)
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                    checkpoint=args.checkpointing)
+    model = GPT(cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+    micro = args.batch // world
+    per_param = 14 if args.precision != "fp32" else 16
+    model_bytes = cfg.n_params * per_param // world
+    devices: dict = {}
+    if not torch.cuda.is_available():
+        if args.gpu_capacity == "auto":
+            scale = 0.5 if args.precision != "fp32" else 1.0
+            capacity = int(estimate_activation_bytes(cfg, micro) * scale + 0.4 * model_bytes)
+        else:
+            capacity = parse_bytes(args.gpu_capacity, what="--gpu-capacity")
+        devices = {"cuda:local": capacity}
+    elif args.gpu_capacity != "auto":
+        devices = {"cuda:local": parse_bytes(args.gpu_capacity, what="--gpu-capacity")}
+    config = hybridps.Config(devices=devices, precision=args.precision, manager=args.manager,
+                             record=bool(args.plot or args.trace))
+    engine = hybridps.initialize(model, optimizer, config)
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_at)
+    start = 0
+    if args.resume:
+        state = engine.load_checkpoint(args.resume, lr_scheduler=scheduler) or {}
+        start = int(state.get("next_step", engine.global_step))
+    stats0 = engine.memory_stats()
+    bar = _progress(args, rank, start)
+    losses: list[float] = []
+    t_start = time.perf_counter()
+    tokens = 0
+    for step in range(start, start + args.steps):
+        x, y = batches.get(step, args.batch)
+        x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        scheduler.step()
+        value = _mean_over_ranks(loss.detach(), world)
+        losses.append(value)
+        tokens += args.batch * args.seq
+        if bar is not None:
+            gpu = engine.memory_stats()["devices"].get(engine.client.compute.name, {})
+            rate = tokens / max(1e-9, time.perf_counter() - t_start)
+            bar.set_postfix_str(f"loss {value:.3f}  {rate:,.0f} tok/s  gpu {format_bytes(gpu.get('used_bytes', 0))}", refresh=False)
+            bar.update(1)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and rank == 0 and bar is None and not args.quiet:
+            print(f"step {step + 1}: loss {value:.4f}", file=sys.stderr)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    val = _validation_loss(engine, batches, micro, rank, world)
+    if args.ckpt:
+        engine.save_checkpoint(args.ckpt, lr_scheduler=scheduler, client_state={"next_step": start + args.steps})
+    if args.plot and rank == 0:
+        engine.plot_memory(args.plot)
+    if args.trace:
+        engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
+    stats = engine.memory_stats()
+    summary = {
+        "params": cfg.n_params,
+        "ranks": world,
+        "precision": args.precision,
+        "steps": args.steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "mean_loss_first_10": sum(losses[:10]) / min(10, len(losses)),
+        "mean_loss_last_10": sum(losses[-10:]) / min(10, len(losses)),
+        "val_loss": val,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "seconds": round(elapsed, 2),
+        "model_data_bytes": stats["model_data_bytes"],
+        "devices": {
+            name: {k: d[k] for k in ("capacity_bytes", "peak_bytes", "used_bytes", "simulated")}
+            | ({"peak_total_bytes": d["peak_total_bytes"], "non_model_peak_bytes": d["non_model_peak_bytes"]} if "peak_total_bytes" in d else {})
+            for name, d in stats["devices"].items()
+        },
+        "moves": stats["moves"] - stats0["moves"],
+        "moved_bytes": sum(stats["moved_bytes"].values()) - sum(stats0["moved_bytes"].values()),
+        "checkpoint": str(args.ckpt) if args.ckpt else None,
+    }
+    if rank == 0:
+        print(json.dumps(summary, indent=2) if args.json else _summary_text(summary))
+    engine.close()
+    return summary
+
+
+def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    if world == 1:
+        return value.item()
+    t = value.float().clone()
+    torch.distributed.all_reduce(t)
+    return t.item() / world
+
+
+@torch.no_grad()
+def _validation_loss(engine, batches: ByteBatches, micro: int, rank: int, world: int, n: int = 4) -> float:
+    engine.eval()
+    total = 0.0
+    for i in range(n):
+        x, y = batches.get(i, micro * world, "val")
+        _, loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
+        total += _mean_over_ranks(loss, world)
+    engine.train()
+    return total / n
+
+
+def _progress(args, rank: int, start: int):
+    if args.quiet or rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=args.steps, initial=0, desc=f"train (from step {start})" if start else "train", unit="step",
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _summary_text(s: dict) -> str:
+    lines = [
+        f"trained {s['params']:,} params for {s['steps']} steps on {s['ranks']} rank(s), {s['precision']}: "
+        f"loss {s['mean_loss_first_10']:.3f} -> {s['mean_loss_last_10']:.3f} (mean of first/last 10), "
+        f"validation {s['val_loss']:.3f}",
+        f"{s['tokens_per_s']:,.0f} tokens/s over {s['seconds']:.1f} s; model data {format_bytes(s['model_data_bytes'])} "
+        f"per rank; {s['moves']} chunk moves ({format_bytes(s['moved_bytes'])})",
+    ]
+    for name, d in s["devices"].items():
+        kind = "simulated GPU" if d["simulated"] else ("GPU" if name != "cpu" else "CPU")
+        extra = ""
+        if "peak_total_bytes" in d:
+            extra = f", peak chunks + activations {format_bytes(d['peak_total_bytes'])}"
+        lines.append(f"  {name} ({kind}): peak chunks {format_bytes(d['peak_bytes'])} of {format_bytes(d['capacity_bytes'])}{extra}")
+    if s["checkpoint"]:
+        lines.append(f"checkpoint: {s['checkpoint']}")
+    return "\n".join(lines)
+
+
+def add_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a byte-level GPT on real text", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=lambda args: run(args) and 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridps train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("HYBRIDPS_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
