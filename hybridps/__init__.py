@@ -24,6 +24,17 @@ from hybridps.engine import Engine, initialize
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # ``hybridps.plan`` (the capacity planner, hybridps/planner.py) is imported on first use:
+    # importing it here would load it twice under ``python -m hybridps.planner``.
+    if name == "plan":
+        from hybridps.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'hybridps' has no attribute {name!r}")
+
+
 __all__ = [
     "CapacityError",
     "ChunkState",
@@ -39,4 +50,5 @@ __all__ = [
     "TensorState",
     "__version__",
     "initialize",
+    "plan",
 ]
