@@ -297,6 +297,13 @@ class Simulation:
     min_compute_module: str
     seconds: float
 
+    def __post_init__(self) -> None:
+        _check_positive_int("n_layer", self.n_layer)
+        for f in ("n_params", "largest_layer_params", "model_data_bytes", "padding_elements", "peak_total_warmup_bytes", "min_compute_bytes"):
+            _check_bytes(f, getattr(self, f))
+        if self.completed == (self.failure is not None):
+            raise ConfigError(f"Simulation: completed={self.completed} contradicts failure={self.failure!r}")
+
     @property
     def non_model_peak_bytes(self) -> int:
         return self.gpu.non_model_peak_bytes if self.gpu else 0
@@ -512,6 +519,11 @@ class RankShare:
     cpu_node_bytes: int
     moved_bytes_per_step: Mapping[str, int]
 
+    def __post_init__(self) -> None:
+        _check_positive_int("world_size", self.world_size)
+        for f in ("owned_bytes", "round_robin_owned_bytes", "gathered_bytes", "gpu_need_bytes", "gpu_peak_bytes", "cpu_bytes", "cpu_node_bytes"):
+            _check_bytes(f, getattr(self, f))
+
     @property
     def imbalance(self) -> float:
         """Round-robin largest share over the even share (1.0: ownership is even)."""
@@ -717,13 +729,16 @@ class HybridPSPlan:
     cpu_node_bytes: int
     moved_bytes_per_step: Mapping[str, int]
     non_model_peak_bytes: int
+    #: what the GPU of a rank must hold at once: activations + the working set of the
+    #: largest module (gathered chunks in multi-rank jobs) + margin; chunks fill the rest
+    gpu_need_bytes: int
     simulation_failure: str | None = None
     rank_share: RankShare | None = None
     largest: LargestModel | None = None
     warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for f in ("chunk_bytes", "model_data_bytes", "min_compute_bytes", "cpu_node_bytes", "non_model_peak_bytes"):
+        for f in ("chunk_bytes", "model_data_bytes", "min_compute_bytes", "cpu_node_bytes", "non_model_peak_bytes", "gpu_need_bytes"):
             _check_bytes(f, getattr(self, f))
         if not 0.0 <= self.padding_fraction < 1.0:
             raise ConfigError(f"padding_fraction={self.padding_fraction!r} must be in [0, 1)")
@@ -1013,6 +1028,9 @@ class Planner:
             min_compute_bytes=sim.min_compute_bytes,
             min_compute_module=sim.min_compute_module,
             non_model_peak_bytes=sim.non_model_peak_bytes,
+            gpu_need_bytes=share.gpu_need_bytes
+            if share
+            else sim.non_model_peak_bytes + sim.min_compute_bytes + self.request.margin_bytes,
             simulation_failure=sim.failure,
             largest=largest,
             warnings=tuple(warnings),
@@ -1030,12 +1048,19 @@ class Planner:
         gpu = DeviceFigures(
             device="cuda:0",
             capacity_bytes=node.gpu_bytes,
-            model_data_bytes=min(share.owned_bytes + share.gathered_bytes, node.gpu_bytes - share.gpu_need_bytes + share.gathered_bytes)
-            if share.gpu_need_bytes <= node.gpu_bytes
-            else 0,
+            # what of the share (and the gathered set) the GPU keeps beside peak activations
+            model_data_bytes=min(
+                share.gpu_peak_bytes,
+                share.owned_bytes + share.gathered_bytes,
+                max(0, node.gpu_bytes - share.gpu_need_bytes) + share.gathered_bytes,
+            ),
             peak_bytes=share.gpu_peak_bytes,
             non_model_peak_bytes=sim.non_model_peak_bytes,
-            peak_total_bytes=share.gpu_need_bytes - self.request.margin_bytes,
+            # the tidal budget lets chunks fill what activations leave, as on one rank
+            peak_total_bytes=min(
+                node.gpu_bytes - self.request.margin_bytes,
+                share.owned_bytes + share.gathered_bytes + sim.non_model_peak_bytes,
+            ),
             derived=True,
         )
         cpu = DeviceFigures(
@@ -1293,8 +1318,8 @@ def _format_report(r: PlanReport) -> str:
         f"margin {format_bytes(r.margin_bytes)}; {r.node.describe()}",
         "",
     ]
-    rows = [("", "fits", "GPU peak/rank", "CPU/node", "largest of the family")]
-    hyb_gpu = h.gpu.peak_total_bytes if h.gpu and h.simulation_failure is None else None
+    rows = [("", "fits", "GPU need/rank", "CPU/node", "largest of the family")]
+    hyb_gpu = h.gpu_need_bytes if h.simulation_failure is None else None
     tag = " (derived)" if h.derived else " (simulated)"
     hyb_cpu = h.cpu_node_bytes if h.simulation_failure is None else None
     rows.append(("HybridPS" + tag, "yes" if h.fits else "no", _gb(hyb_gpu), _gb(hyb_cpu), _largest_text(h.largest)))
@@ -1392,7 +1417,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
     o.add_argument("--max-layers", type=_positive_int, default=DEFAULT_MAX_LAYERS, help="upper end of the search")
-    o.add_argument("-v", "--verbose", action="count", default=0)
+    t.add_argument(
+        "--deepspeed-buffer-factor",
+        type=float,
+        default=DEEPSPEED_BUFFER_FACTOR,
+        help="additional_buffer_factor of DeepSpeed's estimators for the peers' CPU (default 1.5, theirs)",
+    )
+    o.add_argument("-v", "--verbose", action="count", default=0, help="log each simulation (-vv: the engine too)")
 
 
 def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -1435,8 +1466,11 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed ``plan`` command; returns the exit status."""
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO if args.verbose == 1 else logging.DEBUG, format="%(name)s: %(message)s")
+    # The report carries every warning that matters; the engine's own messages (a failing
+    # candidate of the search, say) are for -v.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hybridps").setLevel(logging.INFO if args.verbose >= 2 else logging.ERROR)
+    logging.getLogger(__name__).setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         model = _model_from_args(args)
         node = NodeSpec.parse(args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes)
@@ -1450,6 +1484,7 @@ def run_command(args: argparse.Namespace) -> int:
             iterations=args.iterations,
             search_largest=args.search,
             max_layers=args.max_layers,
+            deepspeed_buffer_factor=args.deepspeed_buffer_factor,
         )
     except ConfigError as exc:
         print(f"hybridps plan: error: {exc}", file=sys.stderr)
