@@ -299,7 +299,9 @@ class Simulation:
 
     def __post_init__(self) -> None:
         _check_positive_int("n_layer", self.n_layer)
-        for f in ("n_params", "largest_layer_params", "model_data_bytes", "padding_elements", "peak_total_warmup_bytes", "min_compute_bytes"):
+        for f in ("n_params", "largest_layer_params", "padding_elements"):
+            _check_count(f, getattr(self, f))
+        for f in ("model_data_bytes", "peak_total_warmup_bytes", "min_compute_bytes"):
             _check_bytes(f, getattr(self, f))
         if self.completed == (self.failure is not None):
             raise ConfigError(f"Simulation: completed={self.completed} contradicts failure={self.failure!r}")
@@ -655,7 +657,7 @@ class LargestModel:
     def __post_init__(self) -> None:
         if not isinstance(self.n_layer, int) or self.n_layer < 0:
             raise ConfigError(f"LargestModel.n_layer={self.n_layer!r} must be an int >= 0")
-        _check_bytes("n_params", self.n_params)
+        _check_count("n_params", self.n_params)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -762,7 +764,7 @@ class PlanReport:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_bytes("n_params", self.n_params)
+        _check_count("n_params", self.n_params)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
 
@@ -853,10 +855,10 @@ def plan(
     model: PlannedModel,
     node: NodeSpec | None = None,
     *,
-    gpus: str = "1x80GiB",
-    cpu: str | int = "128GiB",
+    gpus: str | None = None,
+    cpu: str | int | None = None,
     ranks_per_node: int | None = None,
-    nodes: int = 1,
+    nodes: int | None = None,
     precision: str = "fp16",
     grad_reuse: bool = True,
     margin: int | str = 0,
@@ -867,16 +869,21 @@ def plan(
     max_probes: int = DEFAULT_MAX_PROBES,
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR,
 ) -> PlanReport:
-    """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node`` (or on the
-    node described by ``gpus``/``cpu``/``ranks_per_node``/``nodes``).
+    """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the
+    node described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"),
+    ``ranks_per_node`` (default: one per GPU) and ``nodes`` (default 1).
 
     Runs ``iterations`` training iterations of the real engine under ``simulate="meta"``
     (nothing is allocated), derives per-rank figures for multi-rank jobs, applies the peers'
     published placement rules and, with ``search_largest``, finds the largest ``n_layer`` of
     the family that fits for each of them.
     """
+    described = {"gpus": gpus, "cpu": cpu, "ranks_per_node": ranks_per_node, "nodes": nodes}
     if node is None:
-        node = NodeSpec.parse(gpus, cpu, ranks_per_node=ranks_per_node, nodes=nodes)
+        node = NodeSpec.parse(gpus or "1x80GiB", "128GiB" if cpu is None else cpu, ranks_per_node=ranks_per_node, nodes=nodes or 1)
+    elif any(v is not None for v in described.values()):
+        given = ", ".join(k for k, v in described.items() if v is not None)
+        raise ConfigError(f"plan() got node={node!r} and also {given}; describe the node once, one way or the other")
     request = PlanRequest(
         model=model,
         node=node,
@@ -1512,6 +1519,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer (1 or more)")
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be a whole number >= 0")
 
 
 def _check_bytes(name: str, value: object) -> None:

@@ -238,6 +238,8 @@ def test_inputs_are_validated_when_the_request_is_made():
         NodeSpec.parse("8x80GiB", "1TiB", ranks_per_node=9)
     with pytest.raises(ConfigError, match="iterations=1"):
         hybridps.plan(GPTShape(n_layer=1, d_model=64, n_head=4), iterations=1)
+    with pytest.raises(ConfigError, match="and also cpu; describe the node once"):
+        hybridps.plan(GPTShape(n_layer=1, d_model=64, n_head=4), NodeSpec.parse("1x1MiB", "1GiB"), cpu="2GiB")
 
 
 def test_the_json_output_is_one_object_with_every_figure():
