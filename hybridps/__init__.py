@@ -25,6 +25,17 @@ from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # ``hybridps.plan`` (the capacity planner, hybridps/planner.py) is imported on first use:
+    # importing it here would load it twice under ``python -m hybridps.planner``.
+    if name == "plan":
+        from hybridps.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'hybridps' has no attribute {name!r}")
+
+
 __all__ = [
     "CapacityError",
     "ChunkState",
@@ -41,4 +52,5 @@ __all__ = [
     "__version__",
     "init_distributed",
     "initialize",
+    "plan",
 ]

@@ -1,0 +1,293 @@
+"""The capacity planner against real simulated training runs, its search, the peers' rules
+and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import hybridps
+from hybridps import CapacityError, ConfigError
+from hybridps.models import GPT
+from hybridps.planner import (
+    GPTShape,
+    ModelFactory,
+    NodeSpec,
+    PlanRequest,
+    Planner,
+    add_subcommand,
+    deepspeed_zero2_offload_bytes,
+    deepspeed_zero3_offload_bytes,
+    derive_rank_share,
+    main,
+    parse_gpus,
+)
+from tests.training import tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = "4GiB"  # never the binding memory for these models
+
+
+def train_for_real(shape: GPTShape, gpu_bytes: int, *, precision: str, grad_reuse: bool, steps: int = 3, cpu=None) -> dict:
+    """A few real training steps on a simulated GPU (real tensors on the CPU): memory_stats()."""
+    torch.manual_seed(0)
+    model = GPT(shape.gpt_config)
+    devices = {"cuda:0": gpu_bytes} if cpu is None else {"cuda:0": gpu_bytes, "cpu": cpu}
+    # a fixed loss scale: the plan has no values, so it models a run whose fp16 steps never overflow
+    extra = {"static_loss_scale": 1.0} if precision == "fp16" else {}
+    config = hybridps.Config(devices=devices, simulate=True, precision=precision, grad_reuse=grad_reuse, **extra)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    for step in range(steps):
+        x, y = tokens(step, shape.batch_size, shape.seq_len, shape.vocab_size)
+        _, loss = engine(x.contiguous(), y.contiguous())
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    return engine.memory_stats()
+
+
+def plan_one(shape: GPTShape, gpu_bytes: int, **kwargs) -> hybridps.planner.PlanReport:
+    return hybridps.plan(shape, gpus=f"1x{gpu_bytes}", cpu=kwargs.pop("cpu", CPU), search_largest=False, **kwargs)
+
+
+def assert_within_5_percent(planned: int, measured: int, what: str) -> None:
+    assert abs(planned - measured) <= 0.05 * measured, f"{what}: planned {planned} B, measured {measured} B"
+
+
+# Three small GPTs, each in another training mode; the capacities are set from the plan of a
+# roomy GPU (model data, activations, smallest working set), so they follow the engine.
+FP32_GPT = GPTShape(n_layer=4, d_model=128, n_head=4, vocab_size=256, seq_len=64, batch_size=4)
+FP16_CHECKPOINTED_GPT = GPTShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2, checkpoint=True)
+BF16_ACCUMULATING_GPT = GPTShape(n_layer=3, d_model=192, n_head=6, vocab_size=512, seq_len=32, batch_size=2)
+
+
+def roomy(shape: GPTShape, **kwargs):
+    return plan_one(shape, 2**30, **kwargs).hybridps
+
+
+@pytest.mark.parametrize(
+    "shape, mode, capacities",
+    [
+        # fits with chunks moving / below the smallest working set: ConfigError at initialize
+        (FP32_GPT, dict(precision="fp32", grad_reuse=True), ("fits", "below_working_set")),
+        # fits with chunks moving / activations leave no room: CapacityError while training
+        (FP16_CHECKPOINTED_GPT, dict(precision="fp16", grad_reuse=True), ("fits", "activations_fill_it")),
+        # two capacities that fit with different placements
+        (BF16_ACCUMULATING_GPT, dict(precision="bf16", grad_reuse=False), ("fits", "holds_everything")),
+    ],
+    ids=["fp32", "fp16-checkpointed", "bf16-no-grad-reuse"],
+)
+def test_planned_peaks_and_verdicts_match_real_simulated_training(shape, mode, capacities):
+    """hybridps.plan's peak model data on cuda:0 and cpu is within 5% of a real run (real
+    tensors, simulated GPU, 3 steps), and the plan says 'does not fit' exactly when the run
+    raises."""
+    big = roomy(shape, **mode)
+    model_data, activations, working_set = big.model_data_bytes, big.non_model_peak_bytes, big.min_compute_bytes
+    choose = {
+        "fits": activations + model_data // 3,
+        "below_working_set": working_set // 2,
+        "activations_fill_it": activations + working_set // 2,
+        "holds_everything": activations + model_data + model_data // 4,
+    }
+    peaks_seen = set()
+    for name in capacities:
+        capacity = choose[name]
+        planned = plan_one(shape, capacity, **mode).hybridps
+        expected_error = {"below_working_set": ConfigError, "activations_fill_it": CapacityError}.get(name)
+        try:
+            measured = train_for_real(shape, capacity, **mode)
+        except (CapacityError, ConfigError) as exc:
+            assert not planned.fits, f"{name}: the run raised {exc!r} but the plan says it fits"
+            assert type(exc) is expected_error and type(exc).__name__ in planned.reason, (planned.reason, exc)
+            continue
+        assert expected_error is None, f"{name}: the capacity was meant to be too small"
+        assert planned.fits, f"{name}: the run trained but the plan says: {planned.reason}"
+        for device, figures in (("cuda:0", planned.gpu), ("cpu", planned.cpu)):
+            assert_within_5_percent(figures.peak_bytes, measured["devices"][device]["peak_bytes"], f"{name} {device} peak")
+        assert planned.model_data_bytes == measured["model_data_bytes"]
+        assert planned.chunk_size_elements == measured["chunk_size"]
+        peaks_seen.add(planned.gpu.peak_bytes)
+        if name == "fits":
+            assert sum(planned.moved_bytes_per_step.values()) > 0, "a tight GPU must move chunks every step"
+    if capacities == ("fits", "holds_everything"):
+        assert len(peaks_seen) == 2, "the two capacities were meant to place chunks differently"
+
+
+# the engine's forward hook (always_call) re-raises the same no-room error after the failed forward
+@pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised an exception")
+def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
+    """The search says n fits and n + 1 does not; real simulated runs (with the same CPU) agree."""
+    shape = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    gpu, cpu = 2 * 2**20, 3 * 2**20
+    report = hybridps.plan(shape, gpus=f"1x{gpu}", cpu=cpu, precision="fp32")
+    largest = report.hybridps.largest
+    assert largest.confirmed and largest.method == "simulated" and 2 < largest.n_layer < 20
+    train_for_real(shape.with_layers(largest.n_layer), gpu, precision="fp32", grad_reuse=True, cpu=cpu)
+    with pytest.raises((CapacityError, ConfigError)):
+        train_for_real(shape.with_layers(largest.n_layer + 1), gpu, precision="fp32", grad_reuse=True, cpu=cpu)
+    assert largest.probes <= 6, "the linear prediction should land near the boundary"
+    by_name = {p.name: p for p in report.peers}
+    assert set(by_name) == {"deepspeed-zero-offload", "deepspeed-zero3-offload"}
+    for peer in by_name.values():
+        assert peer.largest is not None and peer.largest.method == "published rule"
+
+
+def test_a_50b_parameter_gpt_plans_in_seconds_without_allocating_model_memory():
+    shape = GPTShape(n_layer=62, d_model=8192, n_head=64, vocab_size=50304, seq_len=2048, batch_size=1, checkpoint=True)
+    assert 50e9 < shape.n_params < 51e9
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    report = hybridps.plan(shape, gpus="1x80GiB", cpu="1TiB")
+    seconds = time.perf_counter() - start
+    grown_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    h = report.hybridps
+    assert seconds < 30, f"planning took {seconds:.1f} s"
+    assert grown_bytes < 2**30, f"RSS grew by {grown_bytes / 2**30:.2f} GiB: model memory was allocated"
+    assert h.fits and h.model_data_bytes >= 14 * shape.n_params  # ~720 GB planned, nothing allocated
+    assert 0 < h.gpu.peak_bytes <= 80 * 2**30 and h.non_model_peak_bytes > 0
+    assert sum(h.moved_bytes_per_step.values()) > 0
+    assert h.largest.confirmed and h.largest.n_layer > 62
+    # ZeRO-Offload keeps every fp16 param on the GPU: 2 B x 50 B params > 80 GiB
+    assert not next(p for p in report.peers if p.name == "deepspeed-zero-offload").fits
+
+
+def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
+    shape = GPTShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    node = NodeSpec.parse("4x2MiB", "8MiB")
+    planner = Planner(PlanRequest(model=shape, node=node, precision="fp32", search_largest=False))
+    ev = planner.evaluate(4)
+    sim, share = ev.sim, ev.share
+    assert sim.completed and share is not None
+    padded = -(-len(sim.chunk_capacities) // 4) * 4
+    padded_elements = sum(sim.chunk_capacities) + (padded - len(sim.chunk_capacities)) * sim.chunk_size_elements
+    assert share.owned_bytes == -(-padded_elements // 4) * sim.bytes_per_element
+    assert share.round_robin_owned_bytes >= share.owned_bytes
+    # every rank of a group gathers the group's param chunks while a module computes
+    assert share.gathered_bytes >= sim.min_compute_bytes
+    assert share.gpu_need_bytes == sim.non_model_peak_bytes + share.gathered_bytes
+    assert share.cpu_node_bytes == 4 * share.cpu_bytes
+    report = hybridps.plan(shape, node, precision="fp32", search_largest=False)
+    assert report.hybridps.derived and report.hybridps.gpu.derived and report.hybridps.cpu.derived
+    assert report.to_dict()["node"]["world_size"] == 4
+    # one rank: the derivation gives back the simulated layout
+    single = Planner(PlanRequest(model=shape, node=NodeSpec.parse("1x2MiB", "8MiB"), precision="fp32", search_largest=False))
+    one = derive_rank_share(single.evaluate(4).sim, NodeSpec.parse("1x2MiB", "8MiB"))
+    assert one.owned_bytes == sim.model_data_bytes and one.gathered_bytes == sim.min_compute_bytes
+
+
+def test_a_node_cpu_too_small_for_its_ranks_shares_does_not_fit():
+    shape = GPTShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    roomy_cpu = hybridps.plan(shape, gpus="4x2MiB", cpu="64MiB", precision="fp32", search_largest=False).hybridps
+    assert roomy_cpu.fits and roomy_cpu.cpu_node_bytes > 0
+    tight = hybridps.plan(shape, gpus="4x2MiB", cpu=roomy_cpu.cpu_node_bytes - 1, precision="fp32", search_largest=False)
+    assert not tight.fits and "CPU of a node" in tight.hybridps.reason and "(derived)" in tight.hybridps.reason
+
+
+def test_peer_placements_follow_the_published_deepspeed_estimators():
+    # estimate_zero2_model_states_mem_needs(1e9, 8, 1, cpu_offload=True): CPU 1e9 x max(32, 16) x 1.5
+    assert deepspeed_zero2_offload_bytes(10**9, 8, 1) == (48 * 10**9, 2 * 10**9)
+    assert deepspeed_zero2_offload_bytes(10**9, 1, 1) == (24 * 10**9, 2 * 10**9)
+    # estimate_zero3_model_states_mem_needs(1e9, 1e8, 8, 2, offload both, zero_init): CPU 1e9 x 18 / 2 x 1.5
+    assert deepspeed_zero3_offload_bytes(10**9, 10**8, 8, 2) == (int(13.5 * 10**9), 4 * 10**8)
+
+
+def test_a_model_factory_plans_like_its_gpt_shape():
+    shape = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    factory = ModelFactory(
+        build_fn=lambda n: GPT(shape.with_layers(n).gpt_config),
+        inputs_fn=shape.inputs,
+        loss_fn=shape.loss,
+        n_layer=2,
+        name="my-gpt",
+    )
+    a = hybridps.plan(shape, gpus="1x1MiB", cpu=CPU, precision="bf16", search_largest=False)
+    b = hybridps.plan(factory, gpus="1x1MiB", cpu=CPU, precision="bf16", search_largest=False)
+    assert b.model["family"] == "my-gpt"
+    assert (a.hybridps.gpu, a.hybridps.cpu, a.n_params) == (b.hybridps.gpu, b.hybridps.cpu, b.n_params)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("8x80GiB", (8, 80 * 2**30)), ("80GiB", (1, 80 * 2**30)), ("2 x 40GB", (2, 40 * 10**9)), ("4*1024", (4, 1024))],
+)
+def test_gpu_specs_read_count_times_capacity(text, expected):
+    assert parse_gpus(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8y80", "x80GiB", "0x80GiB", "8x0", ""])
+def test_unreadable_gpu_specs_name_the_value_and_the_fix(text):
+    with pytest.raises(ConfigError, match=r"--gpus .*(COUNTxSIZE|positive size)"):
+        parse_gpus(text)
+
+
+def test_inputs_are_validated_when_the_request_is_made():
+    with pytest.raises(ConfigError, match="n_layer=0"):
+        GPTShape(n_layer=0, d_model=64, n_head=4)
+    with pytest.raises(ConfigError, match=r"multiple of n_head=3; pick heads that divide the hidden size \(for example n_head=2\)"):
+        GPTShape(n_layer=1, d_model=64, n_head=3)
+    with pytest.raises(ConfigError, match="ranks_per_node=9 is more than the 8 GPUs"):
+        NodeSpec.parse("8x80GiB", "1TiB", ranks_per_node=9)
+    with pytest.raises(ConfigError, match="iterations=1"):
+        hybridps.plan(GPTShape(n_layer=1, d_model=64, n_head=4), iterations=1)
+    with pytest.raises(ConfigError, match="and also cpu; describe the node once"):
+        hybridps.plan(GPTShape(n_layer=1, d_model=64, n_head=4), NodeSpec.parse("1x1MiB", "1GiB"), cpu="2GiB")
+
+
+def test_the_json_output_is_one_object_with_every_figure():
+    """``python -m hybridps.planner ... --json`` (a real subprocess, as a user runs it)."""
+    cmd = [sys.executable, "-m", "hybridps.planner", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256",
+           "--seq-len", "32", "--batch", "2", "--gpus", "1x1MiB", "--cpu", "16MiB", "--json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)  # exactly one JSON document
+    assert out["fits"] is True and out["model"]["n_layer"] == 2 and out["node"]["world_size"] == 1
+    h = out["hybridps"]
+    for key in ("fits", "chunk_size_elements", "model_data_bytes", "moved_bytes_per_step", "largest", "derived"):
+        assert key in h, key
+    for device in ("gpu", "cpu"):
+        assert {"device", "capacity_bytes", "model_data_bytes", "peak_bytes"} <= set(h[device])
+    assert h["largest"]["n_layer"] >= 2 and h["largest"]["confirmed"]
+    assert [p["name"] for p in out["peers"]] == ["deepspeed-zero-offload", "deepspeed-zero3-offload"]
+    assert all("largest" in p and "fits" in p and "rule" in p for p in out["peers"])
+    assert out["largest_model_method"].startswith("n_layer at fixed width")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "2", "--hidden", "64", "--gpus", "8y80"], r"--gpus '8y80' cannot be read.*8x80GiB"),
+        (["--layers", "2", "--hidden", "64", "--cpu", "lots"], r"--cpu: cannot read 'lots' as bytes.*'2GiB'"),
+        (["--layers", "2"], r"--hidden missing: give the model shape"),
+    ],
+)
+def test_bad_input_exits_non_zero_naming_the_value_and_the_fix(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridps plan: error:")
+    assert re.search(message, err), err
+
+
+def test_zero_layers_are_refused_by_the_parser_with_the_fix(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--layers", "0", "--hidden", "64"])
+    assert exit_info.value.code != 0
+    assert "argument --layers: 0 is not a positive count; give 1 or more" in capsys.readouterr().err
+
+
+def test_the_plan_subcommand_plugs_into_another_parser(capsys):
+    parser = argparse.ArgumentParser(prog="hybridps")
+    add_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "16",
+                              "--gpus", "1MiB", "--cpu", "16MiB", "--no-search"])  # fmt: skip
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "HybridPS (simulated)" in table and "DeepSpeed ZeRO-Offload" in table and "planned, not measured" in table
