@@ -90,17 +90,18 @@ def estimate_activation_bytes(cfg, batch: int) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", type=Path, default=None, help="a text file or folder (default: the Python standard library's sources)")
     ap.add_argument("--data-bytes", default="8MiB", help="how much text to read (default 8MiB)")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     ap.add_argument("--gpu-capacity", default="auto",
-                    help="capacity of the (simulated) GPU: bytes with units, or 'auto' = activations + 40%% of the model data")
+                    help="capacity of the (simulated) GPU: bytes with units, or 'auto' = 90%% of the model data "
+                         "(more when the activations need it)")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--manager", default=None, help="node daemon endpoint ('auto' for the default); default: embedded")
     ap.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here at the end")
@@ -136,8 +137,13 @@ def run(args: argparse.Namespace) -> dict:
     devices: dict = {}
     if not torch.cuda.is_available():
         if args.gpu_capacity == "auto":
+            # Below the model data, so chunks really move; but leave a quarter of the model
+            # data for chunks beside the activations at their peak.
             scale = 0.5 if args.precision != "fp32" else 1.0
-            capacity = int(estimate_activation_bytes(cfg, micro) * scale + 0.4 * model_bytes)
+            activations = int(estimate_activation_bytes(cfg, micro) * scale)
+            capacity = max(int(0.9 * model_bytes), activations + model_bytes // 4)
+            if capacity > model_bytes:
+                logger.warning("activations (~%s) need a simulated GPU larger than the model data", format_bytes(activations))
         else:
             capacity = parse_bytes(args.gpu_capacity, what="--gpu-capacity")
         devices = {"cuda:local": capacity}

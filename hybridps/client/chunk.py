@@ -39,6 +39,7 @@ class Chunk:
         self.chunk_id = chunk_id
         self.payload: torch.Tensor | None = None
         self.device: str | None = None  # logical device name while a payload exists
+        self._views: dict[int, torch.Tensor] = {}  # slot index -> shaped view of the payload
         self.slots: list[Slot] = []
         self._pos: dict[int, int] = {}  # slot.index -> position in self.slots / self.states
         self.states: list[TensorState] = []
@@ -98,6 +99,14 @@ class Chunk:
         assert self.payload is not None, f"{self} has no payload"
         return self.payload[slot.offset : slot.end]
 
+    def shaped_view(self, slot: Slot, shape: torch.Size) -> torch.Tensor:
+        """The slot as a tensor of ``shape``; cached until the payload changes, so repeated
+        accesses of a resident chunk build no new views (and no stale one outlives a move)."""
+        view = self._views.get(slot.index)
+        if view is None:
+            view = self._views[slot.index] = self.view(slot).view(shape)
+        return view
+
     def allocate(self, device: DeviceSpec, *, zero: bool = True) -> None:
         """Give the chunk a payload on ``device``: zeroed (padding must never hold garbage)
         unless the caller overwrites all of it right away (``zero=False``)."""
@@ -105,6 +114,7 @@ class Chunk:
         make = torch.zeros if zero else torch.empty
         self.payload = make(self.capacity, dtype=self.dtype, device=device.torch_device)
         self.device = device.name
+        self._views.clear()
 
     def move_to(self, device: DeviceSpec, *, non_blocking: bool = False) -> None:
         """Move the payload to ``device`` as one copy."""
@@ -113,10 +123,12 @@ class Chunk:
         dst.copy_(self.payload, non_blocking=non_blocking)
         self.payload = dst
         self.device = device.name
+        self._views.clear()
 
     def drop(self) -> None:
         self.payload = None
         self.device = None
+        self._views.clear()
 
     def __repr__(self) -> str:
         where = self.device or "unallocated"

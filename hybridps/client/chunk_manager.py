@@ -59,6 +59,7 @@ class ChunkManager:
         self.inventory = inventory
         self.connection = connection
         self.compute = inventory.compute_device
+        self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
         self.margin_bytes = margin_bytes
         self.eviction: EvictionPolicy = eviction or LRUPolicy()
         #: bytes of non-model memory to keep free on a device now; set by the tracer.
@@ -82,7 +83,7 @@ class ChunkManager:
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
-        spec = self.inventory[device]
+        spec = self._specs.get(device) or self.inventory[device]
         if not spec.is_gpu:
             return spec.capacity_bytes
         return spec.capacity_bytes - self.reserve_fn(device) - self.margin_bytes

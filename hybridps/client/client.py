@@ -399,7 +399,7 @@ class Client:
             except BaseException:
                 chunk.set_slot_state(info.slot, previous, info)
                 raise
-            param.data = chunk.payload[info.slot.offset : info.slot.end].view(info.shape)  # type: ignore[index]
+            param.data = chunk.shaped_view(info.slot, info.shape)
         info.refs += 1
         return param.data
 

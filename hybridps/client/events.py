@@ -28,15 +28,27 @@ class EventRecorder:
 
     def __init__(self, client: Client, *, max_events: int = 1_000_000, max_moments: int = 200_000):
         self.client = client
-        self.enabled = False
+        self._enabled = False
         self.events: collections.deque = collections.deque(maxlen=max_events)
         self.history: collections.deque = collections.deque(maxlen=max_moments)
         self._t0 = time.perf_counter_ns()
         self._moment = 0
         self._step_started: dict[int, int] = {}
-        chunks = client.chunks
-        chunks.access_listeners.append(self._on_access)
-        chunks.move_listeners.append(self._on_move)
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Listen to the chunk manager only while recording: its hot path stays bare."""
+        chunks = self.client.chunks
+        for listeners, fn in ((chunks.access_listeners, self._on_access), (chunks.move_listeners, self._on_move)):
+            if on and fn not in listeners:
+                listeners.append(fn)
+            elif not on and fn in listeners:
+                listeners.remove(fn)
+        self._enabled = on
 
     def _now_us(self) -> float:
         return (time.perf_counter_ns() - self._t0) / 1000.0

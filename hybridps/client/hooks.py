@@ -123,7 +123,9 @@ class ModuleHooks:
         self._active[mod] = active - 1
         if torch.is_grad_enabled():
             outputs = [t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None]
-            if outputs:
+            if len(outputs) == 1:  # the common case: a plain tensor hook is much cheaper
+                outputs[0].register_hook(functools.partial(self._pre_backward_tensor, mod))
+            elif outputs:
                 register_multi_grad_hook(outputs, functools.partial(self._pre_backward, mod), mode="any")
         for p in params:
             self.client.release(p, TensorState.HOLD_AFTER_FWD)
@@ -138,6 +140,9 @@ class ModuleHooks:
             if id(p) not in self._held_for_backward:
                 self.client.access(p, who=who)
                 self._held_for_backward[id(p)] = p
+
+    def _pre_backward_tensor(self, mod: nn.Module, grad: torch.Tensor) -> None:
+        self._pre_backward(mod, grad)  # returns None: the grad passes unchanged
 
     def _post_backward(self, mod: nn.Module, grads) -> None:
         for p in self.own[mod]:

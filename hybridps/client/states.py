@@ -26,6 +26,10 @@ class TensorState(enum.Enum):
     HOLD_AFTER_FWD = "hold_after_fwd"
     HOLD_AFTER_BWD = "hold_after_bwd"
 
+    # Members are singletons: identity hashing (in C) is correct and keeps the per-access
+    # state bookkeeping off Enum's Python-level __hash__.
+    __hash__ = object.__hash__
+
 
 class ChunkState(enum.Enum):
     FREE = "free"

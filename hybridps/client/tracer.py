@@ -91,7 +91,6 @@ class MemoryTracer:
         #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
         self.tick_listeners: list = []
         client.chunks.reserve_fn = self.reserve
-        client.chunks.access_listeners.append(self._on_access)
 
     # -- live non-model measurement --------------------------------------------------------
 
@@ -150,8 +149,17 @@ class MemoryTracer:
         else:
             self.mode = TraceMode.RECORD
             self.labels, self.non_model, self.accesses = [], [], []
+            self._listen(True)  # chunk accesses are recorded during warm-up only
+
+    def _listen(self, on: bool) -> None:
+        listeners = self.client.chunks.access_listeners
+        if on and self._on_access not in listeners:
+            listeners.append(self._on_access)
+        elif not on and self._on_access in listeners:
+            listeners.remove(self._on_access)
 
     def end_iteration(self) -> None:
+        self._listen(False)
         if self.mode is TraceMode.RECORD:
             self._finish_trace()
         self.mode = TraceMode.OFF
@@ -196,6 +204,7 @@ class MemoryTracer:
         self.has_trace = False
         self.retraces += 1
         self.mode = TraceMode.OFF
+        self._listen(False)
 
     def observe(self, live: int | None = None) -> None:
         """Record the peaks of non-model and of chunks + non-model on the compute device."""
