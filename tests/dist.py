@@ -45,9 +45,13 @@ def _worker(rank, world, port, fn, args, outdir, timeout_s, env, threads):
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), f)
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Every rank finished: meet once more, tear the group down, and leave without the
+    # interpreter's finalisers, where gloo's threads can race static destructors (an abort
+    # after the work is done). A failure inside ``fn`` raised above and still fails the run.
+    dist.barrier()
+    dist.destroy_process_group()
+    stacks.close()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False, threads: int = 1):

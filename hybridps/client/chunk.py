@@ -107,28 +107,41 @@ class Chunk:
             view = self._views[slot.index] = self.view(slot).view(shape)
         return view
 
-    def allocate(self, device: DeviceSpec, *, zero: bool = True) -> None:
-        """Give the chunk a payload on ``device``: zeroed (padding must never hold garbage)
-        unless the caller overwrites all of it right away (``zero=False``)."""
+    def new_buffer(self, device: DeviceSpec, *, pin: bool = False) -> torch.Tensor:
+        """An uninitialised buffer the size of this chunk on ``device`` (pinned host memory
+        with ``pin``)."""
+        if pin and device.torch_device.type == "cpu":
+            return torch.empty(self.capacity, dtype=self.dtype, pin_memory=True)
+        return torch.empty(self.capacity, dtype=self.dtype, device=device.torch_device)
+
+    def allocate(self, device: DeviceSpec, *, zero: bool = True, buffer: torch.Tensor | None = None) -> None:
+        """Give the chunk a payload on ``device`` (``buffer`` if given): zeroed (padding must
+        never hold garbage) unless the caller overwrites all of it right away."""
         assert self.payload is None, f"{self} is already allocated"
-        make = torch.zeros if zero else torch.empty
-        self.payload = make(self.capacity, dtype=self.dtype, device=device.torch_device)
+        payload = buffer if buffer is not None else self.new_buffer(device)
+        if zero:
+            payload.zero_()
+        self.payload = payload
         self.device = device.name
         self._views.clear()
 
-    def move_to(self, device: DeviceSpec, *, non_blocking: bool = False) -> None:
-        """Move the payload to ``device`` as one copy."""
+    def move_to(self, device: DeviceSpec, *, buffer: torch.Tensor | None = None, non_blocking: bool = False) -> torch.Tensor:
+        """Move the payload to ``device`` (into ``buffer`` if given) as one copy; return the
+        old payload."""
         assert self.payload is not None, f"{self} has no payload to move"
-        dst = torch.empty(self.capacity, dtype=self.dtype, device=device.torch_device)
+        dst = buffer if buffer is not None else self.new_buffer(device)
         dst.copy_(self.payload, non_blocking=non_blocking)
-        self.payload = dst
+        old, self.payload = self.payload, dst
         self.device = device.name
         self._views.clear()
+        return old
 
-    def drop(self) -> None:
-        self.payload = None
+    def drop(self) -> torch.Tensor | None:
+        """Forget the payload; return it."""
+        old, self.payload = self.payload, None
         self.device = None
         self._views.clear()
+        return old
 
     def __repr__(self) -> str:
         where = self.device or "unallocated"

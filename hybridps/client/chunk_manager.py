@@ -29,6 +29,7 @@ import torch
 
 from hybridps.client.chunk import Chunk
 from hybridps.client.eviction import EvictionPolicy, LRUPolicy
+from hybridps.client.pool import PayloadPool
 from hybridps.client.states import ChunkState
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
@@ -55,11 +56,16 @@ class ChunkManager:
         *,
         margin_bytes: int = 0,
         eviction: EvictionPolicy | None = None,
+        pool_bytes: int = 0,
     ):
         self.inventory = inventory
         self.connection = connection
         self.compute = inventory.compute_device
         self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
+        #: host buffers kept for reuse; their bytes are booked on the CPU with the manager
+        self.pool = PayloadPool(pool_bytes)
+        #: host payloads are pinned when a real GPU computes (asynchronous copies need it)
+        self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
         self.margin_bytes = margin_bytes
         self.eviction: EvictionPolicy = eviction or LRUPolicy()
         #: bytes of non-model memory to keep free on a device now; set by the tracer.
@@ -68,6 +74,7 @@ class ChunkManager:
         self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         #: peak of this client's chunk bytes on all devices together
         self.peak_all_bytes = 0
+        self._used_all_bytes = 0
         self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
         self.moved_bytes: collections.Counter[str] = collections.Counter()
         self.moves = 0
@@ -123,8 +130,38 @@ class ChunkManager:
         device = chunk.device
         assert device is not None
         self._account(device, chunk, -1)
-        chunk.drop()
+        old = chunk.drop()
         self.connection.remove(device, chunk.nbytes)
+        self._recycle(old)
+
+    # -- host buffer pool ------------------------------------------------------------------
+
+    def _buffer(self, chunk: Chunk, device: str) -> torch.Tensor | None:
+        """A pooled host buffer for ``chunk`` on ``device``, if one is free."""
+        spec = self._specs[device]
+        if spec.torch_device.type != "cpu":
+            return None
+        buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=self.pin_host)
+        if buf is not None:
+            self.connection.remove("cpu", chunk.nbytes)  # leaves the pool, booked as a chunk below
+        elif self.pin_host:
+            buf = chunk.new_buffer(spec, pin=True)
+        return buf
+
+    def _recycle(self, old: torch.Tensor | None) -> None:
+        if old is None or old.device.type != "cpu":
+            return
+        if not self.pool.give(old):
+            return
+        try:
+            self.connection.add("cpu", old.numel() * old.element_size())
+        except CapacityError:  # no room on the CPU for an idle buffer: let it go
+            self.pool.take(old.dtype, old.numel(), pinned=old.is_pinned())
+
+    def release_pool(self) -> None:
+        released = self.pool.clear()
+        if released:
+            self.connection.remove("cpu", released)
 
     def make_room(self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "") -> None:
         """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
@@ -171,7 +208,7 @@ class ChunkManager:
     def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True) -> None:
         self.connection.add(device, chunk.nbytes)
         try:
-            chunk.allocate(self.inventory[device], zero=zero)
+            chunk.allocate(self._specs[device], zero=zero, buffer=self._buffer(chunk, device))
         except BaseException:
             self.connection.remove(device, chunk.nbytes)
             raise
@@ -184,12 +221,13 @@ class ChunkManager:
         self._account(src, chunk, -1)
         started = time.perf_counter()
         try:
-            chunk.move_to(self.inventory[device])
+            old = chunk.move_to(self._specs[device], buffer=self._buffer(chunk, device))
         except BaseException:
             self._account(src, chunk, +1)
             self.connection.remove(device, chunk.nbytes)
             raise
         self._account(device, chunk, +1)
+        self._recycle(old)
         self.connection.remove(src, chunk.nbytes)
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
@@ -201,11 +239,12 @@ class ChunkManager:
         """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on ``device``."""
         assert chunk.payload is not None
         self.used_bytes[device] += sign * chunk.nbytes
+        self._used_all_bytes += sign * chunk.nbytes
         ptr = storage_key(chunk.payload)
         if sign > 0:
             self.resident[device][chunk.chunk_id] = chunk
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
-            self.peak_all_bytes = max(self.peak_all_bytes, sum(self.used_bytes.values()))
+            self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
             self.payload_ptrs.add(ptr)
         else:
             del self.resident[device][chunk.chunk_id]
@@ -250,6 +289,7 @@ class ChunkManager:
         }
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
-        """Free every payload (client shutdown)."""
+        """Free every payload and the pool (client shutdown)."""
         for chunk in chunks:
             self.free(chunk)
+        self.release_pool()

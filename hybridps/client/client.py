@@ -227,6 +227,7 @@ class Client:
             self._broken = f"registration failed ({exc}); the params were given their data back"
             raise
         self.layout = plan
+        self._size_pool()
 
     def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
         """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
@@ -245,8 +246,16 @@ class Client:
             values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)
         self.groups.setup()
+        self._size_pool()
         for info in self.params:
             info.param.data = self._placeholder(self.param_dtype)
+
+    def _size_pool(self) -> None:
+        if self.config.pool_bytes is not None:
+            self.chunks.pool.cap_bytes = self.config.pool_bytes
+        else:  # enough for a few moves in flight of the largest (fp32) chunks
+            largest = max((self.layout.capacity(i) for i in range(self.layout.num_chunks)), default=0)
+            self.chunks.pool.cap_bytes = 4 * 4 * largest
 
     def _pick_chunk_size(self, numels: list[int]) -> int:
         if self.config.chunk_size is not None:
@@ -669,6 +678,7 @@ class Client:
             "moved_bytes": dict(self.chunks.moved_bytes),
             "moves": self.chunks.moves,
             "evictions": self.chunks.evictions,
+            "pool": self.chunks.pool.stats(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
             "peak_model_data_bytes": self.chunks.peak_all_bytes,

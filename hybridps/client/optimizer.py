@@ -175,15 +175,18 @@ class ChunkedAdam(torch.optim.Optimizer):
         return (local ** (1.0 / norm_type)).to(torch.float32)
 
     def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
-        """True if any grad (on any rank) is inf or NaN: one fp32 reduction per chunk."""
+        """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk."""
         if self.client.compute.meta:
             return False  # no values to overflow (capacity planning)
-        sums = [torch.zeros(())]
+        extremes = [torch.zeros(2)]
         for index in grads:
             chunk = self.client.lists[self.client.grad_kind][index]
             assert chunk.payload is not None
-            sums.append(chunk.payload[: self.client.layout.used(index)].sum(dtype=torch.float32).cpu())
-        found = torch.tensor(0 if bool(torch.isfinite(torch.stack(sums)).all()) else 1, dtype=torch.uint8)
+            # min and max see NaN, +inf and -inf, in the grads' own dtype: half the work of
+            # an fp32-accumulating sum
+            lo, hi = torch.aminmax(chunk.payload[: self.client.layout.used(index)])
+            extremes.append(torch.stack([lo, hi]).float().cpu())
+        found = torch.tensor(0 if bool(torch.isfinite(torch.cat(extremes)).all()) else 1, dtype=torch.uint8)
         if self.client.groups is not None:
             self.client.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
         return bool(found)
@@ -249,25 +252,27 @@ class ChunkedAdam(torch.optim.Optimizer):
             m, v = client.lists[ChunkKind.MOMENTUM][index].payload, client.lists[ChunkKind.VARIANCE][index].payload
             assert master is not None and grad_chunk.payload is not None and m is not None and v is not None
             runs = self._runs(infos)
+            divisor = None  # what the fused kernel divides the grads by (unscale and clip, folded)
             if grad_chunk.dtype == torch.float32 and inv_scale is None:
                 grads = grad_chunk.payload
                 if self._clip_coef is not None:
+                    # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
                     coef = self._clip_coef.to(grads.device)
                     for _, _, start, end in runs:
                         grads[start:end].mul_(coef)
             else:
                 grads = self._buffer(device, grad_chunk.capacity)
-                grads[:used].copy_(grad_chunk.payload[:used])
+                grads[:used].copy_(grad_chunk.payload[:used])  # to fp32, one pass
                 factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
                 if self._clip_coef is not None:
                     factor = factor * self._clip_coef.cpu()
                 if inv_scale is not None or self._clip_coef is not None:
-                    grads[:used].mul_(factor.to(grads.device))
+                    divisor = (1.0 / factor).to(grads.device)
             by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
             for group, step, start, end in runs:
                 by_key.setdefault((group, step), []).append((start, end))
             for (g, step), spans in by_key.items():
-                self._adam(self.param_groups[g], step, [(master, grads, m, v, s, e) for s, e in spans])
+                self._adam(self.param_groups[g], step, [(master, grads, m, v, s, e) for s, e in spans], divisor)
             if master_kind is not ChunkKind.PARAM:
                 self._write_back(index, used)
         finally:
@@ -294,13 +299,19 @@ class ChunkedAdam(torch.optim.Optimizer):
             prev_end_slot = info.slot.index
         return runs
 
-    def _adam(self, group: dict, step: int, spans: list) -> None:
+    def _adam(self, group: dict, step: int, spans: list, divisor: torch.Tensor | None = None) -> None:
+        """Adam over the spans (views of one chunk's master, grads, momentum, variance);
+        ``divisor`` scales the grads down first (folded into the fused kernel)."""
         params = [master[s:e] for master, _, _, _, s, e in spans]
         grads = [g[s:e] for _, g, _, _, s, e in spans]
+        fused = group.get("fused") is not False
+        if divisor is not None and not fused:  # the for-loop kernel takes no scale: one pass
+            for g in grads:
+                g.div_(divisor)
+            divisor = None
         exp_avgs = [m[s:e] for _, _, m, _, s, e in spans]
         exp_avg_sqs = [v[s:e] for _, _, _, v, s, e in spans]
         device = params[0].device
-        fused = group.get("fused") is not False
         step_device = device if (fused and device.type != "cpu") else torch.device("cpu")
         state_steps = [torch.tensor(float(step), dtype=torch.float32, device=step_device) for _ in spans]
         beta1, beta2 = group["betas"]
@@ -315,6 +326,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             capturable=False,
             differentiable=False,
             fused=fused,
+            grad_scale=divisor,
+            found_inf=None if divisor is None else torch.zeros((), dtype=torch.float32, device=device),
             has_complex=False,
             decoupled_weight_decay=group["decoupled_weight_decay"],
             amsgrad=False,

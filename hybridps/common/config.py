@@ -67,6 +67,9 @@ class Config:
     min_loss_scale: float = 1.0
     #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
     trace: bool = True
+    #: Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes);
+    #: None = four of the largest chunks.
+    pool_bytes: int | str | None = None
     #: Record chunk events and the memory history from the start (export_trace, plot_memory);
     #: ``engine.record(True)`` turns it on later.
     record: bool = False
@@ -106,6 +109,8 @@ class Config:
         if self.manager is not None and not isinstance(self.manager, str):
             raise ConfigError(f"manager={self.manager!r}; use None (embedded), 'auto' or an endpoint string")
         object.__setattr__(self, "margin", parse_bytes(self.margin, what="margin"))
+        if self.pool_bytes is not None:
+            object.__setattr__(self, "pool_bytes", parse_bytes(self.pool_bytes, what="pool_bytes"))
         if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1:
             raise ConfigError(f"alignment={self.alignment!r} must be a positive number of elements")
         if self.eviction not in EVICTIONS:

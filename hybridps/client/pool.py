@@ -1,0 +1,80 @@
+"""Payload pool: freed host-side chunk buffers kept for reuse.
+
+A fresh multi-MiB CPU allocation page-faults on first touch, which halves the bandwidth of
+a chunk move (measured: 13.8 vs 24.7 GB/s for 16 MiB here), and pinned host memory, which
+asynchronous GPU copies need, is slow to allocate at all. So payloads that leave a host
+buffer (a chunk moved to the GPU, a chunk dropped) wait here for the next chunk of the same
+size, up to a cap in bytes. CUDA payloads are not pooled: PyTorch's caching allocator
+already reuses them.
+
+A buffer is pooled only when nothing else refers to its storage: a view of the old payload
+saved by autograd for backward must keep seeing the old values, so such a buffer is left to
+the garbage collector instead of being handed to another chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+def _use_count(t: torch.Tensor) -> int | None:
+    counter = getattr(torch._C, "_storage_Use_Count", None)  # no public API tells this
+    if counter is None:
+        return None
+    return counter(t.untyped_storage()._cdata)
+
+
+_UNSHARED = _use_count(torch.empty(1))  # the count of a tensor nothing else refers to
+
+
+class PayloadPool:
+    """Reusable host buffers by (dtype, elements, pinned), up to ``cap_bytes`` in total."""
+
+    def __init__(self, cap_bytes: int, *, per_size: int = 4):
+        self.cap_bytes = cap_bytes
+        self.per_size = per_size
+        self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
+        self.held_bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def _key(dtype: torch.dtype, numel: int, pinned: bool) -> tuple:
+        return (dtype, numel, pinned)
+
+    def take(self, dtype: torch.dtype, numel: int, *, pinned: bool = False) -> torch.Tensor | None:
+        bucket = self._free.get(self._key(dtype, numel, pinned))
+        if not bucket:
+            self.misses += 1
+            return None
+        buf = bucket.pop()
+        self.held_bytes -= buf.numel() * buf.element_size()
+        self.hits += 1
+        return buf
+
+    def give(self, buf: torch.Tensor) -> bool:
+        """Keep ``buf`` for reuse if it is a host buffer nothing else refers to and the cap
+        allows; returns whether it was kept."""
+        if buf.device.type != "cpu" or _UNSHARED is None:
+            return False
+        nbytes = buf.numel() * buf.element_size()
+        key = self._key(buf.dtype, buf.numel(), buf.is_pinned())
+        if self.held_bytes + nbytes > self.cap_bytes or len(self._free[key]) >= self.per_size:
+            return False
+        if _use_count(buf) != _UNSHARED:
+            return False  # a view of it is alive somewhere (e.g. saved for backward)
+        self._free[key].append(buf)
+        self.held_bytes += nbytes
+        return True
+
+    def clear(self) -> int:
+        """Let every pooled buffer go; returns the bytes released."""
+        released = self.held_bytes
+        self._free.clear()
+        self.held_bytes = 0
+        return released
+
+    def stats(self) -> dict:
+        return {"held_bytes": self.held_bytes, "cap_bytes": self.cap_bytes, "hits": self.hits, "misses": self.misses}
