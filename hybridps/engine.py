@@ -24,6 +24,7 @@ from hybridps.client.eviction import BeladyPolicy
 from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
+from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError, StateError
@@ -63,6 +64,7 @@ class Engine:
             self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
         self.hooks.install()
+        self.prefetcher = Prefetcher(self.client, self.tracer, window=config.prefetch_window) if config.prefetch_window else None
         self.events = EventRecorder(self.client)
         self.events.enabled = config.record
         self.tracer.tick_listeners.append(self.events.on_moment)

@@ -49,6 +49,10 @@ class Chunk:
         #: this rank keeps the chunk (always, on one rank); other ranks' chunks are gathered
         #: for use and dropped after
         self.owned = True
+        #: CUDA event of a copy into the payload still running on the copy stream
+        self.ready_event = None
+        #: brought ahead of use by the prefetcher and not used yet
+        self.prefetched = False
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -106,6 +110,18 @@ class Chunk:
         if view is None:
             view = self._views[slot.index] = self.view(slot).view(shape)
         return view
+
+    def wait_ready(self) -> None:
+        """Make the payload safe to use: wait for a copy into it still in flight (the compute
+        stream waits on the GPU; the host waits for a copy to host memory)."""
+        event = self.ready_event
+        if event is None:
+            return
+        if self.payload is not None and self.payload.is_cuda:
+            torch.cuda.current_stream(self.payload.device).wait_event(event)
+        else:
+            event.synchronize()
+        self.ready_event = None
 
     def new_buffer(self, device: DeviceSpec, *, pin: bool = False) -> torch.Tensor:
         """An uninitialised buffer the size of this chunk on ``device`` (pinned host memory

@@ -66,6 +66,11 @@ class ChunkManager:
         self.pool = PayloadPool(pool_bytes)
         #: host payloads are pinned when a real GPU computes (asynchronous copies need it)
         self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
+        #: prefetches and evictions copy on this stream (real GPUs only)
+        self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
+        self._in_flight: list[tuple] = []  # (event, host buffer) of copies still reading it
+        self.prefetches = 0
+        self.prefetch_hits = 0
         self.margin_bytes = margin_bytes
         self.eviction: EvictionPolicy = eviction or LRUPolicy()
         #: bytes of non-model memory to keep free on a device now; set by the tracer.
@@ -82,8 +87,8 @@ class ChunkManager:
         self.clock = 0
         #: called as on_move(chunk, src, dst, seconds, evicted) after every move (trace export).
         self.move_listeners: list[Callable[[Chunk, str, str, float, bool], None]] = []
-        #: called as on_access(chunk) on every bring (tracer: the warm-up access order).
-        self.access_listeners: list[Callable[[Chunk], None]] = []
+        #: called as on_access(chunk, device) on every bring (tracer: the warm-up access order).
+        self.access_listeners: list[Callable[[Chunk, str], None]] = []
         #: storage addresses of every payload, to tell model data from other tensors.
         self.payload_ptrs: set[int] = set()
 
@@ -114,14 +119,32 @@ class ChunkManager:
         self.clock += 1
         chunk.last_use = self.clock
         for listener in self.access_listeners:
-            listener(chunk)
+            listener(chunk, device)
         if chunk.device == device:
+            if chunk.prefetched:
+                self.prefetch_hits += 1
+                chunk.prefetched = False
+            chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
-        self.make_room(device, chunk.nbytes, protect=(chunk, *protect), who=who)
+        protect = (chunk, *protect)
+        self.make_room(device, chunk.nbytes, protect=protect, who=who)
         if chunk.payload is None:
-            self._allocate(chunk, device, zero=zero)
+            self._allocate(chunk, device, zero=zero, protect=protect)
         else:
-            self._move(chunk, device)
+            self._move(chunk, device, protect=protect)
+
+    def prefetch(self, chunk: Chunk, device: str) -> bool:
+        """Start bringing ``chunk`` to ``device`` ahead of its use, if it fits the budget
+        without evicting anything; returns whether a copy was started. With a CUDA copy
+        stream the copy overlaps compute; the chunk's first use waits for it."""
+        if chunk.payload is None or chunk.device == device:
+            return False
+        if self.used_bytes[device] + chunk.nbytes > self.budget(device):
+            return False
+        self._move(chunk, device, asynchronous=True)
+        chunk.prefetched = True
+        self.prefetches += 1
+        return True
 
     def free(self, chunk: Chunk) -> None:
         """Drop the payload of a chunk whose slots are all FREE."""
@@ -129,6 +152,7 @@ class ChunkManager:
             return
         device = chunk.device
         assert device is not None
+        chunk.wait_ready()
         self._account(device, chunk, -1)
         old = chunk.drop()
         self.connection.remove(device, chunk.nbytes)
@@ -196,7 +220,10 @@ class ChunkManager:
         assert src is not None
         dst = self.connection.schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
         self.evictions += 1
-        self._move(chunk, dst, evicted=True)
+        self._move(chunk, dst, evicted=True, asynchronous=True)
+
+    def _crosses_gpu(self, src: str, dst: str) -> bool:
+        return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
 
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
@@ -205,29 +232,97 @@ class ChunkManager:
 
     # -- mechanics -------------------------------------------------------------------------
 
-    def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True) -> None:
+    def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk]) -> torch.Tensor:
+        """A buffer for ``chunk`` on ``device``: pooled host memory, or a fresh allocation.
+
+        A CUDA out-of-memory error (other processes, fragmentation, activations beyond the
+        trace) evicts every chunk not in use from that GPU and retries once; a second failure
+        raises a CapacityError with a memory report.
+        """
+        buf = self._buffer(chunk, device)
+        if buf is not None:
+            return buf
+        spec = self._specs[device]
+        try:
+            return chunk.new_buffer(spec)
+        except torch.OutOfMemoryError as first:
+            if not spec.is_gpu or spec.simulated:
+                raise
+            logger.warning("out of memory on %s for %s: evicting and retrying once", device, chunk)
+            for victim in [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]:
+                self.evict(victim)
+            self.sync()
+            torch.cuda.empty_cache()
+            try:
+                return chunk.new_buffer(spec)
+            except torch.OutOfMemoryError:
+                raise CapacityError(
+                    f"CUDA out of memory on {device} for {chunk} ({format_bytes(chunk.nbytes)}) even after evicting every "
+                    f"chunk not in use. {first}\n{self.memory_report()}"
+                ) from None
+
+    def sync(self) -> None:
+        """Wait for every copy in flight (copy stream) to finish."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self._collect(force=True)
+
+    def _collect(self, force: bool = False) -> None:
+        """Recycle host buffers whose outgoing copies have finished."""
+        keep = []
+        for event, buf in self._in_flight:
+            if force or event.query():
+                self._recycle(buf)
+            else:
+                keep.append((event, buf))
+        self._in_flight = keep
+
+    def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = ()) -> None:
         self.connection.add(device, chunk.nbytes)
         try:
-            chunk.allocate(self._specs[device], zero=zero, buffer=self._buffer(chunk, device))
+            chunk.allocate(self._specs[device], zero=zero, buffer=self._new_buffer(chunk, device, protect or (chunk,)))
         except BaseException:
             self.connection.remove(device, chunk.nbytes)
             raise
         self._account(device, chunk, +1)
 
-    def _move(self, chunk: Chunk, device: str, *, evicted: bool = False) -> None:
+    def _move(
+        self, chunk: Chunk, device: str, *, evicted: bool = False, asynchronous: bool = False, protect: Collection[Chunk] = ()
+    ) -> None:
         src = chunk.device
         assert src is not None and src != device
+        chunk.wait_ready()
         self.connection.add(device, chunk.nbytes)
         self._account(src, chunk, -1)
         started = time.perf_counter()
+        stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
         try:
-            old = chunk.move_to(self._specs[device], buffer=self._buffer(chunk, device))
+            buf = self._new_buffer(chunk, device, protect or (chunk,))
+            if stream is None:
+                old = chunk.move_to(self._specs[device], buffer=buf)
+            else:
+                # [Note: copy stream] The copy waits for the compute stream's work so far (the
+                # chunk's last writes), runs beside later compute, and leaves an event that the
+                # chunk's next user waits for. record_stream keeps the caching allocator from
+                # handing a GPU buffer to anyone else while the copy stream still uses it.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    old = chunk.move_to(self._specs[device], buffer=buf, non_blocking=True)
+                    chunk.ready_event = torch.cuda.Event()
+                    chunk.ready_event.record(stream)
+                for t in (old, buf):
+                    if t.is_cuda:
+                        t.record_stream(stream)
         except BaseException:
             self._account(src, chunk, +1)
             self.connection.remove(device, chunk.nbytes)
             raise
         self._account(device, chunk, +1)
-        self._recycle(old)
+        if stream is not None and old.device.type == "cpu":
+            self._in_flight.append((chunk.ready_event, old))  # recycled once the copy is done
+        else:
+            self._recycle(old)
+        self._collect()
         self.connection.remove(src, chunk.nbytes)
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes

@@ -678,6 +678,8 @@ class Client:
             "moved_bytes": dict(self.chunks.moved_bytes),
             "moves": self.chunks.moves,
             "evictions": self.chunks.evictions,
+            "prefetches": self.chunks.prefetches,
+            "prefetch_hits": self.chunks.prefetch_hits,
             "pool": self.chunks.pool.stats(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,

@@ -55,9 +55,9 @@ class EventRecorder:
 
     # -- listeners -------------------------------------------------------------------------
 
-    def _on_access(self, chunk: Chunk) -> None:
+    def _on_access(self, chunk: Chunk, device: str) -> None:
         if self.enabled:
-            self.events.append(("access", self._now_us(), 0.0, chunk.kind.value, chunk.index, chunk.device or "-"))
+            self.events.append(("access", self._now_us(), 0.0, chunk.kind.value, chunk.index, device))
 
     def _on_move(self, chunk: Chunk, src: str, dst: str, seconds: float = 0.0, evicted: bool = False) -> None:
         if self.enabled:

@@ -289,10 +289,18 @@ class ChunkGroups:
                 chunk = self.staging.pop(i, None)
                 if chunk is not None:
                     client.chunks.free(chunk)
+        complete = self.grads_seen[g] == self.grad_slots[g]
         self._drop(g)
         self.grads_seen[g] = 0
         self.pending.discard(g)
         self.reduces += 1
+        optimizer = client.optimizer
+        if complete and reuse and optimizer is not None and client.config.overlap_step:
+            # every rank saw every grad of the group: the owned params all have grads now
+            for slot in client.lists[ChunkKind.PARAM][own_index].slots:
+                info = client.params[slot.index]
+                info.has_grad = info.param.requires_grad
+            optimizer.step_chunk_early(own_index)
 
     def _accumulate(self, index: int, reduced: torch.Tensor) -> None:
         """Owner's grad chunk += reduced grads (accumulation over micro-batches)."""
@@ -317,9 +325,11 @@ class ChunkGroups:
             self.reduce(g)
         flags = self.local_flags.clone()
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
+        optimizer = self.client.optimizer
+        stepped = optimizer._stepped_early if optimizer is not None else set()
         for info in self.client.params:
             if self.owns(info.chunk):
-                if flags[info.slot.index]:
+                if flags[info.slot.index] and info.chunk not in stepped:
                     info.has_grad = True
             else:
                 info.has_grad = False

@@ -73,6 +73,7 @@ class ModuleHooks:
         #: modules with params that get no grad: released after the module's backward
         self.frozen = {m for m, ps in self.own.items() if any(not p.requires_grad for p in ps)}
         self._held_for_backward: dict[int, nn.Parameter] = {}
+        self.overlap_step = client.config.overlap_step and client.optimizer is not None
         self._active: dict[nn.Module, int] = {}  # forward calls whose pre-hook accessed the params
         self.handles: list = []
 
@@ -158,6 +159,8 @@ class ModuleHooks:
         p.grad = None
         if self._held_for_backward.pop(id(p), None) is not None:
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
+        if self.overlap_step and self.client.groups is None:
+            self.client.optimizer.step_chunk_early(self.client.param_info(p).chunk)
 
     def end_backward(self) -> None:
         """Release what backward left accessed (params whose grad never came)."""

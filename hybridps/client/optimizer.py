@@ -80,6 +80,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clip_coef: torch.Tensor | None = None
         self._found_inf: bool | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        #: chunks already stepped during this backward (Config.overlap_step)
+        self._stepped_early: set[int] = set()
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = []
         if imported is not None:
@@ -135,6 +137,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         Returns the total norm (of the unscaled grads under fp16). The scaling is applied
         during the next step, not by an extra pass over the grads.
         """
+        if self.client.config.overlap_step:
+            raise StateError(
+                "clip_grad_norm_ with Config(overlap_step=True): chunks were stepped during backward, before the global "
+                "norm was known; set overlap_step=False to clip"
+            )
         grads = self._grad_infos()
         groups = self.client.groups
         if not grads and groups is None:
@@ -202,6 +209,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         grads = self._grad_infos()
         groups = self.client.groups
         if not grads and groups is None:
+            self._stepped_early.clear()
             return loss
         try:
             if self.scaler is not None:
@@ -229,6 +237,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         finally:
             self._clip_coef = None
             self._found_inf = None
+            self._stepped_early.clear()
         return loss
 
     def _step_chunk(self, index: int, infos: list[ParamInfo], inv_scale: float | None) -> None:
@@ -280,6 +289,26 @@ class ChunkedAdam(torch.optim.Optimizer):
                 client.release_chunk(chunk, after)
             for listener in self.step_listeners:
                 listener("end", index)
+
+    @torch.no_grad()
+    def step_chunk_early(self, index: int) -> bool:
+        """Step chunk ``index`` now if every param of it that this optimizer trains holds its
+        final grad and none is in use (Config.overlap_step); returns whether it stepped."""
+        client = self.client
+        infos = [i for i in client.chunk_params(index) if self.group_of[i.slot.index] is not None]
+        if not infos or not all(i.has_grad for i in infos if i.param.requires_grad):
+            return False
+        if client.lists[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
+            return False  # a frozen param of it is still needed by backward: step it with the rest
+        infos = [i for i in infos if i.has_grad]
+        self._step_chunk(index, infos, None)
+        for info in infos:
+            self.steps[info.slot.index] += 1
+            info.has_grad = False
+        self._stepped_early.add(index)
+        if client.groups is not None:
+            client.groups.write_back.discard(index)
+        return True
 
     def _runs(self, infos: list[ParamInfo]) -> list[tuple[int, int, int, int]]:
         """Maximal runs of neighbouring params (same group, same step count) with grads, as

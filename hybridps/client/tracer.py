@@ -76,8 +76,9 @@ class MemoryTracer:
         # the trace (valid once the warm-up iteration ended)
         self.labels: list[Hashable] = []
         self.non_model: list[int] = []
-        self.accesses: list[tuple[int, int]] = []  # (moment, chunk_id) in order
+        self.accesses: list[tuple[int, int, str]] = []  # (moment, chunk_id, device) in order
         self._next_use: dict[int, list[int]] = {}  # chunk_id -> sorted moments of use
+        self.by_moment: dict[int, list[tuple[int, str]]] = {}  # moment -> (chunk_id, device) used then
         self.has_trace = False
         self.retraces = 0
         # live measurement on a simulated GPU
@@ -167,8 +168,10 @@ class MemoryTracer:
 
     def _finish_trace(self) -> None:
         self._next_use = {}
-        for moment, chunk_id in self.accesses:
+        self.by_moment = {}
+        for moment, chunk_id, device in self.accesses:
             self._next_use.setdefault(chunk_id, []).append(moment)
+            self.by_moment.setdefault(moment, []).append((chunk_id, device))
         self.has_trace = True
         logger.info(
             "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
@@ -217,9 +220,9 @@ class MemoryTracer:
         else:
             self.total_peak = max(self.total_peak, total)
 
-    def _on_access(self, chunk: Chunk) -> None:
+    def _on_access(self, chunk: Chunk, device: str) -> None:
         if self.mode is TraceMode.RECORD:
-            self.accesses.append((self.moment, chunk.chunk_id))
+            self.accesses.append((self.moment, chunk.chunk_id, device))
 
     # -- what the chunk manager asks -------------------------------------------------------
 

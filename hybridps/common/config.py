@@ -67,6 +67,13 @@ class Config:
     min_loss_scale: float = 1.0
     #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
     trace: bool = True
+    #: Moments to look ahead in the trace for chunks to bring early (0 = no prefetch).
+    prefetch_window: int = 2
+    #: Step a chunk's Adam as soon as all its grads are final, during backward (overlaps the
+    #: optimizer with the rest of backward; same results). Needs grad_reuse=True, no fp16
+    #: (overflow is only known when every grad is in) and no clip_grad_norm_ (the global norm
+    #: is only known then too). engine.step() steps what is left.
+    overlap_step: bool = False
     #: Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes);
     #: None = four of the largest chunks.
     pool_bytes: int | str | None = None
@@ -124,6 +131,15 @@ class Config:
         if not (0.0 < self.loss_scale_backoff_factor < 1.0):
             raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
         _positive("collective_timeout_s", self.collective_timeout_s)
+        if self.overlap_step and not self.grad_reuse:
+            raise ConfigError("overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step")
+        if self.overlap_step and self.precision == "fp16":
+            raise ConfigError(
+                "overlap_step=True cannot be used with precision='fp16': whether to skip a step for an overflow is known "
+                "only when every grad is in; use bf16 or fp32, or overlap_step=False"
+            )
+        if isinstance(self.prefetch_window, bool) or not isinstance(self.prefetch_window, int) or self.prefetch_window < 0:
+            raise ConfigError(f"prefetch_window={self.prefetch_window!r} must be a number of moments >= 0 (0 turns prefetch off)")
         if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
             raise ConfigError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
 

@@ -1,0 +1,101 @@
+"""Prefetch from the trace, stepping chunks during backward, and recovery from GPU OOM."""
+
+import pytest
+import torch
+
+import hybridps
+from hybridps import CapacityError, ConfigError, StateError
+from hybridps.client.chunk import ChunkKind
+from tests.dist import run_ranks
+from tests.training import SMALL_GPT, engine_for, gpt_pair, model_data_bytes, tokens, train_engine
+
+
+def _run(steps=6, clip=1.0, **config):
+    model, _ = gpt_pair()
+    engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), 0.3, **config)
+    return train_engine(engine, steps, clip=clip), engine.memory_stats()
+
+
+def test_prefetched_chunks_are_used_and_change_neither_results_nor_traffic():
+    plain_losses, plain = _run(prefetch_window=0)
+    losses, stats = _run(prefetch_window=2)
+    assert losses == plain_losses
+    assert stats["prefetches"] > 0 and stats["prefetch_hits"] == stats["prefetches"]
+    assert stats["moves"] == plain["moves"]  # brought earlier, never brought twice
+    assert sum(stats["moved_bytes"].values()) == sum(plain["moved_bytes"].values())
+    gpu = stats["devices"]["cuda:0"]
+    assert gpu["peak_total_bytes"] <= gpu["capacity_bytes"]
+
+
+def test_stepping_chunks_during_backward_gives_the_same_training():
+    expected, _ = _run(clip=0)
+    losses, _ = _run(clip=0, overlap_step=True)
+    assert losses == expected
+
+
+def test_overlap_step_refuses_what_it_cannot_keep():
+    with pytest.raises(ConfigError, match="fp16"):
+        hybridps.Config(precision="fp16", overlap_step=True)
+    with pytest.raises(ConfigError, match="grad_reuse=True"):
+        hybridps.Config(grad_reuse=False, overlap_step=True)
+    with pytest.raises(StateError, match="overlap_step=False to clip"):
+        _run(steps=1, clip=1.0, overlap_step=True)
+
+
+def _overlap_ranks(rank, world, overlap):
+    model, _ = gpt_pair()
+    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, overlap_step=overlap, collective_timeout_s=60)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
+    out = []
+    for step in range(4):
+        x, y = tokens(step, batch=4)
+        _, loss = engine(x[rank::world], y[rank::world])
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_stepping_during_backward_on_two_ranks_matches_stepping_after():
+    expected = run_ranks(_overlap_ranks, 2, False, timeout_s=90)
+    got = run_ranks(_overlap_ranks, 2, True, timeout_s=90)
+    assert got == expected
+
+
+def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
+    model, _ = gpt_pair()
+    engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.3)
+    manager = engine.client.chunks
+    # make the simulated GPU behave like a real one for the recovery path
+    gpu = manager._specs["cuda:0"]
+    monkeypatch.setitem(manager._specs, "cuda:0", type(gpu)(name="cuda:0", capacity_bytes=gpu.capacity_bytes, simulated=False))
+    monkeypatch.setattr(manager._specs["cuda:0"].__class__, "torch_device", property(lambda self: torch.device("cpu")))
+    from hybridps.client.chunk import Chunk
+
+    real = Chunk.new_buffer
+    failures = {"left": 1}
+
+    def flaky(self, device, pin=False):
+        if device.name == "cuda:0" and failures["left"]:
+            failures["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, device, pin=pin)
+
+    monkeypatch.setattr(Chunk, "new_buffer", flaky)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    evictions = manager.evictions
+    train_engine(engine, 1)
+    assert failures["left"] == 0 and manager.evictions > evictions
+
+    def always(self, device, pin=False):
+        if device.name == "cuda:0":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, device, pin=pin)
+
+    monkeypatch.setattr(Chunk, "new_buffer", always)
+    # every chunk off the GPU, so the next access must allocate there
+    for chunk in list(manager.resident["cuda:0"].values()):
+        manager.evict(chunk)
+    with pytest.raises(CapacityError, match=r"(?s)CUDA out of memory on cuda:0.*even after evicting.*memory report"):
+        train_engine(engine, 1, start=1)
