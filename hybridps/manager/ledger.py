@@ -15,12 +15,10 @@ from collections.abc import Iterable
 
 from hybridps.common.devices import DeviceSpec, canonical_device_name
 from hybridps.common.errors import CapacityError, ManagerError
-from hybridps.common.protocol import ClientInfo
+from hybridps.common.protocol import MAX_SIZE_BYTES, ClientInfo
 from hybridps.common.units import format_bytes
 
-# Sizes beyond this are refused as absurd (no node holds an exabyte); it also keeps every
-# number inside msgpack's and int64's range.
-MAX_SIZE_BYTES = 2**60
+__all__ = ["MAX_SIZE_BYTES", "ClientAccount", "DeviceAccount", "Ledger"]
 
 
 @dataclasses.dataclass
