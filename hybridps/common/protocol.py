@@ -463,7 +463,7 @@ def _unpack(data: bytes) -> dict:
     try:
         # unpackb bounds every container and string by the length of the data, so a small
         # hostile message cannot claim a huge allocation.
-        obj = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many kinds (ExtraData, ValueError, UnicodeDecodeError, ...)
         raise BadMessage(f"message is not msgpack ({type(exc).__name__}: {exc})", "garbage") from None
     if not isinstance(obj, dict):
@@ -491,11 +491,14 @@ def _header(obj: dict) -> int:
 
 def _build(cls: type, obj: dict, request_id: int, **header: Any) -> Any:
     kwargs: dict[str, Any] = {}
-    for name, _, required in cls._FIELDS:
+    for name, check, required in cls._FIELDS:
         if name in _HEADER:
             continue
         if name in obj:
-            kwargs[name] = obj[name]
+            value = obj[name]
+            # Lists of names become tuples, so messages stay hashable and immutable; other
+            # lists (inside a status map) stay lists, as JSON would have them.
+            kwargs[name] = tuple(value) if check is _check_names and isinstance(value, list) else value
         elif required:
             what = getattr(cls, "OP", "") or cls.KIND
             raise BadMessage(f"{what} needs field {name!r}", "missing_field", request_id)

@@ -21,7 +21,7 @@ REPLIES = [
     p.Pong(request_id=3, instance_id="abcd", pid=99, devices=("cpu", "cuda:0"), lease_s=2.5),
     p.Registered(request_id=4, instance_id="abcd", client_id="c", lease_s=10.0),
     p.Scheduled(request_id=5, instance_id="abcd", device="cpu"),
-    p.StatusReport(request_id=6, instance_id="abcd", status={"devices": {"cpu": {"used_bytes": 1}}, "clients": ()}),
+    p.StatusReport(request_id=6, instance_id="abcd", status={"devices": {"cpu": {"used_bytes": 1}}, "clients": []}),
 ]
 
 
