@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
-from hybridps.common.devices import DeviceSpec, available_cpu_bytes, canonical_device_name, visible_gpu_capacities
+from hybridps.common.devices import DeviceSpec, available_cpu_bytes, canonical_device_name
 from hybridps.common.endpoints import TOKEN_ENV, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
 from hybridps.common.units import format_bytes, parse_bytes
@@ -66,7 +67,14 @@ def _manager_parser() -> argparse.ArgumentParser:
         help="a device and its capacity, e.g. cpu=64GiB or cuda:0=8GiB (repeat). Without SIZE: what the machine "
         "has. Without any --device: the CPU and every visible GPU",
     )
-    parser.add_argument("--simulate", action="store_true", help="simulate listed GPUs that are not visible")
+    parser.add_argument(
+        "--simulate",
+        nargs="?",
+        const="missing",
+        default=None,
+        choices=["missing", "always"],
+        help="simulate listed GPUs that are not visible ('--simulate' alone), or every listed GPU ('--simulate always')",
+    )
     parser.add_argument(
         "--cpu-reserve",
         default=DEFAULT_CPU_RESERVE,
@@ -101,7 +109,8 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
 
     http: MetricsHTTPServer | None = None
     try:
-        devices = manager_devices(args.device, simulate=args.simulate, cpu_reserve=args.cpu_reserve)
+        simulate = {None: False, "missing": True, "always": "always"}[args.simulate]
+        devices = manager_devices(args.device, simulate=simulate, cpu_reserve=args.cpu_reserve)
         endpoint = resolve_endpoint(args.endpoint)
         metrics = Metrics()
         service = ManagerService(devices, lease_s=args.lease_s, metrics=metrics, info={"endpoint": endpoint})
@@ -129,8 +138,12 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def manager_devices(specs: Sequence[str], *, simulate: bool, cpu_reserve: str | int) -> list[DeviceSpec]:
-    """The daemon's devices from ``--device NAME[=SIZE]`` flags and the machine."""
+def manager_devices(specs: Sequence[str], *, simulate: bool | str, cpu_reserve: str | int) -> list[DeviceSpec]:
+    """The daemon's devices from ``--device NAME[=SIZE]`` flags and the machine.
+
+    ``simulate``: False (listed GPUs must be visible), True (simulate the missing ones) or
+    "always" (simulate every listed GPU; the machine's GPUs are not even probed).
+    """
     requested: dict[str, int | None] = {}
     for spec in specs:
         name, sep, size = spec.partition("=")
@@ -138,7 +151,7 @@ def manager_devices(specs: Sequence[str], *, simulate: bool, cpu_reserve: str | 
         if canon in requested:
             raise ConfigError(f"--device lists {canon} twice; keep one")
         requested[canon] = parse_bytes(size, what=f"--device {spec}") if sep else None
-    visible = visible_gpu_capacities()
+    visible = {} if simulate == "always" else probe_gpu_capacities()
     devices: list[DeviceSpec] = []
     cpu = requested.pop("cpu", None)
     if cpu is None:
@@ -169,6 +182,29 @@ def manager_devices(specs: Sequence[str], *, simulate: bool, cpu_reserve: str | 
                 f"in CPU memory, or list a visible one"
             )
     return devices
+
+
+_PROBE = "import json; from hybridps.common.devices import visible_gpu_capacities as f; print(json.dumps(f()))"
+
+
+def probe_gpu_capacities() -> dict[str, int]:
+    """Bytes HybridPS may use on each visible GPU, measured in a short-lived child process.
+
+    Asking CUDA for a GPU's free memory creates a CUDA context on it, which holds hundreds of
+    MiB of that GPU for the life of the process. The daemon lives as long as the node's job,
+    so it asks from a child and never holds a context itself.
+    """
+    import torch
+
+    if not torch.cuda.is_available():  # asks the driver, creates no context
+        return {}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise ConfigError(
+            f"probing the GPUs' free memory failed ({proc.stderr.strip()[-1000:]}); give each GPU's capacity with "
+            f"--device cuda:N=SIZE"
+        )
+    return {str(k): int(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
 # -- hybridps -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A daemon that dies on its own, fails to start, or does not exit 0 on SIGTERM fails the test
 that started it. Endpoints live in short private temp directories (unix socket paths are
-limited to 107 bytes, and pytest's tmp_path can be longer).
+limited to 107 bytes, and pytest's tmp_path can be longer). Tests pass ``--simulate always``
+so that their GPUs are simulated on a GPU node too, and the figures they check hold there.
 """
 
 from __future__ import annotations

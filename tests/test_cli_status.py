@@ -18,7 +18,7 @@ from tests.daemon import Daemons
 def daemon():
     pool = Daemons()
     try:
-        yield pool.start("--device", "cpu=1GiB", "--device", "cuda:0=8MiB", "--simulate", "--metrics-port", "0")
+        yield pool.start("--device", "cpu=1GiB", "--device", "cuda:0=8MiB", "--simulate", "always", "--metrics-port", "0")
     finally:
         pool.close()
 

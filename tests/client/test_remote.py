@@ -25,7 +25,7 @@ LEASE_S = 1.0
 def daemon():
     pool = Daemons()
     try:
-        yield pool.start("--device", "cpu=64MiB", "--device", "cuda:0=1MiB", "--simulate", "--lease-s", str(LEASE_S))
+        yield pool.start("--device", "cpu=64MiB", "--device", "cuda:0=1MiB", "--simulate", "always", "--lease-s", str(LEASE_S))
     finally:
         pool.close()
 

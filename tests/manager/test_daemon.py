@@ -17,7 +17,7 @@ from hybridps.common import transport
 from hybridps.common.errors import ManagerError
 from tests.daemon import daemons, wait_for  # noqa: F401 - the fixture
 
-DEVICES = ["--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate"]
+DEVICES = ["--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always"]
 
 
 def info(rank=0, devices=("cpu", "cuda:0", "cuda:1")):

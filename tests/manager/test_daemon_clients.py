@@ -27,7 +27,7 @@ from hybridps.common.protocol import ClientInfo
 from tests.daemon import daemons, wait_for  # noqa: F401 - the fixture
 
 DEVICE_NAMES = ("cpu", "cuda:0", "cuda:1")
-DEVICES = ["--device", "cpu=256MiB", "--device", "cuda:0=16MiB", "--device", "cuda:1=16MiB", "--simulate"]
+DEVICES = ["--device", "cpu=256MiB", "--device", "cuda:0=16MiB", "--device", "cuda:1=16MiB", "--simulate", "always"]
 CHILD_TIMEOUT_S = 60.0
 
 # Fork: the children only talk zmq, and a fresh interpreter per child (spawn) would cost
