@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 #: How long a starting daemon waits for an existing one to answer its ping.
 PING_TIMEOUT_S = 1.0
 
+#: Largest frame the daemon reads at all (requests are refused beyond MAX_REQUEST_BYTES).
+MAX_FRAME_BYTES = 16 * p.MAX_REQUEST_BYTES
+
 
 class ManagerServer:
     """Serves a ManagerService on one endpoint."""
@@ -93,6 +96,9 @@ class ManagerServer:
         # to a gone identity are dropped (the ROUTER default), and queues are bounded.
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        # A request over MAX_REQUEST_BYTES gets a too_large reply; one so large that reading
+        # it would itself be the harm is not read at all: zmq drops that peer's connection.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             with _umask(0o077):  # the socket file is created readable by its owner only
                 sock.bind(ep.url)

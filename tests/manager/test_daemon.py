@@ -15,6 +15,7 @@ from hybridps.client.remote import connect_remote, query_status
 from hybridps.common import protocol as p
 from hybridps.common import transport
 from hybridps.common.errors import ManagerError
+from hybridps.manager.server import MAX_FRAME_BYTES
 from tests.daemon import daemons, wait_for  # noqa: F401 - the fixture
 
 DEVICES = ["--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always"]
@@ -233,6 +234,9 @@ def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unch
                     assert reply.code in p.ERROR_CODES and reply.code != "internal", reply
                     codes[reply.code] = codes.get(reply.code, 0) + 1
             assert sock.poll(200) == 0, "no reply beyond one per message"
+            # A frame too large to read at all costs its sender the connection, nothing more.
+            sock.send_multipart([b"", b"x" * (MAX_FRAME_BYTES + 1)])
+            assert sock.poll(300) == 0
         finally:
             sock.close()
             ctx.term()
