@@ -58,6 +58,9 @@ class Ledger:
     # -- devices ---------------------------------------------------------------------------
 
     def device(self, name: str) -> DeviceAccount:
+        acct = self._devices.get(name)  # the common case, a canonical name, skips the regex
+        if acct is not None:
+            return acct
         try:
             return self._devices[canonical_device_name(name)]
         except (KeyError, ValueError):
