@@ -194,8 +194,6 @@ class Request(_Message):
     """Header of every request."""
 
     OP: ClassVar[str] = ""
-    #: Whether a request is only applied once when a client retries it (see service.py).
-    MUTATES: ClassVar[bool] = False
 
     version: int = PROTOCOL_VERSION
     request_id: int = 0
@@ -254,7 +252,6 @@ class Add(Request):
     """The client now holds ``size_bytes`` more on ``device``."""
 
     OP: ClassVar[str] = "add"
-    MUTATES: ClassVar[bool] = True
 
     client_id: str
     device: str
@@ -266,7 +263,6 @@ class Remove(Request):
     """The client gave back ``size_bytes`` on ``device``."""
 
     OP: ClassVar[str] = "remove"
-    MUTATES: ClassVar[bool] = True
 
     client_id: str
     device: str
@@ -297,7 +293,6 @@ class Unregister(Request):
     """The client leaves; whatever it still holds is given back."""
 
     OP: ClassVar[str] = "unregister"
-    MUTATES: ClassVar[bool] = True
 
     client_id: str
 
@@ -447,14 +442,6 @@ def decode_reply(data: bytes) -> Reply:
         raise BadMessage(f"reply of kind {kind!r} has ok={obj.get('ok')!r}", "bad_field", request_id)
     instance_id = obj.get("instance_id", "")
     return _build(cls, obj, request_id, instance_id=instance_id)
-
-
-def error_reply(exc: ProtocolError, instance_id: str = "") -> ErrorReply:
-    """The reply to a message that failed to decode."""
-    code = exc.code if exc.code in ERROR_CODES else "bad_request"
-    return ErrorReply(
-        request_id=getattr(exc, "request_id", 0), instance_id=instance_id, code=code, message=str(exc)
-    )
 
 
 def _unpack(data: bytes) -> dict:

@@ -16,9 +16,11 @@ plus the server's expiry tick.
 [Note: retries]
 A client that times out sends the same request again with the same request id, and the
 first copy may have been applied after all (the daemon was only slow). Add, remove and
-unregister are not idempotent, so each client's last such reply is kept and a request with
-the same id is answered from it instead of being applied twice. One entry per client is
-enough because a client has one request in flight at a time.
+unregister are not idempotent. Each client's last add or remove and its reply are kept, and
+a request with the same op and id is answered from them instead of being applied twice; a
+retried unregister finds the client gone and gets ``unknown_client``, which the client
+takes as done. One entry per client is enough because a client has one request in flight
+at a time.
 """
 
 from __future__ import annotations
@@ -169,41 +171,28 @@ class ManagerService:
         self._touch(req.client_id)
         return self._ok(req)
 
-    def _replayed(self, lease: _Lease, req: p.Request) -> p.Reply | None:
-        if lease.last_request == (req.OP, req.request_id):
-            return lease.last_reply
-        return None
-
-    def _remember(self, lease: _Lease, req: p.Request, reply: p.Reply) -> p.Reply:
-        lease.last_request = (req.OP, req.request_id)
-        lease.last_reply = reply
-        return reply
-
     def _add(self, req: p.Add) -> p.Reply:
+        return self._apply_once(req, lambda: self.ledger.add(req.client_id, req.device, req.size_bytes))
+
+    def _remove(self, req: p.Remove) -> p.Reply:
+        return self._apply_once(req, lambda: self.ledger.remove(req.client_id, req.device, req.size_bytes))
+
+    def _apply_once(self, req: p.Add | p.Remove, apply: Callable[[], None]) -> p.Reply:
+        """Apply a change of the ledger unless it is a retry of the last one (see [Note: retries])."""
         lease = self._touch(req.client_id)
-        replayed = self._replayed(lease, req)
-        if replayed is not None:
-            return replayed
+        if lease.last_request == (req.OP, req.request_id):
+            assert lease.last_reply is not None
+            return lease.last_reply
         try:
-            self.ledger.add(req.client_id, req.device, req.size_bytes)
+            apply()
             reply: p.Reply = self._ok(req)
         except CapacityError as exc:
             reply = self._error(req, "capacity", str(exc))
         except ManagerError as exc:
             reply = self._error(req, exc.code, str(exc))
-        return self._remember(lease, req, reply)
-
-    def _remove(self, req: p.Remove) -> p.Reply:
-        lease = self._touch(req.client_id)
-        replayed = self._replayed(lease, req)
-        if replayed is not None:
-            return replayed
-        try:
-            self.ledger.remove(req.client_id, req.device, req.size_bytes)
-            reply: p.Reply = self._ok(req)
-        except ManagerError as exc:
-            reply = self._error(req, exc.code, str(exc))
-        return self._remember(lease, req, reply)
+        lease.last_request = (req.OP, req.request_id)
+        lease.last_reply = reply
+        return reply
 
     def _schedule(self, req: p.Schedule) -> p.Reply:
         self._touch(req.client_id)
