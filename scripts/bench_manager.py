@@ -153,7 +153,7 @@ def main() -> int:
             "processor": platform.processor() or platform.machine(),
         },
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python scripts/bench_manager.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python scripts/bench_manager.py", *sys.argv[1:]]),
         "one_client": one,
         f"{args.clients}_clients": many,
         "goal": f"p99 <= {GOAL_P99_US:g} us with one client",
