@@ -58,7 +58,9 @@ class Ledger:
     # -- devices ---------------------------------------------------------------------------
 
     def device(self, name: str) -> DeviceAccount:
-        acct = self._devices.get(name)  # the common case, a canonical name, skips the regex
+        # The common case, a canonical name, skips the regex (a non-string falls through to
+        # canonical_device_name, which names it in the error).
+        acct = self._devices.get(name) if isinstance(name, str) else None
         if acct is not None:
             return acct
         try:

@@ -16,7 +16,7 @@ from hybridps.common import protocol as p
 from hybridps.common import transport
 from hybridps.common.errors import ManagerError
 from hybridps.manager.server import MAX_FRAME_BYTES
-from tests.daemon import daemons, wait_for  # noqa: F401 - the fixture
+from tests.daemon import daemons  # noqa: F401 - the fixture
 
 DEVICES = ["--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always"]
 
