@@ -1,11 +1,87 @@
-"""Wire-level value objects shared by clients and the manager.
+"""Wire protocol between clients and the node manager daemon.
 
-``ClientInfo`` says who a client is when it registers with a manager (embedded or daemon).
+Owns ``ClientInfo``; the request and reply messages (frozen, keyword-only dataclasses that
+carry the protocol version and validate every field on construction); the pure functions
+``encode_request``/``decode_request``/``encode_reply``/``decode_reply`` that turn them into
+msgpack bytes and back; and the error codes a reply may carry (``ERROR_CODES``).
+
+Does not own sockets or multipart framing (common/transport.py, manager/server.py,
+client/remote.py) nor what a request means (manager/service.py).
+
+[Note: wire format]
+A message is one msgpack map with string keys. Every request has ``v`` (the protocol
+version), ``op`` (which request), ``id`` (a request id chosen by the sender and echoed in
+the reply, so a client can tell a late reply from the one it waits for) and optionally
+``token`` (the shared secret of a daemon that requires one); its other keys are the
+dataclass fields under their own names. Every reply has ``v``, ``id``, ``instance_id`` (a
+random id per daemon start: a change tells a client that the daemon restarted), ``ok``
+(true or false) and ``kind``; an error reply adds ``code`` and ``message``. Unknown extra
+keys are ignored so a newer sender can add optional fields within one version; anything
+else that does not match raises ``BadMessage`` with one of the codes below.
+
+[Note: sizes]
+Sizes are byte counts in ``[0, MAX_SIZE_BYTES]``. msgpack cannot carry an integer beyond
+2**64 - 1 at all, so an absurd size such as 2**70 is refused when the message is built
+(``bad_size``) instead of failing inside msgpack with an OverflowError; on the receiving
+side a float, a string or a uint64 beyond the limit is refused the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import msgpack
+
+from hybridps.common.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: Sizes beyond this are refused as absurd (no node holds an exabyte); it also keeps every
+#: size inside msgpack's and int64's range. See [Note: sizes].
+MAX_SIZE_BYTES = 2**60
+
+#: Requests are small; anything larger is refused before it is unpacked.
+MAX_REQUEST_BYTES = 64 * 1024
+
+_MAX_ID = 2**64 - 1
+_MAX_INT = 2**63 - 1
+_MAX_STR = 256
+_MAX_NAMES = 64
+
+#: Every code a reply can carry, and what it means (docs/MANAGER.md lists the fixes).
+ERROR_CODES: Mapping[str, str] = {
+    "garbage": "the message is not msgpack",
+    "too_large": f"the message is longer than {MAX_REQUEST_BYTES} bytes",
+    "bad_frames": "the multipart message does not have the frames [identity, empty, body]",
+    "bad_request": "the message is msgpack but not a map with the header fields",
+    "bad_version": f"the message's protocol version is not {PROTOCOL_VERSION}",
+    "unknown_op": "the request names an operation the daemon does not know",
+    "missing_field": "a field the operation needs is absent",
+    "bad_field": "a field has the wrong type or an impossible value",
+    "bad_size": f"a size is not an integer number of bytes in [0, {MAX_SIZE_BYTES}]",
+    "unauthorized": "the daemon requires a token and the request's is missing or wrong",
+    "unknown_client": "the client is not registered (never was, unregistered, or its lease expired)",
+    "duplicate_client": "a different client is registered under the same client id",
+    "unknown_device": "the device is not one this node's daemon manages",
+    "over_remove": "the client removes more bytes from a device than it holds there",
+    "capacity": "no device has room for the requested bytes",
+    "internal": "the daemon failed while handling a valid request (a bug; see its log)",
+}
+
+#: Codes about the message itself rather than the state of the node.
+MALFORMED_CODES = frozenset(
+    {"garbage", "too_large", "bad_frames", "bad_request", "bad_version", "unknown_op", "missing_field", "bad_field", "bad_size"}
+)
+
+
+class BadMessage(ProtocolError):
+    """A malformed message; carries the request id when it could be read, for the reply."""
+
+    def __init__(self, message: str, code: str = "bad_request", request_id: int = 0):
+        super().__init__(message, code)
+        self.request_id = request_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,3 +94,403 @@ class ClientInfo:
     host: str = ""
     #: Devices this client can place chunks on (the CPU and its GPUs).
     devices: tuple[str, ...] = ()
+
+
+# -- field checks -------------------------------------------------------------------------
+# Keyed by the annotation as written in the dataclasses below (postponed annotations are
+# strings); a field whose name ends in "_bytes" is a size. See _Message.__post_init__.
+
+
+def _check_int(name: str, value: Any, limit: int = _MAX_INT) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadMessage(f"{name}={value!r} must be an integer", "bad_field")
+    if not 0 <= value <= limit:
+        raise BadMessage(f"{name}={value} must be in [0, {limit}]", "bad_field")
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadMessage(f"{name}={value!r} must be an integer number of bytes", "bad_size")
+    if value < 0:
+        raise BadMessage(f"{name}={value} is negative; sizes are byte counts >= 0", "bad_size")
+    if value > MAX_SIZE_BYTES:
+        raise BadMessage(f"{name}={value} B is beyond any node's memory (limit {MAX_SIZE_BYTES} B)", "bad_size")
+
+
+def _check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise BadMessage(f"{name}={value!r} must be a string", "bad_field")
+    if len(value) > _MAX_STR:
+        raise BadMessage(f"{name} is {len(value)} characters long; at most {_MAX_STR}", "bad_field")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise BadMessage(f"{name}={value!r} must be a finite number >= 0", "bad_field")
+
+
+def _check_names(name: str, value: Any) -> None:
+    if not isinstance(value, tuple):
+        raise BadMessage(f"{name}={value!r} must be a list of device names", "bad_field")
+    if len(value) > _MAX_NAMES:
+        raise BadMessage(f"{name} lists {len(value)} devices; at most {_MAX_NAMES}", "bad_field")
+    for item in value:
+        _check_str(f"{name} entry", item)
+
+
+def _check_dict(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise BadMessage(f"{name}={value!r} must be a map", "bad_field")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise BadMessage(f"{name}={value!r} must be true or false", "bad_field")
+
+
+_CHECKS = {
+    "int": _check_int,
+    "str": _check_str,
+    "float": _check_float,
+    "bool": _check_bool,
+    "tuple[str, ...]": _check_names,
+    "dict": _check_dict,
+}
+
+_HEADER = ("version", "request_id", "token", "instance_id")
+
+
+class _Message:
+    """Validation shared by every message: each field is checked by its annotation."""
+
+    #: (name, check, required) of each field but the version and request id (checked
+    #: first, in __post_init__); set on every message class at the end of this module.
+    _FIELDS: ClassVar[tuple[tuple[str, Any, bool], ...]] = ()
+
+    def __post_init__(self) -> None:
+        if self.version != PROTOCOL_VERSION:  # type: ignore[attr-defined]
+            raise BadMessage(f"protocol version {self.version!r}; this side speaks {PROTOCOL_VERSION}", "bad_version")  # type: ignore[attr-defined]
+        _check_int("request_id", self.request_id, _MAX_ID)  # type: ignore[attr-defined]
+        for name, check, _ in self._FIELDS:
+            check(name, getattr(self, name))
+
+
+def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in ("version", "request_id"):
+            continue
+        check = _check_size if f.name.endswith("_bytes") else _CHECKS[f.type]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, check, required))
+    return tuple(out)
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request(_Message):
+    """Header of every request."""
+
+    OP: ClassVar[str] = ""
+
+    version: int = PROTOCOL_VERSION
+    request_id: int = 0
+    #: Shared secret of a daemon started with --token; "" when none is configured.
+    token: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ping(Request):
+    """Is a daemon there, and which? Needs no registration."""
+
+    OP: ClassVar[str] = "ping"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Register(Request):
+    """A client joins the node; the client proposes its id (unique across daemon restarts)."""
+
+    OP: ClassVar[str] = "register"
+
+    client_id: str
+    rank: int = 0
+    local_rank: int = 0
+    pid: int = 0
+    host: str = ""
+    devices: tuple[str, ...] = ()
+
+    @classmethod
+    def from_info(cls, client_id: str, info: ClientInfo, **header: Any) -> Register:
+        return cls(
+            client_id=client_id,
+            rank=info.rank,
+            local_rank=info.local_rank,
+            pid=info.pid,
+            host=info.host,
+            devices=tuple(info.devices),
+            **header,
+        )
+
+    @property
+    def info(self) -> ClientInfo:
+        return ClientInfo(rank=self.rank, local_rank=self.local_rank, pid=self.pid, host=self.host, devices=self.devices)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Heartbeat(Request):
+    """Keeps a client's lease; any other request of the client keeps it too."""
+
+    OP: ClassVar[str] = "heartbeat"
+
+    client_id: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Add(Request):
+    """The client now holds ``size_bytes`` more on ``device``."""
+
+    OP: ClassVar[str] = "add"
+
+    client_id: str
+    device: str
+    size_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Remove(Request):
+    """The client gave back ``size_bytes`` on ``device``."""
+
+    OP: ClassVar[str] = "remove"
+
+    client_id: str
+    device: str
+    size_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule(Request):
+    """Where should ``size_bytes`` go, preferring ``refer_device`` and avoiding ``exclude``?"""
+
+    OP: ClassVar[str] = "schedule"
+
+    client_id: str
+    size_bytes: int
+    refer_device: str
+    exclude: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Status(Request):
+    """The daemon's devices, clients and totals. Needs no registration."""
+
+    OP: ClassVar[str] = "status"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Unregister(Request):
+    """The client leaves; whatever it still holds is given back."""
+
+    OP: ClassVar[str] = "unregister"
+
+    client_id: str
+
+
+REQUEST_TYPES: Mapping[str, type[Request]] = {
+    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Status, Unregister)
+}
+
+
+# -- replies ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reply(_Message):
+    """Header of every reply."""
+
+    KIND: ClassVar[str] = ""
+    ok: ClassVar[bool] = True
+
+    version: int = PROTOCOL_VERSION
+    request_id: int = 0
+    #: Random id of the daemon instance that answered; it changes when the daemon restarts.
+    instance_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OkReply(Reply):
+    """Done (heartbeat, add, remove, unregister)."""
+
+    KIND: ClassVar[str] = "ok"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ErrorReply(Reply):
+    """Refused: ``code`` is one of ERROR_CODES, ``message`` says what and how to fix it."""
+
+    KIND: ClassVar[str] = "error"
+    ok: ClassVar[bool] = False
+
+    #: Not checked against ERROR_CODES, so that a client still reads the codes of a newer daemon.
+    code: str
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pong(Reply):
+    """Answer to ping: who the daemon is and which devices it manages."""
+
+    KIND: ClassVar[str] = "pong"
+
+    pid: int = 0
+    devices: tuple[str, ...] = ()
+    lease_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Registered(Reply):
+    """Answer to register: the lease to keep with heartbeats."""
+
+    KIND: ClassVar[str] = "registered"
+
+    client_id: str
+    lease_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scheduled(Reply):
+    """Answer to schedule: the chosen device."""
+
+    KIND: ClassVar[str] = "scheduled"
+
+    device: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StatusReport(Reply):
+    """Answer to status: the snapshot described in docs/MANAGER.md."""
+
+    KIND: ClassVar[str] = "status"
+
+    status: dict
+
+
+REPLY_TYPES: Mapping[str, type[Reply]] = {
+    cls.KIND: cls for cls in (OkReply, ErrorReply, Pong, Registered, Scheduled, StatusReport)
+}
+
+for _cls in (*REQUEST_TYPES.values(), *REPLY_TYPES.values()):
+    _cls._FIELDS = _schema(_cls)
+del _cls
+
+
+# -- codec --------------------------------------------------------------------------------
+
+
+def encode_request(request: Request) -> bytes:
+    """msgpack bytes of ``request`` (validated when it was built)."""
+    body: dict[str, Any] = {"v": request.version, "op": request.OP, "id": request.request_id}
+    if request.token:
+        body["token"] = request.token
+    for name, _, _ in request._FIELDS:
+        if name != "token":
+            body[name] = getattr(request, name)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_request(data: bytes) -> Request:
+    """The request in ``data``; raises BadMessage (with a code) on anything malformed."""
+    if len(data) > MAX_REQUEST_BYTES:
+        raise BadMessage(f"request of {len(data)} bytes; at most {MAX_REQUEST_BYTES}", "too_large")
+    obj = _unpack(data)
+    request_id = _header(obj)
+    op = obj.get("op")
+    cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise BadMessage(f"unknown op {op!r}; known: {', '.join(REQUEST_TYPES)}", "unknown_op", request_id)
+    token = obj.get("token", "")
+    if not isinstance(token, str):
+        raise BadMessage("token must be a string", "bad_field", request_id)
+    return _build(cls, obj, request_id, token=token)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    """msgpack bytes of ``reply``."""
+    body: dict[str, Any] = {
+        "v": reply.version,
+        "id": reply.request_id,
+        "instance_id": reply.instance_id,
+        "ok": reply.ok,
+        "kind": reply.KIND,
+    }
+    for name, _, _ in reply._FIELDS:
+        if name != "instance_id":
+            body[name] = getattr(reply, name)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_reply(data: bytes) -> Reply:
+    """The reply in ``data``; raises BadMessage on anything malformed."""
+    obj = _unpack(data)
+    request_id = _header(obj)
+    kind = obj.get("kind")
+    cls = REPLY_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise BadMessage(f"unknown reply kind {kind!r}", "unknown_op", request_id)
+    if obj.get("ok") is not cls.ok:
+        raise BadMessage(f"reply of kind {kind!r} has ok={obj.get('ok')!r}", "bad_field", request_id)
+    instance_id = obj.get("instance_id", "")
+    return _build(cls, obj, request_id, instance_id=instance_id)
+
+
+def _unpack(data: bytes) -> dict:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadMessage(f"message is {type(data).__name__}, not bytes", "garbage")
+    try:
+        # unpackb bounds every container and string by the length of the data, so a small
+        # hostile message cannot claim a huge allocation.
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many kinds (ExtraData, ValueError, UnicodeDecodeError, ...)
+        raise BadMessage(f"message is not msgpack ({type(exc).__name__}: {exc})", "garbage") from None
+    if not isinstance(obj, dict):
+        raise BadMessage(f"message is a msgpack {type(obj).__name__}, not a map", "bad_request")
+    return obj
+
+
+def _header(obj: dict) -> int:
+    """The request id of a message with a valid header; the id is read first so that even
+    a refusal of the version can be matched to its request."""
+    raw_id = obj.get("id")
+    id_ok = isinstance(raw_id, int) and not isinstance(raw_id, bool) and 0 <= raw_id <= _MAX_ID
+    request_id = raw_id if id_ok else 0
+    version = obj.get("v")
+    if version is None:
+        raise BadMessage("message has no protocol version 'v'", "bad_version", request_id)
+    if isinstance(version, bool) or version != PROTOCOL_VERSION:
+        raise BadMessage(f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}", "bad_version", request_id)
+    if raw_id is None:
+        raise BadMessage("message has no request id 'id'", "missing_field")
+    if not id_ok:
+        raise BadMessage(f"request id {raw_id!r} must be an integer in [0, 2**64)", "bad_field")
+    return request_id
+
+
+def _build(cls: type, obj: dict, request_id: int, **header: Any) -> Any:
+    kwargs: dict[str, Any] = {}
+    for name, check, required in cls._FIELDS:
+        if name in _HEADER:
+            continue
+        if name in obj:
+            value = obj[name]
+            # Lists of names become tuples, so messages stay hashable and immutable; other
+            # lists (inside a status map) stay lists, as JSON would have them.
+            kwargs[name] = tuple(value) if check is _check_names and isinstance(value, list) else value
+        elif required:
+            what = getattr(cls, "OP", "") or cls.KIND
+            raise BadMessage(f"{what} needs field {name!r}", "missing_field", request_id)
+    try:
+        return cls(request_id=request_id, **header, **kwargs)
+    except BadMessage as exc:
+        exc.request_id = request_id
+        raise

@@ -15,12 +15,10 @@ from collections.abc import Iterable
 
 from hybridps.common.devices import DeviceSpec, canonical_device_name
 from hybridps.common.errors import CapacityError, ManagerError
-from hybridps.common.protocol import ClientInfo
+from hybridps.common.protocol import MAX_SIZE_BYTES, ClientInfo
 from hybridps.common.units import format_bytes
 
-# Sizes beyond this are refused as absurd (no node holds an exabyte); it also keeps every
-# number inside msgpack's and int64's range.
-MAX_SIZE_BYTES = 2**60
+__all__ = ["MAX_SIZE_BYTES", "ClientAccount", "DeviceAccount", "Ledger"]
 
 
 @dataclasses.dataclass
@@ -60,6 +58,11 @@ class Ledger:
     # -- devices ---------------------------------------------------------------------------
 
     def device(self, name: str) -> DeviceAccount:
+        # The common case, a canonical name, skips the regex (a non-string falls through to
+        # canonical_device_name, which names it in the error).
+        acct = self._devices.get(name) if isinstance(name, str) else None
+        if acct is not None:
+            return acct
         try:
             return self._devices[canonical_device_name(name)]
         except (KeyError, ValueError):

@@ -1,0 +1,427 @@
+"""The node daemon's client stub: a ``ManagerConnection`` over zmq.
+
+Owns one client's conversation with its node's ``hybridps-manager``: registering, the
+request path (timeouts, bounded retries on a fresh socket: the "lazy pirate" pattern), the
+background heartbeat that keeps the lease, and riding out a daemon restart (see
+[Note: restarts]). The chunk manager cannot tell it from the embedded manager.
+
+Does not own the wire format (common/protocol.py) or framing (common/transport.py).
+
+[Note: restarts]
+The stub keeps its own holdings per device: the sum of its successful adds minus its
+removes. When a reply says the daemon no longer knows this client (``unknown_client``:
+the daemon restarted, or the lease expired while this process was stopped) or comes from a
+new daemon instance, the stub registers again under the same client id, adds its holdings
+back, and then sends the request it was making, so the caller sees one ordinary reply. All
+of this happens under the one lock that serializes the socket, so the heartbeat thread and
+the caller never interleave a re-report with an add or a remove.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from hybridps.common import protocol as p
+from hybridps.common import transport
+from hybridps.common.devices import DeviceInventory, canonical_device_name
+from hybridps.common.endpoints import check_private_dir, is_default_runtime_path, parse_endpoint, resolve_endpoint, token_from_env
+from hybridps.common.errors import CapacityError, ConfigError, HybridPSError, ManagerError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 1.0
+#: Tries after the first; with the default timeout a request rides out ~10 s of daemon
+#: downtime (a restart) before the caller gets a ManagerError.
+DEFAULT_RETRIES = 10
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+#: Heartbeats per lease: one lost heartbeat never costs the lease.
+HEARTBEATS_PER_LEASE = 3
+#: How many times one request may find its registration lost before giving up.
+_MAX_RECOVERIES = 3
+
+
+def connect_remote(
+    endpoint: str | None,
+    info: p.ClientInfo,
+    inventory: DeviceInventory | None = None,
+    *,
+    token: str | None = None,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    retries: int = DEFAULT_RETRIES,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+) -> RemoteConnection:
+    """Register with the daemon at ``endpoint`` ("auto" or None: this user's default).
+
+    ``token`` defaults to $HYBRIDPS_TOKEN. Raises ManagerError naming the endpoint and the
+    command that starts a daemon when none answers within ``connect_timeout_s``, and naming
+    the device when the daemon does not manage one that ``inventory`` lists.
+    """
+    conn = RemoteConnection(
+        resolve_endpoint(endpoint),
+        info,
+        token=token_from_env(token),
+        request_timeout_s=request_timeout_s,
+        retries=retries,
+    )
+    try:
+        conn.open(inventory, connect_timeout_s=connect_timeout_s)
+    except BaseException:
+        conn.close(unregister=False)
+        raise
+    return conn
+
+
+def query_status(endpoint: str | None, *, token: str | None = None, timeout_s: float = 2.0) -> dict:
+    """The status snapshot of the daemon at ``endpoint``, without registering."""
+    url = resolve_endpoint(endpoint)
+    _check_socket_file(url)
+    reply = transport.request_once(url, p.Status(request_id=1, token=token_from_env(token)), timeout_s)
+    if reply is None:
+        raise ManagerError(_no_daemon_message(url, f" within {timeout_s:g} s"), code="no_daemon")
+    _raise_for(reply)
+    assert isinstance(reply, p.StatusReport)
+    return reply.status
+
+
+class RemoteConnection:
+    """One client's connection to its node's daemon. Thread-safe."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        info: p.ClientInfo,
+        *,
+        token: str = "",
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+    ):
+        if isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, (int, float)) or not request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s={request_timeout_s!r} must be a positive number of seconds")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries={retries!r} must be an integer >= 0")
+        self.endpoint = endpoint
+        self.info = info
+        self.client_id = f"r{info.rank}-p{info.pid or os.getpid()}-{secrets.token_hex(4)}"
+        self.request_timeout_s = request_timeout_s
+        self.retries = retries
+        #: Seconds the daemon keeps this client without a request; set by registration.
+        self.lease_s = 0.0
+        #: How often the daemon was found restarted (or this client dropped) and recovered from.
+        self.recoveries = 0
+        self._token = token
+        self._holdings: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # serializes the socket and the holdings
+        self._context = zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._rcvtimeo_ms = -1  # the socket's receive timeout now (-1: blocking, zmq's default)
+        self._instance_id = ""
+        self._last_contact_s = 0.0
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def open(self, inventory: DeviceInventory | None = None, *, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        """Ping the daemon, check it manages our devices, register, start heartbeats."""
+        _check_socket_file(self.endpoint)
+        with self._lock:
+            reply = self._roundtrip(p.Ping(request_id=next(self._ids), token=self._token), connect_timeout_s, 0)
+            if reply is None:
+                raise ManagerError(_no_daemon_message(self.endpoint, f" within {connect_timeout_s:g} s"), code="no_daemon")
+            _raise_for(reply)
+            assert isinstance(reply, p.Pong)
+            self._check_devices(inventory, reply.devices)
+            self._register_locked()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"hybridps-heartbeat-{self.client_id}", daemon=True)
+        self._heartbeat.start()
+
+    def close(self, *, unregister: bool = True) -> None:
+        """Stop heartbeats, unregister (the daemon gives back what is still held), disconnect."""
+        if self._closed:
+            return
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=self.request_timeout_s * 4)
+        with self._lock:
+            try:
+                if unregister and self._instance_id:
+                    request = p.Unregister(request_id=next(self._ids), token=self._token, client_id=self.client_id)
+                    # A gone daemon must not make close() wait out every retry.
+                    reply = self._roundtrip(request, min(self.request_timeout_s, 1.0), 1)
+                    if reply is None:
+                        logger.warning("manager at %s did not answer unregister of %s", self.endpoint, self.client_id)
+                    elif not reply.ok and reply.code != "unknown_client":  # type: ignore[attr-defined]
+                        logger.warning("unregister of %s refused: %s", self.client_id, reply.message)  # type: ignore[attr-defined]
+            finally:
+                self._closed = True
+                self._close_socket()
+                self._context.term()
+
+    def __enter__(self) -> RemoteConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- ManagerConnection -----------------------------------------------------------------
+
+    def add(self, device: str, size: int) -> None:
+        device = _canonical(device)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Add(request_id=i, token=self._token, client_id=self.client_id, device=device, size_bytes=size)
+            )
+            _raise_for(reply)
+            self._holdings[device] = self._holdings.get(device, 0) + size
+
+    def remove(self, device: str, size: int) -> None:
+        device = _canonical(device)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Remove(request_id=i, token=self._token, client_id=self.client_id, device=device, size_bytes=size)
+            )
+            _raise_for(reply)
+            self._holdings[device] -= size
+
+    def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
+        exclude = tuple(exclude)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Schedule(
+                    request_id=i,
+                    token=self._token,
+                    client_id=self.client_id,
+                    size_bytes=size,
+                    refer_device=refer_device,
+                    exclude=exclude,
+                )
+            )
+        _raise_for(reply)
+        assert isinstance(reply, p.Scheduled)
+        return reply.device
+
+    def status(self) -> dict:
+        with self._lock:
+            reply = self._request_locked(lambda i: p.Status(request_id=i, token=self._token))
+        _raise_for(reply)
+        assert isinstance(reply, p.StatusReport)
+        return reply.status
+
+    @property
+    def holdings(self) -> dict[str, int]:
+        """What this client holds per device, by its own count (see [Note: restarts])."""
+        with self._lock:
+            return {d: s for d, s in self._holdings.items() if s}
+
+    # -- request path ----------------------------------------------------------------------
+
+    def _request_locked(self, build: Callable[[int], p.Request], retries: int | None = None) -> p.Reply:
+        """Send a request; on a lost registration recover and send it again."""
+        if self._closed:
+            raise ManagerError(f"the connection of {self.client_id} to {self.endpoint} is closed", code="closed")
+        for _ in range(_MAX_RECOVERIES):
+            reply = self._send_locked(build, retries)
+            if not self._registration_lost(reply):
+                return reply
+            self._recover_locked(reply)
+        raise ManagerError(
+            f"the manager at {self.endpoint} kept losing the registration of {self.client_id} "
+            f"({_MAX_RECOVERIES} times in one request); is it restarting in a loop? See its log",
+            code="unknown_client",
+        )
+
+    def _send_locked(self, build: Callable[[int], p.Request], retries: int | None = None) -> p.Reply:
+        request = build(next(self._ids))
+        retries = self.retries if retries is None else retries
+        reply = self._roundtrip(request, self.request_timeout_s, retries)
+        if reply is None:
+            waited_s = self.request_timeout_s * (retries + 1)
+            raise ManagerError(_no_daemon_message(self.endpoint, f" to {request.OP} after {waited_s:g} s"), code="no_daemon")
+        return reply
+
+    def _registration_lost(self, reply: p.Reply) -> bool:
+        if not reply.ok and reply.code == "unknown_client":  # type: ignore[attr-defined]
+            return True
+        return bool(self._instance_id) and reply.instance_id != self._instance_id
+
+    def _recover_locked(self, reply: p.Reply) -> None:
+        """Register again and re-report the holdings (see [Note: restarts])."""
+        if reply.instance_id != self._instance_id:
+            logger.warning(
+                "manager at %s restarted (instance %s -> %s); registering %s again and re-reporting %s",
+                self.endpoint, self._instance_id, reply.instance_id, self.client_id, self._holdings or "nothing",
+            )
+        else:
+            logger.warning(
+                "manager at %s no longer knows %s (lease of %.1f s expired?); registering again and re-reporting %s",
+                self.endpoint, self.client_id, self.lease_s, self._holdings or "nothing",
+            )
+        self.recoveries += 1
+        self._register_locked()
+        for device, size in self._holdings.items():
+            if not size:
+                continue
+            reply = self._send_locked(
+                lambda i, d=device, s=size: p.Add(request_id=i, token=self._token, client_id=self.client_id, device=d, size_bytes=s)
+            )
+            if self._registration_lost(reply):
+                return  # lost again (another restart): the caller's loop recovers once more
+            if not reply.ok:
+                raise ManagerError(
+                    f"after the manager at {self.endpoint} restarted, re-reporting {size} B on {device} for "
+                    f"{self.client_id} was refused: {reply.message}. The manager now books less than this client "  # type: ignore[attr-defined]
+                    f"holds; restart it with the capacities it had",
+                    code=reply.code,  # type: ignore[attr-defined]
+                )
+
+    def _register_locked(self) -> None:
+        reply = self._send_locked(lambda i: p.Register.from_info(self.client_id, self.info, request_id=i, token=self._token))
+        _raise_for(reply)
+        assert isinstance(reply, p.Registered)
+        self._instance_id = reply.instance_id
+        self.lease_s = reply.lease_s
+
+    def _roundtrip(self, request: p.Request, timeout_s: float, retries: int) -> p.Reply | None:
+        """One request, up to ``retries`` more tries on a fresh socket; None if all time out.
+
+        Every try sends the same request id, so the daemon applies a retried add or remove
+        only once (service.py, [Note: retries]).
+        """
+        frames = [transport.DELIMITER, p.encode_request(request)]
+        for attempt in range(retries + 1):
+            sock = self._connected_socket()
+            sock.send_multipart(frames, copy=True)
+            deadline_s = time.monotonic() + timeout_s
+            wait_ms = max(1, int(timeout_s * 1000))
+            while wait_ms > 0:
+                if wait_ms != self._rcvtimeo_ms:
+                    # A receive with a timeout is one call; poll-then-receive would be two.
+                    sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+                    self._rcvtimeo_ms = wait_ms
+                try:
+                    reply = transport.recv_reply(sock)
+                except zmq.Again:
+                    break
+                except ProtocolError as exc:
+                    logger.warning("ignoring a malformed reply from %s: %s", self.endpoint, exc)
+                    reply = None
+                if reply is not None and reply.request_id == request.request_id:
+                    self._last_contact_s = time.monotonic()
+                    return reply
+                # A malformed reply, or the late answer to a try that had timed out: wait on.
+                wait_ms = int((deadline_s - time.monotonic()) * 1000)
+            # Lazy pirate: the socket may hold a dead connection; only a fresh one is sure to
+            # reach a restarted daemon.
+            self._close_socket()
+            if attempt < retries:
+                logger.info("no reply from %s to %s in %.2f s; retrying (%d/%d)", self.endpoint, request.OP, timeout_s, attempt + 1, retries)
+        return None
+
+    def _connected_socket(self) -> zmq.Socket:
+        if self._socket is None:
+            self._socket = transport.dealer(self._context, self.endpoint)
+            self._rcvtimeo_ms = -1
+        return self._socket
+
+    def _close_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    # -- heartbeat -------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            interval_s = max(self.lease_s / HEARTBEATS_PER_LEASE, 0.01)
+            # Any request keeps the lease, so heartbeat only once the line was quiet for an
+            # interval; the floor keeps a failing daemon from making this loop spin.
+            quiet_s = time.monotonic() - self._last_contact_s
+            if self._stop.wait(max(interval_s - quiet_s, interval_s / 10)):
+                return
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    if time.monotonic() - self._last_contact_s < interval_s * 0.9:
+                        continue
+                    # No retries: the next heartbeat is the retry, and the lock is not held
+                    # for long while the daemon is away (close() waits for this thread).
+                    reply = self._request_locked(
+                        lambda i: p.Heartbeat(request_id=i, token=self._token, client_id=self.client_id), retries=0
+                    )
+                if not reply.ok:
+                    logger.warning("heartbeat of %s refused: %s", self.client_id, reply.message)  # type: ignore[attr-defined]
+            except Exception as exc:  # keep beating: the daemon may be back on the next try
+                logger.warning("heartbeat of %s to %s failed: %s", self.client_id, self.endpoint, exc)
+
+    def _check_devices(self, inventory: DeviceInventory | None, managed: Sequence[str]) -> None:
+        """Name every device this client lists that the daemon lacks, with the flags to add."""
+        listed = list(inventory.names) if inventory is not None else [canonical_device_name(d) for d in self.info.devices]
+        missing = [d for d in listed if d not in managed]
+        if not missing:
+            return
+        if inventory is not None:
+            what = ", ".join(inventory[d].describe() for d in missing)
+            flags = " ".join(f"--device {d.name}={d.capacity_bytes}" for d in inventory)
+            if any(d.simulated for d in inventory):
+                flags += " --simulate"
+        else:
+            what = ", ".join(missing)
+            flags = " ".join(f"--device {d}=SIZE" for d in listed)
+        raise ManagerError(
+            f"the manager at {self.endpoint} does not manage {what}, which this client lists (the manager has: "
+            f"{', '.join(managed)}). Start the manager with every device the ranks use, for example: "
+            f"hybridps-manager --endpoint {self.endpoint} {flags}",
+            code="unknown_device",
+        )
+
+
+def _canonical(device: str) -> str:
+    # A name that is no device at all is sent as is: the daemon answers unknown_device, as
+    # the embedded manager would.
+    try:
+        return canonical_device_name(device)
+    except HybridPSError:
+        return device
+
+
+def _raise_for(reply: p.Reply) -> None:
+    """Turn an error reply into the exception the embedded manager would have raised."""
+    if reply.ok:
+        return
+    code, message = reply.code, reply.message  # type: ignore[attr-defined]
+    if code == "capacity":
+        raise CapacityError(message)
+    if code in p.MALFORMED_CODES:
+        raise ProtocolError(message, code)
+    raise ManagerError(message, code)
+
+
+def _check_socket_file(endpoint: str) -> None:
+    """Fail at once, instead of after a timeout, when an ipc endpoint has no socket file; and
+    never talk (token included) to a socket in a default runtime directory that is not ours."""
+    ep = parse_endpoint(endpoint)
+    if ep.path is None:
+        return
+    if not ep.path.exists():
+        raise ManagerError(_no_daemon_message(endpoint, f" (no socket file {ep.path})"), code="no_daemon")
+    if is_default_runtime_path(ep.path):
+        check_private_dir(ep.path.parent)
+
+
+def _no_daemon_message(endpoint: str, detail: str) -> str:
+    return (
+        f"no hybridps-manager answered at {endpoint}{detail}. Start one on this node first: "
+        f"hybridps-manager --endpoint {endpoint} (add --device cuda:N=SIZE --simulate to simulate GPUs), "
+        f"or use Config(manager=None) for the in-process manager"
+    )

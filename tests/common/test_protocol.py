@@ -1,0 +1,142 @@
+import msgpack
+import pytest
+
+from hybridps.common import protocol as p
+from hybridps.common.errors import ProtocolError
+
+REQUESTS = [
+    p.Ping(request_id=1),
+    p.Register(request_id=2, client_id="r0-p1-ab", rank=3, local_rank=1, pid=4321, host="node7", devices=("cpu", "cuda:0")),
+    p.Heartbeat(request_id=3, client_id="c", token="s3cret"),
+    p.Add(request_id=4, client_id="c", device="cuda:0", size_bytes=4096),
+    p.Remove(request_id=5, client_id="c", device="cpu", size_bytes=0),
+    p.Schedule(request_id=6, client_id="c", size_bytes=p.MAX_SIZE_BYTES, refer_device="cuda:1", exclude=("cuda:0",)),
+    p.Status(request_id=2**64 - 1),
+    p.Unregister(request_id=8, client_id="c"),
+]
+
+REPLIES = [
+    p.OkReply(request_id=1, instance_id="abcd"),
+    p.ErrorReply(request_id=2, instance_id="abcd", code="over_remove", message="holds only 10 B"),
+    p.Pong(request_id=3, instance_id="abcd", pid=99, devices=("cpu", "cuda:0"), lease_s=2.5),
+    p.Registered(request_id=4, instance_id="abcd", client_id="c", lease_s=10.0),
+    p.Scheduled(request_id=5, instance_id="abcd", device="cpu"),
+    p.StatusReport(request_id=6, instance_id="abcd", status={"devices": {"cpu": {"used_bytes": 1}}, "clients": []}),
+]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.OP)
+def test_every_request_survives_an_encode_decode_round_trip(request_):
+    assert p.decode_request(p.encode_request(request_)) == request_
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda r: r.KIND)
+def test_every_reply_survives_an_encode_decode_round_trip(reply):
+    decoded = p.decode_reply(p.encode_reply(reply))
+    assert decoded == reply and decoded.ok is reply.ok
+
+
+def test_every_request_op_and_reply_kind_is_covered_by_the_round_trips():
+    assert {r.OP for r in REQUESTS} == set(p.REQUEST_TYPES)
+    assert {r.KIND for r in REPLIES} == set(p.REPLY_TYPES)
+
+
+def test_a_register_request_carries_the_client_info():
+    info = p.ClientInfo(rank=2, local_rank=0, pid=7, host="h", devices=("cpu", "cuda:0"))
+    req = p.Register.from_info("c", info, request_id=9)
+    assert req.info == info and req.request_id == 9
+
+
+def pack(**body):
+    return msgpack.packb(body, use_bin_type=True)
+
+
+ADD = dict(v=1, op="add", id=7, client_id="c", device="cpu", size_bytes=1)
+
+MALFORMED = {
+    "random bytes": (b"\xc1\xff\x00garbage", "garbage"),
+    "truncated msgpack": (pack(**ADD)[:-3], "garbage"),
+    "empty body": (b"", "garbage"),
+    "two msgpack objects": (pack(**ADD) + pack(**ADD), "garbage"),
+    "invalid utf-8 in a string": (b"\x81\xa1v\xa2\xff\xfe", "garbage"),
+    "a map with integer keys": (msgpack.packb({1: 2}), "garbage"),
+    "a list instead of a map": (msgpack.packb([1, "add"]), "bad_request"),
+    "a bare integer": (msgpack.packb(5), "bad_request"),
+    "no version": (pack(op="ping", id=1), "bad_version"),
+    "version 2": (pack(**{**ADD, "v": 2}), "bad_version"),
+    "version true": (pack(**{**ADD, "v": True}), "bad_version"),
+    "version as a string": (pack(**{**ADD, "v": "1"}), "bad_version"),
+    "no request id": (pack(v=1, op="ping"), "missing_field"),
+    "a negative request id": (pack(v=1, op="ping", id=-1), "bad_field"),
+    "unknown op": (pack(v=1, op="format_disk", id=1), "unknown_op"),
+    "op not a string": (pack(v=1, op=3, id=1), "unknown_op"),
+    "missing size": (pack(**{k: v for k, v in ADD.items() if k != "size_bytes"}), "missing_field"),
+    "missing client id": (pack(v=1, op="heartbeat", id=1), "missing_field"),
+    "device not a string": (pack(**{**ADD, "device": 0}), "bad_field"),
+    "client id too long": (pack(**{**ADD, "client_id": "c" * 1000}), "bad_field"),
+    "token not a string": (pack(**{**ADD, "token": 5}), "bad_field"),
+    "exclude not a list": (pack(v=1, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"), "bad_field"),
+    "exclude of integers": (pack(v=1, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude=[1]), "bad_field"),
+    "rank negative": (pack(v=1, op="register", id=1, client_id="c", rank=-3), "bad_field"),
+    "negative size": (pack(**{**ADD, "size_bytes": -1}), "bad_size"),
+    "size 2**64 - 1": (pack(**{**ADD, "size_bytes": 2**64 - 1}), "bad_size"),
+    "size just past the limit": (pack(**{**ADD, "size_bytes": p.MAX_SIZE_BYTES + 1}), "bad_size"),
+    "size 2**70 as a float": (pack(**{**ADD, "size_bytes": float(2**70)}), "bad_size"),
+    "size as a string": (pack(**{**ADD, "size_bytes": "4096"}), "bad_size"),
+    "size true": (pack(**{**ADD, "size_bytes": True}), "bad_size"),
+    "size nil": (pack(**{**ADD, "size_bytes": None}), "bad_size"),
+    "too large": (pack(**{**ADD, "pad": b"x" * p.MAX_REQUEST_BYTES}), "too_large"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=str)
+def test_each_malformed_request_is_refused_with_its_error_code(case):
+    data, code = MALFORMED[case]
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(data)
+    assert e.value.code == code, str(e.value)
+    assert code in p.ERROR_CODES and code in p.MALFORMED_CODES
+    assert isinstance(e.value, ProtocolError)
+
+
+def test_a_refusal_carries_the_request_id_when_it_could_be_read():
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(**{**ADD, "v": 9, "id": 41}))
+    assert e.value.request_id == 41
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(**{**ADD, "size_bytes": -5, "id": 42}))
+    assert e.value.request_id == 42
+
+
+def test_a_size_msgpack_cannot_carry_is_refused_when_the_request_is_built():
+    with pytest.raises(OverflowError):  # why the check must come first
+        msgpack.packb(2**70)
+    for size in (2**70, -1, 1.5):
+        with pytest.raises(p.BadMessage) as e:
+            p.Add(client_id="c", device="cpu", size_bytes=size)
+        assert e.value.code == "bad_size"
+
+
+def test_unknown_extra_fields_are_ignored_for_forward_compatibility():
+    req = p.decode_request(pack(**ADD, priority="high"))
+    assert req == p.Add(request_id=7, client_id="c", device="cpu", size_bytes=1)
+
+
+def test_a_token_is_sent_only_when_there_is_one():
+    assert b"token" not in p.encode_request(p.Ping(request_id=1))
+    assert p.decode_request(p.encode_request(p.Ping(request_id=1, token="t"))).token == "t"
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        (dict(v=1, id=1, instance_id="a", ok=True, kind="teapot"), "unknown_op"),
+        (dict(v=1, id=1, instance_id="a", ok=False, kind="scheduled", device="cpu"), "bad_field"),
+        (dict(v=1, id=1, instance_id="a", ok=True, kind="scheduled"), "missing_field"),
+        (dict(v=2, id=1, instance_id="a", ok=True, kind="ok"), "bad_version"),
+    ],
+)
+def test_a_malformed_reply_is_refused_too(body, code):
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_reply(pack(**body))
+    assert e.value.code == code

@@ -1,0 +1,190 @@
+import pytest
+
+from hybridps.common import protocol as p
+from hybridps.common.devices import DeviceSpec
+from hybridps.manager.service import ManagerService
+
+GIB = 1024**3
+
+
+class FakeClock:
+    def __init__(self):
+        self.now_s = 1000.0
+
+    def __call__(self):
+        return self.now_s
+
+
+def make_service(lease_s=10.0):
+    clock = FakeClock()
+    devices = [DeviceSpec(name="cpu", capacity_bytes=GIB), DeviceSpec(name="cuda:0", capacity_bytes=1000, simulated=True)]
+    return ManagerService(devices, lease_s=lease_s, clock=clock, instance_id="inst1"), clock
+
+
+def register(svc, client_id="c0", devices=("cpu", "cuda:0"), **kw):
+    reply = svc.handle(p.Register(request_id=1, client_id=client_id, devices=devices, **kw))
+    assert reply == p.Registered(request_id=1, instance_id="inst1", client_id=client_id, lease_s=svc.lease_s)
+    return reply
+
+
+def used(svc):
+    return {n: d["used_bytes"] for n, d in svc.status()["devices"].items()}
+
+
+def test_a_registered_client_books_schedules_and_gives_back_through_reply_objects():
+    svc, _ = make_service()
+    register(svc)
+    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)) == p.OkReply(request_id=2, instance_id="inst1")
+    assert svc.handle(p.Schedule(request_id=3, client_id="c0", size_bytes=300, refer_device="cuda:0")).device == "cuda:0"
+    assert svc.handle(p.Schedule(request_id=4, client_id="c0", size_bytes=500, refer_device="cuda:0")).device == "cpu"
+    assert svc.handle(p.Schedule(request_id=5, client_id="c0", size_bytes=500, refer_device="cuda")).device == "cpu"
+    assert svc.handle(p.Remove(request_id=6, client_id="c0", device="cuda:0", size_bytes=100)).ok
+    status = svc.status()
+    assert used(svc) == {"cpu": 0, "cuda:0": 500}
+    assert status["clients"][0]["usage"] == {"cuda:0": 500}
+    assert status["totals"] == {"capacity_bytes": GIB + 1000, "used_bytes": 500, "free_bytes": GIB + 500, "clients": 1}
+    assert svc.handle(p.Unregister(request_id=7, client_id="c0")).ok
+    assert used(svc) == {"cpu": 0, "cuda:0": 0} and svc.status()["clients"] == []
+
+
+def test_ping_and_status_need_no_registration():
+    svc, _ = make_service()
+    pong = svc.handle(p.Ping(request_id=9))
+    assert isinstance(pong, p.Pong) and pong.devices == ("cpu", "cuda:0") and pong.lease_s == 10.0
+    report = svc.handle(p.Status(request_id=10))
+    assert isinstance(report, p.StatusReport) and report.status["instance_id"] == "inst1"
+
+
+@pytest.mark.parametrize(
+    "request_, code",
+    [
+        (p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=1001), "capacity"),
+        (p.Add(request_id=2, client_id="c0", device="cuda:7", size_bytes=1), "unknown_device"),
+        (p.Add(request_id=2, client_id="nobody", device="cpu", size_bytes=1), "unknown_client"),
+        (p.Remove(request_id=2, client_id="c0", device="cpu", size_bytes=11), "over_remove"),
+        (p.Remove(request_id=2, client_id="c0", device="gpu", size_bytes=1), "unknown_device"),
+        (p.Schedule(request_id=2, client_id="c0", size_bytes=2 * GIB, refer_device="cuda:0"), "capacity"),
+        (p.Schedule(request_id=2, client_id="c0", size_bytes=1, refer_device="tpu:0"), "unknown_device"),
+        (p.Heartbeat(request_id=2, client_id="nobody"), "unknown_client"),
+        (p.Unregister(request_id=2, client_id="nobody"), "unknown_client"),
+    ],
+)
+def test_a_refused_request_gets_its_error_code_and_leaves_the_ledger_unchanged(request_, code):
+    svc, _ = make_service()
+    register(svc)
+    svc.handle(p.Add(request_id=1, client_id="c0", device="cpu", size_bytes=10))
+    before = svc.status()["devices"]
+    reply = svc.handle(request_)
+    assert isinstance(reply, p.ErrorReply) and reply.code == code, reply
+    assert reply.request_id == 2 and reply.instance_id == "inst1" and reply.message
+    assert svc.status()["devices"] == before
+
+
+def test_registering_with_a_device_the_daemon_lacks_names_it_and_the_command_to_fix_it():
+    svc, _ = make_service()
+    reply = svc.handle(p.Register(request_id=1, client_id="c0", devices=("cpu", "cuda:1")))
+    assert reply.code == "unknown_device"
+    assert "'cuda:1'" in reply.message and "hybridps-manager --device cuda:1=SIZE" in reply.message
+    assert svc.status()["clients"] == []
+
+
+def test_registering_twice_is_idempotent_but_a_different_client_under_the_same_id_is_refused():
+    svc, _ = make_service()
+    register(svc, rank=1)
+    register(svc, rank=1)  # a retried register
+    reply = svc.handle(p.Register(request_id=1, client_id="c0", rank=2))
+    assert reply.code == "duplicate_client"
+    assert len(svc.status()["clients"]) == 1
+
+
+def test_a_retried_add_or_remove_with_the_same_request_id_is_applied_once():
+    svc, _ = make_service()
+    register(svc)
+    add = p.Add(request_id=5, client_id="c0", device="cpu", size_bytes=100)
+    assert svc.handle(add).ok and svc.handle(add).ok
+    assert used(svc)["cpu"] == 100
+    assert svc.handle(p.Add(request_id=6, client_id="c0", device="cpu", size_bytes=100)).ok
+    assert used(svc)["cpu"] == 200
+    remove = p.Remove(request_id=7, client_id="c0", device="cpu", size_bytes=150)
+    assert svc.handle(remove).ok and svc.handle(remove).ok
+    assert used(svc)["cpu"] == 50
+    # A refusal is replayed too, not turned into a success because another client freed room
+    # in between; the next request (a new id) is applied.
+    register(svc, "c1")
+    assert svc.handle(p.Add(request_id=2, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    too_big = p.Add(request_id=8, client_id="c0", device="cuda:0", size_bytes=600)
+    assert svc.handle(too_big).code == "capacity"
+    assert svc.handle(p.Remove(request_id=3, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    assert svc.handle(too_big).code == "capacity"
+    assert svc.handle(p.Add(request_id=9, client_id="c0", device="cuda:0", size_bytes=600)).ok
+    # Only the same op under the same id is a retry.
+    assert svc.handle(p.Remove(request_id=9, client_id="c0", device="cuda:0", size_bytes=600)).ok
+    assert used(svc) == {"cpu": 50, "cuda:0": 0}
+
+
+def test_a_client_silent_for_longer_than_its_lease_is_dropped_and_its_bytes_reclaimed():
+    svc, clock = make_service(lease_s=10.0)
+    register(svc, "quiet")
+    register(svc, "chatty")
+    svc.handle(p.Add(request_id=2, client_id="quiet", device="cuda:0", size_bytes=400))
+    svc.handle(p.Add(request_id=2, client_id="chatty", device="cpu", size_bytes=50))
+    clock.now_s += 6
+    assert svc.handle(p.Heartbeat(request_id=3, client_id="chatty")).ok
+    assert svc.status()["clients"][0]["last_seen_age_s"] == 6.0
+    clock.now_s += 4
+    assert svc.expire() == []  # exactly lease_s silent is still alive
+    clock.now_s += 0.5
+    assert svc.expire() == ["quiet"]
+    assert used(svc) == {"cpu": 50, "cuda:0": 0}
+    assert svc.handle(p.Add(request_id=4, client_id="quiet", device="cpu", size_bytes=1)).code == "unknown_client"
+    clock.now_s += 6
+    assert svc.expire() == ["chatty"]
+    assert svc.metrics.leases_expired == 2
+
+
+def test_any_request_of_a_client_keeps_its_lease():
+    svc, clock = make_service(lease_s=1.0)
+    register(svc)
+    for i in range(5):
+        clock.now_s += 0.9
+        assert svc.handle(p.Schedule(request_id=10 + i, client_id="c0", size_bytes=1, refer_device="cpu")).ok
+        assert svc.expire() == []
+
+
+def test_a_failure_inside_the_service_becomes_an_internal_error_reply(monkeypatch, caplog):
+    svc, _ = make_service()
+    register(svc)
+
+    def broken(*args):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(svc.ledger, "free_bytes", broken)
+    reply = svc.handle(p.Schedule(request_id=3, client_id="c0", size_bytes=1, refer_device="cpu"))
+    assert reply.code == "internal" and "boom" in reply.message
+    assert svc.handle(p.Ping(request_id=4)).ok
+
+
+def test_requests_and_errors_are_counted_by_op_and_rendered_as_prometheus_text():
+    svc, _ = make_service()
+    register(svc)
+    svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=300))
+    svc.handle(p.Remove(request_id=3, client_id="c0", device="cuda:0", size_bytes=301))
+    svc.reject("garbage", "not msgpack")
+    svc.metrics.observe("schedule", 30e-6)
+    text = svc.metrics.render(svc.status())
+    lines = set(text.splitlines())
+    assert 'hybridps_manager_requests_total{op="add"} 1' in lines
+    assert 'hybridps_manager_requests_total{op="invalid"} 1' in lines
+    assert 'hybridps_manager_errors_total{op="remove",code="over_remove"} 1' in lines
+    assert 'hybridps_manager_errors_total{op="invalid",code="garbage"} 1' in lines
+    assert 'hybridps_manager_device_used_bytes{device="cuda:0"} 300' in lines
+    assert 'hybridps_manager_device_capacity_bytes{device="cuda:0",simulated="true"} 1000' in lines
+    assert 'hybridps_manager_client_bytes{client_id="c0",rank="0",pid="0",device="cuda:0"} 300' in lines
+    assert 'hybridps_manager_request_duration_seconds_bucket{op="schedule",le="5e-05"} 1' in lines
+    assert 'hybridps_manager_request_duration_seconds_count{op="schedule"} 1' in lines
+    assert "# TYPE hybridps_manager_request_duration_seconds histogram" in lines
+
+
+def test_a_lease_must_be_positive():
+    with pytest.raises(ValueError, match="lease_s"):
+        ManagerService([DeviceSpec(name="cpu", capacity_bytes=1)], lease_s=0)

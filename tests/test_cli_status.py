@@ -1,0 +1,113 @@
+"""`hybridps status` against a live daemon, and without one."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hybridps import cli
+from hybridps.client.remote import connect_remote
+from hybridps.common.protocol import ClientInfo
+from tests.daemon import Daemons
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    pool = Daemons()
+    try:
+        yield pool.start("--device", "cpu=1GiB", "--device", "cuda:0=8MiB", "--simulate", "always", "--metrics-port", "0")
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def client(daemon):
+    info = ClientInfo(rank=3, local_rank=1, pid=os.getpid(), host="node-a", devices=("cpu", "cuda:0"))
+    with connect_remote(daemon.endpoint, info) as conn:
+        conn.add("cuda:0", 3 * 1024 * 1024)
+        conn.add("cpu", 512)
+        yield conn
+
+
+def test_status_prints_devices_clients_and_totals(daemon, client, capsys):
+    assert cli.main(["status", "--endpoint", daemon.endpoint]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"hybridps-manager on {daemon.endpoint}: pid {daemon.proc.pid}")
+    assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
+    assert ["cuda:0", "simulated", "GPU", "8.00", "MiB", "3.00", "MiB", "5.00", "MiB", "3.00", "MiB"] in [l.split() for l in lines]
+    assert ["cpu", "cpu", "1.00", "GiB", "512", "B", "1024.00", "MiB", "512", "B"] in [l.split() for l in lines]
+    assert any(line.split()[:1] == ["total"] for line in lines)
+    assert "CLIENTS (1)" in lines
+    row = next(line for line in lines if line.endswith(client.client_id)).split()
+    assert row[:4] == ["3", "1", str(os.getpid()), "node-a"]
+    assert row[7:11] == ["512", "B", "3.00", "MiB"]
+
+
+def test_status_json_is_one_object_with_devices_and_clients(daemon, client, capsys):
+    assert cli.main(["status", "--endpoint", daemon.endpoint, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    status = json.loads(out)
+    assert status["devices"]["cuda:0"] == {
+        "capacity_bytes": 8 << 20, "used_bytes": 3 << 20, "free_bytes": 5 << 20, "peak_bytes": 3 << 20, "simulated": True,
+    }
+    (me,) = status["clients"]
+    assert (me["rank"], me["pid"], me["host"], me["usage"]) == (3, os.getpid(), "node-a", {"cpu": 512, "cuda:0": 3 << 20})
+    assert 0 <= me["last_seen_age_s"] < 10
+    assert status["totals"] == {"capacity_bytes": (1 << 30) + (8 << 20), "used_bytes": (3 << 20) + 512,
+                                "free_bytes": (1 << 30) + (5 << 20) - 512, "clients": 1}
+
+
+def test_status_watch_prints_again_until_interrupted(daemon, capsys, monkeypatch):
+    sleeps = []
+
+    def fake_sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.time, "sleep", fake_sleep)
+    assert cli.main(["status", "--endpoint", daemon.endpoint, "--json", "--watch", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and sleeps == [0.5, 0.5, 0.5]
+    assert all("devices" in json.loads(line) for line in out)
+
+
+def test_status_without_a_daemon_exits_non_zero_with_a_clear_message(tmp_path, capsys):
+    endpoint = f"ipc://{tmp_path}/none.sock"
+    assert cli.main(["status", "--endpoint", endpoint]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"hybridps status: no hybridps-manager answered at {endpoint}")
+    assert f"hybridps-manager --endpoint {endpoint}" in err
+
+
+def test_the_status_command_exits_non_zero_when_no_daemon_answers_on_tcp():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "status", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "0.2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert f"no hybridps-manager answered at tcp://127.0.0.1:{port} within 0.2 s" in proc.stderr
+
+
+def test_hybridps_without_a_command_prints_its_help_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "status" in capsys.readouterr().err
+
+
+def test_the_text_report_of_an_idle_daemon_says_no_client_is_registered():
+    status = {
+        "endpoint": "ipc:///x", "pid": 1, "instance_id": "i", "uptime_s": 3725.0, "lease_s": 10.0,
+        "devices": {"cpu": {"capacity_bytes": 1024, "used_bytes": 0, "free_bytes": 1024, "peak_bytes": 0, "simulated": False}},
+        "clients": [], "totals": {"capacity_bytes": 1024, "used_bytes": 0, "free_bytes": 1024, "clients": 0},
+    }
+    text = cli.format_status(status)
+    assert "up 1h02m" in text and "CLIENTS: none registered" in text and "1.00 KiB" in text
