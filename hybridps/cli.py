@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_status_parser(subparsers)
+    from hybridps import planner, train  # their parsers live with their code
+
+    train.add_subcommand(subparsers)
+    planner.add_subcommand(subparsers)
     return parser
 
 

@@ -106,6 +106,7 @@ class Engine:
             self.tracer.start_iteration()
             self._in_iteration = True
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
+        self.client.begin_forward()
         with self.tracer.saved_tensors() if training else _null():
             out = self.module(*args, **kwargs)
         self.client.end_forward()

@@ -281,7 +281,7 @@ def add_subcommand(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a byte-level GPT on real text", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    p.set_defaults(func=lambda args: run(args) and 0)
+    p.set_defaults(func=lambda args: (run(args), 0)[1])
 
 
 def main(argv: list[str] | None = None) -> int:

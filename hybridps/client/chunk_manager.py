@@ -107,7 +107,7 @@ class ChunkManager:
 
     def place(self, chunk: Chunk, refer_device: str, *, zero: bool = True) -> None:
         """Allocate ``chunk`` near ``refer_device``, wherever the manager finds room."""
-        device = self.connection.schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
+        device = self._schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
         self._allocate(chunk, device, zero=zero)
 
     def bring(self, chunk: Chunk, device: str, *, who: object = "", protect: Collection[Chunk] = (), zero: bool = True) -> None:
@@ -182,6 +182,32 @@ class ChunkManager:
         except CapacityError:  # no room on the CPU for an idle buffer: let it go
             self.pool.take(old.dtype, old.numel(), pinned=old.is_pinned())
 
+    def _schedule(self, size: int, refer: str, exclude: Collection[str] = ()) -> str:
+        """The manager's schedule(), but idle pooled buffers never cost a chunk its place on
+        the CPU: when the answer is not what it would be without them, they go first."""
+        try:
+            device = self.connection.schedule(size, refer, exclude=list(exclude))
+        except CapacityError:
+            if not self.pool.held_bytes:
+                raise
+            self.release_pool()
+            return self.connection.schedule(size, refer, exclude=list(exclude))
+        if device != refer and self.pool.held_bytes and "cpu" not in exclude and device != "cpu":
+            self.release_pool()
+            device = self.connection.schedule(size, refer, exclude=list(exclude))
+        return device
+
+    def _book(self, device: str, size: int) -> None:
+        """Book ``size`` bytes on ``device`` with the manager, making room from the pool if
+        the CPU is short."""
+        try:
+            self.connection.add(device, size)
+        except CapacityError:
+            if device != "cpu" or not self.pool.held_bytes:
+                raise
+            self.release_pool()
+            self.connection.add(device, size)
+
     def release_pool(self) -> None:
         released = self.pool.clear()
         if released:
@@ -218,7 +244,7 @@ class ChunkManager:
         """Move ``chunk`` off its device, to where the node manager says (the CPU first)."""
         src = chunk.device
         assert src is not None
-        dst = self.connection.schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
+        dst = self._schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
         self.evictions += 1
         self._move(chunk, dst, evicted=True, asynchronous=True)
 
@@ -278,7 +304,7 @@ class ChunkManager:
         self._in_flight = keep
 
     def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = ()) -> None:
-        self.connection.add(device, chunk.nbytes)
+        self._book(device, chunk.nbytes)
         try:
             chunk.allocate(self._specs[device], zero=zero, buffer=self._new_buffer(chunk, device, protect or (chunk,)))
         except BaseException:
@@ -292,7 +318,7 @@ class ChunkManager:
         src = chunk.device
         assert src is not None and src != device
         chunk.wait_ready()
-        self.connection.add(device, chunk.nbytes)
+        self._book(device, chunk.nbytes)
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
@@ -372,11 +398,15 @@ class ChunkManager:
         return "\n".join(lines)
 
     def device_stats(self) -> dict[str, dict]:
+        """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
+        books for this client there (``booked_bytes``: chunks, plus idle pooled buffers on
+        the CPU)."""
         return {
             d.name: {
                 "capacity_bytes": d.capacity_bytes,
                 "used_bytes": self.used_bytes[d.name],
                 "peak_bytes": self.peak_bytes[d.name],
+                "booked_bytes": self.used_bytes[d.name] + (self.pool.held_bytes if d.name == "cpu" else 0),
                 "chunks": len(self.resident[d.name]),
                 "simulated": d.simulated,
             }

@@ -431,7 +431,7 @@ class Client:
         chunk.set_slot_state(info.slot, state, info)
         param.data = self._placeholder(chunk.dtype)
         if self.groups is not None and info.kind is ChunkKind.PARAM:
-            self.groups.after_release(info.chunk)
+            self.groups.after_release(info, state)
         elif chunk.state is ChunkState.FREE:
             self.chunks.free(chunk)
 
@@ -605,6 +605,11 @@ class Client:
         self.buffers.append(info)
         param.data = self._placeholder(value.dtype)
         return param
+
+    def begin_forward(self) -> None:
+        """A forward pass of the model starts (chunk groups count their params' uses anew)."""
+        if self.groups is not None:
+            self.groups.begin_forward()
 
     def end_forward(self) -> None:
         """The forward of an iteration returned (drops gathered groups it no longer needs)."""

@@ -113,10 +113,20 @@ class ChunkGroups:
         client = self.client
         self.grad_slots = [0] * self.num_groups
         self.grads_seen = [0] * self.num_groups
+        self.group_slots = [0] * self.num_groups
         for info in client.params:
+            self.group_slots[self.group_of(info.chunk)] += 1
             if info.param.requires_grad:
                 self.grad_slots[self.group_of(info.chunk)] += 1
         self.local_flags = torch.zeros(len(client.params), dtype=torch.uint8)
+        self.used_in_pass = [0] * self.num_groups
+        self.param_pass = [-1] * len(client.params)
+        self.pass_id = 0
+
+    def begin_forward(self) -> None:
+        """A new forward pass: no param of any group has been used in it yet."""
+        self.pass_id += 1
+        self.used_in_pass = [0] * self.num_groups
 
     # -- initial values --------------------------------------------------------------------
 
@@ -176,10 +186,13 @@ class ChunkGroups:
         self.gathered.add(g)
         self.gathers += 1
 
-    def after_release(self, index: int) -> None:
+    def after_release(self, info: ParamInfo, state: TensorState) -> None:
         """Drop a group's foreign chunks once the forward is done with every param of it,
         or reduce its grads once backward is done with them."""
-        g = self.group_of(index)
+        g = self.group_of(info.chunk)
+        if state is _S.HOLD_AFTER_FWD and self.param_pass[info.slot.index] != self.pass_id:
+            self.param_pass[info.slot.index] = self.pass_id
+            self.used_in_pass[g] += 1
         if g in self.pending:
             if self.grads_seen[g] == self.grad_slots[g] and self._idle(g):
                 self.reduce(g)
@@ -194,11 +207,13 @@ class ChunkGroups:
         return not any(c.counts[_S.COMPUTE] for c in self._members(g))
 
     def _forward_done(self, g: int) -> bool:
-        for chunk in self._members(g):
-            n = chunk.counts
-            if n[_S.COMPUTE] or n[_S.HOLD] or n[_S.HOLD_AFTER_BWD]:
-                return False
-        return True
+        """Every param of the group was used by this forward pass and none is in use or holds
+        a grad. Counted per pass rather than read from slot states: a rank's own chunk keeps
+        its states when foreign copies are dropped and gathered again, so states differ by
+        rank, and every rank must decide alike."""
+        if self.used_in_pass[g] != self.group_slots[g]:
+            return False
+        return not any(c.counts[_S.COMPUTE] or c.counts[_S.HOLD_AFTER_BWD] for c in self._members(g))
 
     def _drop(self, g: int) -> None:
         for chunk in self._members(g):

@@ -157,7 +157,7 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
         status = status_json(daemon.endpoint)
         mine = [c for c in status["clients"] if c["pid"] == os.getpid() and c["client_id"] == client.connection.client_id]
         assert len(mine) == 1
-        expected_usage = {d: s["used_bytes"] for d, s in stats["devices"].items() if s["used_bytes"]}
+        expected_usage = {d: s["booked_bytes"] for d, s in stats["devices"].items() if s["booked_bytes"]}
         assert mine[0]["usage"] == expected_usage
         assert mine[0]["usage"] == client.connection.holdings
         assert status["devices"]["cuda:0"]["peak_bytes"] <= 1 << 20
