@@ -92,6 +92,8 @@ def _peak_rss_bytes() -> int:
 
 
 def _worker(rank, world, port, system, args, outdir):
+    os.dup2(2, 1)  # the peer prints to stdout; keep stdout for the JSON result
+    sys.stdout = sys.stderr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, args.threads // world))

@@ -66,6 +66,12 @@ class Collectives:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self.prefix}/wd/{seq}/{rank}"
 
+    def arrive(self, op: str, what: str) -> None:
+        """Check in for a compound operation (several collectives that follow from one
+        decision, e.g. one broadcast per member of a chunk group); the collectives inside
+        are then issued with ``checked=True``."""
+        self._arrive(op, what)
+
     def _arrive(self, op: str, what: str) -> None:
         self.seq += 1
         seq = self.seq
@@ -127,17 +133,19 @@ class Collectives:
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.device == self.device else tensor.to(self.device)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, what: str) -> None:
-        self._arrive("broadcast", what)
+    def broadcast(self, tensor: torch.Tensor, src: int, *, what: str, checked: bool = False) -> None:
+        if not checked:
+            self._arrive("broadcast", what)
         staged = self._staged(tensor)
         dist.broadcast(staged, src, group=self.group)
         if staged is not tensor:
             tensor.copy_(staged)
         self._count("broadcast", tensor.numel() * tensor.element_size() if self.rank != src else 0)
 
-    def reduce_avg(self, tensor: torch.Tensor, dst: int, *, what: str) -> None:
+    def reduce_avg(self, tensor: torch.Tensor, dst: int, *, what: str, checked: bool = False) -> None:
         """Average of every rank's ``tensor`` into ``dst``'s (others' are left undefined)."""
-        self._arrive("reduce", what)
+        if not checked:
+            self._arrive("reduce", what)
         dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, group=self.group)
         if self.rank == dst:
             tensor.div_(self.world_size)

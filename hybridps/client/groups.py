@@ -20,6 +20,7 @@ never on memory pressure, so all ranks issue the same collectives in the same or
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,10 @@ class ChunkGroups:
         self._next_staging_id = -1
         self.gathers = 0
         self.reduces = 0
+        #: forward-done groups kept gathered for backward, oldest first, with their bytes
+        self.retained: collections.OrderedDict[int, int] = collections.OrderedDict()
+        #: bytes of chunk groups kept gathered after the forward used them (same on all ranks)
+        self.live_cap_bytes = 0
         self.owner_of: list[int] = []
         self.by_rank: list[list[int]] = []
 
@@ -122,6 +127,12 @@ class ChunkGroups:
         self.used_in_pass = [0] * self.num_groups
         self.param_pass = [-1] * len(client.params)
         self.pass_id = 0
+        wanted = client.config.live_gathered_bytes
+        if wanted is None:
+            wanted = client.compute.capacity_bytes // 10
+        cap = torch.tensor([wanted], dtype=torch.int64)
+        self.comm.all_reduce(cap, op=dist.ReduceOp.MIN, what="bytes kept gathered")  # every rank keeps the same
+        self.live_cap_bytes = int(cap.item())
 
     def begin_forward(self) -> None:
         """A new forward pass: no param of any group has been used in it yet."""
@@ -167,6 +178,7 @@ class ChunkGroups:
         """All-gather the group of chunk ``index`` unless it is here already."""
         g = self.group_of(index)
         if g in self.gathered:
+            self.retained.pop(g, None)  # in use again
             return
         client = self.client
         members = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
@@ -177,9 +189,10 @@ class ChunkGroups:
         assert own.payload is not None
         if all(c.capacity == own.capacity for c in members):
             self.comm.all_gather([c.payload for c in members], own.payload, what=f"params of chunk group {g}")
-        else:  # an oversize chunk in the group: one broadcast per member
+        else:  # an oversize chunk in the group: one broadcast per member, checked in once
+            self.comm.arrive("gather", f"params of chunk group {g}")
             for r, chunk in enumerate(members):
-                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})")
+                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True)
         for chunk in members:
             if not chunk.owned:
                 chunk.set_all_states(_S.HOLD, f"gathered {chunk}")
@@ -198,7 +211,19 @@ class ChunkGroups:
                 self.reduce(g)
             return
         if g in self.gathered and self._forward_done(g):
-            self._drop(g)
+            self._retire(g)
+
+    def _retire(self, g: int) -> None:
+        """The forward is done with group ``g``: keep it gathered for backward (the last
+        groups of the forward are the first of backward) while the kept groups fit the cap,
+        dropping the oldest beyond it. The cap and the order are the same on every rank."""
+        # whole-group bytes, not this rank's foreign share: the share depends on which member
+        # a rank owns, and every rank must keep the same groups
+        self.retained[g] = sum(c.nbytes for c in self._members(g))
+        self.retained.move_to_end(g)
+        while self.retained and sum(self.retained.values()) > self.live_cap_bytes:
+            oldest = next(iter(self.retained))
+            self._drop(oldest)
 
     def _members(self, g: int) -> list[Chunk]:
         return [self.client.lists[ChunkKind.PARAM][i] for i in self.members(g)]
@@ -224,10 +249,14 @@ class ChunkGroups:
                     chunk.set_slot_state(slot, _S.FREE, f"dropping {chunk}")
             self.client.chunks.free(chunk)
         self.gathered.discard(g)
+        self.retained.pop(g, None)
 
-    def end_forward(self) -> None:
-        """Drop every gathered group that holds no grads and is not in use."""
+    def end_forward(self, *, keep_retained: bool = True) -> None:
+        """Drop every gathered group that holds no grads and is not in use (but the groups
+        kept for backward)."""
         for g in sorted(self.gathered):
+            if keep_retained and g in self.retained:
+                continue
             members = self._members(g)
             if not any(c.counts[_S.COMPUTE] or c.counts[_S.HOLD_AFTER_BWD] for c in members):
                 self._drop(g)
@@ -287,8 +316,9 @@ class ChunkGroups:
         if all(c.capacity == own_src.capacity for c in sources):
             self.comm.reduce_scatter_avg(result, [c.payload for c in sources], what=f"grads of chunk group {g}")
         else:
+            self.comm.arrive("reduce", f"grads of chunk group {g}")
             for r, chunk in enumerate(sources):
-                self.comm.reduce_avg(chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})")
+                self.comm.reduce_avg(chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})", checked=True)
             result.copy_(own_src.payload)
         if reuse:
             own = rows[self.rank]
@@ -349,7 +379,7 @@ class ChunkGroups:
             else:
                 info.has_grad = False
         self.local_flags.zero_()
-        self.end_forward()
+        self.end_forward(keep_retained=False)
 
     @torch.no_grad()
     def gather_rows(self, kind: ChunkKind, g: int) -> list[torch.Tensor]:

@@ -85,6 +85,10 @@ class Config:
     #: Multi-rank: how long a rank waits for the others at a collective before it fails
     #: naming the ranks that did not arrive.
     collective_timeout_s: float = 300.0
+    #: Multi-rank: bytes of other ranks' chunks kept gathered after the forward used them,
+    #: so backward need not gather them again (the last groups of the forward come first in
+    #: backward). None = 10% of the compute device's capacity; the ranks agree on the least.
+    live_gathered_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -116,6 +120,8 @@ class Config:
         if self.manager is not None and not isinstance(self.manager, str):
             raise ConfigError(f"manager={self.manager!r}; use None (embedded), 'auto' or an endpoint string")
         object.__setattr__(self, "margin", parse_bytes(self.margin, what="margin"))
+        if self.live_gathered_bytes is not None:
+            object.__setattr__(self, "live_gathered_bytes", parse_bytes(self.live_gathered_bytes, what="live_gathered_bytes"))
         if self.pool_bytes is not None:
             object.__setattr__(self, "pool_bytes", parse_bytes(self.pool_bytes, what="pool_bytes"))
         if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1:
