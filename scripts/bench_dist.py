@@ -127,7 +127,7 @@ def _worker(rank, world, port, system, args, outdir):
         import hybridps
 
         hybridps.init_distributed(backend="gloo")
-        engine = hybridps.initialize(model, optimizer, hybridps.Config(devices={}, simulate=False))
+        engine = hybridps.initialize(model, optimizer, hybridps.Config(devices={}, simulate=False, chunk_size=args.chunk_size))
 
         def step_fn(x, y):
             _, loss = engine(x, y)
@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by the ranks")
     ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--chunk-size", type=int, default=None, help="HybridPS chunk size in elements (default: chosen)")
     ap.add_argument("--systems", default="hybridps,deepspeed")
     args = ap.parse_args()
     results = []
