@@ -287,6 +287,12 @@ class Simulation:
     compute_bytes_per_element: int
     #: (module name, chunk indices it computes with), for every module holding params
     module_chunks: tuple[tuple[str, tuple[int, ...]], ...]
+    #: elements of every param, in registration order (for layouts with another chunk size)
+    param_numels: tuple[int, ...]
+    #: (module name, registration indices of its params), for every module holding params
+    module_params: tuple[tuple[str, tuple[int, ...]], ...]
+    #: the chunk layout's alignment, in elements
+    alignment: int
     model_data_bytes: int
     padding_elements: int
     gpu: DeviceFigures | None
@@ -385,7 +391,8 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         return Simulation(
             n_layer=model.n_layer, n_params=n_params, largest_layer_params=largest_layer, completed=False,
             failure=failure, iterations=0, chunk_size_elements=None, chunk_capacities=(), bytes_per_element=0,
-            compute_bytes_per_element=compute_per_elem, module_chunks=(), model_data_bytes=0, padding_elements=0,
+            compute_bytes_per_element=compute_per_elem, module_chunks=(), param_numels=(), module_params=(),
+            alignment=config.alignment, model_data_bytes=0, padding_elements=0,
             gpu=None, cpu=None, peak_total_warmup_bytes=0, moved_bytes_per_step={}, min_compute_bytes=0,
             min_compute_module="", seconds=time.perf_counter() - start,
         )  # fmt: skip
@@ -426,6 +433,16 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         bytes_per_element=sum(itemsizes[k] for k in kinds),
         compute_bytes_per_element=compute_per_elem,
         module_chunks=tuple((n, c) for n, c in module_chunks if c),
+        param_numels=tuple(i.slot.numel for i in client.params),
+        module_params=tuple(
+            (name, idx)
+            for name, idx in (
+                (name, tuple(sorted({client.param_info(p).slot.index for p in params if client.is_registered(p)})))
+                for name, params in owners.items()
+            )
+            if idx
+        ),
+        alignment=config.alignment,
         model_data_bytes=stats["model_data_bytes"],
         padding_elements=layout.total_elements - layout.tensor_elements,
         gpu=gpu,
@@ -504,11 +521,11 @@ class RankShare:
 
     world_size: int
     chunk_groups: int
-    #: model data each rank owns: the layout (padded to whole groups) over the world size
+    #: the largest model data one rank owns, with the multi-rank layout and the owner
+    #: assignment the client uses (hybridps.client.groups.assign_owners)
     owned_bytes: int
-    #: the largest share if ranks own chunks round-robin (rank r: chunk r of each group);
-    #: above ``owned_bytes`` when tensors larger than a chunk got chunks of their own size
-    round_robin_owned_bytes: int
+    #: the layout's model data over the world size (what perfectly even shares would be)
+    even_share_bytes: int
     #: the param (+ grad) chunks of the groups one module computes with, all gathered on the
     #: GPU (the largest such set over modules)
     gathered_bytes: int
@@ -523,28 +540,26 @@ class RankShare:
 
     def __post_init__(self) -> None:
         _check_positive_int("world_size", self.world_size)
-        for f in ("owned_bytes", "round_robin_owned_bytes", "gathered_bytes", "gpu_need_bytes", "gpu_peak_bytes", "cpu_bytes", "cpu_node_bytes"):
+        for f in ("owned_bytes", "even_share_bytes", "gathered_bytes", "gpu_need_bytes", "gpu_peak_bytes", "cpu_bytes", "cpu_node_bytes"):
             _check_bytes(f, getattr(self, f))
 
     @property
     def imbalance(self) -> float:
-        """Round-robin largest share over the even share (1.0: ownership is even)."""
-        return self.round_robin_owned_bytes / self.owned_bytes if self.owned_bytes else 1.0
+        """The largest share over the even share (1.0: ownership is even)."""
+        return self.owned_bytes / self.even_share_bytes if self.even_share_bytes else 1.0
 
 
 def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0) -> RankShare:
-    """Per-rank model data of a ``node.world_size``-rank job, from the single-rank layout.
+    """Per-rank model data of a ``node.world_size``-rank job, laid out as its clients would.
 
     The multi-rank client (chunk groups of ``world_size`` chunks; each rank owns one chunk
     of each group; only the owner keeps fp32 master, momentum and variance, and its param
-    chunk; param chunks of a group are all-gathered before use and the non-owned ones freed
-    after) lays out chunks exactly as one rank does, so the share is arithmetic on that
-    layout:
+    chunk; param chunks of a group are all-gathered before use and the foreign ones dropped
+    after) chooses its chunk size for the world size and assigns owners by bytes; both are
+    the client's own functions, applied here to the model's param sizes:
 
-    - owned: the layout's bytes of every kind, padded to whole groups with empty chunks of
-      the regular size, over the world size. With round-robin ownership (rank r owns chunk
-      r of each group) shares are uneven when tensors larger than a chunk got chunks of
-      their own size; that worst share is reported too (``round_robin_owned_bytes``);
+    - owned: the largest share over the ranks, every kind of chunk it owns (padding chunks
+      carry only a param chunk);
     - gathered: while a module computes, every chunk of each group holding its params sits
       on the GPU in compute precision (with its grad slot, or a grad chunk without grad
       reuse); the largest such set over modules;
@@ -561,15 +576,32 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0)
     These are derived figures until the multi-rank client can be simulated itself; this
     function is the one place to switch to it.
     """
+    from hybridps.client.client import auto_chunk_size
+    from hybridps.client.groups import assign_owners
+    from hybridps.client.layout import ChunkLayout
+    from hybridps.common.config import Config
+    from hybridps.common.devices import DeviceSpec
+
     w = node.world_size
-    caps = list(sim.chunk_capacities)
-    groups = math.ceil(len(caps) / w) if caps else 0
-    caps += [sim.chunk_size_elements or 0] * (groups * w - len(caps))  # padding chunks of the last group
-    owned = math.ceil(sum(caps) / w) * sim.bytes_per_element
-    round_robin = max((sum(caps[g * w + r] for g in range(groups)) for r in range(w)), default=0) * sim.bytes_per_element
+    compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True)
+    config = Config(precision=_precision_of(sim), alignment=sim.alignment)
+    size = auto_chunk_size(list(sim.param_numels), config, compute, w) if sim.param_numels else (sim.chunk_size_elements or 1)
+    layout = ChunkLayout(size, sim.alignment)
+    slots = [layout.add(n) for n in sim.param_numels]
+    layout.pad_to_multiple(w)
+    caps = [layout.capacity(i) for i in range(layout.num_chunks)]
+    has_slots = [bool(layout.members(i)) for i in range(layout.num_chunks)]
+    owner_of, _ = assign_owners([c if h else 0 for c, h in zip(caps, has_slots)], w)
+    shares = [0] * w
+    for i, (cap, filled) in enumerate(zip(caps, has_slots)):
+        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else _param_elem_bytes(sim))
+    owned = max(shares, default=0)
+    even = math.ceil(sum(shares) / w)
+    groups = layout.num_chunks // w
     gathered, gathered_module = 0, ""
-    for name, chunks in sim.module_chunks:
-        need = sum(caps[g * w + r] for g in {i // w for i in chunks} for r in range(w)) * sim.compute_bytes_per_element
+    for name, params in sim.module_params:
+        chunks = {slots[i].chunk for i in params}
+        need = sum(caps[g * w + r] for g in {c // w for c in chunks} for r in range(w)) * sim.compute_bytes_per_element
         if need > gathered:
             gathered, gathered_module = need, name
     gpu_need = sim.non_model_peak_bytes + gathered + margin_bytes
@@ -581,7 +613,7 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0)
         world_size=w,
         chunk_groups=groups,
         owned_bytes=owned,
-        round_robin_owned_bytes=round_robin,
+        even_share_bytes=even,
         gathered_bytes=gathered,
         gathered_module=gathered_module,
         gpu_need_bytes=gpu_need,
@@ -590,6 +622,16 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0)
         cpu_node_bytes=cpu * node.ranks_per_node,
         moved_bytes_per_step={k: math.ceil(v * fraction) for k, v in sim.moved_bytes_per_step.items() if fraction},
     )
+
+
+def _param_elem_bytes(sim: Simulation) -> int:
+    """Bytes per element of a param chunk alone (what an empty padding chunk costs its owner)."""
+    return {"fp32": 4}.get(_precision_of(sim), 2)
+
+
+def _precision_of(sim: Simulation) -> str:
+    # 14 or 16 B/elem with a 2-byte param chunk: fp16/bf16 (the layout is the same for both)
+    return "fp32" if sim.compute_bytes_per_element in (4, 8) else "bf16"
 
 
 # -- peers (published rules) -------------------------------------------------------------
@@ -1020,10 +1062,9 @@ class Planner:
             )
         if share is not None and share.imbalance > 1.1:
             warnings.append(
-                f"if ranks own chunks round-robin (rank r owns chunk r of each group), the largest share is "
-                f"{format_bytes(share.round_robin_owned_bytes)}, {share.imbalance:.2f}x the even share planned here, "
-                f"because tensors larger than a chunk get chunks of their own size; a chunk size of at least the "
-                f"largest tensor evens the shares"
+                f"the largest rank owns {format_bytes(share.owned_bytes)}, {share.imbalance:.2f}x the even share "
+                f"{format_bytes(share.even_share_bytes)}: chunks are few per rank, or some tensors are larger than a "
+                f"chunk; more ranks per chunk group or a smaller chunk_size evens the shares"
             )
         common = dict(
             fits=ev.fits,
@@ -1100,8 +1141,8 @@ class Planner:
             )
         if self.node.world_size > 1:
             notes.append(
-                "multi-rank figures are derived from the single-rank layout (derive_rank_share), not simulated: owned "
-                "chunks of every kind, plus the gathered param chunks of the largest module's groups on the GPU"
+                "multi-rank figures are derived (derive_rank_share), not simulated: the multi-rank layout and owner "
+                "assignment of the client, plus the gathered param chunks of the largest module's groups on the GPU"
             )
         if not ev.sim.completed and activation:
             notes.append("the simulation did not finish, so the peers' activations are extrapolated from smaller sizes")

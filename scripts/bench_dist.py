@@ -36,14 +36,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hybridps.models import GPT, GPTConfig  # noqa: E402
+from hybridps.models import GPT, GPTConfig
+from hybridps.models.data import arithmetic_batch as batch  # noqa: E402
 
 
-def batch(step: int, b: int, t: int, vocab: int):
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (b, 1), generator=g)
-    x = (start + 7 * torch.arange(t + 1)) % vocab
-    return x[:, :-1], x[:, 1:]
 
 
 class ByteCounter:

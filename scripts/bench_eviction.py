@@ -22,13 +22,9 @@ import torch
 
 import hybridps
 from hybridps.models import GPT, GPTConfig
+from hybridps.models.data import arithmetic_batch as batch
 
 
-def batch(step: int, b: int, t: int, vocab: int):
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (b, 1), generator=g)
-    x = (start + 7 * torch.arange(t + 1)) % vocab
-    return x[:, :-1], x[:, 1:]
 
 
 def offline_belady(tracer, sizes: dict[int, int], capacity: int, margin: int, compute: str, resident0: set[int]) -> int:

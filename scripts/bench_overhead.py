@@ -23,13 +23,9 @@ import torch
 
 import hybridps
 from hybridps.models import GPT, GPTConfig
+from hybridps.models.data import arithmetic_batch as batch
 
 
-def batch(step: int, b: int, t: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (b, 1), generator=g)
-    x = (start + 7 * torch.arange(t + 1)) % vocab
-    return x[:, :-1], x[:, 1:]
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:

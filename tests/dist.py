@@ -106,6 +106,8 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None 
     if expect_failure:
         return outcomes
     failed = [payload for status, payload in outcomes if status != "ok"]
+    # the rank with its own error first; the others mostly lost their peer because of it
+    failed.sort(key=lambda msg: ("left no result" in msg or "Connection closed by peer" in msg or "Terminating" in msg))
     if failed or error is not None:
         raise RankFailed("\n".join(failed) or str(error))
     return [payload for _, payload in outcomes]

@@ -8,16 +8,14 @@ import torch
 
 import hybridps
 from hybridps.models import GPT, GPTConfig
+from hybridps.models.data import arithmetic_batch
 
 SMALL_GPT = GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=32)
 
 
 def tokens(step: int, batch: int = 2, seq: int = 32, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of an arithmetic token stream (x[t+1] = x[t] + 7): learnable, deterministic."""
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    x = (start + 7 * torch.arange(seq + 1)) % vocab
-    return x[:, :-1], x[:, 1:]
+    return arithmetic_batch(step, batch, seq, vocab)
 
 
 def adamw_groups(model: torch.nn.Module, lr: float = 3e-4, **kwargs) -> torch.optim.AdamW:

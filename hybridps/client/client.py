@@ -235,7 +235,7 @@ class Client:
         self.layout = plan
         self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
         for index in range(plan.num_chunks):
-            self._new_chunk_row(plan.capacity(index))
+            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
         values: dict[int, torch.Tensor] = {}
         for (name, p), slot in zip(named, slots):
             info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype)
@@ -258,17 +258,7 @@ class Client:
             self.chunks.pool.cap_bytes = 4 * 4 * largest
 
     def _pick_chunk_size(self, numels: list[int]) -> int:
-        if self.config.chunk_size is not None:
-            return self.config.chunk_size
-        cap = self.compute.capacity_bytes - self.config.margin if self.compute.is_gpu else None
-        size = choose_chunk_size(
-            numels,
-            elem_bytes=self.param_dtype.itemsize,
-            capacity_bytes=cap,
-            alignment=self.config.alignment,
-            # several ranks: enough chunks that each rank owns a balanced share
-            min_chunks=4 if self.world_size == 1 else 8 * self.world_size,
-        )
+        size = auto_chunk_size(numels, self.config, self.compute, self.world_size)
         logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
         return size
 
@@ -332,15 +322,17 @@ class Client:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
         return self.groups is None or self.groups.owns(index)
 
-    def _new_chunk_row(self, capacity: int) -> None:
-        """Create chunk i of every kind; param and master chunks this rank keeps get payloads now."""
+    def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
+        """Create chunk i of every kind; param and master chunks this rank keeps get payloads
+        now (a padding row, which only fills a chunk group, needs its param chunk alone: it
+        takes part in the group's collectives)."""
         index = len(self.lists[ChunkKind.PARAM])
         for kind in self.kinds:
             chunk = Chunk(kind, index, capacity, self.kind_dtype(kind), self._next_chunk_id)
             chunk.owned = self.owns(index)
             self._next_chunk_id += 1
             self.lists[kind].append(chunk)
-            if not chunk.owned:
+            if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
                 continue
             if kind is ChunkKind.PARAM:
                 self.chunks.place(chunk, self.compute.name)
@@ -815,3 +807,18 @@ def _backend_device(group: dist.ProcessGroup | None, compute) -> torch.device:
     if backend == "nccl" and compute.is_gpu and not compute.simulated:
         return compute.torch_device
     return torch.device("cpu")
+
+
+def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int) -> int:
+    """The chunk size a client uses for params of ``numels`` (``config.chunk_size`` if set)."""
+    if config.chunk_size is not None:
+        return config.chunk_size
+    cap = compute.capacity_bytes - config.margin if compute.is_gpu else None
+    return choose_chunk_size(
+        numels,
+        elem_bytes=config.param_dtype.itemsize,
+        capacity_bytes=cap,
+        alignment=config.alignment,
+        # several ranks: enough chunks that each rank owns a balanced share
+        min_chunks=4 if world_size == 1 else 8 * world_size,
+    )

@@ -39,6 +39,36 @@ logger = logging.getLogger(__name__)
 _S = TensorState
 
 
+def assign_owners(weights: list[int], world: int) -> tuple[list[int], list[list[int]]]:
+    """Owners of chunks grouped ``world`` at a time: (owner of each chunk, each group's chunk
+    indices in the order of their owners' ranks).
+
+    Greedy and deterministic, so every rank (and the capacity planner) computes the same
+    table: groups are taken most uneven first, and within a group the heaviest member goes
+    to the least loaded rank. Equal weights give rank r member r of every group.
+    """
+    assert len(weights) % world == 0
+    n_groups = len(weights) // world
+    load = [0] * world
+    owner_of = [0] * len(weights)
+    by_rank = [[0] * world for _ in range(n_groups)]
+
+    def spread(g: int) -> int:
+        w = weights[g * world : (g + 1) * world]
+        return max(w) - min(w)
+
+    for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
+        members = sorted(range(g * world, (g + 1) * world), key=lambda i: (-weights[i], i))
+        free = list(range(world))
+        for index in members:
+            r = min(free, key=lambda q: (load[q], q))
+            free.remove(r)
+            owner_of[index] = r
+            by_rank[g][r] = index
+            load[r] += weights[index]
+    return owner_of, by_rank
+
+
 class ChunkGroups:
     """The data-parallel side of one client."""
 
@@ -67,31 +97,8 @@ class ChunkGroups:
     # -- arithmetic ------------------------------------------------------------------------
 
     def assign(self, weights: list[int]) -> None:
-        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner).
-
-        Greedy and deterministic, so every rank computes the same table: groups are taken
-        most uneven first, and within a group the heaviest member goes to the least loaded
-        rank. Equal weights give rank r member r of every group.
-        """
-        assert len(weights) % self.world == 0
-        n_groups = len(weights) // self.world
-        load = [0] * self.world
-        self.owner_of = [0] * len(weights)
-        self.by_rank = [[0] * self.world for _ in range(n_groups)]
-
-        def spread(g: int) -> int:
-            w = [weights[i] for i in self.members(g)]
-            return max(w) - min(w)
-
-        for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
-            members = sorted(self.members(g), key=lambda i: (-weights[i], i))
-            free = list(range(self.world))
-            for index in members:
-                r = min(free, key=lambda q: (load[q], q))
-                free.remove(r)
-                self.owner_of[index] = r
-                self.by_rank[g][r] = index
-                load[r] += weights[index]
+        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner)."""
+        self.owner_of, self.by_rank = assign_owners(weights, self.world)
 
     def owner(self, index: int) -> int:
         return self.owner_of[index]
@@ -161,7 +168,8 @@ class ChunkGroups:
                 mine = self._row_values(own_index, values, cap)
             for kind in dict.fromkeys((ChunkKind.PARAM, client.master_kind)):
                 chunk = client.lists[kind][own_index]
-                assert chunk.payload is not None
+                if chunk.payload is None:
+                    continue  # a padding row keeps no master: it holds no params
                 chunk.payload.copy_(mine[: chunk.capacity])
                 for slot in chunk.slots:
                     chunk.set_slot_state(slot, _S.HOLD, "initial weights")
@@ -323,7 +331,8 @@ class ChunkGroups:
         if reuse:
             own = rows[self.rank]
             own.payload.copy_(result)
-            self.write_back.add(own_index)
+            if own.slots:  # a padding row has no params to write back
+                self.write_back.add(own_index)
             for slot, state in zip(own.slots, list(own.states)):
                 if state is not _S.HOLD_AFTER_BWD:
                     own.set_slot_state(slot, _S.COMPUTE, "reduced grad")
