@@ -11,6 +11,7 @@ mechanics stay in the client, the step in the chunked optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -107,7 +108,7 @@ class Engine:
             self._in_iteration = True
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
         self.client.begin_forward()
-        with self.tracer.saved_tensors() if training else _null():
+        with self.tracer.saved_tensors() if training else contextlib.nullcontext():
             out = self.module(*args, **kwargs)
         self.client.end_forward()
         return out
@@ -288,11 +289,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

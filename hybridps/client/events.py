@@ -20,9 +20,6 @@ if TYPE_CHECKING:
     from hybridps.client.chunk import Chunk
     from hybridps.client.client import Client
 
-EVENT_KINDS = ("access", "move", "evict", "optimizer_step", "moment")
-
-
 class EventRecorder:
     """Timed chunk events and a per-moment memory history of one client."""
 

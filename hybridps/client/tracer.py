@@ -95,10 +95,6 @@ class MemoryTracer:
 
     # -- live non-model measurement --------------------------------------------------------
 
-    @property
-    def simulated(self) -> bool:
-        return self.device.simulated or not self.device.is_gpu
-
     def live_non_model(self) -> int:
         if not self.device.is_gpu:
             return 0
