@@ -202,24 +202,25 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--chunk-size", type=int, default=None, help="HybridPS chunk size in elements (default: chosen)")
     ap.add_argument("--systems", default="hybridps,deepspeed")
+    ap.add_argument("--repeat", type=int, default=3, help="alternating runs of each system per world size")
     args = ap.parse_args()
     results = []
+    ratios: dict[str, list[float]] = {}
+    systems = args.systems.split(",")
     for world in [int(w) for w in args.worlds.split(",")]:
-        for system in args.systems.split(","):
-            results.append(run(system, world, args))
-    by = {(r["system"], r["world_size"]): r for r in results}
-    ratios = {
-        f"world_{w}": round(by[("hybridps", w)]["step_s"] / by[("deepspeed", w)]["step_s"], 3)
-        for w in {r["world_size"] for r in results}
-        if ("hybridps", w) in by and ("deepspeed", w) in by
-    }
+        for _ in range(args.repeat):  # the systems alternate, so machine noise hits both alike
+            pair = {system: run(system, world, args) for system in systems}
+            results.extend(pair.values())
+            if "hybridps" in pair and "deepspeed" in pair:
+                ratios.setdefault(f"world_{world}", []).append(pair["hybridps"]["step_s"] / pair["deepspeed"]["step_s"])
+    summary = {w: {"median": round(statistics.median(r), 3), "runs": [round(x, 3) for x in r]} for w, r in ratios.items()}
     print(json.dumps({
         "benchmark": "dist",
         "date": datetime.date.today().isoformat(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "model": {"d_model": args.d_model, "layers": args.layers, "seq": args.seq, "global_batch": args.batch},
         "results": results,
-        "hybridps_over_deepspeed_step_time": ratios,
+        "hybridps_over_deepspeed_step_time": summary,
     }, indent=2))
 
 

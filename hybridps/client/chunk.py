@@ -53,6 +53,8 @@ class Chunk:
         self.ready_event = None
         #: brought ahead of use by the prefetcher and not used yet
         self.prefetched = False
+        #: an asynchronous collective reads or writes the payload: it must not move
+        self.in_flight = False
 
     # -- slots and states ------------------------------------------------------------------
 

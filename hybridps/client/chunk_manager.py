@@ -218,7 +218,9 @@ class ChunkManager:
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
             return
-        victims = [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]
+        victims = [
+            c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight
+        ]
         need = self.used_bytes[device] + size - budget
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(self._no_room_message(device, size, budget, who))
@@ -234,7 +236,7 @@ class ChunkManager:
         budget = self.budget(device)
         if self.used_bytes[device] <= budget:
             return
-        victims = [c for c in self.resident[device].values() if c.state is not ChunkState.COMPUTE]
+        victims = [c for c in self.resident[device].values() if c.state is not ChunkState.COMPUTE and not c.in_flight]
         while victims and self.used_bytes[device] > budget:
             victim = self.eviction.choose(victims, self)
             victims.remove(victim)

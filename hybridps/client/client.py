@@ -710,6 +710,8 @@ class Client:
         for handle in self.hook_handles:
             handle.remove()
         self.hook_handles.clear()
+        if self.groups is not None:
+            self.groups.settle_all()  # no collective may still write into a chunk being freed
         try:
             if restore:
                 self._restore_params()

@@ -117,11 +117,13 @@ class Collectives:
         self.calls[op] += 1
         self.bytes_received[op] += nbytes
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor, *, what: str) -> None:
-        """``outputs[r]`` <- rank r's ``mine`` (all the same size)."""
+    def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor, *, what: str, async_op: bool = False):
+        """``outputs[r]`` <- rank r's ``mine`` (all the same size). With ``async_op`` it
+        returns the backend's work handle: nothing may touch the tensors until it is waited."""
         self._arrive("all_gather", what)
-        dist.all_gather(list(outputs), mine, group=self.group)
+        work = dist.all_gather(list(outputs), mine, group=self.group, async_op=async_op)
         self._count("all_gather", mine.numel() * mine.element_size() * (self.world_size - 1))
+        return work
 
     def reduce_scatter_avg(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], *, what: str) -> None:
         """``output`` <- the average over ranks of their ``inputs[self.rank]``."""
@@ -133,9 +135,14 @@ class Collectives:
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.device == self.device else tensor.to(self.device)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, what: str, checked: bool = False) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, what: str, checked: bool = False, async_op: bool = False):
         if not checked:
             self._arrive("broadcast", what)
+        if async_op:  # chunk payloads already live where the backend wants them
+            assert tensor.device == self.device, "an asynchronous broadcast cannot stage its tensor"
+            work = dist.broadcast(tensor, src, group=self.group, async_op=True)
+            self._count("broadcast", tensor.numel() * tensor.element_size() if self.rank != src else 0)
+            return work
         staged = self._staged(tensor)
         dist.broadcast(staged, src, group=self.group)
         if staged is not tensor:

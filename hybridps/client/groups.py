@@ -92,6 +92,11 @@ class ChunkGroups:
         #: bytes of chunk groups kept gathered after the forward used them (same on all ranks)
         self.live_cap_bytes = 0
         self.owner_of: list[int] = []
+        #: asynchronous gathers not waited for yet: group -> work handles
+        self.in_flight: dict[int, list] = {}
+        #: called with the group index after every gather (the prefetcher's trace)
+        self.gather_listeners: list = []
+        self.prefetched_gathers = 0
         self.by_rank: list[list[int]] = []
 
     # -- arithmetic ------------------------------------------------------------------------
@@ -183,11 +188,23 @@ class ChunkGroups:
     # -- forward: gather and drop ----------------------------------------------------------
 
     def ensure_gathered(self, index: int, who: object = "") -> None:
-        """All-gather the group of chunk ``index`` unless it is here already."""
+        """All-gather the group of chunk ``index`` unless it is here already (waiting for a
+        prefetched gather to land)."""
         g = self.group_of(index)
         if g in self.gathered:
+            self._settle(g)
             self.retained.pop(g, None)  # in use again
             return
+        self._gather(g, who)
+
+    def prefetch(self, g: int) -> None:
+        """Start gathering group ``g`` without waiting (its first use waits). Every rank
+        calls this at the same moment (the trace's), so the collective stays in step."""
+        if g not in self.gathered:
+            self._gather(g, f"prefetch of chunk group {g}", asynchronous=True)
+            self.prefetched_gathers += 1
+
+    def _gather(self, g: int, who: object, *, asynchronous: bool = False) -> None:
         client = self.client
         members = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
         compute = client.compute.name
@@ -196,16 +213,38 @@ class ChunkGroups:
         own = members[self.rank]
         assert own.payload is not None
         if all(c.capacity == own.capacity for c in members):
-            self.comm.all_gather([c.payload for c in members], own.payload, what=f"params of chunk group {g}")
+            works = [self.comm.all_gather([c.payload for c in members], own.payload, what=f"params of chunk group {g}", async_op=asynchronous)]
         else:  # an oversize chunk in the group: one broadcast per member, checked in once
             self.comm.arrive("gather", f"params of chunk group {g}")
-            for r, chunk in enumerate(members):
-                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True)
+            works = [
+                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True, async_op=asynchronous)
+                for r, chunk in enumerate(members)
+            ]
         for chunk in members:
             if not chunk.owned:
                 chunk.set_all_states(_S.HOLD, f"gathered {chunk}")
+        if asynchronous:
+            for chunk in members:
+                chunk.in_flight = True
+            self.in_flight[g] = works
         self.gathered.add(g)
         self.gathers += 1
+        for listener in self.gather_listeners:
+            listener(g)
+
+    def _settle(self, g: int) -> None:
+        """Wait for an asynchronous gather of ``g`` to land."""
+        works = self.in_flight.pop(g, None)
+        if works is None:
+            return
+        for work in works:
+            work.wait()
+        for chunk in self._members(g):
+            chunk.in_flight = False
+
+    def settle_all(self) -> None:
+        for g in list(self.in_flight):
+            self._settle(g)
 
     def after_release(self, info: ParamInfo, state: TensorState) -> None:
         """Drop a group's foreign chunks once the forward is done with every param of it,
@@ -249,6 +288,7 @@ class ChunkGroups:
         return not any(c.counts[_S.COMPUTE] or c.counts[_S.HOLD_AFTER_BWD] for c in self._members(g))
 
     def _drop(self, g: int) -> None:
+        self._settle(g)
         for chunk in self._members(g):
             if chunk.owned:
                 continue
@@ -304,6 +344,7 @@ class ChunkGroups:
         """Average the group's local grads into their owners' chunks; drop foreign copies."""
         client = self.client
         compute = client.compute.name
+        self._settle(g)
         rows = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
         reuse = client.config.grad_reuse
         if reuse:
@@ -377,6 +418,7 @@ class ChunkGroups:
         """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
         for g in sorted(self.pending):
             self.reduce(g)
+        self.settle_all()
         flags = self.local_flags.clone()
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
         optimizer = self.client.optimizer
@@ -406,4 +448,10 @@ class ChunkGroups:
         return [o.cpu() for o in outputs]
 
     def stats(self) -> dict:
-        return {"groups": self.num_groups, "gathers": self.gathers, "reduces": self.reduces, **self.comm.stats()}
+        return {
+            "groups": self.num_groups,
+            "gathers": self.gathers,
+            "prefetched_gathers": self.prefetched_gathers,
+            "reduces": self.reduces,
+            **self.comm.stats(),
+        }

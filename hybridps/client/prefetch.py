@@ -8,8 +8,11 @@ out a chunk needed sooner). On a real GPU the copies run on the copy stream and 
 chunk's first use waits for its event; on a simulated GPU they are plain copies made
 earlier, which keeps the logic testable on CPU.
 
-Chunks of other ranks (chunk groups) are never prefetched here: fetching them is a
-collective, whose timing every rank must agree on.
+With several ranks the prefetcher also starts the gathers of the chunk groups the next
+moment needs, asynchronously, so they overlap the current module's compute. Which groups a
+moment gathers is recorded during warm-up from the gathers themselves, which are the same
+on every rank (the collective watchdog checks it); the chunks a rank brings for itself are
+not, since they depend on its memory pressure, so only the gathers decide.
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ class Prefetcher:
         self.window = window
         self._by_id: dict[int, object] | None = None
         tracer.tick_listeners.append(self.on_tick)
+        self.groups = client.groups
+        self._gathers_at: dict[int, list[int]] = {}  # moment -> chunk groups gathered then (warm-up)
+        self._trace_id = -1
+        if self.groups is not None:
+            self.groups.gather_listeners.append(self._on_gather)
+
+    def _on_gather(self, g: int) -> None:
+        if self.tracer.mode.value != "record":
+            return
+        if self._trace_id != self.tracer.trace_id:  # a new warm-up: forget the old gathers
+            self._gathers_at, self._trace_id = {}, self.tracer.trace_id
+        self._gathers_at.setdefault(self.tracer.moment, []).append(g)
 
     def _chunk(self, chunk_id: int):
         if self._by_id is None:
@@ -38,9 +53,12 @@ class Prefetcher:
     def on_tick(self, label: Hashable, non_model_bytes: int) -> None:
         if not self.tracer.replaying():
             return
+        now = self.tracer.moment  # accesses right after this tick carry this moment: no gain in prefetching them
+        if self.groups is not None and self._trace_id == self.tracer.trace_id:
+            for g in self._gathers_at.get(now + 1, ()):
+                self.groups.prefetch(g)
         compute = self.client.compute.name
         chunks = self.client.chunks
-        now = self.tracer.moment  # accesses right after this tick carry this moment: no gain in prefetching them
         for moment in range(now + 1, now + 1 + self.window):
             for chunk_id, device in self.tracer.by_moment.get(moment, ()):
                 if device != compute:

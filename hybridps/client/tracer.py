@@ -81,6 +81,7 @@ class MemoryTracer:
         self.by_moment: dict[int, list[tuple[int, str]]] = {}  # moment -> (chunk_id, device) used then
         self.has_trace = False
         self.retraces = 0
+        self.trace_id = 0  # which warm-up the trace comes from
         # live measurement on a simulated GPU
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
@@ -145,6 +146,7 @@ class MemoryTracer:
             self.mode = TraceMode.REPLAY
         else:
             self.mode = TraceMode.RECORD
+            self.trace_id += 1
             self.labels, self.non_model, self.accesses = [], [], []
             self._listen(True)  # chunk accesses are recorded during warm-up only
 

@@ -99,3 +99,26 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
         manager.evict(chunk)
     with pytest.raises(CapacityError, match=r"(?s)CUDA out of memory on cuda:0.*even after evicting.*memory report"):
         train_engine(engine, 1, start=1)
+
+
+def _group_prefetch(rank, world, window):
+    model, _ = gpt_pair()
+    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, prefetch_window=window, collective_timeout_s=60)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
+    losses = []
+    for step in range(4):
+        x, y = tokens(step, batch=4)
+        _, loss = engine(x[rank::world], y[rank::world])
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses, engine.memory_stats()["dist"]["prefetched_gathers"]
+
+
+def test_chunk_groups_gathered_ahead_on_every_rank_change_nothing_but_timing():
+    plain = run_ranks(_group_prefetch, 2, 0, timeout_s=90)
+    ahead = run_ranks(_group_prefetch, 2, 2, timeout_s=90)
+    assert [losses for losses, _ in ahead] == [losses for losses, _ in plain]
+    assert all(n == 0 for _, n in plain) and all(n > 0 for _, n in ahead)
