@@ -23,11 +23,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-from hybridps.client.chunk import Chunk
+from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.eviction import EvictionPolicy, LRUPolicy
 from hybridps.client.pool import PayloadPool
 from hybridps.client.states import ChunkState
@@ -66,6 +67,9 @@ class ChunkManager:
         self.pool = PayloadPool(pool_bytes)
         #: host payloads are pinned when a real GPU computes (asynchronous copies need it)
         self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
+        #: pinned host memory in use, and its cap (set from the config by the client)
+        self.pinned_bytes = 0
+        self.pinned_cap_bytes = 0
         #: prefetches and evictions copy on this stream (real GPUs only)
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
         self._in_flight: list[tuple] = []  # (event, host buffer) of copies still reading it
@@ -161,16 +165,26 @@ class ChunkManager:
     # -- host buffer pool ------------------------------------------------------------------
 
     def _buffer(self, chunk: Chunk, device: str) -> torch.Tensor | None:
-        """A pooled host buffer for ``chunk`` on ``device``, if one is free."""
+        """A pooled host buffer for ``chunk`` on ``device``, if one is free; else, for a chunk
+        that crosses to a real GPU, a pinned one while pinned memory stays under its cap."""
         spec = self._specs[device]
         if spec.torch_device.type != "cpu":
             return None
-        buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=self.pin_host)
+        pin = self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
+        buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=pin)
         if buf is not None:
             self.connection.remove("cpu", chunk.nbytes)  # leaves the pool, booked as a chunk below
-        elif self.pin_host:
+        elif pin and self.pinned_bytes + chunk.nbytes <= self.pinned_cap_bytes:
+            # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
+            # asynchronous and fast, but the OS cannot page it out: too much of it starves the
+            # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
             buf = chunk.new_buffer(spec, pin=True)
+            self.pinned_bytes += chunk.nbytes
+            weakref.finalize(buf, self._unpinned, chunk.nbytes)
         return buf
+
+    def _unpinned(self, nbytes: int) -> None:
+        self.pinned_bytes -= nbytes
 
     def _recycle(self, old: torch.Tensor | None) -> None:
         if old is None or old.device.type != "cpu":

@@ -100,6 +100,8 @@ class Client:
             connection = self._connect(info)
         self.connection = connection
         self.chunks = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
+        pinned = self.config.pinned_bytes
+        self.chunks.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         self.layout: ChunkLayout | None = None
         self.lists: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
         self._params: dict[int, ParamInfo] = {}
@@ -678,6 +680,7 @@ class Client:
             "prefetches": self.chunks.prefetches,
             "prefetch_hits": self.chunks.prefetch_hits,
             "pool": self.chunks.pool.stats(),
+            "pinned_bytes": self.chunks.pinned_bytes,
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
             "peak_model_data_bytes": self.chunks.peak_all_bytes,

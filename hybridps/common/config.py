@@ -77,6 +77,9 @@ class Config:
     #: Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes);
     #: None = four of the largest chunks.
     pool_bytes: int | str | None = None
+    #: Cap on pinned (page-locked) host memory for param and grad chunks that cross to a real
+    #: GPU; beyond it host chunks are pageable. None = a quarter of the CPU capacity.
+    pinned_bytes: int | str | None = None
     #: Record chunk events and the memory history from the start (export_trace, plot_memory);
     #: ``engine.record(True)`` turns it on later.
     record: bool = False
@@ -122,6 +125,8 @@ class Config:
         object.__setattr__(self, "margin", parse_bytes(self.margin, what="margin"))
         if self.live_gathered_bytes is not None:
             object.__setattr__(self, "live_gathered_bytes", parse_bytes(self.live_gathered_bytes, what="live_gathered_bytes"))
+        if self.pinned_bytes is not None:
+            object.__setattr__(self, "pinned_bytes", parse_bytes(self.pinned_bytes, what="pinned_bytes"))
         if self.pool_bytes is not None:
             object.__setattr__(self, "pool_bytes", parse_bytes(self.pool_bytes, what="pool_bytes"))
         if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1:
