@@ -12,7 +12,7 @@ import hybridps
 import hybridps.checkpoint as ckpt
 from hybridps import ConfigError
 from tests.dist import run_ranks
-from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens
+from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, train_engine
 
 
 def _engine(seed=0, precision="fp32"):
@@ -24,20 +24,7 @@ def _engine(seed=0, precision="fp32"):
 
 
 def _steps(engine, sched, start, stop, rank=0, world=1):
-    losses = []
-    for step in range(start, stop):
-        x, y = tokens(step, batch=4)
-        _, loss = engine(x[rank::world], y[rank::world])
-        engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
-        sched.step()
-        mean = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses
+    return train_engine(engine, stop - start, scheduler=sched, batch=4, start=start, rank=rank, world=world, mean_over_ranks=True)
 
 
 def _resume_in_fresh_process(rank, world, path, start, stop):

@@ -12,7 +12,7 @@ import hybridps
 from hybridps.client.remote import query_status
 from tests.daemon import Daemons
 from tests.dist import run_ranks
-from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens
+from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, train_engine
 
 GPU_BYTES = int(model_data_bytes(SMALL_GPT) * 0.3)
 
@@ -21,12 +21,7 @@ def _train_with_daemon(rank, world, endpoint):
     model, _ = gpt_pair()
     config = hybridps.Config(manager=endpoint, devices={"cuda:local": GPU_BYTES, "cpu": "1GiB"}, collective_timeout_s=60)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
-    for step in range(2):
-        x, y = tokens(step, batch=4)
-        _, loss = engine(x[rank::world], y[rank::world])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
+    train_engine(engine, 2, clip=0, batch=4, rank=rank, world=world)
     torch.distributed.barrier()
     status = query_status(endpoint) if rank == 0 else None
     torch.distributed.barrier()  # nobody moves a chunk while rank 0 reads the books

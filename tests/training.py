@@ -52,11 +52,13 @@ def train_plain(model, optimizer, steps, *, clip=1.0, scheduler=None, batch=2, s
     return losses
 
 
-def train_engine(engine, steps, *, clip=1.0, scheduler=None, batch=2, start=0, seq=32):
+def train_engine(engine, steps, *, clip=1.0, scheduler=None, batch=2, start=0, seq=32, rank=0, world=1, mean_over_ranks=False):
+    """Train ``steps`` steps; with several ranks each takes its rows of the global batch and,
+    with ``mean_over_ranks``, the reported loss is the mean over ranks."""
     losses = []
     for step in range(start, start + steps):
         x, y = tokens(step, batch, seq)
-        _, loss = engine(x, y)
+        _, loss = engine(x[rank::world], y[rank::world])
         engine.backward(loss)
         if clip:
             engine.clip_grad_norm_(clip)
@@ -64,7 +66,11 @@ def train_engine(engine, steps, *, clip=1.0, scheduler=None, batch=2, start=0, s
         engine.zero_grad()
         if scheduler is not None:
             scheduler.step()
-        losses.append(loss.item())
+        value = loss.detach().clone()
+        if mean_over_ranks and world > 1:
+            torch.distributed.all_reduce(value)
+            value /= world
+        losses.append(value.item())
     return losses
 
 

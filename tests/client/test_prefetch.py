@@ -7,7 +7,7 @@ import hybridps
 from hybridps import CapacityError, ConfigError, StateError
 from hybridps.client.chunk import ChunkKind
 from tests.dist import run_ranks
-from tests.training import SMALL_GPT, engine_for, gpt_pair, model_data_bytes, tokens, train_engine
+from tests.training import SMALL_GPT, engine_for, gpt_pair, model_data_bytes, train_engine
 
 
 def _run(steps=6, clip=1.0, **config):
@@ -46,15 +46,7 @@ def _overlap_ranks(rank, world, overlap):
     model, _ = gpt_pair()
     config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, overlap_step=overlap, collective_timeout_s=60)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
-    out = []
-    for step in range(4):
-        x, y = tokens(step, batch=4)
-        _, loss = engine(x[rank::world], y[rank::world])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        out.append(loss.item())
-    return out
+    return train_engine(engine, 4, clip=0, batch=4, rank=rank, world=world)
 
 
 def test_stepping_during_backward_on_two_ranks_matches_stepping_after():
@@ -105,15 +97,7 @@ def _group_prefetch(rank, world, window):
     model, _ = gpt_pair()
     config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, prefetch_window=window, collective_timeout_s=60)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
-    losses = []
-    for step in range(4):
-        x, y = tokens(step, batch=4)
-        _, loss = engine(x[rank::world], y[rank::world])
-        engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
+    losses = train_engine(engine, 4, batch=4, rank=rank, world=world)
     return losses, engine.memory_stats()["dist"]["prefetched_gathers"]
 
 
