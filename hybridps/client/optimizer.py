@@ -84,10 +84,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._stepped_early: set[int] = set()
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = []
-        if imported is not None:
-            self._imported_state = imported  # loaded once the chunk lists exist
-        else:
-            self._imported_state = None
+        self._imported_state = imported  # loaded by attach_state once the chunk lists exist
 
     def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
         client = self.client
