@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from hybridps.client.eviction import BeladyPolicy
 from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
+from hybridps.client.placeholder import ParamGuard
 from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
@@ -41,7 +43,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     outside forward and backward; use ``engine.optimizer`` (it shares the param groups
     with ``optimizer``) for LR schedulers and state dicts.
     """
+    _check_module(model)
     return Engine(model, optimizer, config or Config())
+
+
+def _check_module(model: nn.Module) -> None:
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    if compiled is not None and isinstance(model, compiled.OptimizedModule):
+        raise ConfigError(
+            f"initialize got a torch.compile'd module ({type(model._orig_mod).__name__}): HybridPS swaps each param's "
+            f"storage in and out around every module call, which a compiled graph cannot follow. Pass the module "
+            f"itself (model._orig_mod, or the model before torch.compile)"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"initialize takes an nn.Module, got {type(model).__name__}")
 
 
 class Engine:
@@ -79,6 +94,21 @@ class Engine:
                 min_scale=config.min_loss_scale,
                 dynamic=config.static_loss_scale is None,
             )
+        self.optimizer.step_driver = self._driven_step
+        self.optimizer.zero_grad_listeners.append(self._grads_dropped)
+        guard = self.client.guard
+
+        def state_dict_begins(module, prefix, keep_vars):  # a tied param is read once, as one tensor
+            guard.read_cache = {}
+
+        def state_dict_ends(module, state_dict, prefix, local_metadata):
+            guard.read_cache = None
+
+        self.client.hook_handles += [
+            model.register_state_dict_pre_hook(state_dict_begins),
+            model.register_state_dict_post_hook(state_dict_ends),
+        ]
+        self._gathered = 0  # gathered_parameters contexts open
         self._in_iteration = False
         self._backward_since_step = False
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
@@ -96,6 +126,12 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. Floating-point inputs are cast to the compute precision and every
         tensor input is moved to the compute device."""
+        if self._gathered:
+            raise StateError(
+                "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
+                "replace with their chunks; leave the with-block first"
+            )
+        self.hooks.sync_requires_grad()
         if self.config.grad_reuse and self._backward_since_step:
             raise StateError(
                 "forward after backward without step(): with grad_reuse=True the grads sit in the params' own "
@@ -108,10 +144,25 @@ class Engine:
             self._in_iteration = True
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
         self.client.begin_forward()
-        with self.tracer.saved_tensors() if training else contextlib.nullcontext():
+        with self._saved_tensors() if training else contextlib.nullcontext():
             out = self.module(*args, **kwargs)
         self.client.end_forward()
         return out
+
+    def _saved_tensors(self) -> contextlib.AbstractContextManager:
+        """Hooks on what autograd saves in a training forward: the tracer's (activations on a
+        simulated GPU) and, with grad reuse on one rank, the count of saved param aliases that
+        keeps a grad out of a slot whose value autograd still needs (pending_grads.py)."""
+        tracer_hooks = self.tracer.saved_tensors()
+        if not (self.config.grad_reuse and self.client.groups is None):
+            return tracer_hooks
+        pending = self.client.pending
+        if isinstance(tracer_hooks, torch.autograd.graph.saved_tensors_hooks):
+            inner_pack, inner_unpack = tracer_hooks.pack_hook, tracer_hooks.unpack_hook
+            return torch.autograd.graph.saved_tensors_hooks(
+                lambda t: pending.pack(t, inner_pack(t)), lambda h: inner_unpack(pending.unpack(h))
+            )
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pending.pack(t, t), pending.unpack)
 
     def _prepare_inputs(self, obj: Any) -> Any:
         device, dtype = self.client.compute.torch_device, self.client.param_dtype
@@ -133,26 +184,60 @@ class Engine:
             raise TypeError(f"backward takes a one-element loss tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
         if not loss.requires_grad:
             raise StateError("the loss does not require grad: was the forward run under torch.no_grad() or in eval mode?")
+        self.hooks.sync_requires_grad()  # a model called directly (not through engine(...)) is checked here
         if self.config.grad_reuse and self._backward_since_step:
             raise StateError(
                 "second backward without step(): gradient accumulation needs Config(grad_reuse=False), since with "
                 "grad reuse each grad overwrites its param"
             )
         scaled = loss.float() * self.scaler.scale if self.scaler is not None else loss
+        self.client.in_backward = True
         try:
             scaled.backward()
         finally:
+            self.client.in_backward = False
             self.hooks.end_backward()
             self._backward_since_step = True
+        self._end_backward()
+
+    def _end_backward(self) -> None:
         self.client.end_backward()
         self.tracer.tick(("backward_end",))
+
+    def _grads_from_plain_backward(self) -> bool:
+        """Grads arrived since the last step without engine.backward (a bare loss.backward())."""
+        return not self._backward_since_step and (
+            any(i.has_grad for i in self.client.params) or bool(self.client.pending._waiting)
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global grad norm (as ``torch.nn.utils.clip_grad_norm_``); returns the norm."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
-        """Optimizer step over every chunk that holds grads; ends the iteration."""
+        """Optimizer step over every chunk that holds grads; ends the iteration.
+        ``engine.optimizer.step()`` (as Trainer-style loops call it) is the same call."""
+        self.optimizer.step()  # through torch's step wrapper (LR schedulers count it), to _step
+
+    def _driven_step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
+        if self._grads_from_plain_backward():
+            if self.scaler is not None:
+                raise StateError(
+                    "step() after loss.backward() under precision='fp16': the grads were not multiplied by the loss "
+                    "scale, and the step would divide them by it. Call engine.backward(loss) instead of "
+                    "loss.backward() (it scales the loss), then engine.zero_grad() to drop these grads"
+                )
+            self.hooks.end_backward()  # what engine.backward does when it returns
+            self._backward_since_step = True
+            self._end_backward()
         self.tracer.tick(("step",))
         try:
             self.optimizer.step()
@@ -165,8 +250,7 @@ class Engine:
                 self._in_iteration = False
                 if warmup and self.tracer.has_trace:
                     self._place_optimizer_states()
-            if self.config.grad_reuse:
-                self._backward_since_step = False
+            self._backward_since_step = False
 
     def _place_optimizer_states(self) -> None:
         """After warm-up: put optimizer rows on the GPU where activations never need the room."""
@@ -185,8 +269,17 @@ class Engine:
             logger.info("optimizer states on %s after warm-up: %d B (spare %d B)", compute.name, moved, spare)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every grad (``engine.optimizer.zero_grad()`` and ``param.grad = None`` do too)."""
         self.optimizer.zero_grad(set_to_none)
+
+    def _grads_dropped(self) -> None:
         self._backward_since_step = False
+
+    def get_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """A copy of ``param``'s grad as plain PyTorch would show it in ``param.grad``
+        (unscaled, after clip_grad_norm_), or None. ``param.grad`` gives the same as a
+        read-only tensor."""
+        return self.client.grad_value(param)
 
     # -- conveniences ----------------------------------------------------------------------
 
@@ -250,6 +343,81 @@ class Engine:
                         self.client.write_param(own[key], value)
                 else:
                     own[key].copy_(value)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None, *, modify: bool = False) -> Iterator[None]:
+        """Materialize ``params`` (all of the model's by default, or a module's) as ordinary
+        tensors holding their full-precision values, for reading or editing outside forward.
+
+        With ``modify=True`` the values at the end of the block are written back to the master
+        and compute copies (EMA, clamping, re-initialization, surgery on ``p.data``); with
+        ``modify=False`` a change is refused at the end of the block instead of being lost. If
+        the block raises, nothing is written back. The values take the params' fp32 bytes on
+        the compute device while the block runs: name a few params at a time for a large model.
+        With several ranks every rank enters the block together; edits of rank 0 are kept.
+        """
+        if self.hooks._running:
+            raise StateError("gathered_parameters inside a forward: the running modules already have their params")
+        infos = self._infos_of(params)
+        client = self.client
+        device = client.compute.torch_device
+        if client.groups is not None:
+            wanted = {id(i.param) for i in infos}
+            values = {id(i.param): v.to(device=device, dtype=i.orig_dtype) for i, v in client.full_values() if id(i.param) in wanted}
+        else:
+            values = {id(i.param): client.read_value(i.param).to(device) for i in infos}
+        for info in infos:
+            ParamGuard.materialize(info, values[id(info.param)])
+        self._gathered += 1
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._gathered -= 1
+            held = {id(i.param): i.param.data for i in infos}
+            placeholder = client._placeholder(client.param_dtype)
+            for info in infos:
+                ParamGuard.unmaterialize(info, placeholder)
+            if ok:
+                self._write_gathered(infos, held, modify)
+
+    def _write_gathered(self, infos: list, held: dict, modify: bool) -> None:
+        client = self.client
+        groups = client.groups
+        changed = []
+        with torch.no_grad():
+            for info in infos:
+                value = held[id(info.param)]
+                if tuple(value.shape) != tuple(info.shape):
+                    raise ConfigError(f"{info.describe()}: its .data was given shape {tuple(value.shape)} in gathered_parameters")
+                if groups is not None and modify:  # rank 0's edits are the ones kept
+                    value = value.to("cpu", torch.float32, copy=True)
+                    groups.comm.broadcast(value, 0, what=f"gathered_parameters write-back of {info.name}")
+                if not client.owns(info.chunk):
+                    continue
+                if modify:
+                    client.write_value(info.param, value)
+                elif not torch.equal(value.cpu().to(info.orig_dtype), client.read_value(info.param)):
+                    changed.append(info.describe())
+        if changed:
+            raise StateError(
+                f"{len(changed)} params were changed inside gathered_parameters(modify=False) ({', '.join(changed[:3])}"
+                f"{', ...' if len(changed) > 3 else ''}); the change is not kept. Use gathered_parameters(..., modify=True)"
+            )
+
+    def _infos_of(self, params) -> list:
+        if params is None:
+            params = self.module
+        if isinstance(params, nn.Module):
+            params = params.parameters()
+        infos, seen = [], set()
+        for p in params:
+            info = self.client.param_info(p)
+            if id(p) not in seen:
+                seen.add(id(p))
+                infos.append(info)
+        return infos
 
     def record(self, enabled: bool = True) -> None:
         """Start (or stop) recording chunk events and the memory history."""

@@ -34,6 +34,8 @@ from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.comm import Collectives
 from hybridps.client.groups import ChunkGroups
 from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.pending_grads import PendingGrads
+from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.client.states import ChunkState, TensorState
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory
@@ -60,6 +62,8 @@ class ParamInfo:
     refs: int = 0  # nested accesses (see [Note: access counting])
     has_grad: bool = False  # a grad for this iteration sits in its grad slot
     kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
+    cls: type = nn.Parameter  # the param's own class, restored while it is materialized
+    saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
 
     @property
     def chunk(self) -> int:
@@ -126,6 +130,12 @@ class Client:
                 device=_backend_device(process_group, self.compute),
             )
             self.groups = ChunkGroups(self, comm)
+        #: what ops on released params mean (placeholder.py)
+        self.guard = ParamGuard(self)
+        #: grads that may not enter their slot yet (pending_grads.py)
+        self.pending = PendingGrads(self, self._write_grad)
+        #: a backward of the engine is running (for error messages)
+        self.in_backward = False
         self._closed = False
         self._broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
@@ -206,10 +216,25 @@ class Client:
                 f"register_module call"
             )
         for name, p in named:
+            if isinstance(p, ChunkedParameter) or guard_of(p) is not None:
+                raise RegistrationError(
+                    f"param {name!r} (shape {tuple(p.shape)}) is already held by a HybridPS client (initialize called "
+                    f"twice on one model?); close the first engine (engine.close() gives the model its values back) "
+                    f"or build a fresh model"
+                )
             if p.device.type == "meta" and not self.compute.meta:
                 raise RegistrationError(f"param {name!r} (shape {tuple(p.shape)}) is on the meta device and has no data; materialize it first")
             if not p.is_floating_point():
                 raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
+        stale = [name for name, p in named if p.grad is not None]
+        if stale:
+            logger.warning(
+                "dropping the .grad that %d params had before registration (%s%s): HybridPS keeps grads in chunks and "
+                "starts from none, so a grad from a backward run before initialize is not added into the first step",
+                len(stale), ", ".join(stale[:3]), ", ..." if len(stale) > 3 else "",
+            )
+            for _, p in named:
+                p.grad = None
         if self.layout is None:
             self.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
         plan = self.layout.copy()
@@ -250,7 +275,8 @@ class Client:
         self.groups.setup()
         self._size_pool()
         for info in self.params:
-            info.param.data = self._placeholder(self.param_dtype)
+            self.guard.adopt(info)
+            self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
 
     def _size_pool(self) -> None:
         if self.config.pool_bytes is not None:
@@ -317,7 +343,8 @@ class Client:
                 chunk.set_slot_state(slot, TensorState.HOLD, info.describe())
         self._params[id(p)] = info
         self.params.append(info)
-        p.data = self._placeholder(self.param_dtype)
+        self.guard.adopt(info)
+        self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
         return info
 
     def owns(self, index: int) -> bool:
@@ -346,7 +373,8 @@ class Client:
         for info in reversed(done):
             source = self.lists[self.master_kind][info.chunk]
             if source.payload is not None:
-                info.param.data = source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True)
+                ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
+            self.guard.forget(info)
             del self._params[id(info.param)]
             self.params.remove(info)
 
@@ -402,7 +430,7 @@ class Client:
             except BaseException:
                 chunk.set_slot_state(info.slot, previous, info)
                 raise
-            param.data = chunk.shaped_view(info.slot, info.shape)
+            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
         info.refs += 1
         return param.data
 
@@ -423,7 +451,7 @@ class Client:
         if info.refs:
             return
         chunk.set_slot_state(info.slot, state, info)
-        param.data = self._placeholder(chunk.dtype)
+        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
         if self.groups is not None and info.kind is ChunkKind.PARAM:
             self.groups.after_release(info, state)
         elif chunk.state is ChunkState.FREE:
@@ -495,33 +523,121 @@ class Client:
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
-        param must be accessed), else its slot in the grad chunk, accumulating."""
+        param must be accessed, and its value no longer needed by autograd: else the grad
+        waits, see pending_grads.py), else its slot in the grad chunk, accumulating."""
         info = self.param_info(param)
         if self.groups is not None:
             self._store_local_grad(info, grad)
-            return
-        with torch.no_grad():
             if self.config.grad_reuse:
-                if info.refs == 0:
-                    raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
-                if info.has_grad:
-                    raise StateError(
-                        f"{info.describe()} already holds a grad in its slot (grad_reuse=True); call step() before "
-                        f"the next backward, or set Config(grad_reuse=False) to accumulate gradients"
-                    )
-                chunk = self.lists[ChunkKind.PARAM][info.chunk]
-                chunk.view(info.slot).copy_(grad.reshape(-1))
+                torch.autograd.graph.increment_version(param)  # the slot no longer holds the value
+            return
+        if self.config.grad_reuse:
+            if info.has_grad:
+                raise StateError(self._second_grad_message(info))
+            if self.pending.must_wait(info) or self.pending.waiting(info) is not None:
+                self.pending.add(info, grad)
+                return
+            if info.refs == 0:
+                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
+        self._write_grad(info, grad)
+
+    def _second_grad_message(self, info: ParamInfo) -> str:
+        if self.in_backward:
+            return (
+                f"a second grad for {info.describe()} in one backward, with grad_reuse=True (its slot holds one grad, "
+                f"and its value was still needed): the param is used in two segments of reentrant activation "
+                f"checkpointing (torch.utils.checkpoint with use_reentrant=True), each of which runs its own backward. "
+                f"Use use_reentrant=False, or set Config(grad_reuse=False)"
+            )
+        return (
+            f"{info.describe()} already holds a grad in its slot (grad_reuse=True) from an earlier backward; call "
+            f"step() (or zero_grad()) before the next backward, or set Config(grad_reuse=False) to accumulate "
+            f"gradients over micro-batches"
+        )
+
+    @torch.no_grad()
+    def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
+        if self.config.grad_reuse:
+            chunk = self.lists[ChunkKind.PARAM][info.chunk]
+            chunk.wait_ready()
+            view = chunk.view(info.slot)
+            if info.has_grad:
+                view.add_(grad.reshape(-1))
             else:
-                chunk = self.lists[ChunkKind.GRAD][info.chunk]
-                chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
-                self.chunks.bring(chunk, self.compute.name, who=info.describe() + " grad")
-                view = chunk.view(info.slot)
-                if info.has_grad:
-                    view.add_(grad.reshape(-1))
-                else:
-                    view.copy_(grad.reshape(-1))
-                chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
+                view.copy_(grad.reshape(-1))
+            # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
+            torch.autograd.graph.increment_version(info.param)
+        else:
+            chunk = self.lists[ChunkKind.GRAD][info.chunk]
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
+            self.chunks.bring(chunk, self.compute.name, who=info.describe() + " grad")
+            view = chunk.view(info.slot)
+            if info.has_grad:
+                view.add_(grad.reshape(-1))
+            else:
+                view.copy_(grad.reshape(-1))
+            chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
         info.has_grad = True
+
+    def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a grad that reached ``param`` through an op outside the forward (placeholder.py)."""
+        info = self.param_info(param)
+        if self.groups is not None:
+            raise StateError(
+                f"a grad reached {info.describe()} through an op outside the model's forward, with {self.world_size} "
+                f"ranks: grads are reduced per chunk group during backward. Compute that term inside the forward"
+            )
+        if self.config.grad_reuse and not info.has_grad:
+            self.pending.add(info, grad)  # the value may still be needed: into the slot at the end of backward
+        else:
+            self._write_grad(info, grad)
+
+    def grad_value(self, param: nn.Parameter) -> torch.Tensor | None:
+        """A copy of ``param``'s grad as ``param.grad`` would show it (unscaled, clipped as far
+        as clip_grad_norm_ has asked, original dtype, compute device), or None."""
+        info = self.param_info(param)
+        waiting = self.pending.waiting(info)
+        if not info.has_grad and waiting is None:
+            return None
+        if self.groups is not None:
+            raise StateError(
+                f"reading the grad of {info.describe()} with {self.world_size} ranks: grads are reduce-scattered to "
+                f"the rank that owns each chunk. Use engine.clip_grad_norm_() for the global norm"
+            )
+        with torch.no_grad():
+            grad = torch.zeros(info.shape, dtype=torch.float32, device=self.compute.torch_device)
+            if info.has_grad:
+                grad.add_(self.grad_view(info).view(info.shape).to(grad.device, torch.float32))
+            if waiting is not None:
+                grad.add_(waiting.view(info.shape).to(grad.device, torch.float32))
+            if self.optimizer is not None:
+                grad = self.optimizer.as_user_grad(grad)
+        return grad.to(info.orig_dtype)
+
+    @torch.no_grad()
+    def drop_grad(self, param: nn.Parameter) -> None:
+        """Forget ``param``'s grad (``param.grad = None``); with grad reuse the slot gets the
+        param's value back from the master copy."""
+        info = self.param_info(param)
+        self.pending.drop(info)
+        if not info.has_grad:
+            return
+        if self.groups is not None:
+            raise StateError(
+                f"dropping the grad of {info.describe()} alone with {self.world_size} ranks; drop all grads together "
+                f"with engine.zero_grad()"
+            )
+        if self.config.grad_reuse:
+            chunk = self.lists[ChunkKind.PARAM][info.chunk]
+            chunk.view(info.slot).copy_(self.lists[self.master_kind][info.chunk].view(info.slot))
+        else:
+            chunk = self.lists[ChunkKind.GRAD][info.chunk]
+            if chunk.slot_state(info.slot) is not TensorState.FREE:
+                chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
+            if chunk.state is ChunkState.FREE:
+                self.chunks.free(chunk)
+        info.has_grad = False
 
     @torch.no_grad()
     def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
@@ -597,7 +713,8 @@ class Client:
         chunk.set_slot_state(slot, TensorState.HOLD, info)
         self._params[id(param)] = info
         self.buffers.append(info)
-        param.data = self._placeholder(value.dtype)
+        self.guard.adopt(info)
+        self.guard.unmaterialize(info, self._placeholder(value.dtype))
         return param
 
     def begin_forward(self) -> None:
@@ -612,6 +729,7 @@ class Client:
 
     def end_backward(self) -> None:
         """Backward returned: reduce what is left and agree across ranks on which params have grads."""
+        self.pending.end_backward()
         if self.groups is not None:
             self.groups.end_backward()
 
@@ -642,13 +760,35 @@ class Client:
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
         if tuple(value.shape) != tuple(info.shape):
             raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
+        kinds = (ChunkKind.PARAM, self.master_kind)
         if info.has_grad and self.config.grad_reuse:
-            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
-        for kind in dict.fromkeys((ChunkKind.PARAM, self.master_kind)):
+            if self.master_kind is ChunkKind.PARAM:
+                raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
+            kinds = (self.master_kind,)  # the slot holds the grad; the step writes the new master back to it
+        for kind in dict.fromkeys(kinds):
             chunk = self.lists[kind][info.chunk]
             if chunk.payload is None:
                 self.chunks.place(chunk, self.compute.name if kind is ChunkKind.PARAM else "cpu")
             chunk.view(info.slot).copy_(value.reshape(-1))
+
+    def read_value(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s value as the user's model holds it: full precision, in the
+        dtype it was registered with."""
+        info = self.param_info(param)
+        if info.kind is ChunkKind.BUFFER:
+            return self.lists[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
+        return self.read_param(param).to(info.orig_dtype)
+
+    def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``param``'s value (master and compute copies; the buffer of a managed tensor)."""
+        info = self.param_info(param)
+        if info.kind is ChunkKind.BUFFER:
+            if tuple(value.shape) != tuple(info.shape):
+                raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
+            with torch.no_grad():
+                self.lists[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
+            return
+        self.write_param(param, value)
 
     # -- stats -----------------------------------------------------------------------------
 
@@ -720,6 +860,8 @@ class Client:
                 self._restore_params()
             self.chunks.release_all(self.all_chunks())
         finally:
+            for info in [*self.params, *self.buffers]:
+                self.guard.forget(info)  # without restore a param stays a ChunkedParameter that refuses ops
             self._closed = True
             self.connection.close()
 
@@ -741,12 +883,14 @@ class Client:
     def _restore_params(self) -> None:
         device = self.compute.torch_device
         for info, value in self.full_values():
-            info.param.data = value.to(device=device, dtype=info.orig_dtype)
+            ParamGuard.materialize(info, value.to(device=device, dtype=info.orig_dtype))
+            self.guard.forget(info)
             info.refs = 0
         for info in self.buffers:
             chunk = self.lists[ChunkKind.BUFFER][info.chunk]
             assert chunk.payload is not None
-            info.param.data = chunk.view(info.slot).view(info.shape).to(device=device, copy=True)
+            ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
+            self.guard.forget(info)
             info.refs = 0
 
     def __enter__(self) -> Client:

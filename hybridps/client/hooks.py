@@ -19,6 +19,14 @@ remove them:
 
 Params still held when backward ends (a param whose grad never came) are released by
 ``end_backward``.
+
+[Note: borrowed params]
+A module may compute with a param it does not own (a tied head reading the embedding's
+weight in its parent's forward, ``nn.MultiheadAttention`` passing ``out_proj.weight`` to a
+functional call). The first such use reaches the released param's ``__torch_function__``
+(placeholder.py), which calls ``borrow``: the param is accessed for the innermost running
+module and joins that module's params, so from then on the module's hooks access, release,
+re-access for backward and (through the trace) prefetch it like its own.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from hybridps.client.placeholder import ChunkedParameter
 from hybridps.client.states import TensorState
+from hybridps.common.errors import HybridPSError, RegistrationError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
@@ -52,6 +62,35 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name))
+
+
+class _ModelHook:
+    """A forward hook of a model under HybridPS, as registered on each of its modules.
+
+    ``copy.deepcopy(model)`` copies the modules' hook dicts: this hook copies as itself (a bound
+    method would copy its object, and with it the client), and a copy's modules, unknown to
+    ``ModuleHooks``, pass through it untouched. Pickling the model refuses with the fix.
+    """
+
+    __slots__ = ("hooks", "fn")
+
+    def __init__(self, hooks: ModuleHooks, fn):
+        self.hooks = hooks
+        self.fn = fn
+
+    def __call__(self, mod: nn.Module, *args):
+        if mod in self.hooks._labels:
+            return self.fn(mod, *args)
+        return None
+
+    def __deepcopy__(self, memo) -> _ModelHook:
+        return self
+
+    def __reduce__(self):
+        raise HybridPSError(
+            "pickling a model under HybridPS (torch.save(model)): its weights live in chunks and its modules carry "
+            "the engine's hooks. Save model.state_dict() (or engine.save_checkpoint / save_pretrained) instead"
+        )
 
 
 class ModuleHooks:
@@ -75,16 +114,53 @@ class ModuleHooks:
         self._held_for_backward: dict[int, nn.Parameter] = {}
         self.overlap_step = client.config.overlap_step and client.optimizer is not None
         self._active: dict[nn.Module, int] = {}  # forward calls whose pre-hook accessed the params
+        self._running: list[nn.Module] = []  # modules whose forward is under way, innermost last
+        self._borrowed_now: dict[nn.Module, list[nn.Parameter]] = {}  # borrowed by a forward not yet returned
+        self._trainable = [i.param.requires_grad for i in client.params]
+        self._grad_hooked: set[int] = set()
         self.handles: list = []
+        client.guard.borrow = self.borrow
 
     def install(self) -> None:
+        pre_hook, post_hook = _ModelHook(self, self._pre_forward), _ModelHook(self, self._post_forward)
         for mod in self.module.modules():
-            self.handles.append(mod.register_forward_pre_hook(self._pre_forward, prepend=True))
-            self.handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
+            self.handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True))
+            self.handles.append(mod.register_forward_hook(post_hook, always_call=True))
         for info in self.client.params:
             if info.param.requires_grad:
-                self.handles.append(info.param.register_post_accumulate_grad_hook(self._grad_ready))
+                self._hook_grad(info.param)
         self.client.hook_handles.extend(self.handles)
+
+    def _hook_grad(self, p: nn.Parameter) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            handle = p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.handles.append(handle)
+        self.client.hook_handles.append(handle)
+        self._grad_hooked.add(id(p))
+
+    def sync_requires_grad(self) -> None:
+        """Honour ``requires_grad`` changes made since the last check (unfreezing a layer
+        after initialize): grad hooks for newly trainable params, the frozen set anew. Runs at
+        every forward and backward of the engine: one flag read per param."""
+        params = self.client.params
+        with torch._C.DisableTorchFunctionSubclass():
+            now = [i.param.requires_grad for i in params]
+        if now == self._trainable:
+            return
+        optimizer = self.client.optimizer
+        for info, trainable, was in zip(params, now, self._trainable):
+            if trainable and not was and optimizer is not None and optimizer.group_of[info.slot.index] is None:
+                raise RegistrationError(
+                    f"{info.describe()} was set to requires_grad=True after initialize, but it is in no param group "
+                    f"of the optimizer, so it would get grads and never train. Build the optimizer over all of "
+                    f"model.parameters() (frozen ones included: Adam skips params without grads) before initialize"
+                )
+        for info, trainable in zip(params, now):
+            if trainable and id(info.param) not in self._grad_hooked:
+                self._hook_grad(info.param)
+        self._trainable = now
+        frozen_ids = {id(i.param) for i, trainable in zip(params, now) if not trainable}
+        self.frozen = {m for m, ps in self.own.items() if any(id(p) in frozen_ids for p in ps)}
 
     def remove(self) -> None:
         for h in self.handles:
@@ -93,7 +169,23 @@ class ModuleHooks:
 
     # -- forward ---------------------------------------------------------------------------
 
+    def borrow(self, p: nn.Parameter) -> bool:
+        """Access ``p`` for the innermost running forward (see [Note: borrowed params]);
+        False when no forward of this model runs."""
+        if not self._running:
+            return False
+        mod = self._running[-1]
+        self.client.access(p, who=self._labels[mod][3])
+        self._borrowed_now.setdefault(mod, []).append(p)
+        if all(q is not p for q in self.own[mod]):
+            self.own[mod].append(p)
+            with torch._C.DisableTorchFunctionSubclass():
+                if not p.requires_grad:
+                    self.frozen.add(mod)
+        return True
+
     def _pre_forward(self, mod: nn.Module, args) -> None:
+        self._running.append(mod)
         labels = self._labels[mod]
         self.tracer.tick(labels[0])
         params = self.own[mod]
@@ -116,20 +208,30 @@ class ModuleHooks:
                 register_multi_grad_hook(inputs, functools.partial(self._post_backward, mod), mode="all")
 
     def _post_forward(self, mod: nn.Module, args, output) -> None:
+        if self._running and self._running[-1] is mod:
+            self._running.pop()
         self.tracer.tick(self._labels[mod][1])
+        borrowed = self._borrowed_now.pop(mod, ())
         params = self.own[mod]
         active = self._active.get(mod, 0)
-        if not params or not active:
+        if active:
+            self._active[mod] = active - 1
+        elif not borrowed:
             return  # no params, or the pre-hook failed (this hook also runs on errors)
-        self._active[mod] = active - 1
+        self._register_backward(mod, output)
+        for p in borrowed:
+            self.client.release(p, TensorState.HOLD_AFTER_FWD)
+        if active:  # the params the pre-hook accessed: own[mod] as it was, before this call's borrows
+            for p in params[: len(params) - len(borrowed)] if borrowed else params:
+                self.client.release(p, TensorState.HOLD_AFTER_FWD)
+
+    def _register_backward(self, mod: nn.Module, output) -> None:
         if torch.is_grad_enabled():
             outputs = [t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None]
             if len(outputs) == 1:  # the common case: a plain tensor hook is much cheaper
                 outputs[0].register_hook(functools.partial(self._pre_backward_tensor, mod))
             elif outputs:
                 register_multi_grad_hook(outputs, functools.partial(self._pre_backward, mod), mode="any")
-        for p in params:
-            self.client.release(p, TensorState.HOLD_AFTER_FWD)
 
     # -- backward --------------------------------------------------------------------------
 
@@ -152,11 +254,14 @@ class ModuleHooks:
                 self.client.release(p, TensorState.HOLD_AFTER_BWD)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
-        grad = p.grad
+        if type(p) is ChunkedParameter:  # released: read and clear autograd's own .grad
+            with torch._C.DisableTorchFunctionSubclass():
+                grad, p.grad = p.grad, None
+        else:
+            grad, p.grad = p.grad, None
         if grad is None:
             return
         self.client.store_grad(p, grad)
-        p.grad = None
         if self._held_for_backward.pop(id(p), None) is not None:
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
         if self.overlap_step and self.client.groups is None:

@@ -78,7 +78,14 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.steps: list[int] = [0] * n
         self.scaler: LossScaler | None = None
         self._clip_coef: torch.Tensor | None = None
+        #: (max_norm, norm_type, total norm) of this step's clip: a second clip returns the same norm
+        self._clipped: tuple[float, float, torch.Tensor] | None = None
         self._found_inf: bool | None = None
+        #: what ``step()`` runs: the engine's step (which ends its iteration) once an engine drives
+        #: this optimizer, so ``engine.optimizer.step()`` and ``engine.step()`` are the same
+        self.step_driver: Callable | None = None
+        #: called after every zero_grad (the engine resets its iteration)
+        self.zero_grad_listeners: list[Callable[[], None]] = []
         self._buffers: dict[str, torch.Tensor] = {}
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
@@ -132,8 +139,19 @@ class ChunkedAdam(torch.optim.Optimizer):
         """Clip the global norm of all grads to ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
 
         Returns the total norm (of the unscaled grads under fp16). The scaling is applied
-        during the next step, not by an extra pass over the grads.
+        during the next step, not by an extra pass over the grads. A second call before the
+        step clips nothing more and returns the first norm (the grads are already within it);
+        one with another ``max_norm`` or ``norm_type`` raises.
         """
+        if self._clipped is not None:
+            first_max, first_type, first_total = self._clipped
+            if (float(max_norm), float(norm_type)) != (first_max, first_type):
+                raise StateError(
+                    f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) after clip_grad_norm_(max_norm="
+                    f"{first_max}, norm_type={first_type}) in the same step: HybridPS folds clipping into the step, "
+                    f"once. Clip once per step with the bound you want"
+                )
+            return first_total
         if self.client.config.overlap_step:
             raise StateError(
                 "clip_grad_norm_ with Config(overlap_step=True): chunks were stepped during backward, before the global "
@@ -162,8 +180,18 @@ class ChunkedAdam(torch.optim.Optimizer):
         if error_if_nonfinite and not finite:
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        self._clip_coef = coef
+        self._clipped = (float(max_norm), float(norm_type), total)
         return total
+
+    def as_user_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """An fp32 grad as stored -> as ``param.grad`` would show it: unscaled under fp16, times
+        the clip coefficient once clip_grad_norm_ has run."""
+        if self.scaler is not None:
+            grad = grad / self.scaler.scale
+        if self._clip_coef is not None:
+            grad = grad * self._clip_coef.to(grad.device)
+        return grad
 
     def _global_norm(self, norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The norm over every rank's grads: each owner contributes the norms of its own."""
@@ -197,8 +225,20 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     # -- step ------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step; under an engine, the engine's step (see ``step_driver``)."""
+        driver = self.step_driver
+        if driver is None:
+            return self.step_chunks(closure)
+        self.step_driver = None  # the driver's own call of step() runs the chunks
+        try:
+            return driver(closure)
+        finally:
+            self.step_driver = driver
+
+    @torch.no_grad()
+    def step_chunks(self, closure=None):
+        """The step itself: Adam over every chunk that holds grads."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -233,6 +273,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self.scaler.update(False)
         finally:
             self._clip_coef = None
+            self._clipped = None
             self._found_inf = None
             self._stepped_early.clear()
         return loss
@@ -414,8 +455,12 @@ class ChunkedAdam(torch.optim.Optimizer):
                 client.chunks.free(chunk)
         for info in client.params:
             info.has_grad = False
+        client.pending.drop()
         self._clip_coef = None
+        self._clipped = None
         self._found_inf = None
+        for listener in self.zero_grad_listeners:
+            listener()
 
     # -- state dict ------------------------------------------------------------------------
 
