@@ -133,10 +133,16 @@ class ReadOnlyGrad(torch.Tensor):
     (``torch.nn.utils.clip_grad_norm_`` would compute the right norm and clip nothing)."""
 
     _hybridps_name = "a param"
+    _hybridps_drop: Callable[[], None] | None = None  # drops the grad it copies
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "zero_" and len(args) == 1 and type(args[0]) is ReadOnlyGrad and args[0]._hybridps_drop:
+            # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
+            args[0]._hybridps_drop()
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].zero_()
         if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyGrad)):
             names = sorted({t._hybridps_name for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyGrad)})
             raise HybridPSError(
@@ -291,6 +297,7 @@ class ParamGuard:
             return None
         grad = value.as_subclass(ReadOnlyGrad)
         grad._hybridps_name = self.describe(param)
+        grad._hybridps_drop = lambda: self.client.drop_grad(param)
         return grad
 
     def data_of(self, param: nn.Parameter) -> torch.Tensor:
