@@ -16,6 +16,14 @@ temporaries) the warm-up trace expects at this moment and the next, so chunks sh
 activations grow during forward and backward and expand again for the optimizer step (the
 "tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
 word because the CPU is shared by every rank of the node.
+
+[Note: the capacity is a hard limit]
+Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
+move onto a GPU goes through its budget, and ``reserve`` is never below the non-model bytes
+live now, so a move keeps the sum within ``capacity - margin``. Between moments non-model
+memory grows without a move (activations saved during a module's forward): the tracer calls
+``fit_non_model`` as it grows, which evicts idle chunks right then, or raises the
+CapacityError a real GPU of that size would raise as out-of-memory.
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ class ChunkManager:
         self.eviction: EvictionPolicy = eviction or LRUPolicy()
         #: bytes of non-model memory to keep free on a device now; set by the tracer.
         self.reserve_fn: Callable[[str], int] = lambda device: 0
+        #: called as on_compute_growth() after the chunk bytes on the compute device grew
+        #: (tracer: the exact peak of chunks + non-model there); None for no one.
+        self.on_compute_growth: Callable[[], None] | None = None
         self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         #: peak of this client's chunk bytes on all devices together
@@ -232,16 +243,11 @@ class ChunkManager:
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
             return
-        victims = [
-            c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight
-        ]
+        victims = self._evictable(device, protect)
         need = self.used_bytes[device] + size - budget
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(self._no_room_message(device, size, budget, who))
-        while self.used_bytes[device] + size > budget:
-            victim = self.eviction.choose(victims, self)
-            victims.remove(victim)
-            self.evict(victim)
+        self._shrink(device, budget - size, victims)
 
     def fit_budget(self, device: str) -> None:
         """Evict chunks not in COMPUTE until the chunks on ``device`` fit its budget of this
@@ -250,8 +256,36 @@ class ChunkManager:
         budget = self.budget(device)
         if self.used_bytes[device] <= budget:
             return
-        victims = [c for c in self.resident[device].values() if c.state is not ChunkState.COMPUTE and not c.in_flight]
-        while victims and self.used_bytes[device] > budget:
+        self._shrink(device, budget, self._evictable(device))
+
+    def fit_non_model(self, device: str, non_model_bytes: int, *, who: str = "module activations") -> None:
+        """Make room on ``device`` for non-model memory about to reach ``non_model_bytes``:
+        evict chunks not in COMPUTE until chunks + non-model fit ``capacity - margin``.
+
+        Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
+        under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
+        real GPU of that size this is an out-of-memory error. Between the capacity and the
+        margin it evicts what it can and lets the margin shrink.
+        """
+        capacity_bytes = self._specs[device].capacity_bytes
+        limit_bytes = capacity_bytes - self.margin_bytes - non_model_bytes
+        if self.used_bytes[device] <= limit_bytes:
+            return
+        victims = self._evictable(device)
+        staying_bytes = self.used_bytes[device] - sum(c.nbytes for c in victims)
+        if staying_bytes + non_model_bytes > capacity_bytes:
+            raise CapacityError(self._out_of_memory_message(device, staying_bytes, non_model_bytes, who))
+        self._shrink(device, limit_bytes, victims)
+
+    def _evictable(self, device: str, protect: Collection[Chunk] = ()) -> list[Chunk]:
+        """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective."""
+        resident = self.resident[device].values()
+        return [c for c in resident if c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight]
+
+    def _shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
+        """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
+        at most ``limit_bytes``, or no victim is left."""
+        while victims and self.used_bytes[device] > limit_bytes:
             victim = self.eviction.choose(victims, self)
             victims.remove(victim)
             self.evict(victim)
@@ -383,6 +417,8 @@ class ChunkManager:
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
             self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
             self.payload_ptrs.add(ptr)
+            if device == self.compute.name and self.on_compute_growth is not None:
+                self.on_compute_growth()
         else:
             del self.resident[device][chunk.chunk_id]
             self.payload_ptrs.discard(ptr)
@@ -399,6 +435,21 @@ class ChunkManager:
             f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_fn(device))}"
             f" - margin {format_bytes(self.margin_bytes)}. Raise the capacity of {device}, lower chunk_size, or "
             f"reduce activations (smaller batch, activation checkpointing).\n{self.memory_report()}"
+        )
+
+    def _out_of_memory_message(self, device: str, staying_bytes: int, non_model_bytes: int, who: str) -> str:
+        spec = self._specs[device]
+        staying = [c for c in self.resident[device].values() if c.state is ChunkState.COMPUTE or c.in_flight]
+        total_bytes = staying_bytes + non_model_bytes
+        return (
+            f"{device} is out of memory: no room for {who}. The activations saved for backward (non-model memory) "
+            f"would hold {format_bytes(non_model_bytes)} ({non_model_bytes} B) while the chunks that must stay there "
+            f"({len(staying)} in COMPUTE) hold {format_bytes(staying_bytes)} ({staying_bytes} B): "
+            f"{format_bytes(total_bytes)} ({total_bytes} B) in all, over the capacity of {device}, "
+            f"{format_bytes(spec.capacity_bytes)} ({spec.capacity_bytes} B), even with every other chunk evicted; on a "
+            f"GPU of that size this is a CUDA out-of-memory error. Give {device} more capacity, use a smaller batch or "
+            f"shorter sequences, or checkpoint activations (torch.utils.checkpoint) so fewer of them are kept for "
+            f"backward.\n{self.memory_report()}"
         )
 
     def memory_report(self) -> str:

@@ -17,10 +17,30 @@ real and testable on CPU. It does not see temporaries that are not saved, nor wh
 ``torch.utils.checkpoint`` recomputes during backward (checkpoint keeps those in its own
 frame), so with checkpointing the simulated figure is a lower bound.
 
+[Note: the capacity of a simulated GPU is a hard limit]
+Chunks are fitted to the budget at each moment, but activations grow between moments,
+inside a module's forward. So the pack hook checks, per new saved storage, whether chunks +
+non-model would pass ``capacity - margin``; if so it has the chunk manager evict idle chunks
+before the activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
+and the activations exceed the capacity it raises the CapacityError a real GPU of that size
+would raise as out-of-memory (autograd passes an exception from a pack hook on unchanged).
+The common case costs one integer compare: the sum is compared with ``_watch_bytes``, the
+lower of that limit and the peak so far, and only a sum above it takes the slow path (which
+also keeps the peak). The peak of the non-model bytes alone is kept where they fall.
+
+[Note: peaks]
+``total_peak_warmup`` (the first iteration and any re-tracing one) and ``total_peak`` (every
+other moment) are the peaks of chunks + non-model on the compute device. On a simulated GPU
+they are exact: updated wherever either term grows (a saved storage in the pack hook, chunk
+bytes through the chunk manager's ``on_compute_growth``). On a real GPU non-model memory
+grows with every allocation, so they are sampled at moments and chunk moves.
+
 [Note: re-tracing]
 If an iteration's moments differ from the trace (a model with data-dependent control flow,
 a different number of micro-batches), the tracer drops the trace, falls back to the live
-measurement for the rest of that iteration and records a new trace on the next one.
+measurement for the rest of that iteration and records a new trace on the next one. If the
+moments match but a moment's non-model bytes exceed the trace's (a longer batch than the
+warm-up's), the trace keeps the larger figure, so later iterations reserve room for it.
 """
 
 from __future__ import annotations
@@ -50,7 +70,16 @@ class TraceMode(enum.Enum):
 
 
 class _SavedTensor:
-    """What autograd keeps instead of a saved activation: the tensor plus a release hook."""
+    """What autograd keeps instead of a saved activation: the tensor plus a release hook.
+
+    It holds an alias without autograd history (``t.data``): an op that saves its own
+    output (relu, exp, softmax, layer norm...) would otherwise close a cycle through C++,
+    output -> grad_fn -> saved variable -> this handle -> output, that Python's collector
+    cannot see, so a graph dropped without backward (a forward that raised, a loss never
+    backpropagated) would keep its activations, and their count, for good. On unpack
+    autograd re-attaches the history it saved itself. (The alias has a version counter of
+    its own; autograd checks no versions of tensors saved through hooks anyway.)
+    """
 
     __slots__ = ("tensor", "key", "tracer")
 
@@ -72,6 +101,7 @@ class MemoryTracer:
         self.enabled = enabled
         self.mode = TraceMode.OFF
         self.moment = 0
+        self.label: Hashable = None  # of the last moment
         self.iterations = 0
         # the trace (valid once the warm-up iteration ended)
         self.labels: list[Hashable] = []
@@ -86,13 +116,24 @@ class MemoryTracer:
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
         self._live_saved = 0
+        # read by the pack hook for every saved storage: bound once
+        self._chunk_bytes = client.chunks.used_bytes  # device name -> chunk bytes there
+        self._payload_ptrs = client.chunks.payload_ptrs
+        self._name = self.device.name
+        #: chunks + non-model may reach this on the compute device; beyond it idle chunks go
+        self._limit_bytes = self.device.capacity_bytes - client.chunks.margin_bytes
+        #: a new saved storage that brings chunks + non-model above this takes the slow path
+        #: (evict, raise or new peak): min(_limit_bytes, the peak being kept now)
+        self._watch_bytes = 0
         # peaks
-        self.non_model_peak = 0
+        self._non_model_peak = 0  # see the property
         self.total_peak = 0  # chunks + non-model on the compute device, after warm-up
-        self.total_peak_warmup = 0
+        self.total_peak_warmup = 0  # the same in the warm-up (and any re-tracing) iteration
         #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
         self.tick_listeners: list = []
         client.chunks.reserve_fn = self.reserve
+        client.chunks.on_compute_growth = self._chunks_grew
+        self.observe()
 
     # -- live non-model measurement --------------------------------------------------------
 
@@ -114,15 +155,25 @@ class MemoryTracer:
         if self.client.is_registered(t):
             return t
         key = storage_key(t)
-        if key in self.client.chunks.payload_ptrs:
+        if key in self._payload_ptrs:
             return t  # a view of model data, not an activation
         refs = self._saved_refs.get(key, 0)
         if refs == 0:
             nbytes = t.untyped_storage().nbytes()
+            live = self._live_saved + nbytes
+            if self._chunk_bytes[self._name] + live > self._watch_bytes:
+                self._grow(live)  # may evict, or raise CapacityError: then nothing is counted
             self._saved_bytes[key] = nbytes
-            self._live_saved += nbytes
+            self._live_saved = live
         self._saved_refs[key] = refs + 1
-        return _SavedTensor(t, key, self)
+        return _SavedTensor(t.data, key, self)  # .data: detach() without a dispatcher round trip
+
+    def _grow(self, live: int) -> None:
+        """The non-model bytes are about to become ``live``: keep chunks + non-model within
+        the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""
+        if self._chunk_bytes[self._name] + live > self._limit_bytes:
+            self.client.chunks.fit_non_model(self._name, live, who=self._where())
+        self._note_total(self._chunk_bytes[self._name] + live)
 
     @staticmethod
     def _unpack(handle):
@@ -134,7 +185,19 @@ class MemoryTracer:
             self._saved_refs[key] = refs
         else:
             del self._saved_refs[key]
-            self._live_saved -= self._saved_bytes.pop(key)
+            live = self._live_saved
+            if live > self._non_model_peak:  # a peak ends where the non-model bytes fall
+                self._non_model_peak = live
+            self._live_saved = live - self._saved_bytes.pop(key)
+
+    def _where(self) -> str:
+        """What the activations being saved now belong to, from the last moment (errors)."""
+        label = self.label
+        if isinstance(label, tuple) and len(label) == 2 and label[0] == "fwd":
+            return f"module activations in the forward of {label[1]!r}"
+        if isinstance(label, tuple) and len(label) == 2 and label[0] == "fwd_end":
+            return f"module activations after {label[1]!r} returned"
+        return "module activations" if label is None else f"module activations after moment {label!r}"
 
     # -- iterations and moments ------------------------------------------------------------
 
@@ -149,6 +212,7 @@ class MemoryTracer:
             self.trace_id += 1
             self.labels, self.non_model, self.accesses = [], [], []
             self._listen(True)  # chunk accesses are recorded during warm-up only
+        self._rewatch()
 
     def _listen(self, on: bool) -> None:
         listeners = self.client.chunks.access_listeners
@@ -163,6 +227,7 @@ class MemoryTracer:
             self._finish_trace()
         self.mode = TraceMode.OFF
         self.iterations += 1
+        self._rewatch()
 
     def _finish_trace(self) -> None:
         self._next_use = {}
@@ -180,6 +245,7 @@ class MemoryTracer:
 
     def tick(self, label: Hashable) -> None:
         """Mark a moment; keep the chunks of the compute device within this moment's budget."""
+        self.label = label
         live = self.live_non_model()
         if self.mode is TraceMode.RECORD:
             self.labels.append(label)
@@ -187,6 +253,8 @@ class MemoryTracer:
         elif self.mode is TraceMode.REPLAY:
             if self.moment >= len(self.labels) or self.labels[self.moment] != label:
                 self._lose_trace(label)
+            elif live > self.non_model[self.moment]:
+                self.non_model[self.moment] = live  # more than in the warm-up: reserve it from now on
         self.moment += 1
         self.observe(live)
         for listener in self.tick_listeners:
@@ -206,17 +274,45 @@ class MemoryTracer:
         self.retraces += 1
         self.mode = TraceMode.OFF
         self._listen(False)
+        self._rewatch()
 
     def observe(self, live: int | None = None) -> None:
         """Record the peaks of non-model and of chunks + non-model on the compute device."""
         if live is None:
             live = self.live_non_model()
-        self.non_model_peak = max(self.non_model_peak, live)
-        total = self.client.chunks.used_bytes[self.device.name] + live
-        if self.iterations == 0 or self.mode is TraceMode.RECORD:
-            self.total_peak_warmup = max(self.total_peak_warmup, total)
-        else:
-            self.total_peak = max(self.total_peak, total)
+        self._non_model_peak = max(self._non_model_peak, live)
+        self._note_total(self._chunk_bytes[self._name] + live)
+
+    @property
+    def non_model_peak(self) -> int:
+        """Peak of the non-model bytes on the compute device. Exact on a simulated GPU: the
+        saved bytes only grow in the pack hook and every fall goes through ``_unref``, which
+        keeps the figure just before it; the rising edge so far is the live figure."""
+        if self.device.is_gpu and self.device.simulated:
+            return max(self._non_model_peak, self._live_saved)
+        return self._non_model_peak
+
+    def _chunks_grew(self) -> None:
+        """The chunk manager put more chunk bytes on the compute device (exact peak)."""
+        self._note_total(self._chunk_bytes[self._name] + self.live_non_model())
+
+    def _warming_up(self) -> bool:
+        return self.iterations == 0 or self.mode is TraceMode.RECORD
+
+    def _note_total(self, total_bytes: int) -> None:
+        """Chunks + non-model on the compute device are ``total_bytes`` now: keep the peak."""
+        if self._warming_up():
+            if total_bytes > self.total_peak_warmup:
+                self.total_peak_warmup = total_bytes
+                self._rewatch()
+        elif total_bytes > self.total_peak:
+            self.total_peak = total_bytes
+            self._rewatch()
+
+    def _rewatch(self) -> None:
+        """The pack hook's threshold: the capacity limit, or below it the peak being kept."""
+        peak = self.total_peak_warmup if self._warming_up() else self.total_peak
+        self._watch_bytes = min(self._limit_bytes, peak)
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
         if self.mode is TraceMode.RECORD:
