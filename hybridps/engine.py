@@ -70,6 +70,7 @@ class Engine:
         try:
             for buf in model.buffers():
                 buf.data = buf.data.to(device)
+            self.client.expect_optimizer = True  # registration counts the Adam states it will need
             self.client.register_module(model)
             self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
         except BaseException:
@@ -159,9 +160,12 @@ class Engine:
         pending = self.client.pending
         if isinstance(tracer_hooks, torch.autograd.graph.saved_tensors_hooks):
             inner_pack, inner_unpack = tracer_hooks.pack_hook, tracer_hooks.unpack_hook
-            return torch.autograd.graph.saved_tensors_hooks(
-                lambda t: pending.pack(t, inner_pack(t)), lambda h: inner_unpack(pending.unpack(h))
-            )
+
+            def pack(t: torch.Tensor):
+                inner = inner_pack(t)  # the tracer hands model data back as itself, activations wrapped
+                return pending.pack(t, t) if inner is t else inner
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: inner_unpack(pending.unpack(h)))
         return torch.autograd.graph.saved_tensors_hooks(lambda t: pending.pack(t, t), pending.unpack)
 
     def _prepare_inputs(self, obj: Any) -> Any:

@@ -369,3 +369,16 @@ def test_a_meta_simulation_replays_training_without_allocating_model_memory():
     gpu = stats["devices"]["cuda:0"]
     assert 0 < gpu["peak_bytes"] <= gpu["capacity_bytes"]
     assert gpu["non_model_peak_bytes"] > 0 and stats["moves"] > 0
+
+
+def test_registration_counts_the_adam_states_it_will_need():
+    """Params and masters fit, Adam's momentum and variance do not: initialize fails with the
+    true figure (16 B/param in fp32 with grad reuse), not the first step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    n = sum(p.numel() for p in model.parameters())
+    config = hybridps.Config(devices={"cpu": n * 12, "cuda:0": n * 2}, chunk_size=256 * 257, alignment=1)
+    with pytest.raises(CapacityError, match=r"(?s)momentum.*variance.*does not fit") as excinfo:
+        hybridps.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    assert hybridps.common.units.format_bytes(n * 16) in str(excinfo.value)
+    assert all(p.numel() for p in model.parameters()), "a refused model keeps its weights"

@@ -136,6 +136,8 @@ class Client:
         self.pending = PendingGrads(self, self._write_grad)
         #: a backward of the engine is running (for error messages)
         self.in_backward = False
+        #: an optimizer will be registered (the engine's case): registration counts Adam states too
+        self.expect_optimizer = False
         self._closed = False
         self._broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
@@ -319,13 +321,17 @@ class Client:
                 f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
                 + (" or lower chunk_size." if not self._chunk_size_auto else ".")
             )
-        total = plan.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds) // self.world_size
+        kinds = self.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
+        per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.world_size for k in kinds}
+        total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.chunks.used_bytes.values())
-        already = self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in self.kinds) if self.layout else 0
+        already = self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.world_size if self.layout else 0
         if total - already > room:
+            parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
             raise CapacityError(
-                f"model data of {format_bytes(total)} does not fit the {format_bytes(room)} free on "
-                f"{', '.join(self.inventory.names)}; give HybridPS more memory (Config.devices)"
+                f"model data of {format_bytes(total)} ({parts}{', this rank' + chr(39) + 's share' if self.world_size > 1 else ''}) "
+                f"does not fit the {format_bytes(room)} free on {', '.join(self.inventory.names)}; give HybridPS more "
+                f"memory (Config.devices), or use more ranks (each keeps 1/world_size)"
             )
 
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
@@ -394,12 +400,34 @@ class Client:
                 chunk.owned = self.owns(i)
                 self._next_chunk_id += 1
                 for slot in param_chunk.slots:
-                    chunk.add_slot(slot)  # FREE: payload allocated at the first step
+                    chunk.add_slot(slot)
                 chunks.append(chunk)
             self.lists[kind] = chunks
+        self._book_optimizer_states()
         self.optimizer = chunked
         chunked.attach_state()
         return chunked
+
+    def _book_optimizer_states(self) -> None:
+        """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
+        master chunks, now rather than at the first step: a model whose Adam states do not
+        fit fails at registration with the true figure instead of at its first step."""
+        rows = [
+            (self.lists[kind][i], self.lists[self.master_kind][i])
+            for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+            for i in range(len(self.lists[kind]))
+            if self.lists[kind][i].owned and self.lists[kind][i].slots
+        ]
+        need = sum(chunk.nbytes for chunk, _ in rows)
+        try:
+            for chunk, master in rows:
+                self.chunks.place(chunk, master.device or "cpu")
+                chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
+        except CapacityError as exc:
+            raise CapacityError(
+                f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
+                f"the model's {format_bytes(self.model_data_bytes - need)}: {exc}"
+            ) from exc
 
     # -- access / release ------------------------------------------------------------------
 
