@@ -423,6 +423,15 @@ class Engine:
                 infos.append(info)
         return infos
 
+    def load_pretrained(self, path, *, strict: bool = True):
+        """Load Hugging Face safetensors weights (a pretrained folder, sharded or not, or one
+        ``.safetensors`` file) into the model, tensor by tensor into the chunks this rank
+        keeps; never a whole state dict in memory. Every rank calls it; names, shapes and
+        dtypes are checked before anything is written. Returns a ``LoadReport``."""
+        from hybridps.pretrained import load_pretrained
+
+        return load_pretrained(self, path, strict=strict)
+
     def record(self, enabled: bool = True) -> None:
         """Start (or stop) recording chunk events and the memory history."""
         self.events.enabled = enabled

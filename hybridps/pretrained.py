@@ -1,0 +1,172 @@
+"""Pretrained weights streamed from safetensors files into a model under HybridPS.
+
+Owns reading a Hugging Face pretrained folder (``model.safetensors``, or shards listed by
+``model.safetensors.index.json``; a single ``.safetensors`` file works too), matching its
+tensor names to the model's ``state_dict`` keys, checking every name, shape and dtype before
+anything is written, and writing tensor by tensor into the chunks each rank keeps.
+
+Does not own HybridPS checkpoints (checkpoint.py: optimizer state, steps, loss scale) or
+where values live (the client).
+
+[Note: memory while loading]
+Files are opened with ``safe_open`` (memory-mapped); the check reads only their headers.
+Then each param this rank keeps is read alone, written into its master and compute copies,
+and dropped, so loading holds one tensor beyond the chunks, never a state dict. With several
+ranks each rank reads only the tensors of the chunks it owns: every rank calls this (no
+collective is needed, since every rank reads the same files).
+
+[Note: names]
+A name matches a ``state_dict`` key as is, or across Hugging Face's base-model prefix (weights
+of ``GPT2Model`` load into ``GPT2LMHeadModel`` under ``transformer.`` and the reverse). A tied
+param has several keys; any one of them in the files gives its value. Params that the files
+lack are an error with ``strict=True`` (the default) and keep their values otherwise; names in
+the files that the model lacks are logged and skipped, as ``from_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from hybridps.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridps.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What ``load_pretrained`` did on this rank."""
+
+    files: list[str]
+    loaded_params: int  # params whose values this rank wrote (its own chunks)
+    loaded_buffers: int
+    missing: list[str]  # model keys the files lack (strict=False only)
+    unexpected: list[str]  # names in the files the model lacks
+    read_bytes: int  # bytes of tensors this rank read
+
+
+def weight_files(path: str | os.PathLike) -> tuple[Path, dict[str, str]]:
+    """The folder (or file) ``path`` and its tensor name -> file map."""
+    src = Path(path)
+    if src.is_file():
+        if src.suffix != ".safetensors":
+            raise ConfigError(f"{src} is not a .safetensors file; pass a pretrained folder or a .safetensors file")
+        with safe_open(str(src), framework="pt") as f:
+            return src.parent, {k: src.name for k in f.keys()}
+    if (src / INDEX).exists():
+        weight_map = json.loads((src / INDEX).read_text())["weight_map"]
+        return src, dict(weight_map)
+    if (src / SINGLE).exists():
+        with safe_open(str(src / SINGLE), framework="pt") as f:
+            return src, {k: SINGLE for k in f.keys()}
+    found = sorted(p.name for p in src.glob("*")) if src.is_dir() else []
+    raise ConfigError(
+        f"no safetensors weights at {src} (looked for {SINGLE} and {INDEX}; found {found[:8]}); pass the folder "
+        f"save_pretrained wrote. PyTorch .bin checkpoints are not read: convert them with save_pretrained"
+        f"(safe_serialization=True)"
+    )
+
+
+def _match(names: dict[str, str], model_keys: list[str], prefix: str) -> dict[str, str]:
+    """model key -> name in the files, for the keys the files hold (see [Note: names])."""
+    out: dict[str, str] = {}
+    for key in model_keys:
+        if key in names:
+            out[key] = key
+        elif prefix and key.startswith(prefix + ".") and key[len(prefix) + 1 :] in names:
+            out[key] = key[len(prefix) + 1 :]
+        elif prefix and f"{prefix}.{key}" in names:
+            out[key] = f"{prefix}.{key}"
+    return out
+
+
+def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+    """Load the weights at ``path`` into ``engine``'s model (every rank calls this)."""
+    client = engine.client
+    folder, names = weight_files(path)
+    state = engine.module.state_dict(keep_vars=True)
+    prefix = getattr(engine.module, "base_model_prefix", "") or ""
+    matched = _match(names, list(state), prefix)
+    keys_of: dict[int, list[str]] = {}
+    buffers: list[str] = []
+    for key, value in state.items():
+        if client.is_registered(value):
+            keys_of.setdefault(id(value), []).append(key)
+        else:
+            buffers.append(key)
+    problems: list[str] = []
+    missing: list[str] = []
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(folder / f), framework="pt")) for f in sorted(set(names.values()))}
+
+        def meta(name: str) -> tuple[tuple[int, ...], str]:
+            piece = handles[names[name]].get_slice(name)
+            return tuple(piece.get_shape()), piece.get_dtype()
+
+        source: dict[int, str] = {}  # registration index -> name in the files
+        for info in client.params:
+            keys = keys_of.get(id(info.param), [info.name])
+            name = next((matched[k] for k in keys if k in matched), None)
+            if name is None:
+                missing.append(keys[0])
+                continue
+            shape, dtype = meta(name)
+            if shape != tuple(info.shape):
+                problems.append(f"{keys[0]}: shape {shape} in {names[name]}, {tuple(info.shape)} in the model")
+            elif dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
+                problems.append(f"{keys[0]}: dtype {dtype} in {names[name]} is not floating point")
+            else:
+                source[info.slot.index] = name
+        for key in buffers:
+            if key in matched:
+                shape, _ = meta(matched[key])
+                if shape != tuple(state[key].shape):
+                    problems.append(f"{key}: shape {shape} in {names[matched[key]]}, {tuple(state[key].shape)} in the model")
+        if strict and missing:
+            problems.append(f"{len(missing)} params are not in the files: {missing[:5]}{' ...' if len(missing) > 5 else ''} (strict=False keeps their values)")
+        if problems:
+            shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+            raise ConfigError(f"weights at {folder} do not match the model; nothing was loaded:\n  " + "\n  ".join(shown))
+        used = set(matched.values())
+        unexpected = sorted(n for n in names if n not in used)
+        if unexpected:
+            logger.warning("%d tensors at %s are not in the model and were skipped: %s", len(unexpected), folder, unexpected[:5])
+        loaded = read_bytes = 0
+        with torch.no_grad():
+            for info in client.params:
+                name = source.get(info.slot.index)
+                if name is None or not client.owns(info.chunk):
+                    continue
+                value = handles[names[name]].get_tensor(name)
+                read_bytes += value.numel() * value.element_size()
+                client.write_param(info.param, value)
+                loaded += 1
+                del value
+            loaded_buffers = 0
+            for key in buffers:
+                if key in matched:
+                    state[key].copy_(handles[names[matched[key]]].get_tensor(matched[key]))
+                    loaded_buffers += 1
+    logger.info("loaded %d params (%d bytes) and %d buffers from %s", loaded, read_bytes, loaded_buffers, folder)
+    return LoadReport(
+        files=sorted(set(names.values())),
+        loaded_params=loaded,
+        loaded_buffers=loaded_buffers,
+        missing=missing,
+        unexpected=unexpected,
+        read_bytes=read_bytes,
+    )
