@@ -556,3 +556,36 @@ def test_several_ranks_serve_borrowed_params_and_edit_collectively():
         assert "engine.state_dict()" in refused and "ranks" in refused
         for key, value in one_state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_peft_lora_trains_saves_adapters_and_merges_inside_gathered_parameters(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0,
+                                  embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg), peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0))
+    plain = copy.deepcopy(wrapped)
+    opt = adamw(plain)
+    engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        loss = plain(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+        engine.zero_grad()
+        assert out.loss.item() == loss.item()
+    expected = peft.get_peft_model_state_dict(plain)
+    got = peft.get_peft_model_state_dict(wrapped)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    with pytest.raises(HybridPSError, match=r"base_layer\.weight.*gathered_parameters"):
+        wrapped.merge_and_unload()  # merging edits .data in place
+    with engine.gathered_parameters(modify=True):
+        merged = wrapped.merge_and_unload()
+    assert same_state(merged, plain.merge_and_unload())
