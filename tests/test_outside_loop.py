@@ -262,11 +262,12 @@ def test_in_place_edits_between_steps_write_through():
         for model in (plain, wrapped):
             for p in model.parameters():
                 p.clamp_(-0.05, 0.05)  # WGAN weight clipping
-    torch.manual_seed(3)
-    nn.init.xavier_uniform_(plain.out.weight)
-    torch.manual_seed(3)
-    nn.init.xavier_uniform_(wrapped.out.weight)
-    assert same_state(plain, wrapped)
+    for init in (nn.init.xavier_uniform_, nn.init.normal_, nn.init.kaiming_uniform_, nn.init.trunc_normal_):
+        # normal_, kaiming_uniform_, trunc_normal_ reach __torch_function__ with keywords only
+        for model in (plain, wrapped):
+            torch.manual_seed(3)
+            init(model.out.weight)
+        assert same_state(plain, wrapped), init.__name__
     assert [engine_step(engine, vec(i)) for i in range(3)] == [plain_step(plain, opt, vec(i)) for i in range(3)]
     with pytest.raises(HybridPSError, match="requires grad.*torch.no_grad"):
         wrapped.fc.weight.mul_(2)  # plain PyTorch refuses a leaf's in-place edit under grad too

@@ -161,15 +161,30 @@ def _name(func) -> str:
     return name
 
 
+def written_arg(func, args, kwargs) -> Any:
+    """What an in-place op writes into: its first argument, or, for functions that
+    ``handle_torch_function`` calls with keywords only (``nn.init.normal_(tensor=...)``), its
+    first tensor keyword; None for an op that is not in place."""
+    name = getattr(func, "__name__", "")
+    if not (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_")):
+        return None
+    if args:
+        return args[0]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _inits_without_grad(func) -> bool:
+    """``torch.nn.init`` functions write under ``torch.no_grad()`` themselves."""
+    return getattr(func, "__module__", "") == "torch.nn.init"
+
+
 def _mutates(func, args, kwargs, is_target: Callable[[Any], bool]) -> bool:
     """Whether ``func`` writes into a target among its arguments (in place or ``out=``)."""
     out = kwargs.get("out")
     if out is not None and any(is_target(t) for t in pytree.tree_leaves(out)):
         return True
-    name = getattr(func, "__name__", "")
-    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_"):
-        return bool(args) and any(is_target(t) for t in pytree.tree_leaves(args[0]))
-    return False
+    target = written_arg(func, args, kwargs)
+    return target is not None and any(is_target(t) for t in pytree.tree_leaves(target))
 
 
 def _dispatch(func, args, kwargs):
@@ -355,7 +370,7 @@ class ParamGuard:
                 cache[id(t)] = value
             with torch._C.DisableTorchFunctionSubclass():
                 needs_grad = t.requires_grad
-            if grad_enabled and needs_grad:
+            if grad_enabled and needs_grad and not _inits_without_grad(func):
                 if writes:
                     raise HybridPSError(
                         f"in-place {op} on {self.describe(t)}, a leaf that requires grad, with grad enabled "
@@ -368,7 +383,7 @@ class ParamGuard:
         new_args, new_kwargs = pytree.tree_map(lambda x: copies.get(id(x), x) if isinstance(x, ChunkedParameter) else x, (args, kwargs))
         result = func(*new_args, **new_kwargs)
         if writes:
-            written = {id(t) for t in pytree.tree_leaves(args[0]) if id(t) in copies}
+            written = {id(t) for t in pytree.tree_leaves(written_arg(func, args, kwargs)) if id(t) in copies}
             if kwargs.get("out") is not None:
                 written |= {id(t) for t in pytree.tree_leaves(kwargs["out"]) if id(t) in copies}
             with torch.no_grad():
