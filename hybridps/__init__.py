@@ -21,6 +21,7 @@ from hybridps.common.errors import (
 )
 
 from hybridps.engine import Engine, initialize
+from hybridps.meta_init import meta_init
 from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"
@@ -52,5 +53,6 @@ __all__ = [
     "__version__",
     "init_distributed",
     "initialize",
+    "meta_init",
     "plan",
 ]

@@ -27,6 +27,7 @@ from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.placeholder import ParamGuard
+from hybridps import meta_init
 from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
@@ -67,12 +68,16 @@ class Engine:
         self.client = client or Client(config)
         self.module = model
         device = self.client.compute.torch_device
+        record = meta_init.record_of(model)  # a model built under hybridps.meta_init()
         try:
             for buf in model.buffers():
-                buf.data = buf.data.to(device)
+                if not buf.is_meta:
+                    buf.data = buf.data.to(device)
             self.client.expect_optimizer = True  # registration counts the Adam states it will need
             self.client.register_module(model)
             self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
+            #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
+            self.unset_params: set[int] = self._initialize_meta(record)
         except BaseException:
             self.client.close()
             raise
@@ -115,6 +120,26 @@ class Engine:
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
         self.global_step = 0
 
+    def _initialize_meta(self, record) -> set[int]:
+        """Give params built on the meta device their values: replay their recorded init (see
+        meta_init.py), or leave them for load_pretrained. Returns the ids still without values."""
+        client = self.client
+        metas = [i for i in client.params if i.meta_key is not None]
+        if not metas:
+            return set()
+        if record is None:
+            logger.info("%d params were built on the meta device without meta_init(): load their weights with engine.load_pretrained", len(metas))
+            return {id(i.param) for i in metas}
+        if client.groups is not None:  # every rank draws rank 0's random stream, as sync_module_states would give
+            state = record.rng_state.clone()
+            client.groups.comm.broadcast(state, 0, what="meta_init generator state")
+            record.rng_state = state
+        touched = meta_init.replay(record, client, self.module)
+        device = client.compute.torch_device
+        for buf in self.module.buffers():
+            buf.data = buf.data.to(device)
+        return {id(i.param) for i in metas if id(i.param) not in touched}
+
     # -- the loop --------------------------------------------------------------------------
 
     @property
@@ -131,6 +156,13 @@ class Engine:
             raise StateError(
                 "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
                 "replace with their chunks; leave the with-block first"
+            )
+        if self.unset_params:
+            names = [i.name for i in self.client.params if id(i.param) in self.unset_params]
+            raise StateError(
+                f"{len(names)} params were built on the meta device and have no values yet ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): load them with engine.load_pretrained(path), or build the model "
+                f"inside `with hybridps.meta_init():` so its own init is replayed"
             )
         self.hooks.sync_requires_grad()
         if self.config.grad_reuse and self._backward_since_step:
@@ -430,7 +462,12 @@ class Engine:
         dtypes are checked before anything is written. Returns a ``LoadReport``."""
         from hybridps.pretrained import load_pretrained
 
-        return load_pretrained(self, path, strict=strict)
+        report = load_pretrained(self, path, strict=strict)
+        missing = set(report.missing)
+        for info in self.client.params:  # every rank marks what the files gave (its own chunks or not)
+            if info.name not in missing:
+                self.unset_params.discard(id(info.param))
+        return report
 
     def record(self, enabled: bool = True) -> None:
         """Start (or stop) recording chunk events and the memory history."""

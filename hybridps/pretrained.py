@@ -157,9 +157,15 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                 loaded += 1
                 del value
             loaded_buffers = 0
+            device = client.compute.torch_device
             for key in buffers:
                 if key in matched:
-                    state[key].copy_(handles[names[matched[key]]].get_tensor(matched[key]))
+                    value = handles[names[matched[key]]].get_tensor(matched[key])
+                    if state[key].is_meta:  # a buffer built on the meta device gets its tensor
+                        owner, _, name = key.rpartition(".")
+                        engine.module.get_submodule(owner)._buffers[name] = value.to(device=device, dtype=state[key].dtype)
+                    else:
+                        state[key].copy_(value)
                     loaded_buffers += 1
     logger.info("loaded %d params (%d bytes) and %d buffers from %s", loaded, read_bytes, loaded_buffers, folder)
     return LoadReport(

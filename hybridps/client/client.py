@@ -64,6 +64,7 @@ class ParamInfo:
     kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
     cls: type = nn.Parameter  # the param's own class, restored while it is materialized
     saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
+    meta_key: int | None = None  # storage of the meta tensor it was built as (meta_init.py), else None
 
     @property
     def chunk(self) -> int:
@@ -224,8 +225,6 @@ class Client:
                     f"twice on one model?); close the first engine (engine.close() gives the model its values back) "
                     f"or build a fresh model"
                 )
-            if p.device.type == "meta" and not self.compute.meta:
-                raise RegistrationError(f"param {name!r} (shape {tuple(p.shape)}) is on the meta device and has no data; materialize it first")
             if not p.is_floating_point():
                 raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
         stale = [name for name, p in named if p.grad is not None]
@@ -267,16 +266,19 @@ class Client:
             self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
         values: dict[int, torch.Tensor] = {}
         for (name, p), slot in zip(named, slots):
-            info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype)
+            info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
             self._params[id(p)] = info
             self.params.append(info)
             for kind in self.kinds:
                 self.lists[kind][slot.chunk].add_slot(slot)
-            values[slot.index] = p.data
+            if info.meta_key is None:
+                values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)
         self.groups.setup()
         self._size_pool()
         for info in self.params:
+            if info.meta_key is not None:
+                _leave_meta(info.param, self.compute.torch_device)
             self.guard.adopt(info)
             self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
 
@@ -337,7 +339,7 @@ class Client:
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
         while len(self.lists[ChunkKind.PARAM]) <= slot.chunk:
             self._new_chunk_row(plan.capacity(len(self.lists[ChunkKind.PARAM])))
-        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype)
+        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
         src = p.data.reshape(-1)
         with torch.no_grad():
             for kind in self.kinds:
@@ -345,10 +347,13 @@ class Client:
                 chunk.add_slot(slot)
                 if kind is ChunkKind.GRAD:
                     continue  # grads arrive in backward
-                chunk.view(slot).copy_(src)
-                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())
+                if info.meta_key is None:
+                    chunk.view(slot).copy_(src)
+                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
         self._params[id(p)] = info
         self.params.append(info)
+        if info.meta_key is not None:
+            _leave_meta(p, self.compute.torch_device)
         self.guard.adopt(info)
         self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
         return info
@@ -932,6 +937,20 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.lists.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
+
+
+def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
+    """Make a param built on the meta device an (empty) tensor on ``device``, keeping the
+    object: ``.data`` cannot be set across the meta boundary, so the tensors are swapped."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad))
+
+
+def _meta_key(p: nn.Parameter, compute) -> int | None:
+    """The storage key of a param built on the meta device (its values come from meta_init's
+    replay or from loaded weights), None for a param with values (or when planning on meta)."""
+    if p.device.type != "meta" or compute.meta:
+        return None
+    return p.untyped_storage()._cdata
 
 
 def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:

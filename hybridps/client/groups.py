@@ -182,7 +182,9 @@ class ChunkGroups:
     def _row_values(self, index: int, values: dict[int, torch.Tensor], cap: int) -> torch.Tensor:
         row = torch.zeros(cap, dtype=torch.float32)
         for slot in self.client.lists[ChunkKind.PARAM][index].slots:
-            row[slot.offset : slot.end].copy_(values[slot.index].reshape(-1))
+            value = values.get(slot.index)
+            if value is not None:  # a param built on the meta device stays zero until its init
+                row[slot.offset : slot.end].copy_(value.reshape(-1))
         return row
 
     # -- forward: gather and drop ----------------------------------------------------------

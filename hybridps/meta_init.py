@@ -1,0 +1,221 @@
+"""Meta-device init: build a model without memory, give it the values a CPU build would have.
+
+Owns the record of what a model's construction does to its tensors (``meta_init()``) and the
+replay of that record into the chunks of a registered model (``replay``). Does not own the
+chunks or the layout (the client) nor loading weights from files (pretrained.py).
+
+[Note: why record and replay]
+Every rank building a 50B model in fp32 on the CPU before registering it needs 200 GB of host
+memory per rank. Under ``with hybridps.meta_init():`` the model is built on the meta device
+(no memory), and a ``TorchFunctionMode`` records, in order, every op of the construction that
+creates a tensor or writes into one in place (``torch.empty``, ``nn.init.normal_``,
+``kaiming_uniform_``, ``weight.data.zero_()``, ``weight[pad].fill_(0)``...), with the CPU
+generator's state at the start. After registration, ``replay`` runs the same ops, in the same
+order, from the same generator state, on real tensors one param at a time: each op on a param
+reads the param's current value from its chunk, applies the op and writes the result back
+(master and compute copies). The generator is consumed exactly as by a CPU build, so the values
+are the same bit for bit, and at no point is more than one param (plus the temporaries the init
+code itself makes) materialized. With several ranks every rank replays every op (the random
+stream must be the same everywhere) and keeps what falls in its own chunks.
+
+The generator is left where a CPU build would have left it; random numbers drawn between the
+end of the ``with`` block and ``initialize`` are drawn again.
+
+Limits, each refused with a HybridPSError: a construction that draws random numbers on a real
+device inside the block (an explicit ``device="cpu"``) would draw them at construction, out of
+order; a param that is a view into a larger tensor; an op whose meta output cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils import _pytree as pytree
+
+from hybridps.client.placeholder import written_arg
+from hybridps.common.errors import HybridPSError
+
+if TYPE_CHECKING:
+    from hybridps.client.client import Client
+
+#: storage key of every meta tensor a recording created -> that recording
+_RECORDS: dict[int, MetaInitRecord] = {}
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+@dataclasses.dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]  # meta outputs with a new storage
+    writes: list[int]  # storage keys written in place
+
+
+class MetaInitRecord(TorchFunctionMode):
+    """The ops of one model's construction on the meta device (see the module note)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[_Op] = []
+        self.rng_state: torch.Tensor | None = None
+        # tensors built from data (config constants) stay real: small, and they draw nothing
+        self._factories = _device_constructors() - {torch.tensor, torch.as_tensor, torch.asarray}
+        self._known: set[int] = set()
+        self.replayed = False
+
+    def __enter__(self):
+        self.rng_state = torch.get_rng_state()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for key in self._known:
+            _RECORDS[key] = self
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._factories and kwargs.get("device") is None:
+            # what torch.device("meta") does, without making it the default device: code that
+            # skips its init under a meta default device (Hugging Face's post_init) runs it here
+            out = func(*args, **{**kwargs, "device": "meta"})
+        else:
+            out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__") or not _is_meta_call(args, kwargs, out):
+            return out
+        outputs = [t for t in pytree.tree_leaves(out) if _is_meta(t) and _key(t) not in self._known]
+        writes = [_key(t) for t in pytree.tree_leaves(written_arg(func, args, kwargs)) if _is_meta(t)]
+        if "out" in kwargs:
+            writes += [_key(t) for t in pytree.tree_leaves(kwargs["out"]) if _is_meta(t)]
+        if outputs or writes:
+            # keep aliases, not the tensors: a param object leaves the meta device at registration
+            alias = lambda x: x.detach() if _is_meta(x) else x  # noqa: E731
+            args, kwargs = pytree.tree_map(alias, (args, kwargs))
+            self.ops.append(_Op(func, args, kwargs, [t.detach() for t in outputs], writes))
+            self._known.update(_key(t) for t in outputs)
+        return out
+
+
+def _is_meta_call(args, kwargs, out) -> bool:
+    return any(_is_meta(t) for t in pytree.tree_leaves((args, kwargs, out)))
+
+
+def meta_init() -> MetaInitRecord:
+    """``with hybridps.meta_init(): model = build()`` builds ``model`` on the meta device and
+    records its init; ``hybridps.initialize(model, ...)`` then replays it into the chunks."""
+    return MetaInitRecord()
+
+
+def record_of(module: torch.nn.Module) -> MetaInitRecord | None:
+    """The recording the module's meta params came from, if any."""
+    for p in module.parameters():
+        if p.is_meta:
+            return _RECORDS.get(_key(p))
+    return None
+
+
+def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> set[int]:
+    """Run ``record``'s ops on real tensors; params go to their chunks, buffers to the module.
+    Returns the ids of the params that got values."""
+    if record.replayed:
+        raise HybridPSError("this meta_init recording was replayed already: build the model again under meta_init()")
+    params = {info.meta_key: info.param for info in client.params if info.meta_key is not None}
+    buffers: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.is_meta:
+                buffers.setdefault(_key(buf), []).append((mod, name))
+    last_use: dict[int, int] = {}
+    for i, op in enumerate(record.ops):
+        for t in pytree.tree_leaves((op.args, op.kwargs)):
+            if _is_meta(t):
+                last_use[_key(t)] = i
+    real: dict[int, torch.Tensor] = {}  # storage key -> real flat storage, for non-param tensors
+    touched: set[int] = set()
+    state = torch.get_rng_state()
+    torch.set_rng_state(record.rng_state)
+    try:
+        for i, op in enumerate(record.ops):
+            loaded: dict[int, torch.Tensor] = {}  # param storages read for this op
+
+            def real_of(t: Any) -> Any:
+                if not _is_meta(t):
+                    return t
+                key = _key(t)
+                base = real.get(key)
+                if base is None and key in params:
+                    base = loaded.get(key)
+                    if base is None:
+                        base = loaded[key] = _param_value(client, params[key])
+                if base is None:
+                    raise HybridPSError(
+                        f"meta_init cannot replay {getattr(op.func, '__name__', op.func)}: it reads a meta tensor of shape "
+                        f"{tuple(t.shape)} that no recorded op created; build this model on the CPU"
+                    )
+                return base.as_strided(t.size(), t.stride(), t.storage_offset())
+
+            args, kwargs = pytree.tree_map(real_of, (op.args, op.kwargs))
+            if str(kwargs.get("device", "")) == "meta":  # an explicit meta device: the real op runs on the CPU
+                kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            with torch.no_grad():
+                out = op.func(*args, **kwargs)
+            for meta_out, real_out in zip(op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)]):
+                key = _key(meta_out)
+                flat = _storage_of(real_out)
+                if key in params:
+                    loaded[key] = flat
+                else:
+                    real[key] = flat
+            for key in set(op.writes) | {_key(t) for t in op.outputs}:
+                if key in loaded:
+                    _write_param(client, params[key], loaded[key])
+                    touched.add(id(params[key]))
+            for t in pytree.tree_leaves((op.args, op.kwargs)):
+                if _is_meta(t) and last_use.get(_key(t)) == i and _key(t) not in buffers:
+                    real.pop(_key(t), None)
+        for key, places in buffers.items():
+            base = real.get(key)
+            if base is None:
+                raise HybridPSError(f"buffer {places[0][1]!r} of {type(places[0][0]).__name__} was never given values in meta_init")
+            for mod, name in places:
+                meta_buf = mod._buffers[name]
+                mod._buffers[name] = base.as_strided(meta_buf.size(), meta_buf.stride(), meta_buf.storage_offset()).clone()
+    except BaseException:
+        torch.set_rng_state(state)
+        raise
+    record.replayed = True
+    for key in record._known:  # the meta tensors may go now; their addresses may be reused
+        if _RECORDS.get(key) is record:
+            del _RECORDS[key]
+    return touched
+
+
+def _storage_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``t`` as a flat tensor of its dtype."""
+    numel = t.untyped_storage().nbytes() // t.element_size()
+    return t.as_strided((numel,), (1,), 0)
+
+
+def _param_value(client: Client, param: torch.nn.Parameter) -> torch.Tensor:
+    info = client.param_info(param)
+    if client.owns(info.chunk):
+        return client.read_value(param).reshape(-1).clone()
+    return torch.zeros(info.shape.numel(), dtype=info.orig_dtype)  # another rank keeps it: draw, then drop
+
+
+def _write_param(client: Client, param: torch.nn.Parameter, flat: torch.Tensor) -> None:
+    info = client.param_info(param)
+    if client.owns(info.chunk):
+        client.write_param(param, flat[: info.shape.numel()].view(info.shape))

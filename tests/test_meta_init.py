@@ -1,0 +1,118 @@
+"""Models built on the meta device: the replayed init gives the values of a CPU build with
+the same seed, on one rank or several; without a recorded init they wait for loaded weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybridps
+from hybridps import StateError
+from hybridps.models import GPT, GPTConfig
+from tests.dist import run_ranks
+
+CFG = hybridps.Config(devices={"cuda:0": "64MiB"})
+GPT_CFG = GPTConfig(n_layer=2, d_model=64)
+
+
+def _hf_builders():
+    transformers = pytest.importorskip("transformers")
+    return {
+        "hf-gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+        ),
+        "hf-llama": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                     bos_token_id=0, eos_token_id=0)
+        ),
+    }
+
+
+BUILDERS = {
+    "gpt": lambda: GPT(GPT_CFG),
+    "encoder-layer": lambda: nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0),
+    "hf-gpt2": "hf",
+    "hf-llama": "hf",
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_meta_init_gives_the_values_of_a_cpu_build(name):
+    build = _hf_builders()[name] if BUILDERS[name] == "hf" else BUILDERS[name]
+    torch.manual_seed(0)
+    cpu = build()
+    after_cpu = torch.rand(4)
+    torch.manual_seed(0)
+    with hybridps.meta_init():
+        model = build()
+    assert all(p.is_meta for p in model.parameters()), "nothing is allocated while building"
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), CFG)
+    assert torch.equal(torch.rand(4), after_cpu), "the generator is where a CPU build leaves it"
+    expected, got = cpu.state_dict(), model.state_dict()
+    assert expected.keys() == got.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k].to(expected[k].device))] == []
+    assert engine.unset_params == set()
+
+
+def test_a_meta_built_gpt_trains_like_a_cpu_built_one():
+    from tests.training import tokens
+
+    torch.manual_seed(0)
+    cpu = GPT(GPT_CFG)
+    opt = torch.optim.AdamW(cpu.parameters(), lr=1e-3, fused=True)
+    torch.manual_seed(0)
+    with hybridps.meta_init():
+        model = GPT(GPT_CFG)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), CFG)
+    for step in range(3):
+        x, y = tokens(step, 2, GPT_CFG.seq_len)
+        _, expected = cpu(x, y)
+        opt.zero_grad()
+        expected.backward()
+        opt.step()
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        assert loss.item() == expected.item()
+
+
+def test_meta_params_without_a_recorded_init_wait_for_weights(tmp_path):
+    torch.manual_seed(0)
+    source = GPT(GPT_CFG)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), CFG)
+    x = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(StateError, match=r"meta device and have no values.*load_pretrained"):
+        engine(x)
+    engine.load_pretrained(tmp_path)
+    assert engine.unset_params == set()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in source.state_dict().items())
+    engine(x)
+
+
+def _meta_on_ranks(rank, world):
+    torch.manual_seed(rank)  # different seeds: every rank must still get rank 0's values
+    if rank == 0:
+        torch.manual_seed(0)
+    with hybridps.meta_init():
+        model = GPT(GPT_CFG)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True),
+                                 hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=60.0))
+    return engine.state_dict(), engine.memory_stats()["model_data_bytes"]
+
+
+def test_meta_init_on_two_ranks_keeps_each_chunk_once_with_rank_zeros_values():
+    torch.manual_seed(0)
+    expected = GPT(GPT_CFG).state_dict()
+    results = run_ranks(_meta_on_ranks, 2)
+    for state, _ in results:
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+    one_rank_bytes = GPT_CFG.n_params * 16
+    assert all(b < one_rank_bytes * 0.75 for _, b in results), "each rank keeps about half"
