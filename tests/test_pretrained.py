@@ -119,10 +119,11 @@ def _load_on_ranks(rank, world, path):
     return report.read_bytes, engine.state_dict()
 
 
-def test_each_rank_reads_only_the_tensors_of_its_own_chunks(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_reads_only_the_tensors_of_its_own_chunks(tmp_path, world):
     path = _pretrained(tmp_path, "40KB")
     expected = transformers.GPT2LMHeadModel.from_pretrained(path).state_dict()
-    results = run_ranks(_load_on_ranks, 2, str(path))
+    results = run_ranks(_load_on_ranks, world, str(path))
     total = sum(v.numel() * v.element_size() for k, v in expected.items() if k != "lm_head.weight")
     assert sum(r[0] for r in results) == total, "every tensor read once, by its owner"
     assert all(0 < r[0] < total for r in results)
