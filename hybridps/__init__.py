@@ -21,7 +21,7 @@ from hybridps.common.errors import (
 )
 
 from hybridps.engine import Engine, initialize
-from hybridps.meta_init import meta_init
+from hybridps.deferred_init import meta_init
 from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"

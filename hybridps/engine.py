@@ -27,7 +27,7 @@ from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.placeholder import ParamGuard
-from hybridps import meta_init
+from hybridps import deferred_init
 from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
@@ -68,7 +68,7 @@ class Engine:
         self.client = client or Client(config)
         self.module = model
         device = self.client.compute.torch_device
-        record = meta_init.record_of(model)  # a model built under hybridps.meta_init()
+        record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
         try:
             for buf in model.buffers():
                 if not buf.is_meta:
@@ -122,7 +122,7 @@ class Engine:
 
     def _initialize_meta(self, record) -> set[int]:
         """Give params built on the meta device their values: replay their recorded init (see
-        meta_init.py), or leave them for load_pretrained. Returns the ids still without values."""
+        deferred_init.py), or leave them for load_pretrained. Returns the ids still without values."""
         client = self.client
         metas = [i for i in client.params if i.meta_key is not None]
         if not metas:
@@ -134,7 +134,7 @@ class Engine:
             state = record.rng_state.clone()
             client.groups.comm.broadcast(state, 0, what="meta_init generator state")
             record.rng_state = state
-        touched = meta_init.replay(record, client, self.module)
+        touched = deferred_init.replay(record, client, self.module)
         device = client.compute.torch_device
         for buf in self.module.buffers():
             buf.data = buf.data.to(device)

@@ -64,7 +64,7 @@ class ParamInfo:
     kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
     cls: type = nn.Parameter  # the param's own class, restored while it is materialized
     saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
-    meta_key: int | None = None  # storage of the meta tensor it was built as (meta_init.py), else None
+    meta_key: int | None = None  # storage of the meta tensor it was built as (deferred_init.py), else None
 
     @property
     def chunk(self) -> int:
@@ -895,6 +895,8 @@ class Client:
         finally:
             for info in [*self.params, *self.buffers]:
                 self.guard.forget(info)  # without restore a param stays a ChunkedParameter that refuses ops
+            if self.groups is not None:
+                self.groups.comm.close()  # its heartbeat thread (dead-peer detection) stops
             self._closed = True
             self.connection.close()
 
@@ -946,7 +948,7 @@ def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
 
 
 def _meta_key(p: nn.Parameter, compute) -> int | None:
-    """The storage key of a param built on the meta device (its values come from meta_init's
+    """The storage key of a param built on the meta device (its values come from meta_init()'s
     replay or from loaded weights), None for a param with values (or when planning on meta)."""
     if p.device.type != "meta" or compute.meta:
         return None
