@@ -13,10 +13,28 @@ A checkpoint is a directory:
 
 Each rank writes only the chunks it owns, so nothing is gathered on one rank, and because
 everything is keyed by param name a checkpoint written by N ranks loads into M ranks (each
-reads what its own chunks cover). Writing goes to ``<dir>.partial``; only when every file
-is complete is it swapped in place of ``<dir>`` (the previous checkpoint is kept as
-``<dir>.old`` during the swap and used if a crash hits between the two renames), so a crash
-never leaves a half checkpoint where a good one was.
+reads what its own chunks cover).
+
+[Note: crash safety]
+A save may die at any instruction, and the next save may die too: the newest complete
+checkpoint must stay loadable. So:
+
+- a directory is *complete* when its ``hybridps.json`` exists (and every shard it names):
+  that file is written last, as ``hybridps.json.tmp`` renamed into place after every other
+  file is fsynced, and it carries a ``generation`` one above the newest complete copy;
+- writing goes to ``<dir>.partial``; the swap renames ``<dir>`` to ``<dir>.old``, then
+  ``<dir>.partial`` to ``<dir>``, then throws ``<dir>.old`` away;
+- nothing is deleted in place: a directory is first renamed to ``<dir>.trash`` (atomic)
+  and only then removed, so a crash mid-removal never leaves a half directory under a
+  name that is read;
+- every save starts (rank 0) by finishing what a crashed one left (``recover``): the
+  newest complete copy among ``<dir>``, ``<dir>.partial`` and ``<dir>.old`` is renamed to
+  ``<dir>``, and only copies that are incomplete or older are thrown away, one rename at
+  a time, so the newest complete copy always exists under one of the three names;
+- loading reads the newest complete copy among the three names, and logs a warning when it
+  is not ``<dir>`` itself.
+
+Every filesystem change of a save passes ``_fs_step`` first, where a test injects a crash.
 """
 
 from __future__ import annotations
@@ -25,6 +43,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +61,15 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META = "hybridps.json"
+
+#: called with a description before every filesystem change of a save; tests raise here to
+#: simulate a crash at that point (None in production)
+crash_hook: Callable[[str], None] | None = None
+
+
+def _fs_step(what: str) -> None:
+    if crash_hook is not None:
+        crash_hook(what)
 
 
 def _shard(prefix: str, rank: int, world: int) -> str:
@@ -81,8 +109,10 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
+        recover(final)  # finish what a crashed save left, keeping the newest complete copy
+        generation = max((_generation(d) for d in _copies(final).values() if _complete(d)), default=0) + 1
+        _trash(partial)
+        _fs_step(f"mkdir {partial}")
         partial.mkdir(parents=True)
     if groups is not None:
         groups.comm.barrier(what="checkpoint directory")
@@ -106,7 +136,9 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
         for key, buf in buffers.items():
             weights[key] = buf.detach().to("cpu", copy=True).contiguous()
     model_file = _shard("model", rank, world)
+    _fs_step(f"write {model_file}")
     save_file(weights, str(partial / model_file), metadata={"format": "pt"})
+    _fs_step(f"write {_shard('optimizer', rank, world)}")
     save_file(states, str(partial / _shard("optimizer", rank, world)), metadata={"format": "pt"})
     shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps)
     everyone = groups.comm.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
@@ -120,9 +152,11 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             total += size
         if world > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            _fs_step("write model.safetensors.index.json")
             (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         meta = {
             "format": FORMAT_VERSION,
+            "generation": generation,
             "world_size": world,
             "precision": client.config.precision,
             "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
@@ -135,10 +169,14 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "client_state": client_state,
         }
-        (partial / META).write_text(json.dumps(meta, indent=2, default=_json_default))
+        tmp = partial / (META + ".tmp")
+        _fs_step(f"write {tmp.name}")
+        tmp.write_text(json.dumps(meta, indent=2, default=_json_default))
         for f in partial.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        _fs_step(f"rename {tmp.name} to {META} (the commit point)")
+        tmp.rename(partial / META)
         _fsync_dir(partial)
     if groups is not None:
         groups.comm.barrier(what="checkpoint files written")
@@ -150,15 +188,97 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
 
 
 def _swap_in(partial: Path, final: Path) -> None:
+    """Put the complete ``partial`` in place of ``final`` (see [Note: crash safety])."""
     old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
+    _trash(old)  # recover() left none; a stale one is never newer than partial
     if final.exists():
+        _fs_step(f"rename {final.name} to {old.name}")
         final.rename(old)
+    _fs_step(f"rename {partial.name} to {final.name}")
     partial.rename(final)
     _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    _trash(old)
+
+
+def _copies(final: Path) -> dict[str, Path]:
+    """The names a checkpoint may be found under, in order of preference at equal generation."""
+    return {
+        "main": final,
+        "partial": final.with_name(final.name + ".partial"),
+        "old": final.with_name(final.name + ".old"),
+    }
+
+
+def _complete(d: Path) -> bool:
+    """Whether ``d`` is a whole checkpoint: its hybridps.json (written last) and every shard
+    that names exist."""
+    try:
+        meta = json.loads((d / META).read_text())
+        world = int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    needed = [_shard("optimizer", r, world) for r in range(world)]
+    needed += ["model.safetensors"] if world == 1 else ["model.safetensors.index.json"] + [_shard("model", r, world) for r in range(world)]
+    return all((d / f).is_file() for f in needed)
+
+
+def _generation(d: Path) -> int:
+    try:
+        return int(json.loads((d / META).read_text()).get("generation", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
+def _newest_complete(final: Path) -> tuple[str, Path] | None:
+    complete = [(kind, d) for kind, d in _copies(final).items() if _complete(d)]
+    if not complete:
+        return None
+    order = list(_copies(final))
+    # the highest generation; at equal generation (checkpoints older than generations) the main one
+    return max(complete, key=lambda kd: (_generation(kd[1]), -order.index(kd[0])))
+
+
+def _trash(d: Path) -> None:
+    """Remove ``d``: renamed away first (atomic), so a crash never leaves half of it under ``d``."""
+    if not d.exists():
+        return
+    trash = d.with_name(d.name + ".trash")
+    if trash.exists():
+        _fs_step(f"remove {trash.name}")
+        shutil.rmtree(trash)
+    _fs_step(f"rename {d.name} to {trash.name}")
+    d.rename(trash)
+    _fs_step(f"remove {trash.name}")
+    shutil.rmtree(trash)
+
+
+def recover(path: str | os.PathLike) -> Path | None:
+    """Finish a save that crashed: make the newest complete copy ``path`` and throw away the
+    rest (incomplete or older copies and trash). Returns ``path`` or None if no copy is whole.
+
+    Each step is one rename or the removal of a copy that is not the newest complete one, so a
+    crash at any point leaves the newest complete copy under one of the three names.
+    """
+    final = Path(path)
+    copies = _copies(final)
+    newest = _newest_complete(final)
+    for kind in ("partial", "old"):  # everything that is not the newest complete copy
+        if newest is None or newest[0] != kind:
+            _trash(copies[kind])
+    for d in (final.with_name(n.name + ".trash") for n in copies.values()):
+        if d.exists():
+            _fs_step(f"remove {d.name}")
+            shutil.rmtree(d)
+    if newest is None or newest[0] == "main":
+        return final if newest is not None else None
+    kind, src = newest
+    logger.warning("checkpoint %s: a save crashed during its swap; putting its newest complete copy %s in place", final, src)
+    if final.exists():  # incomplete, or older than src
+        _trash(final)
+    _fs_step(f"rename {src.name} to {final.name}")
+    src.rename(final)
+    _fsync_dir(final.parent)
+    return final
 
 
 def _jsonable(v: Any) -> bool:
@@ -178,14 +298,19 @@ def _json_default(v: Any):
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint directory to read: ``path``, or ``path.old`` if a crash hit a swap."""
+    """The checkpoint directory to read: the newest complete copy among ``path``,
+    ``path.partial`` and ``path.old`` (the last two exist only after a crash during a save)."""
     final = Path(path)
-    if (final / META).exists():
-        return final
-    old = final.with_name(final.name + ".old")
-    if (old / META).exists():
-        return old
-    raise ConfigError(f"no checkpoint at {final} (no {META}); pass the directory that save_checkpoint wrote")
+    newest = _newest_complete(final)
+    if newest is None:
+        seen = [d.name for d in _copies(final).values() if d.exists()]
+        found = f" ({', '.join(seen)} exist but are incomplete: a save crashed before writing {META})" if seen else ""
+        raise ConfigError(f"no checkpoint at {final} (no complete copy with {META}){found}; pass the directory that save_checkpoint wrote")
+    kind, src = newest
+    if kind != "main":
+        why = "is missing" if not final.exists() else ("is incomplete" if not _complete(final) else f"is older than {src.name}")
+        logger.warning("checkpoint %s %s (a save crashed during its swap); loading the newest complete copy, %s", final, why, src)
+    return src
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None) -> dict | None:

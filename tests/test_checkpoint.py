@@ -142,3 +142,124 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_two_and_four_ranks(tmp_path):
         # another order: equal to rounding.
         for got, want in zip(resumed, continued):
             assert abs(got - want) <= 1e-5 * abs(want), (resumed, continued)
+
+
+# -- double faults: a save may crash at any filesystem step, and the next save too ---------
+
+
+def _tiny_engine(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), hybridps.Config(devices={"cuda:0": "1MiB"}))
+
+
+def _tiny_steps(engine, n):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(n):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        engine.zero_grad()
+
+
+class _Crash(BaseException):
+    """A simulated process death at one filesystem step of a save."""
+
+
+def _crashing_at(k):
+    steps = []
+
+    def hook(what):
+        steps.append(what)
+        if len(steps) == k + 1:
+            raise _Crash(what)
+
+    return hook, steps
+
+
+def _save_crashing_at(monkeypatch, engine, path, k, tag):
+    """Save, dying before filesystem step ``k`` (never, when k is None); the steps taken."""
+    hook, steps = _crashing_at(-2 if k is None else k)
+    monkeypatch.setattr(ckpt, "crash_hook", hook)
+    try:
+        engine.save_checkpoint(path, client_state={"tag": tag})
+    except _Crash:
+        pass
+    finally:
+        monkeypatch.setattr(ckpt, "crash_hook", None)
+    return steps
+
+
+def _copy_tree(src, dst):
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir()
+    for p in src.iterdir():
+        shutil.copytree(p, dst / p.name)
+
+
+@pytest.mark.slow
+def test_two_saves_crashing_at_every_step_leave_the_newest_complete_checkpoint_loadable(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: None)  # durability is not what is tested here
+    engine, other = _tiny_engine(0), _tiny_engine(3)
+    _tiny_steps(engine, 2)
+    pristine = tmp_path / "a"
+    pristine.mkdir()
+    engine.save_checkpoint(pristine / "ck", client_state={"tag": "A"})
+    values = {"A": engine.state_dict()}
+    _tiny_steps(engine, 2)
+    values["B"] = values["C"] = engine.state_dict()  # B and C: same weights, told apart by their tag
+    _copy_tree(pristine, tmp_path / "count")
+    full_b = _save_crashing_at(monkeypatch, engine, tmp_path / "count" / "ck", None, "B")
+    assert any("ck.old" in s for s in full_b)  # the swap is among the steps
+    commit_b = next(i for i, s in enumerate(full_b) if "commit point" in s)
+    work, after_b = tmp_path / "w", tmp_path / "after_b"
+    checked = 0
+    for k in range(len(full_b) + 1):  # len(full_b): the first save does not crash
+        _copy_tree(pristine, work)
+        _save_crashing_at(monkeypatch, engine, work / "ck", k, "B")
+        _copy_tree(work, after_b)
+        full_c = _save_crashing_at(monkeypatch, engine, work / "ck", None, "C")
+        commit_c = next(i for i, s in enumerate(full_c) if "commit point" in s)
+        for j in range(len(full_c)):
+            _copy_tree(after_b, work)
+            _save_crashing_at(monkeypatch, engine, work / "ck", j, "C")
+            want = "C" if j > commit_c else ("B" if k > commit_b else "A")
+            got = ckpt.load_checkpoint(other, work / "ck")["tag"]
+            assert got == want, f"first save died at {full_b[k] if k < len(full_b) else 'never'}, second at {full_c[j]}: loaded {got}, want {want} ({sorted(os.listdir(work))})"
+            state = other.state_dict()
+            assert all(torch.equal(state[key], v) for key, v in values[want].items())
+            checked += 1
+    assert checked > 80, checked
+    assert "loading the newest complete copy" in caplog.text  # a fallback says so
+
+
+def test_a_save_after_a_crash_between_the_renames_never_loses_the_unswapped_checkpoint(tmp_path, monkeypatch):
+    import pathlib
+    import shutil
+
+    engine, other = _tiny_engine(0), _tiny_engine(3)
+    _tiny_steps(engine, 1)
+    engine.save_checkpoint(tmp_path / "ck", client_state={"tag": "A"})
+    shutil.copytree(tmp_path / "ck", tmp_path / "a_copy")
+    _tiny_steps(engine, 1)
+    engine.save_checkpoint(tmp_path / "ck", client_state={"tag": "B"})
+    b_values = engine.state_dict()
+    # the state a crash between the two renames of save B leaves: A as .old, all of B as .partial
+    os.rename(tmp_path / "ck", tmp_path / "ck.partial")
+    os.rename(tmp_path / "a_copy", tmp_path / "ck.old")
+    real_rename = pathlib.Path.rename
+
+    def dies_at_renaming_a_partial(self, target):
+        if self.name.endswith(".partial"):
+            raise OSError("killed (simulated)")
+        return real_rename(self, target)
+
+    _tiny_steps(engine, 1)
+    monkeypatch.setattr(pathlib.Path, "rename", dies_at_renaming_a_partial)
+    with pytest.raises(OSError, match="simulated"):
+        engine.save_checkpoint(tmp_path / "ck", client_state={"tag": "C"})  # the second crash
+    monkeypatch.undo()
+    assert ckpt.load_checkpoint(other, tmp_path / "ck") == {"tag": "B"}
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in b_values.items())

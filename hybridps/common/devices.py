@@ -16,6 +16,15 @@ ones exist (handy to reproduce a CI run on a GPU machine). ``simulate="meta"`` s
 every device, the CPU included, with payloads on PyTorch's ``meta`` device: sizes, states,
 placement and moves are all real, but no memory is allocated and no values exist. The
 capacity planner replays whole training iterations of huge models this way.
+
+[Note: container limits]
+A default CPU capacity is the smaller of the host's available memory and the room left in
+the process's memory cgroup (v2 ``memory.max - memory.current``, v1
+``memory.limit_in_bytes - memory.usage_in_bytes``, the tightest of the cgroup and its
+ancestors): Slurm, Kubernetes and Docker limit a job by cgroup, and a capacity above the
+cgroup's limit ends in the kernel's OOM killer instead of a CapacityError. psutil reads only
+the host's figures, so the cgroup files are read here. Every DeviceSpec keeps where its
+capacity came from (``capacity_source``), shown by ``hybridps status``.
 """
 
 from __future__ import annotations
@@ -82,6 +91,9 @@ class DeviceSpec:
     simulated: bool = False
     #: payloads live on the meta device: accounted, never allocated (capacity planning)
     meta: bool = False
+    #: where capacity_bytes came from: "config", "host available memory", "cgroup v2 <dir>",
+    #: "torch.cuda.mem_get_info" (not part of equality)
+    capacity_source: str = dataclasses.field(default="config", compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", canonical_device_name(self.name))
@@ -116,8 +128,22 @@ class DeviceSpec:
         return f"{self.name} ({kind}, {format_bytes(self.capacity_bytes)})"
 
 
-def available_cpu_bytes() -> int:
-    """Bytes of CPU memory available now (MemAvailable on Linux, physical memory elsewhere)."""
+#: where the cgroup file systems and this process's cgroup membership are read
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+HOST_SOURCE = "host available memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigure:
+    """A number of bytes and where it was read."""
+
+    bytes: int
+    source: str
+
+
+def host_available_bytes() -> int:
+    """Bytes of CPU memory the host has available now (MemAvailable on Linux, else physical)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -129,6 +155,90 @@ def available_cpu_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic platforms
         return 8 * 1024**3
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in a cgroup file; None when absent, unreadable or "max" (no limit)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _cgroup_dirs(mount: str, rel: str) -> list[str]:
+    """The directories of cgroup ``rel`` and of its ancestors under ``mount`` (deepest first).
+
+    In a container with its own cgroup namespace the process's path is not under the mount
+    (the mount *is* its cgroup); then only the mount itself is read.
+    """
+    parts = [p for p in rel.strip().split("/") if p and p != ".."]
+    dirs = [os.path.join(mount, *parts[:n]) for n in range(len(parts), -1, -1)]
+    existing = [d for d in dirs if os.path.isdir(d)]
+    return existing or ([mount] if os.path.isdir(mount) else [])
+
+
+def cgroup_memory_room(*, root: str | None = None, proc_self_cgroup: str | None = None) -> MemoryFigure | None:
+    """Bytes this process's memory cgroup may still grow by, or None when no cgroup limits it.
+
+    Reads cgroup v2 (``0::/path`` in /proc/self/cgroup; ``memory.max``, ``memory.current``)
+    and v1 (``N:...memory...:/path``; ``memory/<path>/memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``), and takes the tightest of the cgroup and its ancestors.
+    ``root`` and ``proc_self_cgroup`` are injectable for tests.
+    """
+    root = CGROUP_ROOT if root is None else root
+    proc_self_cgroup = PROC_SELF_CGROUP if proc_self_cgroup is None else proc_self_cgroup
+    try:
+        with open(proc_self_cgroup, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates: list[tuple[str, str, str, str]] = []  # (directory, limit file, usage file, label)
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _hid, controllers, rel = fields
+        if controllers == "":
+            for d in _cgroup_dirs(root, rel):
+                candidates.append((d, "memory.max", "memory.current", "cgroup v2"))
+        elif "memory" in controllers.split(","):
+            mount = os.path.join(root, "memory")
+            if not os.path.isdir(mount):  # a v1 hierarchy mounted with several controllers
+                mount = os.path.join(root, controllers)
+            for d in _cgroup_dirs(mount, rel):
+                candidates.append((d, "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1"))
+    best: MemoryFigure | None = None
+    for directory, limit_file, usage_file, label in candidates:
+        limit = _read_int(os.path.join(directory, limit_file))
+        if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a huge number
+            continue
+        usage = _read_int(os.path.join(directory, usage_file)) or 0
+        room = max(0, limit - usage)
+        if best is None or room < best.bytes:
+            best = MemoryFigure(room, f"{label} {os.path.join(directory, limit_file)}")
+    return best
+
+
+def available_cpu_memory(*, cgroup_root: str | None = None, proc_self_cgroup: str | None = None) -> MemoryFigure:
+    """CPU memory this process may use now: the smaller of the host's available memory and its
+    memory cgroup's room, with where the figure came from."""
+    host = MemoryFigure(host_available_bytes(), HOST_SOURCE)
+    cgroup = cgroup_memory_room(root=cgroup_root, proc_self_cgroup=proc_self_cgroup)
+    if cgroup is not None and cgroup.bytes < host.bytes:
+        return cgroup
+    return host
+
+
+def available_cpu_bytes() -> int:
+    """Bytes of CPU memory available now: the host's available memory, capped by the cgroup."""
+    return available_cpu_memory().bytes
 
 
 class DeviceInventory:
@@ -179,7 +289,7 @@ class DeviceInventory:
         specs = []
         for name, cap in requested.items():
             if name == "cpu":
-                specs.append(DeviceSpec(name="cpu", capacity_bytes=available_cpu_bytes() if cap is None else cap))
+                specs.append(_cpu_spec(cap))
                 continue
             real = name in cuda_capacities and simulate != "always"
             if real:
@@ -189,7 +299,9 @@ class DeviceInventory:
                         f"{name}: capacity {format_bytes(cap)} is more than the {format_bytes(limit)} this GPU can give; "
                         f"lower it to at most {limit} bytes"
                     )
-                specs.append(DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap))
+                specs.append(
+                    DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap, capacity_source=GPU_SOURCE if cap is None else "config")
+                )
             elif simulate:
                 if cap is None:
                     raise ConfigError(
@@ -204,7 +316,7 @@ class DeviceInventory:
                     f"to simulate it in CPU memory"
                 )
         if "cpu" not in requested:
-            specs.append(DeviceSpec(name="cpu", capacity_bytes=available_cpu_bytes()))
+            specs.append(_cpu_spec(None))
         inv = cls(specs)
         for d in inv:
             if d.simulated:
@@ -263,9 +375,19 @@ class DeviceInventory:
 
     def to_dict(self) -> dict[str, dict]:
         return {
-            d.name: {"capacity_bytes": d.capacity_bytes, "simulated": d.simulated, "type": d.type}
+            d.name: {"capacity_bytes": d.capacity_bytes, "simulated": d.simulated, "type": d.type, "capacity_source": d.capacity_source}
             for d in self._devices.values()
         }
+
+
+def _cpu_spec(cap: int | None) -> DeviceSpec:
+    if cap is not None:
+        return DeviceSpec(name="cpu", capacity_bytes=cap)
+    figure = available_cpu_memory()
+    return DeviceSpec(name="cpu", capacity_bytes=figure.bytes, capacity_source=figure.source)
+
+
+GPU_SOURCE = "torch.cuda.mem_get_info"
 
 
 def visible_gpu_capacities() -> dict[str, int]:

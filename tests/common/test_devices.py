@@ -59,3 +59,95 @@ def test_asking_for_an_unknown_device_names_the_known_ones():
 def test_the_cpu_cannot_be_simulated():
     with pytest.raises(ConfigError):
         DeviceSpec(name="cpu", capacity_bytes=1, simulated=True)
+
+
+# -- container limits: a fake cgroup tree (root and /proc/self/cgroup are injectable) ------
+
+from hybridps.common import devices as devices_mod
+
+MiB = 1 << 20
+
+
+def _cgroup_tree(tmp_path, proc_line, files):
+    root = tmp_path / "sys_fs_cgroup"
+    for rel, content in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(content)
+    root.mkdir(exist_ok=True)
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text(proc_line)
+    return str(root), str(proc)
+
+
+def test_cgroup_v2_limit_caps_the_default_cpu_capacity(tmp_path, monkeypatch):
+    root, proc = _cgroup_tree(tmp_path, "0::/job.slice/step_0\n", {
+        "job.slice/step_0/memory.max": f"{900 * MiB}\n",
+        "job.slice/step_0/memory.current": f"{100 * MiB}\n",
+    })
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
+    fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
+    assert fig.bytes == 800 * MiB
+    assert fig.source == f"cgroup v2 {root}/job.slice/step_0/memory.max"
+
+
+def test_cgroup_v2_max_means_no_limit_and_the_host_figure_is_used(tmp_path, monkeypatch):
+    root, proc = _cgroup_tree(tmp_path, "0::/user.slice\n", {
+        "user.slice/memory.max": "max\n", "user.slice/memory.current": "12345\n",
+    })
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 4 << 30)
+    assert devices_mod.cgroup_memory_room(root=root, proc_self_cgroup=proc) is None
+    fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
+    assert (fig.bytes, fig.source) == (4 << 30, "host available memory")
+
+
+def test_a_nested_cgroup_is_limited_by_its_tightest_ancestor(tmp_path, monkeypatch):
+    # the job's own cgroup says "max"; its parent (the Slurm job) holds the limit
+    root, proc = _cgroup_tree(tmp_path, "0::/slurm/job_7/step_0/task_1\n", {
+        "slurm/job_7/memory.max": f"{2048 * MiB}", "slurm/job_7/memory.current": f"{1500 * MiB}",
+        "slurm/job_7/step_0/memory.max": "max", "slurm/job_7/step_0/memory.current": f"{1400 * MiB}",
+        "slurm/job_7/step_0/task_1/memory.max": f"{1024 * MiB}", "slurm/job_7/step_0/task_1/memory.current": f"{200 * MiB}",
+    })
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 64 << 30)
+    fig = devices_mod.cgroup_memory_room(root=root, proc_self_cgroup=proc)
+    assert fig.bytes == 548 * MiB and fig.source.endswith("slurm/job_7/memory.max")
+
+
+def test_cgroup_v1_limit_and_unlimited(tmp_path, monkeypatch):
+    root, proc = _cgroup_tree(tmp_path, "12:cpu,cpuacct:/docker/abc\n9:memory:/docker/abc\n", {
+        "memory/docker/abc/memory.limit_in_bytes": f"{900 * MiB}\n",
+        "memory/docker/abc/memory.usage_in_bytes": f"{300 * MiB}\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+        "memory/memory.usage_in_bytes": f"{5000 * MiB}\n",
+    })
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
+    fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
+    assert fig.bytes == 600 * MiB and fig.source == f"cgroup v1 {root}/memory/docker/abc/memory.limit_in_bytes"
+
+
+def test_a_container_whose_mount_is_its_own_cgroup_reads_the_mount(tmp_path, monkeypatch):
+    # cgroup namespace: /proc/self/cgroup says "0::/" (or a path absent from the mount)
+    root, proc = _cgroup_tree(tmp_path, "0::/\n", {"memory.max": f"{900 * MiB}", "memory.current": f"{50 * MiB}"})
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
+    assert devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc).bytes == 850 * MiB
+
+
+def test_the_inventory_and_the_daemon_default_cpu_capacity_come_from_the_cgroup(tmp_path, monkeypatch):
+    root, proc = _cgroup_tree(tmp_path, "0::/c\n", {"c/memory.max": f"{900 * MiB}", "c/memory.current": f"{100 * MiB}"})
+    monkeypatch.setattr(devices_mod, "CGROUP_ROOT", root)
+    monkeypatch.setattr(devices_mod, "PROC_SELF_CGROUP", proc)
+    monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
+    inv = DeviceInventory.build({"cuda:0": MiB}, simulate=True, cuda_capacities={})
+    assert inv.cpu.capacity_bytes == 800 * MiB and inv.cpu.capacity_source.startswith("cgroup v2 ")
+    assert inv["cuda:0"].capacity_source == "config"
+    assert DeviceInventory.build({"cpu": 5 * MiB}, simulate=True, cuda_capacities={}).cpu.capacity_source == "config"
+
+    from hybridps.cli import format_status, manager_devices
+    from hybridps.manager.service import ManagerService
+
+    cpu = manager_devices(["cuda:1=64MiB"], simulate="always", cpu_reserve="100MiB")[0]
+    assert cpu.capacity_bytes == 700 * MiB and "cgroup v2" in cpu.capacity_source and "--cpu-reserve" in cpu.capacity_source
+    status = ManagerService(manager_devices(["cuda:1=64MiB"], simulate="always", cpu_reserve="100MiB")).status()
+    assert status["devices"]["cpu"]["capacity_source"] == cpu.capacity_source
+    assert status["devices"]["cuda:1"]["capacity_source"] == "config"
+    assert f"cpu: {cpu.capacity_source}" in format_status(status)
