@@ -2,9 +2,12 @@
 
 Owns placement of new chunks, bringing a chunk to a device (evicting others to make room),
 freeing payloads, this client's per-device accounting (used, peak) and movement statistics.
-Every byte it allocates or frees is reported to the node manager (``add``/``remove``), and
-every destination it does not dictate (a new chunk, an evicted chunk) comes from the node
-manager's ``schedule``.
+Every byte it allocates or frees is reported to the node manager, and every destination it
+does not dictate (a new chunk, an evicted chunk) is chosen by the node manager. Each
+placement is one atomic request: ``place`` (choose a device and book it), ``move`` (release
+the source and book the destination, dictated or chosen), ``add`` for a new chunk on a
+dictated device and ``remove`` for a freed one; so a placement cannot lose room it was
+offered to another rank between a question and a booking.
 
 Does not own tensor states (chunk.py), which chunk to evict (eviction.py) or how much of the
 compute device activations need right now (the tracer supplies ``reserve_fn``).
@@ -122,8 +125,8 @@ class ChunkManager:
 
     def place(self, chunk: Chunk, refer_device: str, *, zero: bool = True) -> None:
         """Allocate ``chunk`` near ``refer_device``, wherever the manager finds room."""
-        device = self._schedule(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
-        self._allocate(chunk, device, zero=zero)
+        device = self._book_near(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
+        self._allocate(chunk, device, zero=zero, booked=True)
 
     def bring(self, chunk: Chunk, device: str, *, who: object = "", protect: Collection[Chunk] = (), zero: bool = True) -> None:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
@@ -207,20 +210,41 @@ class ChunkManager:
         except CapacityError:  # no room on the CPU for an idle buffer: let it go
             self.pool.take(old.dtype, old.numel(), pinned=old.is_pinned())
 
-    def _schedule(self, size: int, refer: str, exclude: Collection[str] = ()) -> str:
-        """The manager's schedule(), but idle pooled buffers never cost a chunk its place on
-        the CPU: when the answer is not what it would be without them, they go first."""
+    def _book_near(self, size: int, refer: str, exclude: Collection[str] = (), *, src: str | None = None) -> str:
+        """Have the manager choose a device near ``refer`` and book ``size`` bytes there in
+        one request (``place``; with ``src``, ``move`` them off ``src``); returns the device.
+        Idle pooled buffers never cost a chunk its place on the CPU: when the answer is not
+        what it would be without them, they go first and the booking moves (one more atomic
+        request) to where the manager then chooses."""
+        exclude = list(exclude)
+
+        def book() -> str:
+            if src is None:
+                return self.connection.place(size, refer, exclude=exclude)
+            return self.connection.move(size, src, refer_device=refer, exclude=exclude)
+
         try:
-            device = self.connection.schedule(size, refer, exclude=list(exclude))
+            device = book()
         except CapacityError:
             if not self.pool.held_bytes:
                 raise
             self.release_pool()
-            return self.connection.schedule(size, refer, exclude=list(exclude))
+            return book()
         if device != refer and self.pool.held_bytes and "cpu" not in exclude and device != "cpu":
             self.release_pool()
-            device = self.connection.schedule(size, refer, exclude=list(exclude))
+            device = self.connection.move(size, device, refer_device=refer, exclude=exclude)
         return device
+
+    def _relocate(self, src: str, dst: str, size: int) -> None:
+        """Move the booking of ``size`` bytes from ``src`` to ``dst`` in one request, making
+        room from the pool if the CPU is short."""
+        try:
+            self.connection.move(size, src, dst)
+        except CapacityError:
+            if dst != "cpu" or not self.pool.held_bytes:
+                raise
+            self.release_pool()
+            self.connection.move(size, src, dst)
 
     def _book(self, device: str, size: int) -> None:
         """Book ``size`` bytes on ``device`` with the manager, making room from the pool if
@@ -294,9 +318,9 @@ class ChunkManager:
         """Move ``chunk`` off its device, to where the node manager says (the CPU first)."""
         src = chunk.device
         assert src is not None
-        dst = self._schedule(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)])
+        dst = self._book_near(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)], src=src)
         self.evictions += 1
-        self._move(chunk, dst, evicted=True, asynchronous=True)
+        self._move(chunk, dst, evicted=True, asynchronous=True, booked=True)
 
     def _crosses_gpu(self, src: str, dst: str) -> bool:
         return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
@@ -353,8 +377,11 @@ class ChunkManager:
                 keep.append((event, buf))
         self._in_flight = keep
 
-    def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = ()) -> None:
-        self._book(device, chunk.nbytes)
+    def _allocate(
+        self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = (), booked: bool = False
+    ) -> None:
+        if not booked:
+            self._book(device, chunk.nbytes)
         try:
             chunk.allocate(self._specs[device], zero=zero, buffer=self._new_buffer(chunk, device, protect or (chunk,)))
         except BaseException:
@@ -363,12 +390,21 @@ class ChunkManager:
         self._account(device, chunk, +1)
 
     def _move(
-        self, chunk: Chunk, device: str, *, evicted: bool = False, asynchronous: bool = False, protect: Collection[Chunk] = ()
+        self,
+        chunk: Chunk,
+        device: str,
+        *,
+        evicted: bool = False,
+        asynchronous: bool = False,
+        protect: Collection[Chunk] = (),
+        booked: bool = False,
     ) -> None:
+        """Move ``chunk`` to ``device``; ``booked``: the manager moved its booking already."""
         src = chunk.device
         assert src is not None and src != device
         chunk.wait_ready()
-        self._book(device, chunk.nbytes)
+        if not booked:
+            self._relocate(src, device, chunk.nbytes)
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
@@ -391,7 +427,9 @@ class ChunkManager:
                         t.record_stream(stream)
         except BaseException:
             self._account(src, chunk, +1)
-            self.connection.remove(device, chunk.nbytes)
+            # [Note: a failed copy] The chunk stayed on src: its booking goes back there (the
+            # room just left, so only a rank racing for exactly it can refuse; that raises).
+            self.connection.move(chunk.nbytes, device, src)
             raise
         self._account(device, chunk, +1)
         if stream is not None and old.device.type == "cpu":
@@ -399,7 +437,6 @@ class ChunkManager:
         else:
             self._recycle(old)
         self._collect()
-        self.connection.remove(src, chunk.nbytes)
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
         seconds = time.perf_counter() - started

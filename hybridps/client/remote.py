@@ -8,23 +8,38 @@ background heartbeat that keeps the lease, and riding out a daemon restart (see
 Does not own the wire format (common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
-The stub keeps its own holdings per device: the sum of its successful adds minus its
-removes. When a reply says the daemon no longer knows this client (``unknown_client``:
-the daemon restarted, or the lease expired while this process was stopped) or comes from a
-new daemon instance, the stub registers again under the same client id, adds its holdings
-back, and then sends the request it was making, so the caller sees one ordinary reply. All
-of this happens under the one lock that serializes the socket, so the heartbeat thread and
-the caller never interleave a re-report with an add or a remove.
+The stub keeps its own holdings per device: the sum of its successful adds, places and
+moves minus its removes. When a reply says the daemon no longer knows this client
+(``unknown_client``: the daemon restarted, or the lease expired while this process was
+stopped) or comes from a new daemon instance, the stub registers again under the same
+client id with its holdings in the register request, which the daemon books all or nothing,
+and then sends the request it was making, so the caller sees one ordinary reply. All of
+this happens under the one lock that serializes the socket, so the heartbeat thread and the
+caller never interleave a re-registration with an add or a remove.
+
+If the daemon refuses the holdings (another client took the room while this one was away),
+the stub is not registered and says so: it keeps the refusal, and every later request first
+tries to register again with its holdings and, while that is still refused, raises a
+CapacityError naming the lost lease and what could not be booked again. The heartbeat
+thread never leaves the stub registered with less than it holds; the stub's books and the
+daemon's never disagree silently.
+
+[Note: exit hook]
+An open connection is closed (unregistered) at interpreter exit, also when the process
+ends with an uncaught exception, so its bytes come back at once instead of after the lease.
+A process killed by a signal still relies on the lease.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -32,7 +47,14 @@ import zmq
 from hybridps.common import protocol as p
 from hybridps.common import transport
 from hybridps.common.devices import DeviceInventory, canonical_device_name
-from hybridps.common.endpoints import check_private_dir, is_default_runtime_path, parse_endpoint, resolve_endpoint, token_from_env
+from hybridps.common.endpoints import (
+    check_private_dir,
+    check_socket_owner,
+    is_default_runtime_path,
+    parse_endpoint,
+    resolve_endpoint,
+    token_from_env,
+)
 from hybridps.common.errors import CapacityError, ConfigError, HybridPSError, ManagerError, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +68,20 @@ DEFAULT_CONNECT_TIMEOUT_S = 2.0
 HEARTBEATS_PER_LEASE = 3
 #: How many times one request may find its registration lost before giving up.
 _MAX_RECOVERIES = 3
+
+#: Connections to close at interpreter exit (see [Note: exit hook]).
+_OPEN: weakref.WeakSet[RemoteConnection] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for conn in list(_OPEN):
+        if conn._pid != os.getpid():
+            continue  # a forked child exiting must not unregister its parent's client
+        try:
+            conn.close()
+        except Exception as exc:  # exiting anyway; the lease reclaims what this could not
+            logger.warning("closing the manager connection of %s at exit failed: %s", conn.client_id, exc)
 
 
 def connect_remote(
@@ -124,10 +160,13 @@ class RemoteConnection:
         self._socket: zmq.Socket | None = None
         self._rcvtimeo_ms = -1  # the socket's receive timeout now (-1: blocking, zmq's default)
         self._instance_id = ""
+        #: Set while the daemon refuses to book our holdings again (see [Note: restarts]).
+        self._lost: CapacityError | None = None
         self._last_contact_s = 0.0
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._closed = False
+        self._pid = os.getpid()
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -142,6 +181,7 @@ class RemoteConnection:
             assert isinstance(reply, p.Pong)
             self._check_devices(inventory, reply.devices)
             self._register_locked()
+        _OPEN.add(self)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"hybridps-heartbeat-{self.client_id}", daemon=True)
         self._heartbeat.start()
 
@@ -149,6 +189,7 @@ class RemoteConnection:
         """Stop heartbeats, unregister (the daemon gives back what is still held), disconnect."""
         if self._closed:
             return
+        _OPEN.discard(self)
         self._stop.set()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.request_timeout_s * 4)
@@ -191,7 +232,52 @@ class RemoteConnection:
                 lambda i: p.Remove(request_id=i, token=self._token, client_id=self.client_id, device=device, size_bytes=size)
             )
             _raise_for(reply)
-            self._holdings[device] -= size
+            self._holdings[device] = self._holdings.get(device, 0) - size
+
+    def place(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
+        """Choose a device near ``refer_device`` and book ``size`` bytes there: one request."""
+        exclude = tuple(exclude)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Place(
+                    request_id=i,
+                    token=self._token,
+                    client_id=self.client_id,
+                    size_bytes=size,
+                    refer_device=refer_device,
+                    exclude=exclude,
+                )
+            )
+            _raise_for(reply)
+            assert isinstance(reply, p.Scheduled)
+            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
+            return reply.device
+
+    def move(
+        self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()
+    ) -> str:
+        """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
+        near ``refer_device`` and not in ``exclude``): one request; returns the destination."""
+        src = _canonical(src)
+        exclude = tuple(exclude)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Move(
+                    request_id=i,
+                    token=self._token,
+                    client_id=self.client_id,
+                    size_bytes=size,
+                    src_device=src,
+                    dst_device=_canonical(dst) if dst else "",
+                    refer_device="" if dst else refer_device,
+                    exclude=exclude,
+                )
+            )
+            _raise_for(reply)
+            assert isinstance(reply, p.Scheduled)
+            self._holdings[src] = self._holdings.get(src, 0) - size
+            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
+            return reply.device
 
     def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
         exclude = tuple(exclude)
@@ -229,6 +315,8 @@ class RemoteConnection:
         """Send a request; on a lost registration recover and send it again."""
         if self._closed:
             raise ManagerError(f"the connection of {self.client_id} to {self.endpoint} is closed", code="closed")
+        if self._lost is not None:
+            self._reregister_locked()  # raises while the daemon still refuses our holdings
         for _ in range(_MAX_RECOVERIES):
             reply = self._send_locked(build, retries)
             if not self._registration_lost(reply):
@@ -267,25 +355,33 @@ class RemoteConnection:
                 self.endpoint, self.client_id, self.lease_s, self._holdings or "nothing",
             )
         self.recoveries += 1
-        self._register_locked()
-        for device, size in self._holdings.items():
-            if not size:
-                continue
-            reply = self._send_locked(
-                lambda i, d=device, s=size: p.Add(request_id=i, token=self._token, client_id=self.client_id, device=d, size_bytes=s)
-            )
-            if self._registration_lost(reply):
-                return  # lost again (another restart): the caller's loop recovers once more
-            if not reply.ok:
-                raise ManagerError(
-                    f"after the manager at {self.endpoint} restarted, re-reporting {size} B on {device} for "
-                    f"{self.client_id} was refused: {reply.message}. The manager now books less than this client "  # type: ignore[attr-defined]
-                    f"holds; restart it with the capacities it had",
-                    code=reply.code,  # type: ignore[attr-defined]
-                )
+        self._reregister_locked()
 
-    def _register_locked(self) -> None:
-        reply = self._send_locked(lambda i: p.Register.from_info(self.client_id, self.info, request_id=i, token=self._token))
+    def _reregister_locked(self) -> None:
+        """Register again booking our holdings all or nothing; on a refusal remember it
+        (self._lost) and raise it (see [Note: restarts])."""
+        held = {d: s for d, s in self._holdings.items() if s}
+        try:
+            self._register_locked(held)
+        except CapacityError as exc:
+            what = ", ".join(f"{s} B on {d}" for d, s in held.items())
+            message = (
+                f"the manager at {self.endpoint} had dropped {self.client_id} (its lease of {self.lease_s:g} s expired while "
+                f"this process was stopped or too busy, or the manager restarted), and registering again with what it "
+                f"holds ({what}) was refused: {exc}. The manager books nothing for this process now; it tries again on every "
+                f"request. Free memory on the node (see hybridps status), or restart this training process; a longer "
+                f"--lease-s keeps a paused process's lease"
+            )
+            self._lost = CapacityError(message)
+            raise self._lost from None
+        if self._lost is not None:
+            logger.warning("%s is registered again at %s with %s", self.client_id, self.endpoint, held or "nothing")
+        self._lost = None
+
+    def _register_locked(self, holdings: dict[str, int] | None = None) -> None:
+        reply = self._send_locked(
+            lambda i: p.Register.from_info(self.client_id, self.info, holdings, request_id=i, token=self._token)
+        )
         _raise_for(reply)
         assert isinstance(reply, p.Registered)
         self._instance_id = reply.instance_id
@@ -313,6 +409,14 @@ class RemoteConnection:
                 except zmq.Again:
                     break
                 except ProtocolError as exc:
+                    if isinstance(exc, p.BadMessage) and exc.request_id == request.request_id:
+                        # The answer to this request, unreadable: waiting and retrying would
+                        # only hide it behind "no manager answered".
+                        raise ProtocolError(
+                            f"the reply of the manager at {self.endpoint} to {request.OP} is malformed: {exc}. Run the "
+                            f"daemon and the clients from the same hybridps installation",
+                            exc.code,
+                        ) from None
                     logger.warning("ignoring a malformed reply from %s: %s", self.endpoint, exc)
                     reply = None
                 if reply is not None and reply.request_id == request.request_id:
@@ -417,6 +521,7 @@ def _check_socket_file(endpoint: str) -> None:
         raise ManagerError(_no_daemon_message(endpoint, f" (no socket file {ep.path})"), code="no_daemon")
     if is_default_runtime_path(ep.path):
         check_private_dir(ep.path.parent)
+    check_socket_owner(ep.path)  # another user's socket would get our requests and token
 
 
 def _no_daemon_message(endpoint: str, detail: str) -> str:

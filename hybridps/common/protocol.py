@@ -24,6 +24,22 @@ Sizes are byte counts in ``[0, MAX_SIZE_BYTES]``. msgpack cannot carry an intege
 2**64 - 1 at all, so an absurd size such as 2**70 is refused when the message is built
 (``bad_size``) instead of failing inside msgpack with an OverflowError; on the receiving
 side a float, a string or a uint64 beyond the limit is refused the same way.
+
+[Note: versions]
+Version 2 added the atomic verbs ``place`` and ``move`` (choose a device and book it, or
+release one device and book another, in one request, so no other client can take the room
+in between) and the ``holdings`` a client re-books atomically when it registers again. A
+peer speaking another version gets a clear ``bad_version`` error instead of silence, both
+ways: the error reply to a request of another version is framed as version 1
+(``ERROR_REPLY_WIRE_VERSION``), whose error reply (``v``, ``id``, ``instance_id``, ``ok``,
+``kind``, ``code``, ``message``) every version reads; and ``decode_reply`` reads an error
+reply of any version, so a client meeting an older daemon reports its ``bad_version``
+message rather than dropping the reply as malformed.
+
+[Note: error texts]
+An error message is free text of any length (a CapacityError lists every device); it is
+only truncated, never dropped, at ``MAX_ERROR_MESSAGE_CHARS`` so that a reply stays far
+below any frame limit.
 """
 
 from __future__ import annotations
@@ -36,7 +52,14 @@ import msgpack
 
 from hybridps.common.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+#: The version an error reply to a request of another version is framed as; see
+#: [Note: versions].
+ERROR_REPLY_WIRE_VERSION = 1
+
+#: Error messages longer than this are truncated (with a marker), never dropped.
+MAX_ERROR_MESSAGE_CHARS = 16 * 1024
 
 #: Sizes beyond this are refused as absurd (no node holds an exabyte); it also keeps every
 #: size inside msgpack's and int64's range. See [Note: sizes].
@@ -138,6 +161,22 @@ def _check_names(name: str, value: Any) -> None:
         _check_str(f"{name} entry", item)
 
 
+def _check_text(name: str, value: Any) -> None:
+    # Free text (an error message): any length; encode_reply truncates what is too long.
+    if not isinstance(value, str):
+        raise BadMessage(f"{name}={value!r} must be a string", "bad_field")
+
+
+def _check_usage(name: str, value: Any) -> None:
+    """A map of device name to bytes (what a client holds)."""
+    _check_dict(name, value)
+    if len(value) > _MAX_NAMES:
+        raise BadMessage(f"{name} lists {len(value)} devices; at most {_MAX_NAMES}", "bad_field")
+    for device, size in value.items():
+        _check_str(f"{name} device", device)
+        _check_size(f"{name}[{device}]", size)
+
+
 def _check_dict(name: str, value: Any) -> None:
     if not isinstance(value, dict):
         raise BadMessage(f"{name}={value!r} must be a map", "bad_field")
@@ -155,7 +194,12 @@ _CHECKS = {
     "bool": _check_bool,
     "tuple[str, ...]": _check_names,
     "dict": _check_dict,
+    "text": _check_text,
+    "dict[str, int]": _check_usage,
 }
+
+#: Annotation of free-text fields (checked by _check_text, not limited to _MAX_STR).
+text = str
 
 _HEADER = ("version", "request_id", "token", "instance_id")
 
@@ -220,9 +264,12 @@ class Register(Request):
     pid: int = 0
     host: str = ""
     devices: tuple[str, ...] = ()
+    #: Bytes per device the client holds already and wants booked with its registration,
+    #: all or nothing (a client registering again after a restart or a lost lease).
+    holdings: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_info(cls, client_id: str, info: ClientInfo, **header: Any) -> Register:
+    def from_info(cls, client_id: str, info: ClientInfo, holdings: Mapping[str, int] | None = None, **header: Any) -> Register:
         return cls(
             client_id=client_id,
             rank=info.rank,
@@ -230,6 +277,7 @@ class Register(Request):
             pid=info.pid,
             host=info.host,
             devices=tuple(info.devices),
+            holdings={d: s for d, s in (holdings or {}).items() if s},
             **header,
         )
 
@@ -282,6 +330,33 @@ class Schedule(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Place(Request):
+    """Choose a device for ``size_bytes`` (as schedule does) and book it there, in one step."""
+
+    OP: ClassVar[str] = "place"
+
+    client_id: str
+    size_bytes: int
+    refer_device: str
+    exclude: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Move(Request):
+    """Release ``size_bytes`` on ``src_device`` and book them on ``dst_device`` (or, when it
+    is "", on the device schedule would choose near ``refer_device``), in one step."""
+
+    OP: ClassVar[str] = "move"
+
+    client_id: str
+    size_bytes: int
+    src_device: str
+    dst_device: str = ""
+    refer_device: str = ""
+    exclude: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Status(Request):
     """The daemon's devices, clients and totals. Needs no registration."""
 
@@ -298,7 +373,7 @@ class Unregister(Request):
 
 
 REQUEST_TYPES: Mapping[str, type[Request]] = {
-    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Status, Unregister)
+    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Place, Move, Status, Unregister)
 }
 
 
@@ -334,7 +409,8 @@ class ErrorReply(Reply):
 
     #: Not checked against ERROR_CODES, so that a client still reads the codes of a newer daemon.
     code: str
-    message: str = ""
+    #: Any length; see [Note: error texts].
+    message: text = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -360,7 +436,7 @@ class Registered(Reply):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scheduled(Reply):
-    """Answer to schedule: the chosen device."""
+    """Answer to schedule, place and move: the chosen (for place and move: booked) device."""
 
     KIND: ClassVar[str] = "scheduled"
 
@@ -427,12 +503,20 @@ def encode_reply(reply: Reply) -> bytes:
     for name, _, _ in reply._FIELDS:
         if name != "instance_id":
             body[name] = getattr(reply, name)
+    if isinstance(reply, ErrorReply):
+        if len(reply.message) > MAX_ERROR_MESSAGE_CHARS:
+            cut = len(reply.message) - MAX_ERROR_MESSAGE_CHARS
+            body["message"] = reply.message[:MAX_ERROR_MESSAGE_CHARS] + f" [... {cut} more characters cut]"
+        if reply.code == "bad_version":
+            body["v"] = ERROR_REPLY_WIRE_VERSION  # readable by a peer of any version
     return msgpack.packb(body, use_bin_type=True)
 
 
 def decode_reply(data: bytes) -> Reply:
     """The reply in ``data``; raises BadMessage on anything malformed."""
     obj = _unpack(data)
+    if obj.get("kind") == "error" and obj.get("v") != PROTOCOL_VERSION and isinstance(obj.get("v"), int):
+        return _foreign_error(obj)
     request_id = _header(obj)
     kind = obj.get("kind")
     cls = REPLY_TYPES.get(kind) if isinstance(kind, str) else None
@@ -442,6 +526,22 @@ def decode_reply(data: bytes) -> Reply:
         raise BadMessage(f"reply of kind {kind!r} has ok={obj.get('ok')!r}", "bad_field", request_id)
     instance_id = obj.get("instance_id", "")
     return _build(cls, obj, request_id, instance_id=instance_id)
+
+
+def _foreign_error(obj: dict) -> ErrorReply:
+    """An error reply of another protocol version: every version frames errors alike."""
+    request_id = _header({**obj, "v": PROTOCOL_VERSION})
+    code, message = obj.get("code"), obj.get("message", "")
+    if not isinstance(code, str) or not isinstance(message, str):
+        raise BadMessage(f"error reply of protocol version {obj['v']} has no string code and message", "bad_field", request_id)
+    if code == "bad_version":
+        message = (
+            f"the peer speaks hybridps protocol version {obj['v']} and this side {PROTOCOL_VERSION} ({message}). Run the "
+            f"hybridps-manager daemon and the training processes from the same hybridps installation: restart the "
+            f"daemon from this one (stop it, then run hybridps-manager again)"
+        )
+    instance_id = obj.get("instance_id", "")
+    return ErrorReply(request_id=request_id, instance_id=instance_id if isinstance(instance_id, str) else "", code=code, message=message)
 
 
 def _unpack(data: bytes) -> dict:
@@ -468,7 +568,12 @@ def _header(obj: dict) -> int:
     if version is None:
         raise BadMessage("message has no protocol version 'v'", "bad_version", request_id)
     if isinstance(version, bool) or version != PROTOCOL_VERSION:
-        raise BadMessage(f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}", "bad_version", request_id)
+        raise BadMessage(
+            f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}. Run the hybridps-manager daemon and every "
+            f"client from the same hybridps installation (restart the daemon after an upgrade)",
+            "bad_version",
+            request_id,
+        )
     if raw_id is None:
         raise BadMessage("message has no request id 'id'", "missing_field")
     if not id_ok:

@@ -4,19 +4,26 @@ Owns the numbers (capacity, used, peak per device; bytes per client per device) 
 invariants on them: nothing goes negative, no device is booked past its capacity, a client
 never removes more than it holds. Every failing call leaves the ledger unchanged.
 
-Does not own placement decisions (policy.py), sockets (server.py) or time (leases are the
+Also owns the atomic verbs both managers serve (the daemon's service and the embedded
+manager call these, so there is one implementation): ``place`` chooses a device with the
+policy and books it in one step, ``move`` releases one device and books another in one
+step, and ``register`` books what a returning client already holds all or nothing. A
+caller holding the ledger's lock for one call therefore cannot lose room it was offered.
+
+Does not own placement rules (policy.py), sockets (server.py) or time (leases are the
 service's business; the ledger only records what it is told).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from hybridps.common.devices import DeviceSpec, canonical_device_name
-from hybridps.common.errors import CapacityError, ManagerError
+from hybridps.common.errors import CapacityError, HybridPSError, ManagerError
 from hybridps.common.protocol import MAX_SIZE_BYTES, ClientInfo
 from hybridps.common.units import format_bytes
+from hybridps.manager import policy
 
 __all__ = ["MAX_SIZE_BYTES", "ClientAccount", "DeviceAccount", "Ledger"]
 
@@ -28,6 +35,8 @@ class DeviceAccount:
     simulated: bool = False
     used_bytes: int = 0
     peak_bytes: int = 0
+    #: where capacity_bytes came from (DeviceSpec.capacity_source), shown by `hybridps status`
+    capacity_source: str = "config"
 
     @property
     def free_bytes(self) -> int:
@@ -50,7 +59,7 @@ class Ledger:
     def __init__(self, devices: Iterable[DeviceSpec]):
         self._devices: dict[str, DeviceAccount] = {}
         for d in devices:
-            self._devices[d.name] = DeviceAccount(d.name, d.capacity_bytes, d.simulated)
+            self._devices[d.name] = DeviceAccount(d.name, d.capacity_bytes, d.simulated, capacity_source=d.capacity_source)
         if "cpu" not in self._devices:
             raise ManagerError("a ledger needs the 'cpu' device", code="bad_request")
         self._clients: dict[str, ClientAccount] = {}
@@ -78,14 +87,37 @@ class Ledger:
 
     # -- clients ---------------------------------------------------------------------------
 
-    def register(self, client_id: str, info: ClientInfo) -> ClientAccount:
+    def register(self, client_id: str, info: ClientInfo, holdings: Mapping[str, int] | None = None) -> ClientAccount:
+        """Add a client; with ``holdings`` (bytes per device it holds already: a client that
+        registers again after a restart or a lost lease) book them all, or raise and
+        register nothing."""
         if client_id in self._clients:
             raise ManagerError(f"client {client_id!r} is already registered", code="duplicate_client")
         for name in info.devices:
             self.device(name)  # raises on an unknown device
+        booked: dict[str, int] = {}
+        for name, size in (holdings or {}).items():
+            dev = self.device(name)
+            _check_size(size)
+            booked[dev.name] = booked.get(dev.name, 0) + size
+        short = {n: s for n, s in booked.items() if s > self._devices[n].free_bytes}
+        if short:
+            what = "; ".join(
+                f"{n}: {format_bytes(s)} ({s} B) held, {format_bytes(self._devices[n].free_bytes)} free" for n, s in short.items()
+            )
+            raise CapacityError(
+                f"client {client_id} cannot be registered with what it holds: {what}. Its bytes were given to other "
+                f"clients while it was away; nothing was booked for it"
+            )
         acct = ClientAccount(client_id, info)
         self._clients[client_id] = acct
+        for name, size in booked.items():
+            self._book(acct, self._devices[name], size)
         return acct
+
+    def reachable(self, client_id: str) -> tuple[str, ...]:
+        """The devices a client may be given: those it listed, or every device."""
+        return tuple(self.client(client_id).info.devices) or tuple(self._devices)
 
     def client(self, client_id: str) -> ClientAccount:
         try:
@@ -116,6 +148,9 @@ class Ledger:
                 f"{dev.name} has {format_bytes(dev.free_bytes)} free of {format_bytes(dev.capacity_bytes)}; "
                 f"cannot book {format_bytes(size)} ({size} B) for client {client_id}"
             )
+        self._book(acct, dev, size)
+
+    def _book(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
         dev.used_bytes += size
         dev.peak_bytes = max(dev.peak_bytes, dev.used_bytes)
         acct.usage[dev.name] = acct.held(dev.name) + size
@@ -124,15 +159,63 @@ class Ledger:
         acct = self.client(client_id)
         dev = self.device(device)
         _check_size(size)
+        self._check_held(acct, dev, size)
+        dev.used_bytes -= size
+        acct.usage[dev.name] = acct.held(dev.name) - size
+
+    def _check_held(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
         held = acct.held(dev.name)
         if size > held:
             raise ManagerError(
-                f"client {client_id} removes {size} B from {dev.name} but holds only {held} B there; "
+                f"client {acct.client_id} removes {size} B from {dev.name} but holds only {held} B there; "
                 f"report exactly what was added",
                 code="over_remove",
             )
-        dev.used_bytes -= size
-        acct.usage[dev.name] = held - size
+
+    def place(self, client_id: str, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
+        """Choose the device for ``size`` bytes near ``refer_device`` (policy.schedule) and
+        book it there, in one step; returns the device."""
+        acct = self.client(client_id)
+        refer = self.device(refer_device).name
+        _check_size(size)
+        device = policy.schedule(size, refer, self.free_bytes(), self.reachable(client_id), exclude=_canonical_all(exclude))
+        self._book(acct, self._devices[device], size)
+        return device
+
+    def move(
+        self,
+        client_id: str,
+        size: int,
+        src_device: str,
+        dst_device: str | None = None,
+        *,
+        refer_device: str | None = None,
+        exclude: Sequence[str] = (),
+    ) -> str:
+        """Release ``size`` bytes on ``src_device`` and book them on ``dst_device`` (or, when
+        it is None, on the device policy.schedule chooses near ``refer_device`` and not in
+        ``exclude``, with the source's room counted as free: an eviction excludes its
+        source), in one step; returns the destination. On failure nothing changes."""
+        acct = self.client(client_id)
+        src = self.device(src_device)
+        _check_size(size)
+        self._check_held(acct, src, size)
+        if dst_device:
+            dst = self.device(dst_device)
+            if dst is not src and dst.used_bytes + size > dst.capacity_bytes:
+                raise CapacityError(
+                    f"{dst.name} has {format_bytes(dst.free_bytes)} free of {format_bytes(dst.capacity_bytes)}; cannot "
+                    f"move {format_bytes(size)} ({size} B) there from {src.name} for client {client_id}"
+                )
+        else:
+            refer = self.device(refer_device or "cpu").name
+            free = self.free_bytes()
+            free[src.name] += size  # the bytes leave src first
+            dst = self._devices[policy.schedule(size, refer, free, self.reachable(client_id), exclude=_canonical_all(exclude))]
+        src.used_bytes -= size
+        acct.usage[src.name] = acct.held(src.name) - size
+        self._book(acct, dst, size)
+        return dst.name
 
     def snapshot(self) -> dict:
         return {
@@ -158,6 +241,17 @@ class Ledger:
                 for a in self._clients.values()
             ],
         }
+
+
+def _canonical_all(names: Sequence[str]) -> tuple[str, ...]:
+    # An unknown name in an exclude list cannot be chosen anyway; keep it as given.
+    out = []
+    for name in names:
+        try:
+            out.append(canonical_device_name(name))
+        except (HybridPSError, ValueError, TypeError):
+            out.append(name)
+    return tuple(out)
 
 
 def _check_size(size: object) -> None:

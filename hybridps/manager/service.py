@@ -11,12 +11,21 @@ Does not own framing, tokens or the event loop (server.py) nor placement rules (
 A client's lease runs ``lease_s`` from its latest request of any kind (heartbeats are only
 the requests an idle client sends). ``expire()`` drops every client whose lease ran out and
 gives back what it held, so a rank killed with SIGKILL frees its bytes within ``lease_s``
-plus the server's expiry tick.
+plus the server's expiry tick. A client that was only paused registers again with the
+``holdings`` it still has; they are booked all or nothing (ledger.register), so it is
+either booked exactly as before or refused with ``capacity`` and left unregistered: never
+registered with less than it holds.
+
+[Note: atomic verbs]
+``place`` and ``move`` choose and book under the service's one lock, with the same code as
+the embedded manager (Ledger.place, Ledger.move): a placement is one request and cannot
+lose room it was offered, as schedule followed by add could.
 
 [Note: retries]
 A client that times out sends the same request again with the same request id, and the
 first copy may have been applied after all (the daemon was only slow). Add, remove and
-unregister are not idempotent. Each client's last add or remove and its reply are kept, and
+unregister are not idempotent, nor are place and move. Each client's last add, remove, place or
+move and its reply are kept, and
 a request with the same op and id is answered from them instead of being applied twice; a
 retried unregister finds the client gone and gets ``unknown_client``, which the client
 takes as done. One entry per client is enough because a client has one request in flight
@@ -87,6 +96,8 @@ class ManagerService:
             p.Add: self._add,
             p.Remove: self._remove,
             p.Schedule: self._schedule,
+            p.Place: self._place,
+            p.Move: self._move,
             p.Status: self._status,
             p.Unregister: self._unregister,
         }
@@ -159,11 +170,12 @@ class ManagerService:
                 )
             lease.last_seen_s = self.clock()  # a retried register: answer it again
         else:
-            self.ledger.register(req.client_id, info)
+            self.ledger.register(req.client_id, info, req.holdings)  # all or nothing
             self._leases[req.client_id] = _Lease(req.client_id, self.clock())
             logger.info(
-                "registered %s (rank %d, local rank %d, pid %d, host %s, devices %s)",
+                "registered %s (rank %d, local rank %d, pid %d, host %s, devices %s)%s",
                 req.client_id, req.rank, req.local_rank, req.pid, req.host or "?", ", ".join(devices) or "-",
+                f" holding {_describe(req.holdings)}" if any(req.holdings.values()) else "",
             )
         return p.Registered(request_id=req.request_id, instance_id=self.instance_id, client_id=req.client_id, lease_s=self.lease_s)
 
@@ -177,15 +189,14 @@ class ManagerService:
     def _remove(self, req: p.Remove) -> p.Reply:
         return self._apply_once(req, lambda: self.ledger.remove(req.client_id, req.device, req.size_bytes))
 
-    def _apply_once(self, req: p.Add | p.Remove, apply: Callable[[], None]) -> p.Reply:
+    def _apply_once(self, req: p.Request, apply: Callable[[], p.Reply | None]) -> p.Reply:
         """Apply a change of the ledger unless it is a retry of the last one (see [Note: retries])."""
-        lease = self._touch(req.client_id)
+        lease = self._touch(req.client_id)  # type: ignore[attr-defined]
         if lease.last_request == (req.OP, req.request_id):
             assert lease.last_reply is not None
             return lease.last_reply
         try:
-            apply()
-            reply: p.Reply = self._ok(req)
+            reply: p.Reply = apply() or self._ok(req)
         except CapacityError as exc:
             reply = self._error(req, "capacity", str(exc))
         except ManagerError as exc:
@@ -194,10 +205,32 @@ class ManagerService:
         lease.last_reply = reply
         return reply
 
+    def _place(self, req: p.Place) -> p.Reply:
+        return self._apply_once(
+            req, lambda: self._scheduled(req, self.ledger.place(req.client_id, req.size_bytes, req.refer_device, req.exclude))
+        )
+
+    def _move(self, req: p.Move) -> p.Reply:
+        def apply() -> p.Reply:
+            device = self.ledger.move(
+                req.client_id,
+                req.size_bytes,
+                req.src_device,
+                req.dst_device or None,
+                refer_device=req.refer_device or None,
+                exclude=req.exclude,
+            )
+            return self._scheduled(req, device)
+
+        return self._apply_once(req, apply)
+
+    def _scheduled(self, req: p.Request, device: str) -> p.Scheduled:
+        return p.Scheduled(request_id=req.request_id, instance_id=self.instance_id, device=device)
+
     def _schedule(self, req: p.Schedule) -> p.Reply:
         self._touch(req.client_id)
         refer = self.ledger.device(req.refer_device).name
-        reachable = self.ledger.client(req.client_id).info.devices or tuple(self.ledger.device_names)
+        reachable = self.ledger.reachable(req.client_id)
         exclude = tuple(_canonical_or_same(d) for d in req.exclude)
         device = policy.schedule(req.size_bytes, refer, self.ledger.free_bytes(), reachable, exclude=exclude)
         return p.Scheduled(request_id=req.request_id, instance_id=self.instance_id, device=device)
@@ -244,6 +277,8 @@ class ManagerService:
     def _snapshot(self) -> dict:
         now = self.clock()
         snap = self.ledger.snapshot()
+        for name, device in snap["devices"].items():
+            device["capacity_source"] = self.ledger.device(name).capacity_source
         for client in snap["clients"]:
             lease = self._leases[client["client_id"]]
             client["last_seen_age_s"] = round(now - lease.last_seen_s, 3)

@@ -5,6 +5,9 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -14,7 +17,7 @@ from torch import nn
 import hybridps
 from hybridps.cli import main
 from hybridps.client.remote import connect_remote, query_status
-from hybridps.common.errors import CapacityError, ManagerError
+from hybridps.common.errors import CapacityError, ManagerError, ProtocolError
 from hybridps.common.protocol import ClientInfo
 from tests.daemon import Daemons, daemons, wait_for  # noqa: F401 - the fixture
 
@@ -166,3 +169,185 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
     status = status_json(daemon.endpoint)
     assert status["totals"]["used_bytes"] == 0 and status["clients"] == []
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original))
+
+
+# -- the ledger is always exact: lost leases, atomic verbs, long errors, exit, versions ----
+
+
+def test_a_client_paused_past_its_lease_whose_room_was_lent_out_fails_loudly_never_silently(daemons, caplog):
+    d = daemons.start("--device", "cpu=64MiB", "--device", "cuda:0=8MiB", "--simulate", "always", "--lease-s", "0.5")
+    with connect_remote(d.endpoint, info()) as a, connect_remote(d.endpoint, info()) as b:
+        a.add("cuda:0", 4_100_000)
+        with a._lock:  # the process is stopped (SIGSTOP, a debugger): not even its heartbeat runs
+            wait_for(lambda: usage_of(d.endpoint, a.client_id) is None, 10, what="the lease expiring")
+            b.add("cuda:0", 6_000_000)  # the daemon lent the room to another client meanwhile
+        # Resumed: the heartbeat thread tries to register again and is refused. The daemon
+        # must never show the client registered with less than it holds.
+        deadline_s = time.monotonic() + 1.5
+        while time.monotonic() < deadline_s:
+            assert usage_of(d.endpoint, a.client_id) in (None, {"cuda:0": 4_100_000})
+            time.sleep(0.05)
+        with pytest.raises(CapacityError) as e:  # the training process learns it on its next request
+            a.add("cpu", 5)
+        message = str(e.value)
+        assert "lease of 0.5 s expired" in message and "4100000 B on cuda:0" in message and "was refused" in message
+        assert a.holdings == {"cuda:0": 4_100_000}
+        b.remove("cuda:0", 6_000_000)
+        a.add("cpu", 5)  # room again: registered with all it holds, and the request goes on
+        assert usage_of(d.endpoint, a.client_id) == {"cuda:0": 4_100_000, "cpu": 5} == a.holdings
+
+
+def test_place_and_move_are_one_request_each_and_keep_the_holdings(daemon):
+    with connect_remote(daemon.endpoint, info()) as conn:
+        assert conn.place(600_000, "cuda:0") == "cuda:0"
+        assert conn.place(600_000, "cuda:0") == "cpu"
+        assert conn.move(600_000, "cuda:0", refer_device="cpu", exclude=["cuda:0"]) == "cpu"
+        assert conn.move(100, "cpu", "cuda") == "cuda:0"
+        assert conn.holdings == {"cpu": 1_200_000 - 100, "cuda:0": 100} == usage_of(daemon.endpoint, conn.client_id)
+
+
+def test_removing_nothing_from_a_device_never_booked_is_fine(daemon):
+    with connect_remote(daemon.endpoint, info()) as conn:
+        conn.remove("cuda:0", 0)  # nothing, from a device never booked: no KeyError (item 11a)
+        assert conn.holdings == {} and usage_of(daemon.endpoint, conn.client_id) == {}
+
+
+def test_ranks_placing_at_once_on_a_nearly_full_gpu_never_lose_room_they_were_offered(daemons):
+    d = daemons.start("--device", "cpu=1GiB", "--device", "cuda:0=1MiB", "--simulate", "always")
+    conns = [connect_remote(d.endpoint, info()) for _ in range(8)]
+    errors: list[BaseException] = []
+    placed: list[str] = []
+    barrier = threading.Barrier(len(conns))
+
+    def rank(conn):
+        try:
+            barrier.wait()
+            for _ in range(10):
+                placed.append(conn.place(100_000, "cuda:0"))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in conns]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert len(placed) == 80 and placed.count("cuda:0") == 10  # 10 x 100 kB fit in 1 MiB
+        status = query_status(d.endpoint)
+        assert status["devices"]["cuda:0"]["used_bytes"] == 1_000_000
+        assert {c["client_id"]: c["usage"] for c in status["clients"]} == {c.client_id: c.holdings for c in conns}
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_an_error_text_longer_than_256_characters_reaches_the_client(daemons):
+    gpus = [f"cuda:{i}" for i in range(12)]
+    d = daemons.start("--device", "cpu=1MiB", *[a for g in gpus for a in ("--device", f"{g}=1MiB")], "--simulate", "always")
+    with connect_remote(d.endpoint, info(("cpu", *gpus)), request_timeout_s=0.3, retries=2) as conn:
+        start = time.monotonic()
+        with pytest.raises(CapacityError) as e:
+            conn.schedule(1 << 30, "cuda:0")
+        assert time.monotonic() - start < 0.3, "answered at once, not after the retries"
+        assert len(str(e.value)) > 256 and "cuda:11" in str(e.value) and "no device has room" in str(e.value)
+
+
+def test_a_client_that_dies_of_an_uncaught_exception_gives_its_bytes_back_at_once(daemons):
+    d = daemons.start("--device", "cpu=64MiB", "--lease-s", "60")
+    script = (
+        "import os\n"
+        "from hybridps.client.remote import connect_remote\n"
+        "from hybridps.common.protocol import ClientInfo\n"
+        f"conn = connect_remote({d.endpoint!r}, ClientInfo(pid=os.getpid(), devices=('cpu',)))\n"
+        "conn.add('cpu', 1000)\n"
+        "print('booked', flush=True)\n"
+        "raise RuntimeError('training failed')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "booked" in proc.stdout and "RuntimeError: training failed" in proc.stderr, proc.stderr
+    status = query_status(d.endpoint)
+    assert status["clients"] == [] and status["devices"]["cpu"]["used_bytes"] == 0, "unregistered at exit, not after the 60 s lease"
+
+
+def test_a_client_of_the_previous_protocol_version_gets_a_clear_error_from_the_daemon(daemon):
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(daemon.endpoint)
+        sock.send_multipart([b"", msgpack.packb({"v": 1, "op": "ping", "id": 3})])
+        assert sock.poll(5000)
+        _, body = sock.recv_multipart()
+        reply = msgpack.unpackb(body)
+        # what a version-1 client needs to read it: v 1, its id, an error with a code and message
+        assert reply["v"] == 1 and reply["id"] == 3 and reply["ok"] is False and reply["code"] == "bad_version"
+        assert "this side speaks 2" in reply["message"] and "same hybridps installation" in reply["message"]
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_client_meeting_a_daemon_of_the_previous_protocol_version_says_so_at_once(tmp_path):
+    import msgpack
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/old.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+
+    def old_daemon():  # answers as a version-1 daemon does to a request of version 2
+        if router.poll(5000):
+            ident, _, body = router.recv_multipart()
+            req = msgpack.unpackb(body)
+            reply = dict(v=1, id=req["id"], instance_id="old", ok=False, kind="error", code="bad_version",
+                         message=f"protocol version {req['v']}; this side speaks 1")
+            router.send_multipart([ident, b"", msgpack.packb(reply)])
+
+    t = threading.Thread(target=old_daemon)
+    t.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProtocolError) as e:
+            connect_remote(endpoint, info(), connect_timeout_s=5)
+        assert time.monotonic() - start < 2
+        assert e.value.code == "bad_version" and "version 1 and this side 2" in str(e.value)
+    finally:
+        t.join()
+        router.close()
+        ctx.term()
+
+
+def test_the_chunk_manager_places_and_evicts_with_one_atomic_request_each(daemon, monkeypatch):
+    from hybridps.client.remote import RemoteConnection
+
+    ops: list[str] = []
+    send = RemoteConnection._send_locked
+
+    def counting(self, build, retries=None):
+        return send(self, lambda i: _record(build(i)), retries)
+
+    def _record(request):
+        ops.append(request.OP)
+        return request
+
+    monkeypatch.setattr(RemoteConnection, "_send_locked", counting)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+    client = hybridps.Client(hybridps.Config(devices={"cuda:0": "1MiB"}, manager=daemon.endpoint, chunk_size=256 * 257))
+    try:
+        client.register_module(model)
+        for p in list(model.parameters()) * 2:
+            client.access(p)
+            client.release(p, hybridps.TensorState.HOLD)
+        assert client.memory_stats()["moves"] > 0
+        assert "schedule" not in ops, "a placement is one request (place or move), never schedule then add"
+        assert ops.count("place") > 0 and ops.count("move") > 0
+        assert client.connection.holdings == usage_of(daemon.endpoint, client.connection.client_id)
+    finally:
+        client.close()

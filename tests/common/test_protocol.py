@@ -11,6 +11,10 @@ REQUESTS = [
     p.Add(request_id=4, client_id="c", device="cuda:0", size_bytes=4096),
     p.Remove(request_id=5, client_id="c", device="cpu", size_bytes=0),
     p.Schedule(request_id=6, client_id="c", size_bytes=p.MAX_SIZE_BYTES, refer_device="cuda:1", exclude=("cuda:0",)),
+    p.Place(request_id=9, client_id="c", size_bytes=4096, refer_device="cuda:0", exclude=("cuda:1",)),
+    p.Move(request_id=10, client_id="c", size_bytes=4096, src_device="cuda:0", dst_device="cpu"),
+    p.Move(request_id=11, client_id="c", size_bytes=1, src_device="cuda:0", refer_device="cpu", exclude=("cuda:1",)),
+    p.Register(request_id=12, client_id="c", devices=("cpu",), holdings={"cpu": 4096, "cuda:0": 1}),
     p.Status(request_id=2**64 - 1),
     p.Unregister(request_id=8, client_id="c"),
 ]
@@ -51,7 +55,8 @@ def pack(**body):
     return msgpack.packb(body, use_bin_type=True)
 
 
-ADD = dict(v=1, op="add", id=7, client_id="c", device="cpu", size_bytes=1)
+V = p.PROTOCOL_VERSION
+ADD = dict(v=V, op="add", id=7, client_id="c", device="cpu", size_bytes=1)
 
 MALFORMED = {
     "random bytes": (b"\xc1\xff\x00garbage", "garbage"),
@@ -63,21 +68,22 @@ MALFORMED = {
     "a list instead of a map": (msgpack.packb([1, "add"]), "bad_request"),
     "a bare integer": (msgpack.packb(5), "bad_request"),
     "no version": (pack(op="ping", id=1), "bad_version"),
-    "version 2": (pack(**{**ADD, "v": 2}), "bad_version"),
+    "version 1 (the old protocol)": (pack(**{**ADD, "v": 1}), "bad_version"),
+    "version 3": (pack(**{**ADD, "v": 3}), "bad_version"),
     "version true": (pack(**{**ADD, "v": True}), "bad_version"),
-    "version as a string": (pack(**{**ADD, "v": "1"}), "bad_version"),
-    "no request id": (pack(v=1, op="ping"), "missing_field"),
-    "a negative request id": (pack(v=1, op="ping", id=-1), "bad_field"),
-    "unknown op": (pack(v=1, op="format_disk", id=1), "unknown_op"),
-    "op not a string": (pack(v=1, op=3, id=1), "unknown_op"),
+    "version as a string": (pack(**{**ADD, "v": str(V)}), "bad_version"),
+    "no request id": (pack(v=V, op="ping"), "missing_field"),
+    "a negative request id": (pack(v=V, op="ping", id=-1), "bad_field"),
+    "unknown op": (pack(v=V, op="format_disk", id=1), "unknown_op"),
+    "op not a string": (pack(v=V, op=3, id=1), "unknown_op"),
     "missing size": (pack(**{k: v for k, v in ADD.items() if k != "size_bytes"}), "missing_field"),
-    "missing client id": (pack(v=1, op="heartbeat", id=1), "missing_field"),
+    "missing client id": (pack(v=V, op="heartbeat", id=1), "missing_field"),
     "device not a string": (pack(**{**ADD, "device": 0}), "bad_field"),
     "client id too long": (pack(**{**ADD, "client_id": "c" * 1000}), "bad_field"),
     "token not a string": (pack(**{**ADD, "token": 5}), "bad_field"),
-    "exclude not a list": (pack(v=1, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"), "bad_field"),
-    "exclude of integers": (pack(v=1, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude=[1]), "bad_field"),
-    "rank negative": (pack(v=1, op="register", id=1, client_id="c", rank=-3), "bad_field"),
+    "exclude not a list": (pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"), "bad_field"),
+    "exclude of integers": (pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude=[1]), "bad_field"),
+    "rank negative": (pack(v=V, op="register", id=1, client_id="c", rank=-3), "bad_field"),
     "negative size": (pack(**{**ADD, "size_bytes": -1}), "bad_size"),
     "size 2**64 - 1": (pack(**{**ADD, "size_bytes": 2**64 - 1}), "bad_size"),
     "size just past the limit": (pack(**{**ADD, "size_bytes": p.MAX_SIZE_BYTES + 1}), "bad_size"),
@@ -130,13 +136,63 @@ def test_a_token_is_sent_only_when_there_is_one():
 @pytest.mark.parametrize(
     "body, code",
     [
-        (dict(v=1, id=1, instance_id="a", ok=True, kind="teapot"), "unknown_op"),
-        (dict(v=1, id=1, instance_id="a", ok=False, kind="scheduled", device="cpu"), "bad_field"),
-        (dict(v=1, id=1, instance_id="a", ok=True, kind="scheduled"), "missing_field"),
-        (dict(v=2, id=1, instance_id="a", ok=True, kind="ok"), "bad_version"),
+        (dict(v=V, id=1, instance_id="a", ok=True, kind="teapot"), "unknown_op"),
+        (dict(v=V, id=1, instance_id="a", ok=False, kind="scheduled", device="cpu"), "bad_field"),
+        (dict(v=V, id=1, instance_id="a", ok=True, kind="scheduled"), "missing_field"),
+        (dict(v=1, id=1, instance_id="a", ok=True, kind="ok"), "bad_version"),
+        (dict(v=V + 1, id=1, instance_id="a", ok=True, kind="ok"), "bad_version"),
     ],
 )
 def test_a_malformed_reply_is_refused_too(body, code):
     with pytest.raises(p.BadMessage) as e:
         p.decode_reply(pack(**body))
     assert e.value.code == code
+
+
+# -- version 2: atomic verbs, holdings, version errors both ways, long error texts --------
+
+
+def test_a_register_carries_the_holdings_to_book_again_and_checks_them():
+    req = p.Register.from_info("c", p.ClientInfo(devices=("cpu",)), {"cpu": 10, "cuda:0": 0}, request_id=1)
+    assert req.holdings == {"cpu": 10}  # zeros are not sent
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=V, op="register", id=1, client_id="c", holdings={"cpu": -1}))
+    assert e.value.code == "bad_size"
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=V, op="register", id=1, client_id="c", holdings=["cpu"]))
+    assert e.value.code == "bad_field"
+
+
+def test_an_error_text_of_any_length_survives_and_is_only_truncated_at_the_cap():
+    long = "no device has room; free: " + ", ".join(f"cuda:{i} 1.00 MiB" for i in range(40))
+    assert len(long) > 256
+    reply = p.decode_reply(p.encode_reply(p.ErrorReply(request_id=1, code="capacity", message=long)))
+    assert reply.message == long
+    huge = "x" * (p.MAX_ERROR_MESSAGE_CHARS * 3)
+    reply = p.decode_reply(p.encode_reply(p.ErrorReply(request_id=1, code="capacity", message=huge)))
+    assert reply.message.startswith("x" * p.MAX_ERROR_MESSAGE_CHARS) and "characters cut" in reply.message
+    assert len(reply.message) < p.MAX_ERROR_MESSAGE_CHARS + 100
+
+
+def old_client_decode(data):
+    """What a version-1 client does with a reply: it refuses any other version."""
+    obj = msgpack.unpackb(data, raw=False)
+    assert obj["v"] == 1, f"a version-1 client drops a reply of version {obj['v']} as malformed"
+    return obj
+
+
+def test_an_old_client_reads_the_new_daemons_bad_version_error():
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=1, op="ping", id=5))
+    reply = p.ErrorReply(request_id=e.value.request_id, instance_id="i", code=e.value.code, message=str(e.value))
+    obj = old_client_decode(p.encode_reply(reply))
+    assert obj["ok"] is False and obj["kind"] == "error" and obj["code"] == "bad_version" and obj["id"] == 5
+    assert f"this side speaks {V}" in obj["message"] and "same hybridps installation" in obj["message"]
+
+
+def test_a_new_client_reads_an_old_daemons_bad_version_error():
+    # exactly what a version-1 daemon answers to a request of version 2
+    old = pack(v=1, id=7, instance_id="old", ok=False, kind="error", code="bad_version", message="protocol version 2; this side speaks 1")
+    reply = p.decode_reply(old)
+    assert isinstance(reply, p.ErrorReply) and reply.code == "bad_version" and reply.request_id == 7
+    assert f"version 1 and this side {V}" in reply.message and "restart the daemon" in reply.message

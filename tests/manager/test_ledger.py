@@ -84,3 +84,57 @@ def test_schedule_without_room_names_the_size_and_what_is_free():
         schedule(100, "cuda:0", {"cpu": 50, "cuda:0": 10}, ["cpu", "cuda:0"])
     msg = str(e.value)
     assert "100 B" in msg and "cpu 50 B" in msg and "cuda:0 10 B" in msg
+
+
+# -- atomic verbs (one implementation, shared by the daemon and the embedded manager) -----
+
+
+def test_place_chooses_and_books_in_one_step_like_schedule_then_add():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    assert led.place("a", 60, "cuda:0") == "cuda:0"
+    assert led.place("a", 60, "cuda") == "cpu"  # cuda:0 has 40 B left: the CPU next
+    assert led.place("a", 10, "cuda:0", exclude=["cuda:0"]) == "cpu"
+    assert {c["client_id"]: c["usage"] for c in led.snapshot()["clients"]} == {"a": {"cuda:0": 60, "cpu": 70}}
+    before = led.snapshot()
+    with pytest.raises(CapacityError, match="no device has room"):
+        led.place("a", 5000, "cuda:0")
+    assert led.snapshot() == before
+
+
+def test_move_releases_the_source_and_books_the_destination_in_one_step_or_changes_nothing():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.register("b", ClientInfo())
+    led.add("a", "cuda:0", 80)
+    assert led.move("a", 50, "cuda:0", "cpu") == "cpu"
+    assert led.client("a").usage == {"cuda:0": 30, "cpu": 50}
+    # chosen: near the CPU, never the excluded source
+    assert led.move("a", 30, "cuda:0", refer_device="cpu", exclude=["cuda:0"]) == "cpu"
+    # chosen with the source's room counted: cuda:0 is full, yet its own 80 B may stay there
+    led.move("a", 80, "cpu", "cuda:0")
+    led.add("b", "cuda:0", 20)
+    assert led.move("a", 80, "cuda:0", refer_device="cuda:0") == "cuda:0"
+    led.add("b", "cpu", 1000)
+    before = led.snapshot()
+    with pytest.raises(CapacityError, match="cannot move"):
+        led.move("a", 80, "cuda:0", "cpu")
+    with pytest.raises(CapacityError, match="no device has room"):
+        led.move("a", 80, "cuda:0", refer_device="cpu", exclude=["cuda:0"])
+    with pytest.raises(ManagerError, match="holds only 80 B") as e:
+        led.move("a", 81, "cuda:0", "cpu")
+    assert e.value.code == "over_remove"
+    assert led.snapshot() == before
+
+
+def test_register_with_holdings_books_them_all_or_nothing():
+    led = make_ledger()
+    led.register("b", ClientInfo())
+    led.add("b", "cuda:0", 70)
+    with pytest.raises(CapacityError, match="cuda:0: 40 B .*held, 30 B free") as e:
+        led.register("a", ClientInfo(), {"cpu": 500, "cuda:0": 40})
+    assert "nothing was booked" in str(e.value)
+    assert [c.client_id for c in led.clients] == ["b"] and led.free_bytes() == {"cpu": 1000, "cuda:0": 30}
+    led.register("a", ClientInfo(), {"cpu": 500, "cuda:0": 30})
+    assert led.client("a").usage == {"cpu": 500, "cuda:0": 30} and led.free_bytes() == {"cpu": 500, "cuda:0": 0}
+

@@ -188,3 +188,42 @@ def test_requests_and_errors_are_counted_by_op_and_rendered_as_prometheus_text()
 def test_a_lease_must_be_positive():
     with pytest.raises(ValueError, match="lease_s"):
         ManagerService([DeviceSpec(name="cpu", capacity_bytes=1)], lease_s=0)
+
+
+def test_place_and_move_choose_and_book_in_one_request_and_a_retry_is_applied_once():
+    svc, _ = make_service()
+    register(svc)
+    place = p.Place(request_id=5, client_id="c0", size_bytes=600, refer_device="cuda:0")
+    assert svc.handle(place) == p.Scheduled(request_id=5, instance_id="inst1", device="cuda:0")
+    assert svc.handle(place).device == "cuda:0"  # a retry: answered again, booked once
+    assert used(svc) == {"cpu": 0, "cuda:0": 600}
+    assert svc.handle(p.Place(request_id=6, client_id="c0", size_bytes=600, refer_device="cuda:0")).device == "cpu"
+    move = p.Move(request_id=7, client_id="c0", size_bytes=600, src_device="cuda:0", refer_device="cpu", exclude=("cuda:0",))
+    assert svc.handle(move).device == "cpu" and svc.handle(move).device == "cpu"
+    assert used(svc) == {"cpu": 1200, "cuda:0": 0}
+    assert svc.handle(p.Move(request_id=8, client_id="c0", size_bytes=300, src_device="cpu", dst_device="cuda:0")).device == "cuda:0"
+    assert svc.status()["clients"][0]["usage"] == {"cpu": 900, "cuda:0": 300}
+    refused = svc.handle(p.Move(request_id=9, client_id="c0", size_bytes=900, src_device="cpu", dst_device="cuda:0"))
+    assert refused.code == "capacity" and "cannot move" in refused.message
+    refused = svc.handle(p.Place(request_id=10, client_id="c0", size_bytes=2 * GIB, refer_device="cuda:0"))
+    assert refused.code == "capacity"
+    assert used(svc) == {"cpu": 900, "cuda:0": 300}
+
+
+def test_a_client_back_after_its_lease_is_booked_all_it_holds_or_refused_and_left_unregistered():
+    svc, clock = make_service(lease_s=10.0)
+    register(svc, "c0")
+    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=700)).ok
+    clock.now_s += 11
+    assert svc.expire() == ["c0"]
+    register(svc, "c1")
+    assert svc.handle(p.Add(request_id=2, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    back = p.Register(request_id=3, client_id="c0", devices=("cpu", "cuda:0"), holdings={"cuda:0": 700})
+    reply = svc.handle(back)
+    assert reply.code == "capacity" and "nothing was booked" in reply.message
+    assert [c["client_id"] for c in svc.status()["clients"]] == ["c1"], "never registered with less than it holds"
+    assert svc.handle(p.Remove(request_id=3, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    assert isinstance(svc.handle(back), p.Registered)
+    assert svc.status()["clients"][1]["usage"] == {"cuda:0": 700}
+    assert isinstance(svc.handle(back), p.Registered)  # a retried register books nothing more
+    assert used(svc) == {"cpu": 0, "cuda:0": 700}
