@@ -19,7 +19,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-from hybridps.common.devices import DeviceSpec, available_cpu_bytes, canonical_device_name
+from hybridps.common.devices import (
+    GPU_SOURCE,
+    DeviceSpec,
+    available_cpu_memory,
+    canonical_device_name,
+)
 from hybridps.common.endpoints import TOKEN_ENV, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
 from hybridps.common.units import format_bytes, parse_bytes
@@ -91,10 +96,22 @@ def _manager_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--token",
         default=None,
-        help=f"shared secret every request must carry (default ${TOKEN_ENV}); required on a non-loopback tcp endpoint",
+        help=f"shared secret every request (and metrics scrape, as 'Authorization: Bearer TOKEN') must carry "
+        f"(default ${TOKEN_ENV}); required on any tcp endpoint, loopback included",
+    )
+    parser.add_argument(
+        "--insecure-local-tcp",
+        action="store_true",
+        help="allow a loopback tcp endpoint without a token: every user of this machine can then read the status and "
+        "register, book for and unregister any client. Not for a non-loopback address",
     )
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server (default 127.0.0.1)")
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of the metrics server (default 127.0.0.1). Without a token: loopback only, and client ids and "
+        "pids are left out; with one, scrapes send 'Authorization: Bearer TOKEN'",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -104,7 +121,7 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
     args = _manager_parser().parse_args(argv)
     _setup_logging(args.log_level)
     # Imported here so that `hybridps status` does not load the daemon's modules.
-    from hybridps.manager.metrics import Metrics, MetricsHTTPServer
+    from hybridps.manager.metrics import Metrics, MetricsHTTPServer, metrics_access
     from hybridps.manager.server import ManagerServer, serve_until_signalled
     from hybridps.manager.service import ManagerService
 
@@ -115,12 +132,20 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
         endpoint = resolve_endpoint(args.endpoint)
         metrics = Metrics()
         service = ManagerService(devices, lease_s=args.lease_s, metrics=metrics, info={"endpoint": endpoint})
-        server = ManagerServer(service, endpoint, token=token_from_env(args.token))
+        token = token_from_env(args.token)
+        server = ManagerServer(service, endpoint, token=token, insecure_local_tcp=args.insecure_local_tcp)
+        if args.metrics_port is not None:
+            metrics_access(args.metrics_host, token)  # refuse before taking the endpoint
 
         def ready() -> None:
             nonlocal http
             if args.metrics_port is not None:
-                http = MetricsHTTPServer(args.metrics_host, args.metrics_port, lambda: metrics.render(service.status()))
+                http = MetricsHTTPServer(
+                    args.metrics_host,
+                    args.metrics_port,
+                    lambda with_client_ids: metrics.render(service.status(), with_client_ids=with_client_ids),
+                    token=token,
+                )
                 service.info["metrics_url"] = http.url
                 http.start()
             for d in devices:
@@ -159,16 +184,18 @@ def manager_devices(specs: Sequence[str], *, simulate: bool | str, cpu_reserve: 
     visible = {} if simulate == "always" else probe_gpu_capacities()
     devices: list[DeviceSpec] = []
     cpu = requested.pop("cpu", None)
+    cpu_source = "config"
     if cpu is None:
         reserve = parse_bytes(cpu_reserve, what="--cpu-reserve")
-        available = available_cpu_bytes()
+        figure = available_cpu_memory()
+        available, cpu_source = figure.bytes, f"{figure.source} less --cpu-reserve"
         if reserve >= available:
             raise ConfigError(
                 f"--cpu-reserve {format_bytes(reserve)} leaves nothing of the {format_bytes(available)} available; "
                 f"lower it or give the CPU's capacity with --device cpu=SIZE"
             )
         cpu = available - reserve
-    devices.append(DeviceSpec(name="cpu", capacity_bytes=cpu))
+    devices.append(DeviceSpec(name="cpu", capacity_bytes=cpu, capacity_source=cpu_source))
     if not requested:
         requested = {name: None for name in visible}
     for name, cap in requested.items():
@@ -176,7 +203,7 @@ def manager_devices(specs: Sequence[str], *, simulate: bool | str, cpu_reserve: 
             limit = visible[name]
             if cap is not None and cap > limit:
                 raise ConfigError(f"--device {name}={cap}: this GPU can give at most {format_bytes(limit)} ({limit} B)")
-            devices.append(DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap))
+            devices.append(DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap, capacity_source=GPU_SOURCE if cap is None else "config"))
         elif simulate:
             if cap is None:
                 raise ConfigError(f"{name} is simulated (no such GPU is visible) and needs a capacity: --device {name}=8GiB")
@@ -275,42 +302,84 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def format_status(status: dict) -> str:
-    """The text of ``hybridps status``: a header, a device table, a client table."""
+    """The text of ``hybridps status``: a header, a device table, a client table.
+
+    A field the daemon did not send (another version) or sent in another form shows as
+    ``?``, and a last line names those fields; what is there is printed all the same.
+    """
+    missing: list[str] = []
+
+    def field(mapping: object, key: str, where: str, fmt=str) -> str:
+        if isinstance(mapping, dict) and mapping.get(key) is not None:
+            try:
+                return fmt(mapping[key])
+            except (TypeError, ValueError):
+                pass
+        missing.append(f"{where}{key}")
+        return "?"
+
+    def section(key: str, kind: type) -> object:
+        value = status.get(key) if isinstance(status, dict) else None
+        if value is None or not isinstance(value, kind):
+            missing.append(key)
+            return kind()
+        return value
+
     lines = [
-        f"hybridps-manager on {status.get('endpoint', '?')}: pid {status.get('pid', '?')}, instance "
-        f"{status.get('instance_id', '?')}, up {_duration(status.get('uptime_s', 0))}, lease {status.get('lease_s', 0):g} s"
+        f"hybridps-manager on {field(status, 'endpoint', '')}: pid {field(status, 'pid', '')}, instance "
+        f"{field(status, 'instance_id', '')}, up {field(status, 'uptime_s', '', _duration)}, "
+        f"lease {field(status, 'lease_s', '', lambda v: f'{float(v):g}')} s"
     ]
-    if status.get("metrics_url"):
+    if isinstance(status, dict) and status.get("metrics_url"):
         lines.append(f"metrics: {status['metrics_url']}")
-    devices = status.get("devices", {})
+    devices = section("devices", dict)
     rows = [("DEVICE", "KIND", "CAPACITY", "USED", "FREE", "PEAK")]
     for name, d in devices.items():
-        kind = "cpu" if name == "cpu" else ("simulated GPU" if d.get("simulated") else "GPU")
-        rows.append((name, kind, *(format_bytes(d[k]) for k in ("capacity_bytes", "used_bytes", "free_bytes", "peak_bytes"))))
-    totals = status.get("totals", {})
+        kind = "cpu" if name == "cpu" else ("simulated GPU" if isinstance(d, dict) and d.get("simulated") else "GPU")
+        rows.append(
+            (
+                str(name),
+                kind,
+                *(field(d, k, f"devices.{name}.", format_bytes) for k in ("capacity_bytes", "used_bytes", "free_bytes", "peak_bytes")),
+            )
+        )
+    totals = section("totals", dict)
     if totals:
-        rows.append(("total", "", *(format_bytes(totals[k]) for k in ("capacity_bytes", "used_bytes", "free_bytes")), ""))
+        rows.append(("total", "", *(field(totals, k, "totals.", format_bytes) for k in ("capacity_bytes", "used_bytes", "free_bytes")), ""))
     lines += ["", *_table(rows, right=(2, 3, 4, 5))]
-    clients = status.get("clients", [])
+    sources = [f"  {name}: {d['capacity_source']}" for name, d in devices.items() if isinstance(d, dict) and d.get("capacity_source")]
+    if sources:
+        lines += ["capacity from:", *sources]
+    clients = [c if isinstance(c, dict) else {} for c in section("clients", list)]
     lines += ["", f"CLIENTS ({len(clients)})" if clients else "CLIENTS: none registered"]
     if clients:
         names = list(devices)
         rows = [("RANK", "LOCAL", "PID", "HOST", "LAST SEEN", *names, "CLIENT ID")]
-        for c in sorted(clients, key=lambda c: (c.get("host", ""), c["rank"], c["pid"])):
-            usage = c.get("usage", {})
+        for c in sorted(clients, key=lambda c: (str(c.get("host", "")), _sort_key(c.get("rank")), _sort_key(c.get("pid")))):
+            where = f"clients[{c.get('client_id', '?')}]."
+            usage = c.get("usage")
+            if not isinstance(usage, dict):
+                missing.append(f"{where}usage")
             rows.append(
                 (
-                    str(c["rank"]),
-                    str(c.get("local_rank", "")),
-                    str(c["pid"]),
-                    c.get("host") or "?",
-                    f"{c.get('last_seen_age_s', 0):.1f} s ago",
-                    *(format_bytes(usage.get(n, 0)) for n in names),
-                    c["client_id"],
+                    field(c, "rank", where),
+                    field(c, "local_rank", where),
+                    field(c, "pid", where),
+                    field(c, "host", where, lambda v: str(v) or "?"),
+                    field(c, "last_seen_age_s", where, lambda v: f"{float(v):.1f} s ago"),
+                    *((format_bytes(usage.get(n, 0)) if isinstance(usage, dict) else "?") for n in names),
+                    field(c, "client_id", where),
                 )
             )
         lines += _table(rows, right=tuple(range(5, 5 + len(names))))
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        lines += ["", f"? = not in this daemon's status (another hybridps version?): {shown}"]
     return "\n".join(lines)
+
+
+def _sort_key(value: object) -> tuple[int, int, str]:
+    return (0, value, "") if isinstance(value, int) else (1, 0, str(value))
 
 
 def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> list[str]:

@@ -2,9 +2,10 @@
 
 import pytest
 
-from hybridps.cli import manager_devices
+from hybridps.cli import _manager_parser, manager_devices, manager_main
 from hybridps.common.devices import DeviceSpec, available_cpu_bytes
 from hybridps.common.errors import ConfigError
+from hybridps.manager import server as server_mod
 
 
 def test_devices_come_from_the_flags_with_simulated_gpus():
@@ -36,3 +37,28 @@ def test_the_cpu_defaults_to_available_memory_minus_the_reserve():
 def test_bad_device_flags_are_refused_with_the_fix(flags, simulate, message):
     with pytest.raises(ConfigError, match=message):
         manager_devices(flags, simulate=simulate, cpu_reserve="0")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--endpoint", "tcp://127.0.0.1:5555"], "every user of this machine can connect"),
+        (["--endpoint", "tcp://0.0.0.0:5555", "--insecure-local-tcp"], "--insecure-local-tcp covers loopback addresses only"),
+        (["--metrics-port", "0", "--metrics-host", "0.0.0.0"], "--metrics-host 0.0.0.0 can be reached from other machines"),
+    ],
+)
+def test_the_daemon_refuses_to_open_a_port_to_others_without_a_token(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
+
+    def serve(*args, **kwargs):
+        raise AssertionError("the daemon started serving")
+
+    monkeypatch.setattr(server_mod, "serve_until_signalled", serve)
+    argv = ["--endpoint", f"ipc://{tmp_path}/m.sock", *flags, "--device", "cpu=1GiB", "--simulate", "always"]
+    assert manager_main(argv) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "m.sock").exists()
+
+
+def test_the_insecure_local_tcp_flag_says_what_it_allows():
+    assert "every user of this machine" in " ".join(_manager_parser().format_help().split())

@@ -54,6 +54,7 @@ def test_status_json_is_one_object_with_devices_and_clients(daemon, client, caps
     status = json.loads(out)
     assert status["devices"]["cuda:0"] == {
         "capacity_bytes": 8 << 20, "used_bytes": 3 << 20, "free_bytes": 5 << 20, "peak_bytes": 3 << 20, "simulated": True,
+        "capacity_source": "config",
     }
     (me,) = status["clients"]
     assert (me["rank"], me["pid"], me["host"], me["usage"]) == (3, os.getpid(), "node-a", {"cpu": 512, "cuda:0": 3 << 20})
@@ -111,3 +112,31 @@ def test_the_text_report_of_an_idle_daemon_says_no_client_is_registered():
     }
     text = cli.format_status(status)
     assert "up 1h02m" in text and "CLIENTS: none registered" in text and "1.00 KiB" in text
+
+
+def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_what_is_missing():
+    status = {
+        "endpoint": "ipc:///x", "pid": 1, "instance_id": "i", "uptime_s": 5.0,  # no lease_s
+        "devices": {
+            "cpu": {"capacity_bytes": 1024, "used_bytes": 512, "free_bytes": 512, "peak_bytes": 512, "simulated": False},
+            "cuda:0": {"capacity_bytes": 2048, "used_bytes": 0, "simulated": True},  # no free_bytes, peak_bytes
+        },
+        "clients": [
+            {"client_id": "r0-a", "rank": 0, "host": "n", "usage": {"cpu": 512}},  # no pid, local_rank, last_seen_age_s
+            {"client_id": "r1-b", "rank": 1, "pid": 9, "local_rank": 1, "host": "n", "last_seen_age_s": "soon"},
+        ],
+        # no totals
+    }
+    text = cli.format_status(status)
+    lines = text.splitlines()
+    assert lines[0] == "hybridps-manager on ipc:///x: pid 1, instance i, up 5s, lease ? s"
+    assert ["cuda:0", "simulated", "GPU", "2.00", "KiB", "0", "B", "?", "?"] in [l.split() for l in lines]
+    assert ["0", "?", "?", "n", "?", "512", "B", "0", "B", "r0-a"] in [l.split() for l in lines]
+    assert ["1", "1", "9", "n", "?", "?", "?", "r1-b"] in [l.split() for l in lines]
+    assert "CLIENTS (2)" in lines
+    note = lines[-1]
+    assert note.startswith("? = not in this daemon's status")
+    for name in ("lease_s", "devices.cuda:0.free_bytes", "devices.cuda:0.peak_bytes", "totals", "clients[r0-a].pid",
+                 "clients[r1-b].usage", "clients[r1-b].last_seen_age_s"):
+        assert name in note
+    assert cli.format_status({}).splitlines()[-1].endswith("endpoint, pid, instance_id, uptime_s, lease_s, devices, totals, clients")

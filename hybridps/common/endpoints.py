@@ -1,10 +1,12 @@
 """Manager endpoints: where a node's daemon listens, and whether that place is private.
 
 Owns the default per-user endpoint (an ``ipc://`` socket in a runtime directory only its
-user can enter), the parsing of ``ipc://`` and ``tcp://`` endpoints, the loopback test that
-decides whether a tcp endpoint needs a token, and the checks of the runtime directory.
+user can enter), the parsing of ``ipc://`` and ``tcp://`` endpoints, the loopback test of a
+host (which decides how far a tcp endpoint or the metrics server can be reached), the checks
+of the runtime directory (created 0700 with any missing parent) and of a socket file's owner.
 
-Does not own sockets (common/transport.py, manager/server.py) or tokens' values.
+Does not own sockets (common/transport.py, manager/server.py), who may talk to the daemon
+(manager/server.py, [Note: who may talk to the daemon]) or tokens' values.
 
 [Note: runtime directory]
 The default socket lives in ``$XDG_RUNTIME_DIR/hybridps`` when the session has a runtime
@@ -48,14 +50,17 @@ class Endpoint:
     @property
     def is_loopback(self) -> bool:
         """Reachable only from this machine (ipc, or tcp on a loopback address)."""
-        if self.transport == "ipc":
-            return True
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
-        except ValueError:
-            return False  # "*", an interface name or a host name: may be reachable from outside
+        return self.transport == "ipc" or is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address is reachable only from this machine (by every local user)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "*", "", an interface name or a host name: may be reachable from outside
 
 
 def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -103,11 +108,19 @@ def parse_endpoint(endpoint: str) -> Endpoint:
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` with mode 0700, or check that the existing one is ours and private."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+    """Create ``path``, and each missing parent, with mode 0700; or check that the existing
+    ``path`` is ours and private. Parents that exist already are left as they are."""
+    missing: list[Path] = []
+    p = Path(path)
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # created meanwhile by someone else: checked below if it is ``path``
+            continue
+        os.chmod(d, 0o700)  # exactly 0700 whatever the umask
     check_private_dir(path)
 
 
@@ -125,6 +138,22 @@ def check_private_dir(path: Path) -> None:
         raise ConfigError(
             f"{path} has mode {stat.S_IMODE(st.st_mode):04o}; the manager's runtime directory must be closed to other "
             f"users. Run: chmod 700 {path}"
+        )
+
+
+def check_socket_owner(path: Path) -> None:
+    """Raise ConfigError unless the socket file ``path`` belongs to this user.
+
+    A client checks this before it connects: whatever listens on a socket file another user
+    created would read everything sent to it, the token included. (The file can change
+    between this check and the connect; the daemon's own peer check covers the other way.)
+    """
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"the socket {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); refusing to talk to it "
+            f"(it would get your requests and token). Start your own hybridps-manager on another --endpoint, "
+            f"or remove {path} if it is a stale file"
         )
 
 

@@ -3,20 +3,33 @@
 Owns the counters the daemon keeps about itself (requests and errors by op, expired
 leases, handling time by op) and their rendering, together with the ledger's figures
 (per-device and per-client bytes), in the Prometheus text exposition format; and a small
-stdlib HTTP server that serves that text on ``/metrics`` from a thread.
+stdlib HTTP server that serves that text on ``/metrics`` from a thread, with its access rule.
 
 Does not own the ledger's numbers (it renders a status snapshot it is given) nor when
 things are counted (the service and the server call it).
+
+[Note: metrics access]
+The same rule as the daemon's tcp endpoint (server.py, [Note: who may talk to the daemon]):
+a loopback port is open to every local user. With a token (the daemon's), every scrape must
+send ``Authorization: Bearer TOKEN`` (Prometheus: ``authorization: {credentials: TOKEN}``)
+and gets everything, on any address. Without one the server listens on a loopback address
+only, and leaves client ids and pids out: ``hybridps_manager_client_bytes`` is summed per
+rank and device, so no local user learns which ids to send requests for.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import enum
+import hmac
 import http.server
 import logging
 import threading
 from collections.abc import Callable
+
+from hybridps.common.endpoints import is_loopback_host
+from hybridps.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +38,28 @@ logger = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 100e-3)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class MetricsAccess(enum.Enum):
+    """Who may read the metrics (see [Note: metrics access])."""
+
+    #: Every scrape sends ``Authorization: Bearer TOKEN``; everything is served.
+    BEARER_TOKEN = "bearer token"
+    #: No token: loopback only, client ids and pids left out.
+    LOOPBACK_REDACTED = "loopback, without client ids"
+
+
+def metrics_access(host: str, token: str) -> MetricsAccess:
+    """The access rule for a metrics server on ``host``; ConfigError where none is safe."""
+    if token:
+        return MetricsAccess.BEARER_TOKEN
+    if not is_loopback_host(host):
+        raise ConfigError(
+            f"--metrics-host {host} can be reached from other machines and the metrics name every client; the "
+            f"metrics server only listens there with the manager's token (--token or HYBRIDPS_TOKEN; scrapes send "
+            f"'Authorization: Bearer TOKEN'). Or keep the default --metrics-host 127.0.0.1"
+        )
+    return MetricsAccess.LOOPBACK_REDACTED
 
 
 class _Histogram:
@@ -68,8 +103,12 @@ class Metrics:
         with self._lock:
             self.leases_expired += 1
 
-    def render(self, status: dict) -> str:
-        """Prometheus text of these counters and of ``status`` (ManagerService.status())."""
+    def render(self, status: dict, *, with_client_ids: bool = True) -> str:
+        """Prometheus text of these counters and of ``status`` (ManagerService.status()).
+
+        ``with_client_ids`` False: client bytes summed per rank and device, without client
+        ids and pids (see [Note: metrics access]).
+        """
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -97,10 +136,18 @@ class Metrics:
         family("hybridps_manager_clients", "gauge", "Registered clients.")
         sample("hybridps_manager_clients", {}, len(clients))
         family("hybridps_manager_client_bytes", "gauge", "Bytes a client holds on a device.")
-        for c in clients:
-            for device, size in c["usage"].items():
-                labels = {"client_id": c["client_id"], "rank": c["rank"], "pid": c["pid"], "device": device}
-                sample("hybridps_manager_client_bytes", labels, size)
+        if with_client_ids:
+            for c in clients:
+                for device, size in c["usage"].items():
+                    labels = {"client_id": c["client_id"], "rank": c["rank"], "pid": c["pid"], "device": device}
+                    sample("hybridps_manager_client_bytes", labels, size)
+        else:
+            per_rank: collections.Counter[tuple[object, str]] = collections.Counter()
+            for c in clients:
+                for device, size in c["usage"].items():
+                    per_rank[(c["rank"], device)] += size
+            for (rank, device), size in per_rank.items():
+                sample("hybridps_manager_client_bytes", {"rank": rank, "device": device}, size)
 
         with self._lock:
             requests = dict(self.requests)
@@ -136,10 +183,12 @@ def _number(value: float) -> str:
 
 
 class MetricsHTTPServer:
-    """Serves ``render()`` on ``http://HOST:PORT/metrics`` from a daemon thread."""
+    """Serves ``render(with_client_ids=...)`` on ``http://HOST:PORT/metrics`` from a daemon
+    thread, under ``metrics_access(host, token)`` (ConfigError where that refuses)."""
 
-    def __init__(self, host: str, port: int, render: Callable[[], str]):
-        handler = _handler_for(render)
+    def __init__(self, host: str, port: int, render: Callable[..., str], *, token: str = ""):
+        self.access = metrics_access(host, token)
+        handler = _handler_for(render, token if self.access is MetricsAccess.BEARER_TOKEN else "")
         self._httpd = http.server.ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hybridps-metrics", daemon=True)
@@ -151,7 +200,7 @@ class MetricsHTTPServer:
 
     def start(self) -> None:
         self._thread.start()
-        logger.info("metrics on %s", self.url)
+        logger.info("metrics on %s (access: %s)", self.url, self.access.value)
 
     def close(self) -> None:
         self._httpd.shutdown()
@@ -159,14 +208,25 @@ class MetricsHTTPServer:
         self._thread.join(timeout=5)
 
 
-def _handler_for(render: Callable[[], str]) -> type[http.server.BaseHTTPRequestHandler]:
+def _handler_for(render: Callable[..., str], token: str) -> type[http.server.BaseHTTPRequestHandler]:
+    expected = f"Bearer {token}".encode()
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if token and not hmac.compare_digest(self.headers.get("Authorization", "").encode(), expected):
+                body = b"this metrics server needs the manager's token: send 'Authorization: Bearer TOKEN'\n"
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="hybridps-manager"')
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404, "metrics are on /metrics")
                 return
             try:
-                body = render().encode()
+                body = render(with_client_ids=bool(token)).encode()
             except Exception:  # a scrape must never take the daemon down
                 logger.exception("rendering metrics failed")
                 self.send_error(500, "rendering metrics failed; see the daemon's log")

@@ -1,23 +1,50 @@
 """The daemon's event loop: one ROUTER socket, one poll loop, lease expiry on a timer.
 
 Owns the endpoint's life (the runtime directory's and socket file's modes, refusing to
-start beside a live daemon, removing a dead one's socket file, removing ours on close), the
-multipart framing, the token check, measuring each request's handling time, and stopping
-on SIGTERM/SIGINT. Every message that arrives with a reply address gets exactly one reply.
+start beside a live daemon, removing a dead one's socket file, removing ours on close), who
+may talk to the daemon (the listening policy, the ipc peer-uid check, the token check), what
+one message may cost it (frame size and count limits), the multipart framing, measuring
+each request's handling time, and stopping on SIGTERM/SIGINT. Every message that arrives
+with a reply address and within the limits gets exactly one reply.
 
-Does not own what a request means (service.py) nor the wire format (common/protocol.py).
+Does not own what a request means (service.py) nor the wire format (common/protocol.py),
+nor the metrics server's access rule (metrics.py, same policy).
 
-[Note: tokens]
-An ipc socket is protected by file modes; a tcp port on a loopback address by being
-reachable only from this machine. A tcp endpoint that other machines can reach must have a
-shared token: every request carries it and a request without the right one gets an
-``unauthorized`` error. The token only keeps strangers out (it travels in clear text, like
-the requests): run the daemon on ipc or loopback unless the network is trusted.
+[Note: who may talk to the daemon]
+- ipc (the default): only processes of the daemon's uid. The socket file is 0600 in a
+  directory we created 0700 or that the user chose; on top of that libzmq's
+  ``IPC_FILTER_UID`` closes, at accept and before reading a byte, a connection whose peer
+  (SO_PEERCRED) has another uid, root included. Where libzmq lacks that option the daemon
+  reads each message's ``Peer-Address`` metadata (``host:uid:gid:pid``, from SO_PEERCRED)
+  and answers another uid with ``unauthorized`` (IpcPeerCheck.MESSAGE).
+- tcp, any address, loopback included: a loopback port is open to every user of the
+  machine, so a tcp endpoint needs a shared token. ``--insecure-local-tcp`` lifts that for
+  a loopback address only, and says so in the log: every local user can then read the
+  status and register, book for and unregister any client.
+- The token is compared in constant time but travels in clear text, like the requests: it
+  keeps out those who cannot read the traffic, not those who can. Use tcp off the machine
+  only on a trusted network.
+
+[Note: message limits]
+libzmq's ``MAXMSGSIZE`` bounds each frame before it is allocated (a larger one closes the
+sender's connection, nothing is read); it is MAX_FRAME_BYTES, twice the largest request,
+so a request a little too long still gets a ``too_large`` answer. The daemon reads a
+message frame by frame and keeps only its first MAX_MESSAGE_FRAMES frames; the others are
+dropped as they are read. libzmq hands a multipart message over only once it is complete,
+so a message of many small frames is buffered whole inside libzmq before the daemon sees
+it: no libzmq option bounds the number of frames. After dropping more than
+TRIM_AFTER_BYTES, the daemon gives the freed heap back to the operating system (glibc's
+``malloc_trim``), so such a message costs memory only while it is read. On ipc only the
+daemon's own uid can send one; on tcp anyone who can connect can, before the token is
+checked, which is one more reason to keep tcp on a trusted network.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
+import enum
 import errno
 import hmac
 import logging
@@ -33,7 +60,13 @@ import zmq
 
 from hybridps.common import protocol as p
 from hybridps.common import transport
-from hybridps.common.endpoints import Endpoint, ensure_private_dir, is_default_runtime_path, parse_endpoint
+from hybridps.common.endpoints import (
+    Endpoint,
+    check_socket_owner,
+    ensure_private_dir,
+    is_default_runtime_path,
+    parse_endpoint,
+)
 from hybridps.common.errors import ConfigError, ManagerError
 from hybridps.manager.service import ManagerService
 
@@ -42,8 +75,57 @@ logger = logging.getLogger(__name__)
 #: How long a starting daemon waits for an existing one to answer its ping.
 PING_TIMEOUT_S = 1.0
 
-#: Largest frame the daemon reads at all (requests are refused beyond MAX_REQUEST_BYTES).
-MAX_FRAME_BYTES = 16 * p.MAX_REQUEST_BYTES
+#: Largest frame the daemon reads at all (requests are refused beyond MAX_REQUEST_BYTES);
+#: see [Note: message limits].
+MAX_FRAME_BYTES = 2 * p.MAX_REQUEST_BYTES
+
+#: Frames of a message the daemon keeps: identity, delimiter, body. Later ones are dropped.
+MAX_MESSAGE_FRAMES = 3
+
+#: Dropped bytes of one message past which the freed heap is given back to the system.
+TRIM_AFTER_BYTES = 1 << 20
+
+#: Messages queued per connection before libzmq stops reading from it (back-pressure).
+RCVHWM_MESSAGES = 1000
+
+
+class IpcPeerCheck(enum.Enum):
+    """How an ipc daemon refuses peers of another uid (see [Note: who may talk to the daemon])."""
+
+    #: libzmq's IPC_FILTER_UID: the connection is closed at accept, nothing is read.
+    FILTER = "filter"
+    #: Each message's Peer-Address metadata; another uid is answered ``unauthorized``.
+    MESSAGE = "message"
+
+
+def check_listen_policy(endpoint: Endpoint, token: str, insecure_local_tcp: bool) -> None:
+    """Raise ConfigError when ``endpoint`` would be open to others without a token."""
+    if endpoint.transport != "tcp" or token:
+        return
+    if not endpoint.is_loopback:
+        only = " (--insecure-local-tcp covers loopback addresses only)" if insecure_local_tcp else ""
+        raise ConfigError(
+            f"{endpoint.url} can be reached from other machines; the manager only listens there with a shared token"
+            f"{only}: pass --token (or set HYBRIDPS_TOKEN), or listen on ipc:// (the default endpoint)"
+        )
+    if not insecure_local_tcp:
+        raise ConfigError(
+            f"{endpoint.url} is a tcp port every user of this machine can connect to; the manager only listens on tcp "
+            f"with a shared token: pass --token (or set HYBRIDPS_TOKEN), listen on ipc:// (the default endpoint, "
+            f"closed to other users), or pass --insecure-local-tcp to let every local user read the status and "
+            f"change any client's bookings"
+        )
+
+
+@dataclasses.dataclass
+class Received:
+    """One message as read: its first MAX_MESSAGE_FRAMES frames, and what was not kept."""
+
+    frames: list[bytes]
+    #: All frames of the message, kept or dropped.
+    frame_count: int
+    #: The sender's uid from the message's metadata (IpcPeerCheck.MESSAGE only; -1: unknown).
+    peer_uid: int | None = None
 
 
 class ManagerServer:
@@ -55,17 +137,21 @@ class ManagerServer:
         endpoint: str,
         *,
         token: str = "",
+        insecure_local_tcp: bool = False,
+        ipc_peer_check: IpcPeerCheck | None = None,
         context: zmq.Context | None = None,
         tick_s: float = 0.1,
     ):
+        """``ipc_peer_check``: None picks FILTER where libzmq has it, else MESSAGE."""
         self.service = service
         self.endpoint: Endpoint = parse_endpoint(endpoint)
         self.token = token
-        if not self.endpoint.is_loopback and not token:
-            raise ConfigError(
-                f"{endpoint} can be reached from other machines; the manager only listens there with a shared token: "
-                f"pass --token (or set HYBRIDPS_TOKEN), or listen on ipc:// or tcp://127.0.0.1:PORT"
-            )
+        check_listen_policy(self.endpoint, token, insecure_local_tcp)
+        self.insecure_local_tcp = insecure_local_tcp and self.endpoint.transport == "tcp" and not token
+        self._requested_peer_check = ipc_peer_check
+        #: The check in force once bound (None on tcp).
+        self.ipc_peer_check: IpcPeerCheck | None = None
+        self._uid = os.getuid()
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
         self._socket: zmq.Socket | None = None
@@ -95,10 +181,12 @@ class ManagerServer:
         # A client that vanished must not make the daemon block or grow its queues: replies
         # to a gone identity are dropped (the ROUTER default), and queues are bounded.
         sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
         # A request over MAX_REQUEST_BYTES gets a too_large reply; one so large that reading
         # it would itself be the harm is not read at all: zmq drops that peer's connection.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if ep.transport == "ipc":
+            self.ipc_peer_check = self._set_peer_check(sock)
         try:
             with _umask(0o077):  # the socket file is created readable by its owner only
                 sock.bind(ep.url)
@@ -112,6 +200,26 @@ class ManagerServer:
             os.chmod(ep.path, stat.S_IRUSR | stat.S_IWUSR)
         self._socket = sock
         logger.info("listening on %s (instance %s, pid %d)", ep.url, self.service.instance_id, os.getpid())
+        if self.insecure_local_tcp:
+            logger.warning(
+                "listening on %s without a token (--insecure-local-tcp): every user of this machine can read the "
+                "status and register, book for and unregister any client",
+                ep.url,
+            )
+
+    def _set_peer_check(self, sock: zmq.Socket) -> IpcPeerCheck:
+        """Refuse ipc peers of another uid: by libzmq's filter where it has one."""
+        if self._requested_peer_check is IpcPeerCheck.MESSAGE:
+            return IpcPeerCheck.MESSAGE
+        try:
+            sock.setsockopt(zmq.IPC_FILTER_UID, self._uid)
+        except (zmq.ZMQError, AttributeError) as exc:
+            if self._requested_peer_check is IpcPeerCheck.FILTER:
+                sock.close(linger=0)
+                raise ManagerError(f"this libzmq cannot filter ipc peers by uid ({exc})", code="bind") from None
+            logger.info("libzmq has no IPC_FILTER_UID (%s); checking each message's peer uid instead", exc)
+            return IpcPeerCheck.MESSAGE
+        return IpcPeerCheck.FILTER
 
     def _clear_stale_socket(self, path) -> None:
         try:
@@ -120,6 +228,7 @@ class ManagerServer:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise ManagerError(f"{path} exists and is not a socket; remove it or pick another --endpoint", code="bind")
+        check_socket_owner(path)  # never ping (token included) another user's socket
         if _unix_socket_listens(path):
             self._refuse_if_live()
             raise ManagerError(
@@ -169,11 +278,11 @@ class ManagerServer:
         next_expiry_s = time.monotonic() + self.tick_s
         while not should_stop():
             try:
-                frames = sock.recv_multipart()
+                received = self._recv_message(sock)
             except zmq.Again:
-                frames = None
-            if frames is not None:
-                out = self.handle_frames(frames)
+                received = None
+            if received is not None:
+                out = self.handle_frames(received.frames, frame_count=received.frame_count, peer_uid=received.peer_uid)
                 if out is not None:
                     sock.send_multipart(out)
             now = time.monotonic()
@@ -181,17 +290,53 @@ class ManagerServer:
                 self.service.expire()
                 next_expiry_s = now + self.tick_s
 
-    def handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
-        """The frames answering one received message; None when there is no reply address."""
+    def _recv_message(self, sock: zmq.Socket) -> Received:
+        """Read one message frame by frame (see [Note: message limits]); raises zmq.Again."""
+        check_uid = self.ipc_peer_check is IpcPeerCheck.MESSAGE
+        first = sock.recv(copy=not check_uid)
+        peer_uid = None
+        if check_uid:
+            peer_uid = _peer_uid(first.get("Peer-Address"))
+            first = first.bytes
+        frames = [first]
+        count = 1
+        dropped_bytes = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            count += 1
+            if len(frames) < MAX_MESSAGE_FRAMES:
+                frames.append(sock.recv())
+            else:
+                dropped_bytes += len(sock.recv(copy=False))
+        if dropped_bytes >= TRIM_AFTER_BYTES:
+            _release_freed_memory()
+        return Received(frames=frames, frame_count=count, peer_uid=peer_uid)
+
+    def handle_frames(
+        self, frames: list[bytes], *, frame_count: int | None = None, peer_uid: int | None = None
+    ) -> list[bytes] | None:
+        """The frames answering one received message; None when there is no reply address.
+
+        ``frame_count``: the message's frames when more were read than kept in ``frames``;
+        ``peer_uid``: the sender's uid when the daemon checks it per message.
+        """
         if not frames or not frames[0]:
             return None  # a ROUTER always prepends the identity; without one nobody can be answered
         identity = frames[0]
+        frame_count = len(frames) if frame_count is None else frame_count
         start_s = time.perf_counter()
         op = "invalid"
         try:
-            if len(frames) != 3 or frames[1] != transport.DELIMITER:
+            if peer_uid is not None and peer_uid != self._uid:
+                who = f"uid {peer_uid}" if peer_uid >= 0 else "a peer whose uid is unknown"
                 reply: p.Reply = self.service.reject(
-                    "bad_frames", f"got {len(frames) - 1} frames after the identity; send [empty, body]"
+                    "unauthorized",
+                    f"this manager serves uid {self._uid} only and the request came from {who}; start a "
+                    f"hybridps-manager of your own (hybridps-manager --endpoint ipc:///path/of/yours)",
+                    request_id=_request_id(frames[2]) if frame_count == 3 else 0,
+                )
+            elif frame_count != 3 or frames[1] != transport.DELIMITER:
+                reply = self.service.reject(
+                    "bad_frames", f"got {frame_count - 1} frames after the identity; send [empty, body]"
                 )
             else:
                 op, reply = self._answer(frames[2])
@@ -218,6 +363,41 @@ class ManagerServer:
                 op=request.OP,
             )
         return request.OP, self.service.handle(request)
+
+
+def _request_id(body: bytes) -> int:
+    """The request id of ``body`` (0 when it has none), to answer a refused request so that
+    its sender reads the reason instead of waiting for a reply that never matches."""
+    try:
+        return p.decode_request(body).request_id
+    except p.BadMessage as exc:
+        return exc.request_id or 0
+
+
+def _peer_uid(peer_address: str | None) -> int:
+    """The uid in libzmq's ipc Peer-Address (``host:uid:gid:pid``); -1 when it has none."""
+    try:
+        return int((peer_address or "").split(":")[-3])
+    except (ValueError, IndexError):
+        return -1
+
+
+_malloc_trim: Callable[[int], int] | None = None
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap pages back to the system: glibc's malloc_trim, nothing elsewhere.
+
+    [Note: why malloc_trim] neither Python nor libzmq returns a heap grown by many small
+    frames (under glibc's mmap threshold) to the system once they are freed; malloc_trim does.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to give back this way
+            _malloc_trim = int
+    _malloc_trim(0)
 
 
 def _unix_socket_listens(path) -> bool:

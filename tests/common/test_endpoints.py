@@ -6,8 +6,10 @@ import pytest
 
 from hybridps.common.endpoints import (
     check_private_dir,
+    check_socket_owner,
     default_endpoint,
     ensure_private_dir,
+    is_loopback_host,
     parse_endpoint,
     resolve_endpoint,
     runtime_dir,
@@ -86,3 +88,35 @@ def test_the_token_comes_from_the_argument_else_the_environment():
     assert token_from_env("a", {"HYBRIDPS_TOKEN": "b"}) == "a"
     assert token_from_env(None, {"HYBRIDPS_TOKEN": "b"}) == "b"
     assert token_from_env(None, {}) == ""
+
+
+def test_missing_parent_directories_are_created_private_and_existing_ones_left_alone(tmp_path):
+    os.chmod(tmp_path, 0o755)
+    d = tmp_path / "a" / "b" / "c"
+    ensure_private_dir(d)
+    for level in (tmp_path / "a", tmp_path / "a" / "b", d):
+        assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700
+    assert stat.S_IMODE(os.lstat(tmp_path).st_mode) == 0o755
+
+
+@pytest.mark.parametrize(
+    "host, loopback",
+    [("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True), ("0.0.0.0", False), ("", False), ("*", False), ("10.0.0.1", False)],
+)
+def test_a_host_is_loopback_only_when_no_other_machine_can_reach_it(host, loopback):
+    assert is_loopback_host(host) is loopback
+
+
+def test_a_socket_file_of_our_own_passes_the_owner_check(tmp_path):
+    f = tmp_path / "s"
+    f.write_text("")
+    check_socket_owner(f)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to create a file owned by someone else")
+def test_a_socket_file_of_another_user_is_refused(tmp_path):
+    f = tmp_path / "s"
+    f.write_text("")
+    os.chown(f, 65534, 65534)
+    with pytest.raises(ConfigError, match=f"belongs to uid 65534, not to you .*remove {f}"):
+        check_socket_owner(f)

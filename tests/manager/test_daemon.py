@@ -5,18 +5,27 @@ import random
 import signal
 import socket
 import stat
+import threading
+import time
+import urllib.error
 import urllib.request
 
 import msgpack
+import psutil
 import pytest
 import zmq
 
 from hybridps.client.remote import connect_remote, query_status
 from hybridps.common import protocol as p
 from hybridps.common import transport
-from hybridps.common.errors import ManagerError
-from hybridps.manager.server import MAX_FRAME_BYTES
+from hybridps.common.devices import DeviceSpec
+from hybridps.common.errors import ConfigError, ManagerError
+from hybridps.manager.server import MAX_FRAME_BYTES, IpcPeerCheck, ManagerServer
+from hybridps.manager.service import ManagerService
 from tests.daemon import daemons  # noqa: F401 - the fixture
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
 
 DEVICES = ["--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always"]
 
@@ -39,6 +48,7 @@ def test_the_daemon_prints_its_endpoint_and_removes_its_socket_when_signalled(da
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
     assert query_status(d.endpoint)["devices"]["cuda:1"] == {
         "capacity_bytes": 64 << 20, "used_bytes": 0, "free_bytes": 64 << 20, "peak_bytes": 0, "simulated": True,
+        "capacity_source": "config",
     }
     assert d.stop(sig) == 0
     assert not os.path.exists(path)
@@ -125,6 +135,22 @@ def test_a_tcp_address_reachable_from_other_machines_needs_a_token(daemons):
     refused = daemons.start(*DEVICES, endpoint=f"tcp://0.0.0.0:{free_port()}", expect_ready=False)
     assert refused.expect_exit() == 1
     assert "--token" in refused.stderr and "HYBRIDPS_TOKEN" in refused.stderr
+    insecure = daemons.start(*DEVICES, "--insecure-local-tcp", endpoint=f"tcp://0.0.0.0:{free_port()}", expect_ready=False)
+    assert insecure.expect_exit() == 1
+    assert "--insecure-local-tcp covers loopback addresses only" in insecure.stderr
+
+
+def test_loopback_tcp_needs_a_token_unless_every_local_user_is_explicitly_allowed(daemons, monkeypatch):
+    monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
+    refused = daemons.start(*DEVICES, endpoint=f"tcp://127.0.0.1:{free_port()}", expect_ready=False)
+    assert refused.expect_exit() == 1
+    assert "every user of this machine can connect" in refused.stderr
+    assert "--token" in refused.stderr and "--insecure-local-tcp" in refused.stderr
+    d = daemons.start(*DEVICES, "--insecure-local-tcp", endpoint=f"tcp://127.0.0.1:{free_port()}")
+    assert "without a token (--insecure-local-tcp): every user of this machine can" in d.stderr
+    with connect_remote(d.endpoint, info()) as conn:
+        conn.add("cpu", 7)
+        assert query_status(d.endpoint)["devices"]["cpu"]["used_bytes"] == 7
 
 
 def test_with_a_token_configured_a_request_without_it_is_refused(daemons, monkeypatch):
@@ -143,20 +169,198 @@ def test_with_a_token_configured_a_request_without_it_is_refused(daemons, monkey
     assert query_status(d.endpoint)["totals"]["used_bytes"] == 0
 
 
-def test_metrics_are_served_as_prometheus_text(daemons):
+def scrape(url, token=None):
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token is not None else {})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return resp.read().decode().splitlines()
+
+
+def test_metrics_without_a_token_are_served_on_loopback_without_client_ids_or_pids(daemons, monkeypatch):
+    monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--metrics-port", "0")
-    with connect_remote(d.endpoint, info()) as conn:
+    with connect_remote(d.endpoint, info()) as conn, connect_remote(d.endpoint, info()) as twin:
         conn.add("cuda:0", 4096)
+        twin.add("cuda:0", 1000)  # the same rank twice: one series, summed
         conn.schedule(1, "cuda:0")
         url = conn.status()["metrics_url"]
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            text = resp.read().decode()
-        lines = text.splitlines()
-        assert 'hybridps_manager_device_used_bytes{device="cuda:0"} 4096' in lines
-        assert f'hybridps_manager_client_bytes{{client_id="{conn.client_id}",rank="0",pid="{os.getpid()}",device="cuda:0"}} 4096' in lines
+        assert url.startswith("http://127.0.0.1:")
+        lines = scrape(url)
+        assert 'hybridps_manager_device_used_bytes{device="cuda:0"} 5096' in lines
+        assert 'hybridps_manager_client_bytes{rank="0",device="cuda:0"} 5096' in lines
+        text = "\n".join(lines)
+        assert conn.client_id not in text and twin.client_id not in text and "pid=" not in text
         assert 'hybridps_manager_requests_total{op="schedule"} 1' in lines
         assert any(line.startswith('hybridps_manager_request_duration_seconds_bucket{op="schedule",le="+Inf"} 1') for line in lines)
+
+
+def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(daemons, monkeypatch):
+    monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
+    d = daemons.start(*DEVICES, "--token", "s3cret", "--metrics-port", "0")
+    with connect_remote(d.endpoint, info(), token="s3cret") as conn:
+        conn.add("cuda:0", 4096)
+        url = conn.status()["metrics_url"]
+        for token in (None, "wrong", ""):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                scrape(url, token)
+            assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Bearer")
+        lines = scrape(url, "s3cret")
+        assert f'hybridps_manager_client_bytes{{client_id="{conn.client_id}",rank="0",pid="{os.getpid()}",device="cuda:0"}} 4096' in lines
+
+
+def test_metrics_beyond_loopback_need_a_token(daemons, monkeypatch):
+    monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
+    refused = daemons.start(*DEVICES, "--metrics-port", "0", "--metrics-host", "0.0.0.0", expect_ready=False)
+    assert refused.expect_exit() == 1
+    assert "--metrics-host 0.0.0.0 can be reached from other machines" in refused.stderr
+    assert not os.path.exists(refused.endpoint[len("ipc://") :]), "refused before taking the endpoint"
+    d = daemons.start(*DEVICES, "--metrics-port", "0", "--metrics-host", "0.0.0.0", env={"HYBRIDPS_TOKEN": "s3cret"})
+    url = query_status(d.endpoint, token="s3cret")["metrics_url"].replace("0.0.0.0", "127.0.0.1")
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        scrape(url)
+    assert any(line.startswith("hybridps_manager_clients ") for line in scrape(url, "s3cret"))
+
+
+def as_nobody(target, timeout_s=5.0):
+    """Run ``target()`` in a child turned into uid 'nobody'; its return value is the exit code."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 99
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = target()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the child acting as another uid hung")
+
+
+SERVED, NO_REPLY, REFUSED = 10, 11, 12
+
+
+def status_request(endpoint):
+    """In the child: ask for the status; SERVED, NO_REPLY or REFUSED (unauthorized)."""
+    ctx = zmq.Context()
+    try:
+        reply = transport.request_once(endpoint, p.Status(request_id=5), 1.5, ctx)
+    finally:
+        ctx.term()
+    if reply is None:
+        return NO_REPLY
+    if isinstance(reply, p.ErrorReply) and reply.code == "unauthorized" and f"uid {NOBODY}" in reply.message:
+        return REFUSED
+    return SERVED
+
+
+@as_root
+def test_ipc_peers_of_another_uid_are_refused_even_when_the_socket_file_lets_them_in(daemons):
+    d = daemons.start(*DEVICES)
+    path = d.endpoint[len("ipc://") :]
+    os.chmod(daemons.workdir, 0o755)
+    os.chmod(path, 0o666)  # as if the file's mode were lost: only the peer check is left
+    assert as_nobody(lambda: status_request(d.endpoint)) == NO_REPLY, "libzmq's uid filter closes the connection"
+    assert query_status(d.endpoint)["totals"]["clients"] == 0  # our own uid is still served
+
+    # Where libzmq has no uid filter, each message's peer uid is checked and refused.
+    service = ManagerService([DeviceSpec(name="cpu", capacity_bytes=1 << 30)])
+    endpoint = daemons.endpoint("message-check.sock")
+    server = ManagerServer(service, endpoint, ipc_peer_check=IpcPeerCheck.MESSAGE)
+    server.bind()
+    assert server.ipc_peer_check is IpcPeerCheck.MESSAGE
+    os.chmod(endpoint[len("ipc://") :], 0o666)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop.is_set,))
+    thread.start()
+    try:
+        assert as_nobody(lambda: status_request(endpoint)) == REFUSED
+        assert query_status(endpoint)["totals"]["clients"] == 0
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
+
+
+@as_root
+def test_nothing_is_sent_to_a_socket_file_of_another_user(daemons, monkeypatch):
+    xdg = daemons.workdir / "xdg"
+    (xdg / "hybridps").mkdir(parents=True, mode=0o700)
+    paths = [daemons.workdir / "theirs.sock", xdg / "hybridps" / "manager.sock"]
+    listeners = []
+    for path in paths:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(8)
+        listener.setblocking(False)
+        os.chown(path, NOBODY, NOBODY)
+        listeners.append(listener)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    try:
+        for endpoint in (f"ipc://{paths[0]}", "auto"):
+            with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}, not to you"):
+                connect_remote(endpoint, info(), token="s3cret")
+            with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}"):
+                query_status(endpoint, token="s3cret")
+        # Nor does a daemon ping (with its token) another user's socket to see if it is live.
+        d = daemons.start(*DEVICES, endpoint=f"ipc://{paths[0]}", env={"HYBRIDPS_TOKEN": "s3cret"}, expect_ready=False)
+        assert d.expect_exit() == 1
+        assert f"belongs to uid {NOBODY}" in d.stderr
+        for listener in listeners:
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nobody connected
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_an_ipc_endpoint_with_missing_parent_directories_creates_them_private(daemons):
+    sock = daemons.workdir / "a" / "b" / "m.sock"
+    d = daemons.start(*DEVICES, endpoint=f"ipc://{sock}")
+    for directory in (daemons.workdir / "a", daemons.workdir / "a" / "b"):
+        assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    assert query_status(d.endpoint)["totals"]["clients"] == 0
+
+
+def rss_after(proc, settle_s=0.5):
+    time.sleep(settle_s)
+    return proc.memory_info().rss
+
+
+def test_long_multipart_messages_cost_the_daemon_little_memory(daemons):
+    d = daemons.start(*DEVICES)
+    proc = psutil.Process(d.proc.pid)
+    query_status(d.endpoint)  # warm the daemon up
+    before_bytes = rss_after(proc)
+    ctx = zmq.Context()
+    try:
+        # 200 frames just under the old 1 MiB frame cap, three times (this grew the daemon by
+        # ~190 MiB): each frame is over the cap, so the connection is closed at its header.
+        answered = []
+        for _ in range(3):
+            big = transport.dealer(ctx, d.endpoint)
+            big.send_multipart([b"x" * ((1 << 20) - 1)] * 200)
+            answered.append(big.poll(500) != 0)
+            big.close()
+        # 2000 frames each within the frame cap: one bad_frames answer, the rest dropped.
+        many = transport.dealer(ctx, d.endpoint)
+        many.send_multipart([b"x" * 100_000] * 2000)
+        assert many.poll(20_000), "no answer to a long multipart message"
+        reply = transport.recv_reply(many)
+        assert reply.code == "bad_frames" and "got 2000 frames" in reply.message
+        many.close()
+    finally:
+        ctx.destroy(linger=0)  # closes the sockets an assertion left open
+    growth_bytes = rss_after(proc) - before_bytes
+    assert growth_bytes < 48 << 20, f"the daemon grew by {growth_bytes / 2**20:.0f} MiB"
+    assert answered == [False] * 3, "a frame over the cap is not read, so not answered"
+    assert query_status(d.endpoint)["totals"]["clients"] == 0 and d.alive
 
 
 def malformed_messages(n, client_id, rng):
@@ -184,24 +388,24 @@ def malformed_messages(n, client_id, rng):
     makers = [
         lambda: [b"", rng.randbytes(rng.randrange(0, 200))],
         lambda: [b"", msgpack.packb(random_obj(), use_bin_type=True)],
-        lambda: body(v=1, id=rng.randrange(2**32), op=rng.choice(["", "ADD", "drop", "sched", "eval"]), client_id=client_id),
-        lambda: body(v=rng.choice([0, 2, -1, "1", None, 1.0001, [1]]), id=1, op="add", client_id=client_id, device="cpu", size_bytes=1),
-        lambda: body(v=1, id=1, op=rng.choice(["add", "remove", "schedule", "heartbeat", "unregister", "register"])),
-        lambda: body(v=1, id=1, op=rng.choice(["add", "remove", "schedule"]), client_id=client_id, device="cpu", refer_device="cpu",
+        lambda: body(v=p.PROTOCOL_VERSION, id=rng.randrange(2**32), op=rng.choice(["", "ADD", "drop", "sched", "eval"]), client_id=client_id),
+        lambda: body(v=rng.choice([0, 1, p.PROTOCOL_VERSION + 1, -1, "2", None, 1.0001, [1]]), id=1, op="add", client_id=client_id, device="cpu", size_bytes=1),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "heartbeat", "unregister", "register"])),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule"]), client_id=client_id, device="cpu", refer_device="cpu",
                      size_bytes=rng.choice([-1, -(2**63), 2**64 - 1, p.MAX_SIZE_BYTES + 1, float(2**70), "4096", True, None, [1]])),
-        lambda: body(v=1, id=1, op="add", client_id=rng.choice([3, None, b"raw", ["c"]]), device="cpu", size_bytes=1),
-        lambda: body(v=1, id=1, op=rng.choice(["add", "remove", "schedule", "register"]), client_id=client_id, device=rng.choice([0, None, "x" * 300]), size_bytes=1, refer_device=[1], exclude=5, devices="cpu"),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=rng.choice([3, None, b"raw", ["c"]]), device="cpu", size_bytes=1),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "register"]), client_id=client_id, device=rng.choice([0, None, "x" * 300]), size_bytes=1, refer_device=[1], exclude=5, devices="cpu"),
         lambda: [b"", valid[: rng.randrange(len(valid))]],
         lambda: [valid],  # no delimiter
         lambda: [b"", b"", valid],
         lambda: [b"junk", valid],
         lambda: [b"", valid, b"trailer"],
         lambda: [b""],
-        lambda: body(v=1, id=1, op="remove", client_id=client_id, device="cuda:0", size_bytes=10**9),  # more than held
-        lambda: body(v=1, id=1, op="add", client_id="someone-else", device="cpu", size_bytes=1),
-        lambda: body(v=1, id=1, op="add", client_id=client_id, device=rng.choice(["cuda:9", "tpu", ""]), size_bytes=1),
-        lambda: body(v=1, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20),  # past capacity
-        lambda: body(v=1, id=1, op="unregister", client_id="someone-else"),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="remove", client_id=client_id, device="cuda:0", size_bytes=10**9),  # more than held
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id="someone-else", device="cpu", size_bytes=1),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device=rng.choice(["cuda:9", "tpu", ""]), size_bytes=1),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20),  # past capacity
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="unregister", client_id="someone-else"),
     ]
     for i in range(n):
         yield makers[i % len(makers)]() if i % 997 else [b"", b"x" * (p.MAX_REQUEST_BYTES + 1)]
