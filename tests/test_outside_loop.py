@@ -590,3 +590,28 @@ def test_peft_lora_trains_saves_adapters_and_merges_inside_gathered_parameters(t
     with engine.gathered_parameters(modify=True):
         merged = wrapped.merge_and_unload()
     assert same_state(merged, plain.merge_and_unload())
+
+
+def test_deberta_v2_reads_its_relative_embeddings_outside_their_module():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=32, relative_attention=True,
+                                       position_buckets=8, pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    plain = transformers.DebertaV2ForMaskedLM(cfg)
+    wrapped = copy.deepcopy(plain)
+    opt = adamw(plain)
+    engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
+    for step in range(3):
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = plain(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+        engine.zero_grad()
+        assert out.loss.item() == loss.item(), step
+    assert same_state(plain, wrapped)
