@@ -20,6 +20,7 @@ import hybridps
 from hybridps import Config, HybridPSError, StateError
 from hybridps.client.chunk import ChunkKind
 from hybridps.client.placeholder import ChunkedParameter, ReadOnlyGrad
+from tests.training import train_hf_both
 
 CFG = Config(devices={"cuda:0": "64MiB"})
 
@@ -236,16 +237,7 @@ def test_hf_save_pretrained_round_trips_bit_for_bit_with_tied_weights(tmp_path):
     opt = adamw(plain)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        loss = plain(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out = engine(input_ids=x, labels=x)
-        engine.backward(out.loss)
-        engine.step()
-        engine.zero_grad()
-        assert out.loss.item() == loss.item()
+    train_hf_both(plain, opt, engine, [x, x])
     assert wrapped.num_parameters() == plain.num_parameters()
     wrapped.save_pretrained(tmp_path / "hf")
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
@@ -570,16 +562,7 @@ def test_peft_lora_trains_saves_adapters_and_merges_inside_gathered_parameters(t
     opt = adamw(plain)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        loss = plain(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out = engine(input_ids=x, labels=x)
-        engine.backward(out.loss)
-        engine.step()
-        engine.zero_grad()
-        assert out.loss.item() == loss.item()
+    train_hf_both(plain, opt, engine, [x, x, x])
     expected = peft.get_peft_model_state_dict(plain)
     got = peft.get_peft_model_state_dict(wrapped)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
@@ -603,15 +586,5 @@ def test_deberta_v2_reads_its_relative_embeddings_outside_their_module():
     wrapped = copy.deepcopy(plain)
     opt = adamw(plain)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
-    for step in range(3):
-        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss = plain(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out = engine(input_ids=x, labels=x)
-        engine.backward(out.loss)
-        engine.step()
-        engine.zero_grad()
-        assert out.loss.item() == loss.item(), step
+    train_hf_both(plain, opt, engine, [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)])
     assert same_state(plain, wrapped)

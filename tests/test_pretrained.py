@@ -11,6 +11,7 @@ import torch
 import hybridps
 from hybridps import ConfigError
 from tests.dist import run_ranks
+from tests.training import train_hf_both
 
 transformers = pytest.importorskip("transformers")
 CFG = hybridps.Config(devices={"cuda:0": "64MiB"})
@@ -55,16 +56,7 @@ def test_streamed_weights_equal_from_pretrained_and_train_alike(tmp_path, shard)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        loss = plain(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out = engine(input_ids=x, labels=x)
-        engine.backward(out.loss)
-        engine.step()
-        engine.zero_grad()
-        assert out.loss.item() == loss.item()
+    train_hf_both(plain, opt, engine, [x, x, x])
 
 
 def test_base_model_weights_load_across_the_prefix_and_bf16_files_widen(tmp_path):

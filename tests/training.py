@@ -85,3 +85,18 @@ def eval_loss(forward, cfg: GPTConfig = SMALL_GPT) -> float:
 def engine_for(model, optimizer, fraction: float, cfg: GPTConfig = SMALL_GPT, **config) -> hybridps.Engine:
     capacity = int(model_data_bytes(cfg) * fraction)
     return hybridps.initialize(model, optimizer, hybridps.Config(devices={"cuda:0": capacity}, **config))
+
+
+def train_hf_both(plain, optimizer, engine, batches) -> None:
+    """Train a Hugging Face model in plain PyTorch and under HybridPS on the same token
+    batches (inputs are their own labels); every loss must be bitwise equal."""
+    for step, x in enumerate(batches):
+        expected = plain(input_ids=x, labels=x).loss
+        optimizer.zero_grad()
+        expected.backward()
+        optimizer.step()
+        out = engine(input_ids=x, labels=x)
+        engine.backward(out.loss)
+        engine.step()
+        engine.zero_grad()
+        assert out.loss.item() == expected.item(), step
