@@ -157,6 +157,7 @@ class Engine:
                 "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
                 "replace with their chunks; leave the with-block first"
             )
+        self.client.guard.read_cache = None  # a state_dict cut short by an error leaves none behind
         if self.unset_params:
             names = [i.name for i in self.client.params if id(i.param) in self.unset_params]
             raise StateError(

@@ -588,3 +588,17 @@ def test_deberta_v2_reads_its_relative_embeddings_outside_their_module():
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
     train_hf_both(plain, opt, engine, [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)])
     assert same_state(plain, wrapped)
+
+
+def test_a_state_dict_cut_short_leaves_no_stale_copies():
+    plain, wrapped, opt, engine, _, _ = train_both(Net, vec, steps=1)
+
+    def boom(module, state_dict, prefix, local_metadata):
+        raise RuntimeError("disk full")
+
+    handle = wrapped.out.register_state_dict_post_hook(boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        wrapped.state_dict()
+    handle.remove()
+    assert engine_step(engine, vec(1)) == plain_step(plain, opt, vec(1))
+    assert torch.equal(wrapped.fc.weight.detach(), plain.fc.weight.detach()), "the value after the step, not a cached one"

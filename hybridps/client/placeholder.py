@@ -383,6 +383,7 @@ class ParamGuard:
         new_args, new_kwargs = pytree.tree_map(lambda x: copies.get(id(x), x) if isinstance(x, ChunkedParameter) else x, (args, kwargs))
         result = func(*new_args, **new_kwargs)
         if writes:
+            self.read_cache = None  # values change: no copy read before may be handed out again
             written = {id(t) for t in pytree.tree_leaves(written_arg(func, args, kwargs)) if id(t) in copies}
             if kwargs.get("out") is not None:
                 written |= {id(t) for t in pytree.tree_leaves(kwargs["out"]) if id(t) in copies}
