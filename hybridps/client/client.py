@@ -788,6 +788,7 @@ class Client:
     @torch.no_grad()
     def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Set ``param``'s value (master copy and compute-precision copy)."""
+        self.guard.read_cache = None  # no copy read before this write may be handed out again
         info = self.param_info(param)
         if not self.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
