@@ -105,6 +105,8 @@ def run_case(kind: str, precision: str, d_model: int, layers: int, steps: int) -
         "model_data_bytes_per_param": round(model_data / n, 2),
         "formula_bytes_per_param": FORMULA[precision] if kind != "plain" else (16 if precision == "fp32" else 8),
         "pool_bytes": stats.get("pool", {}).get("held_bytes"),
+        "accounted_host_bytes": stats.get("host", {}).get("accounted_bytes"),
+        "steady_rss_bytes": steady + baseline,
     }
 
 
@@ -140,6 +142,11 @@ def main() -> None:
             "init_peak_marginal_bytes_per_param": slope("init_peak_bytes_per_param"),
             "steady_marginal_bytes_per_param": slope("steady_bytes_per_param"),
             "model_data_bytes_per_param": large["model_data_bytes_per_param"],
+            # memory_stats()["host"]["accounted_bytes"] at the margin, next to RSS at the margin
+            "accounted_marginal_bytes_per_param": (
+                round((large["accounted_host_bytes"] - small["accounted_host_bytes"]) / extra, 2)
+                if small["accounted_host_bytes"] is not None else None
+            ),
             "formula_bytes_per_param": large["formula_bytes_per_param"],
         })
     print(json.dumps({"benchmark": "memory", "machine": {"platform": platform.platform(), "python": platform.python_version()},

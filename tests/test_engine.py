@@ -382,3 +382,24 @@ def test_registration_counts_the_adam_states_it_will_need():
         hybridps.initialize(model, torch.optim.AdamW(model.parameters()), config)
     assert hybridps.common.units.format_bytes(n * 16) in str(excinfo.value)
     assert all(p.numel() for p in model.parameters()), "a refused model keeps its weights"
+
+
+def test_memory_stats_account_host_memory_by_part():
+    """On a simulated GPU every chunk is host memory: the parts add up to what the devices
+    hold, plus the pool and the optimizer's staging buffers, next to the RSS."""
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.5, cfg=cfg)
+    x, y = tokens(0)
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    stats = engine.memory_stats()
+    host = stats["host"]
+    chunk_bytes = sum(d["used_bytes"] for d in stats["devices"].values())
+    assert host["cpu_chunk_bytes"] + host["simulated_gpu_chunk_bytes"] == chunk_bytes
+    parts = [v for k, v in host.items() if k not in ("accounted_bytes", "rss_bytes")]
+    assert host["accounted_bytes"] == sum(parts)
+    assert host["pool_bytes"] == stats["pool"]["held_bytes"]
+    assert host["rss_bytes"] > host["accounted_bytes"]

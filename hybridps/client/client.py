@@ -855,6 +855,7 @@ class Client:
             "prefetch_hits": self.chunks.prefetch_hits,
             "pool": self.chunks.pool.stats(),
             "pinned_bytes": self.chunks.pinned_bytes,
+            "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
             "peak_model_data_bytes": self.chunks.peak_all_bytes,
@@ -869,6 +870,25 @@ class Client:
             "world_size": self.world_size,
             **({"dist": self.groups.stats()} if self.groups is not None else {}),
         }
+
+    def host_memory(self) -> dict:
+        """What this rank holds in host memory, by part, next to the process's RSS: chunks on
+        the CPU and on simulated GPUs (their payloads are host memory), idle pooled buffers,
+        the optimizer's fp32 staging buffers and grads waiting beside their slots. RSS also
+        holds torch itself, activations and the allocator's free lists, so it exceeds
+        ``accounted_bytes`` by a fixed amount plus what a step allocates transiently."""
+        simulated = [d.name for d in self.inventory if d.simulated]
+        buffers = self.optimizer._buffers.values() if self.optimizer is not None else ()
+        parts = {
+            "cpu_chunk_bytes": self.chunks.used_bytes["cpu"],
+            "simulated_gpu_chunk_bytes": sum(self.chunks.used_bytes[d] for d in simulated),
+            "pool_bytes": self.chunks.pool.held_bytes,
+            "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
+            "pending_grad_bytes": self.pending.waiting_bytes(),
+        }
+        parts["accounted_bytes"] = sum(parts.values())
+        parts["rss_bytes"] = _rss_bytes()
+        return parts
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -940,6 +960,15 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.lists.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident set size (Linux), None where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _leave_meta(p: nn.Parameter, device: torch.device) -> None:

@@ -108,6 +108,9 @@ class PendingGrads:
         grad = grad.detach()
         self._waiting[info.slot.index] = (info, grad if held is None else held[1] + grad)
 
+    def waiting_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for _, g in self._waiting.values())
+
     def waiting(self, info: ParamInfo) -> torch.Tensor | None:
         held = self._waiting.get(info.slot.index)
         return None if held is None else held[1]
