@@ -201,12 +201,9 @@ def _dispatch(func, args, kwargs):
     elif name in _IDENTITY:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    elif name == "requires_grad_":
+    elif name == "requires_grad_":  # a change is honoured at the next forward (hooks.sync_requires_grad)
         with torch._C.DisableTorchFunctionSubclass():
             func(*args, **kwargs)
-        guard = _GUARDS.get(id(args[0]))
-        if guard is not None:
-            guard.on_requires_grad(args[0])
         return args[0]
     leaves = pytree.tree_leaves((args, kwargs))
     targets = [t for t in leaves if isinstance(t, ChunkedParameter)]
@@ -233,8 +230,6 @@ class ParamGuard:
     def __init__(self, client: Client):
         self.client = client
         self.borrow: Callable[[nn.Parameter], bool] = lambda param: False
-        #: called with a param whose requires_grad was set while it was released
-        self.on_requires_grad: Callable[[nn.Parameter], None] = lambda param: None
         self._shadows: dict[int, torch.Tensor] = {}
         #: while a state_dict is taken: id(param) -> the copy already read (one tensor per tied param)
         self.read_cache: dict[int, torch.Tensor] | None = None
@@ -303,8 +298,6 @@ class ParamGuard:
             self.client.drop_grad(param)
         with torch._C.DisableTorchFunctionSubclass():
             setattr(param, prop, value)
-        if prop == "requires_grad":
-            self.on_requires_grad(param)
 
     def client_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         value = self.client.grad_value(param)
