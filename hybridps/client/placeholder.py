@@ -77,6 +77,12 @@ def guard_of(param: torch.Tensor) -> ParamGuard | None:
     return _GUARDS.get(id(param))
 
 
+def _what(param: torch.Tensor, unknown: str) -> str:
+    """The param's description for a message, or ``unknown`` once its client let it go."""
+    guard = _GUARDS.get(id(param))
+    return guard.describe(param) if guard else unknown
+
+
 class ChunkedParameter(nn.Parameter):
     """The class of a registered param whose value is in chunks only (see the module note)."""
 
@@ -93,18 +99,14 @@ class ChunkedParameter(nn.Parameter):
 
     @data.setter
     def data(self, value):
-        guard = _GUARDS.get(id(self))
-        what = guard.describe(self) if guard else "this param"
         raise HybridPSError(
-            f"{what}: assigning .data outside forward would detach it from its chunks (the value would be lost "
+            f"{_what(self, 'this param')}: assigning .data outside forward would detach it from its chunks (the value would be lost "
             f"at the next step). Set its value with param.copy_(value) under torch.no_grad(), "
             f"model.load_state_dict(...), or inside engine.gathered_parameters([param], modify=True)"
         )
 
     def __repr__(self) -> str:
-        guard = _GUARDS.get(id(self))
-        what = guard.describe(self) if guard else "param"
-        return f"HybridPS {what}: in chunks (read it with engine.gathered_parameters or model.state_dict())"
+        return f"HybridPS {_what(self, 'param')}: in chunks (read it with engine.gathered_parameters or model.state_dict())"
 
     def __deepcopy__(self, memo):
         """A deep copy is an ordinary Parameter holding the value (``copy.deepcopy(model)``
@@ -119,10 +121,8 @@ class ChunkedParameter(nn.Parameter):
         return result
 
     def __reduce_ex__(self, proto):
-        guard = _GUARDS.get(id(self))
-        what = guard.describe(self) if guard else "a HybridPS param"
         raise HybridPSError(
-            f"pickling {what}: its value is in chunks. Save model.state_dict() (or engine.save_checkpoint) "
+            f"pickling {_what(self, 'a HybridPS param')}: its value is in chunks. Save model.state_dict() (or engine.save_checkpoint) "
             f"instead of pickling the model or its params"
         )
 
