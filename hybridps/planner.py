@@ -326,6 +326,7 @@ def simulate(
     grad_reuse: bool = True,
     margin_bytes: int = 0,
     chunk_size: int | None = None,
+    pinned_host: bool = True,
     iterations: int = 2,
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
@@ -343,6 +344,7 @@ def simulate(
         grad_reuse=grad_reuse,
         margin=margin_bytes,
         chunk_size=chunk_size,
+        pinned_bytes=None if pinned_host else 0,
     )
     with torch.device("meta"):
         module = model.build()
@@ -549,7 +551,7 @@ class RankShare:
         return self.owned_bytes / self.even_share_bytes if self.even_share_bytes else 1.0
 
 
-def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0) -> RankShare:
+def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0, pinned_host: bool = True) -> RankShare:
     """Per-rank model data of a ``node.world_size``-rank job, laid out as its clients would.
 
     The multi-rank client (chunk groups of ``world_size`` chunks; each rank owns one chunk
@@ -583,8 +585,8 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0)
     from hybridps.common.devices import DeviceSpec
 
     w = node.world_size
-    compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True)
-    config = Config(precision=_precision_of(sim), alignment=sim.alignment)
+    compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True, meta=True)
+    config = Config(precision=_precision_of(sim), alignment=sim.alignment, pinned_bytes=None if pinned_host else 0)
     size = auto_chunk_size(list(sim.param_numels), config, compute, w) if sim.param_numels else (sim.chunk_size_elements or 1)
     layout = ChunkLayout(size, sim.alignment)
     slots = [layout.add(n) for n in sim.param_numels]
@@ -854,6 +856,9 @@ class PlanRequest:
     grad_reuse: bool = True
     margin_bytes: int = 0
     chunk_size: int | None = None
+    #: host chunks of the node's (real) GPUs are pinned, so chunk sizes avoid the pinned
+    #: allocator's rounding (False: plan a run on simulated GPUs, which pin nothing)
+    pinned_host: bool = True
     iterations: int = 2
     search_largest: bool = True
     max_layers: int = DEFAULT_MAX_LAYERS
@@ -905,6 +910,7 @@ def plan(
     grad_reuse: bool = True,
     margin: int | str = 0,
     chunk_size: int | None = None,
+    pinned_host: bool = True,
     iterations: int = 2,
     search_largest: bool = True,
     max_layers: int = DEFAULT_MAX_LAYERS,
@@ -933,6 +939,7 @@ def plan(
         grad_reuse=grad_reuse,
         margin_bytes=margin,
         chunk_size=chunk_size,
+        pinned_host=pinned_host,
         iterations=iterations,
         search_largest=search_largest,
         max_layers=max_layers,
@@ -976,13 +983,14 @@ class Planner:
             grad_reuse=req.grad_reuse,
             margin_bytes=req.margin_bytes,
             chunk_size=req.chunk_size,
+            pinned_host=req.pinned_host,
             iterations=req.iterations,
         )
         self.sim_seconds += sim.seconds
         share = None
         reasons = [] if sim.completed else [sim.failure or "the simulation failed"]
         if multi and sim.completed:
-            share = derive_rank_share(sim, node, margin_bytes=req.margin_bytes)
+            share = derive_rank_share(sim, node, margin_bytes=req.margin_bytes, pinned_host=req.pinned_host)
             if share.gpu_need_bytes > node.gpu_bytes:
                 reasons.append(
                     f"GPU per rank needs {format_bytes(share.gpu_need_bytes)} (activations "
@@ -1455,6 +1463,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-reuse", action=argparse.BooleanOptionalAction, default=True, help="grads in the params' slots (14 B/param in 16-bit)")
     t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
     t.add_argument("--chunk-size", type=_positive_int, default=None, help="elements per chunk (default: chosen as the client would)")
+    t.add_argument(
+        "--pinned-host", action=argparse.BooleanOptionalAction, default=True,
+        help="host chunks are pinned for the GPUs, as on a real node (--no-pinned-host: plan a run on simulated GPUs)",
+    )
     t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
     n = p.add_argument_group("node")
     n.add_argument("--gpus", default="1x80GiB", help="GPUs per node as COUNTxSIZE, e.g. 8x80GiB (default 1x80GiB)")
@@ -1529,6 +1541,7 @@ def run_command(args: argparse.Namespace) -> int:
             grad_reuse=args.grad_reuse,
             margin=args.margin,
             chunk_size=args.chunk_size,
+            pinned_host=args.pinned_host,
             iterations=args.iterations,
             search_largest=args.search,
             max_layers=args.max_layers,

@@ -40,6 +40,7 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
     inventory = DeviceInventory.build({gpu: capacity_bytes}, simulate=simulate)
     conn = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
     manager = ChunkManager(inventory, conn, pool_bytes=8 * chunk_mib * 2**20)
+    manager.pinned_cap_bytes = inventory.cpu.capacity_bytes // 4  # the client's default (Config.pinned_bytes)
     numel = chunk_mib * 2**20 // 4
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:

@@ -41,6 +41,7 @@ import torch
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.eviction import EvictionPolicy, LRUPolicy
+from hybridps.client.layout import pinned_block_elems
 from hybridps.client.pool import PayloadPool
 from hybridps.client.states import ChunkState
 from hybridps.common.devices import DeviceInventory
@@ -56,6 +57,11 @@ def storage_key(t: torch.Tensor) -> int:
     address 0) the storage object itself."""
     storage = t.untyped_storage()
     return storage._cdata if t.is_meta else storage.data_ptr()
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes PyTorch's pinned host allocator takes for a buffer of ``nbytes``."""
+    return pinned_block_elems(nbytes)
 
 
 class ChunkManager:
@@ -80,6 +86,7 @@ class ChunkManager:
         self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
         #: pinned host memory in use, and its cap (set from the config by the client)
         self.pinned_bytes = 0
+        self.pinned_rounding_bytes = 0  # of pinned_bytes, beyond the chunks' own bytes
         self.pinned_cap_bytes = 0
         #: prefetches and evictions copy on this stream (real GPUs only)
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
@@ -184,27 +191,39 @@ class ChunkManager:
         spec = self._specs[device]
         if spec.torch_device.type != "cpu":
             return None
+        self._collect()  # buffers whose outgoing copies finished join the pool first
         pin = self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
         buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=pin)
+        if buf is None and pin and self.pinned_bytes + chunk.nbytes > self.pinned_cap_bytes:
+            buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=False)  # no pinned room: pageable, pooled
         if buf is not None:
             self.connection.remove("cpu", chunk.nbytes)  # leaves the pool, booked as a chunk below
-        elif pin and self.pinned_bytes + chunk.nbytes <= self.pinned_cap_bytes:
+        elif pin and self.pinned_bytes + pinned_block_bytes(chunk.nbytes) <= self.pinned_cap_bytes:
             # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
             # asynchronous and fast, but the OS cannot page it out: too much of it starves the
             # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
+            # The cap counts what the pinned allocator really takes (a power of two; see
+            # [Note: pinned rounding] in layout.py); the part beyond the chunk is reported as
+            # pinned_rounding_bytes in the host memory breakdown.
+            block = pinned_block_bytes(chunk.nbytes)
             buf = chunk.new_buffer(spec, pin=True)
-            self.pinned_bytes += chunk.nbytes
-            weakref.finalize(buf, self._unpinned, chunk.nbytes)
+            self.pinned_bytes += block
+            self.pinned_rounding_bytes += block - chunk.nbytes
+            weakref.finalize(buf, self._unpinned, block, block - chunk.nbytes)
         return buf
 
-    def _unpinned(self, nbytes: int) -> None:
+    def _unpinned(self, nbytes: int, rounding: int) -> None:
         self.pinned_bytes -= nbytes
+        self.pinned_rounding_bytes -= rounding
 
     def _recycle(self, old: torch.Tensor | None) -> None:
         if old is None or old.device.type != "cpu":
             return
-        if not self.pool.give(old):
+        dropped = self.pool.give(old)
+        if dropped is None:
             return
+        if dropped:
+            self.connection.remove("cpu", dropped)  # older pooled buffers went to make room
         try:
             self.connection.add("cpu", old.numel() * old.element_size())
         except CapacityError:  # no room on the CPU for an idle buffer: let it go

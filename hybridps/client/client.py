@@ -885,6 +885,8 @@ class Client:
             "pool_bytes": self.chunks.pool.held_bytes,
             "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
             "pending_grad_bytes": self.pending.waiting_bytes(),
+            # pinned buffers are powers of two: the part beyond their chunks (real GPUs only)
+            "pinned_rounding_bytes": self.chunks.pinned_rounding_bytes,
         }
         parts["accounted_bytes"] = sum(parts.values())
         parts["rss_bytes"] = _rss_bytes()
@@ -1047,6 +1049,9 @@ def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int)
         elem_bytes=config.param_dtype.itemsize,
         capacity_bytes=cap,
         alignment=config.alignment,
+        # host chunks of a real GPU (or of one the planner stands for) are pinned, unless
+        # pinned memory is off (pinned_bytes=0)
+        pinned=compute.is_gpu and (compute.meta or not compute.simulated) and config.pinned_bytes != 0,
         # several ranks: enough chunks that each rank owns a balanced share
         min_chunks=4 if world_size == 1 else 8 * world_size,
     )

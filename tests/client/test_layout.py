@@ -38,3 +38,31 @@ def test_the_chosen_chunk_size_leaves_little_padding_and_respects_capacity():
     assert layout.total_elements <= 1.05 * layout.tensor_elements
     capped = choose_chunk_size(numels, elem_bytes=2, capacity_bytes=4 * 2**20, alignment=8)
     assert capped * 2 * 4 <= 4 * 2**20
+
+
+def test_pinned_chunk_sizes_avoid_the_pinned_allocators_power_of_two_rounding():
+    from hybridps.client.layout import choose_chunk_size, pinned_block_elems
+
+    # a GPT block of d_model 2048 (ln, qkv, proj, ln, fc, proj): packed sizes are not powers of two
+    d = 2048
+    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    numels = [50304 * d, 1024 * d] + block * 48 + [d, d]
+    pageable = choose_chunk_size(numels, elem_bytes=2, capacity_bytes=77 << 30)
+    pinned = choose_chunk_size(numels, elem_bytes=2, capacity_bytes=77 << 30, pinned=True)
+    assert pinned_block_elems(pinned) == pinned  # nothing pinned beyond the chunk
+    assert pinned_block_elems(pageable) > pageable  # what the plain choice would have pinned
+
+    def total_waste(size):
+        from hybridps.client.layout import layout_waste_many
+
+        pad = int(layout_waste_many(numels, [size], 8)[0])
+        chunks = -(-(sum(numels) + pad) // size)
+        return pad + chunks * (pinned_block_elems(size) - size)
+
+    assert total_waste(pinned) <= total_waste(pageable)
+
+
+def test_pinned_block_elems_is_the_next_power_of_two():
+    from hybridps.client.layout import pinned_block_elems
+
+    assert [pinned_block_elems(n) for n in (1, 2, 3, 4, 5, 1 << 25, (1 << 25) + 1)] == [1, 2, 4, 4, 8, 1 << 25, 1 << 26]
