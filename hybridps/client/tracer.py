@@ -9,7 +9,8 @@ moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (t
 manager reads ``reserve``), and the eviction policy reads the access order.
 
 [Note: measuring non-model memory]
-On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it.
+On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
+minus what the process held on that GPU when the client started (not the training's).
 On a simulated GPU nothing is allocated on a GPU, so the tracer counts the bytes of the
 tensors autograd saves for backward (``saved_tensors_hooks``), each storage once, released
 when autograd drops it. That is what dominates activation memory, so the tidal budget is
@@ -131,6 +132,13 @@ class MemoryTracer:
         self.total_peak_warmup = 0  # the same in the warm-up (and any re-tracing) iteration
         #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
         self.tick_listeners: list = []
+        #: GPU memory this process held before HybridPS started (other models, an EMA copy,
+        #: a reference): not the training's, and not counted against the capacity, which is
+        #: what HybridPS may use beyond it (the default capacity is read from the free memory)
+        self._external_bytes = 0
+        if self.device.is_gpu and not self.device.simulated:
+            held = torch.cuda.memory_allocated(self.device.torch_device)
+            self._external_bytes = max(0, held - client.chunks.used_bytes[self.device.name])
         client.chunks.reserve_fn = self.reserve
         client.chunks.on_compute_growth = self._chunks_grew
         self.observe()
@@ -143,7 +151,7 @@ class MemoryTracer:
         if self.device.simulated:
             return self._live_saved
         allocated = torch.cuda.memory_allocated(self.device.torch_device)
-        return max(0, allocated - self.client.chunks.used_bytes[self.device.name])
+        return max(0, allocated - self.client.chunks.used_bytes[self.device.name] - self._external_bytes)
 
     def saved_tensors(self) -> contextlib.AbstractContextManager:
         """Context for a forward pass that counts saved activations against a simulated GPU."""
