@@ -138,7 +138,9 @@ def test_the_inventory_and_the_daemon_default_cpu_capacity_come_from_the_cgroup(
     monkeypatch.setattr(devices_mod, "PROC_SELF_CGROUP", proc)
     monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
     inv = DeviceInventory.build({"cuda:0": MiB}, simulate=True, cuda_capacities={})
-    assert inv.cpu.capacity_bytes == 800 * MiB and inv.cpu.capacity_source.startswith("cgroup v2 ")
+    # the room the cgroup leaves (800 MiB) less what the process itself needs (half, at this size)
+    assert inv.cpu.capacity_bytes == 800 * MiB - devices_mod.default_cpu_reserve(800 * MiB) == 400 * MiB
+    assert inv.cpu.capacity_source.startswith("cgroup v2 ")
     assert inv["cuda:0"].capacity_source == "config"
     assert DeviceInventory.build({"cpu": 5 * MiB}, simulate=True, cuda_capacities={}).cpu.capacity_source == "config"
 
@@ -151,3 +153,14 @@ def test_the_inventory_and_the_daemon_default_cpu_capacity_come_from_the_cgroup(
     assert status["devices"]["cpu"]["capacity_source"] == cpu.capacity_source
     assert status["devices"]["cuda:1"]["capacity_source"] == "config"
     assert f"cpu: {cpu.capacity_source}" in format_status(status)
+
+
+def test_a_default_cpu_capacity_leaves_the_process_a_tenth_of_the_available_memory(monkeypatch):
+    # booking all available memory for chunks leaves nothing for the process (CUDA context,
+    # staging buffers, activations): the OOM killer ends such a run instead of a CapacityError
+    monkeypatch.setattr(devices_mod, "available_cpu_memory", lambda: devices_mod.MemoryFigure(125 << 30, "host available memory"))
+    cpu = DeviceInventory.build({"cuda:0": MiB}, simulate=True, cuda_capacities={}).cpu
+    assert cpu.capacity_bytes == (125 << 30) - int((125 << 30) * 0.10)
+    assert "less 10%" in cpu.capacity_source
+    assert devices_mod.default_cpu_reserve(8 << 30) == 2 << 30  # at least 2 GiB
+    assert devices_mod.default_cpu_reserve(1 << 30) == 512 << 20  # never all of it
