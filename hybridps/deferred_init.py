@@ -144,6 +144,11 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
                 last_use[_key(t)] = i
     real: dict[int, torch.Tensor] = {}  # storage key -> real flat storage, for non-param tensors
     touched: set[int] = set()
+    #: params whose storage only an uninitialized factory (torch.empty) made so far: nothing
+    #: is written to their chunks (which start zeroed) and a read gets fresh memory, as a CPU
+    #: build would. [Note: fresh params] saves a write and a read-back of every param that
+    #: is created empty and initialized by a later op, which is how nn modules build them.
+    fresh: set[int] = set()
     state = torch.get_rng_state()
     torch.set_rng_state(record.rng_state)
     try:
@@ -157,7 +162,10 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
                 base = real.get(key)
                 if base is None and key in params:
                     base = loaded.get(key)
-                    if base is None:
+                    if base is None and key in fresh:
+                        info = client.param_info(params[key])
+                        base = loaded[key] = torch.empty(info.shape.numel(), dtype=info.orig_dtype)
+                    elif base is None:
                         base = loaded[key] = _param_value(client, params[key])
                 if base is None:
                     raise HybridPSError(
@@ -178,10 +186,15 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
                     loaded[key] = flat
                 else:
                     real[key] = flat
+            uninitialized = getattr(op.func, "__name__", "") in _UNINITIALIZED_FACTORIES
             for key in set(op.writes) | {_key(t) for t in op.outputs}:
                 if key in loaded:
-                    _write_param(client, params[key], loaded[key])
                     touched.add(id(params[key]))
+                    if uninitialized and key not in op.writes:
+                        fresh.add(key)
+                        continue
+                    fresh.discard(key)
+                    _write_param(client, params[key], loaded[key])
             for t in pytree.tree_leaves((op.args, op.kwargs)):
                 if _is_meta(t) and last_use.get(_key(t)) == i and _key(t) not in buffers:
                     real.pop(_key(t), None)
@@ -202,6 +215,10 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
     return touched
 
 
+#: factories whose output holds no values yet (see [Note: fresh params] in ``replay``)
+_UNINITIALIZED_FACTORIES = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
 def _storage_of(t: torch.Tensor) -> torch.Tensor:
     """The whole storage of ``t`` as a flat tensor of its dtype."""
     numel = t.untyped_storage().nbytes() // t.element_size()
@@ -211,7 +228,7 @@ def _storage_of(t: torch.Tensor) -> torch.Tensor:
 def _param_value(client: Client, param: torch.nn.Parameter) -> torch.Tensor:
     info = client.param_info(param)
     if client.owns(info.chunk):
-        return client.read_value(param).reshape(-1).clone()
+        return client.read_value(param).reshape(-1)  # a copy already
     return torch.zeros(info.shape.numel(), dtype=info.orig_dtype)  # another rank keeps it: draw, then drop
 
 
