@@ -1,0 +1,476 @@
+"""GPU validation in one command: the ``gpu`` tests, pinned bandwidth, the largest GPT, TFLOPS.
+
+For a GPU machine with torch but no network. Each phase runs in its own process with a time
+limit, so one failure (a CUDA OOM, a peer that does not build) is reported and the next phase
+still runs; the whole run stays inside ``--budget-s`` (default 570 s):
+
+1. ``env``:        device, driver-visible memory, host memory and cores, versions.
+2. ``tests``:      ``pytest -m gpu`` (real copy streams, pinned pooled buffers, parity).
+3. ``bandwidth``:  pinned host<->device raw copies against HybridPS chunk moves
+                   (``scripts/bench_move.py``).
+4. ``plan``:       ``hybridps plan`` for this node: the largest GPT of the chosen width for
+                   HybridPS and, from their published rules, DeepSpeed ZeRO-Offload/ZeRO-3.
+5. ``largest``:    trains the planned largest HybridPS model for real (stepping down when it
+                   does not train) and, if DeepSpeed is importable, ZeRO-Offload at its
+                   planned largest; then HybridPS at that size too, so both systems' TFLOPS
+                   are compared at the largest size both train.
+
+Prints one JSON object. On a machine without a GPU it prints one line and exits 0.
+
+    python scripts/gpu_validate.py --wheels .whl          # install missing wheels from .whl first
+    python scripts/gpu_validate.py --phases env,tests,bandwidth
+    python scripts/fetch_gpu_wheels.sh .whl              # on a networked machine: the wheels
+
+TFLOPS are *model* TFLOPS: 6 x params x tokens + 12 x layers x d_model x seq x tokens per
+step (the attention score products), the same formula for every system, recomputation not
+counted.
+
+[Note: subprocesses rather than one process]
+A CUDA OOM or a failed JIT build can leave a process with a fragmented allocator, pinned
+host memory it never returns, or a half-initialized process group; a fresh process per
+training run keeps each figure independent of the run before it. The worker prints one JSON
+line on stdout; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("env", "tests", "bandwidth", "plan", "largest")
+RESULT_PREFIX = "GPU_VALIDATE_RESULT "
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+class Clock:
+    """The run's deadline: each phase asks for its share of what is left."""
+
+    def __init__(self, budget_s: float):
+        self.deadline = time.monotonic() + budget_s
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict) -> dict:
+    """Run a command; its result line (if any), rc, time and the tail of its stderr."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout_s), env=env, cwd=ROOT)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    result = None
+    for line in out.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+    return {"rc": rc, "seconds": round(time.perf_counter() - start, 1), "result": result, "stdout": out, "stderr_tail": err[-1500:]}
+
+
+def _install_wheels(folder: Path) -> str | None:
+    """Install every wheel of ``folder`` into a private target; return that path."""
+    wheels = sorted(str(p) for p in folder.glob("*.whl"))
+    if not wheels:
+        return None
+    target = Path(tempfile.gettempdir()) / "hybridps-gpu-validate-site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade",
+         "--target", str(target), *wheels],
+        check=True,
+    )
+    return str(target)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host_note() -> str:
+    try:
+        import psutil
+    except ImportError:
+        return "host memory unknown"
+    vm = psutil.virtual_memory()
+    return f"host RSS {psutil.Process().memory_info().rss / 2**30:.1f} GiB, available {vm.available / 2**30:.1f} GiB"
+
+
+def model_flops_per_step(n_params: int, n_layer: int, d_model: int, seq_len: int, tokens: int) -> float:
+    return 6.0 * n_params * tokens + 12.0 * n_layer * d_model * seq_len * tokens
+
+
+# -- the training worker --------------------------------------------------------------------
+
+
+def _worker(args) -> dict:
+    """Train one GPT with one system; return step time, TFLOPS, memory and losses."""
+    import torch
+
+    from hybridps.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.hidden, checkpoint=args.checkpoint)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(args.warmup + args.steps)
+    ]
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    if args.system == "hybridps":
+        import hybridps
+
+        with hybridps.meta_init():
+            model = GPT(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        devices = {"cuda:0": args.gpu_bytes} if device.type == "cuda" else {"cuda:0": args.gpu_bytes or "1GiB"}
+        if args.cpu_bytes:
+            devices["cpu"] = args.cpu_bytes
+        config = hybridps.Config(precision=args.precision, devices=devices, simulate=device.type != "cuda",
+                                 overlap_step=args.overlap_step)
+        engine = hybridps.initialize(model, optimizer, config)
+
+        def train_step(x, y):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+            return loss
+    else:
+        import deepspeed
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        stage3 = args.system == "zero3-offload"
+        zero = {"stage": 3 if stage3 else 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "contiguous_gradients": True, "overlap_comm": True}
+        if stage3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        ds_config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "bf16": {"enabled": args.precision == "bf16"},
+            "fp16": {"enabled": args.precision == "fp16", "initial_scale_power": 16},
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+            "steps_per_print": 10**9,
+        }
+        if stage3:
+            with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="cpu", pin_memory=True):
+                model = GPT(cfg)
+        else:
+            with torch.device(device):  # initialized where it computes; the CPU keeps the fp32 master
+                model = GPT(cfg)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+        def train_step(x, y):
+            _, loss = engine(x.to(device), y.to(device))
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    init_s = time.perf_counter() - t0
+    print(f"worker {args.system}: {cfg.n_params / 1e9:.2f} B params initialized in {init_s:.1f} s; {_host_note()}", file=sys.stderr, flush=True)
+    losses, times = [], []
+    for i, batch in enumerate(batches):
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        t = time.perf_counter()
+        loss = train_step(x, y)
+        losses.append(float(loss.item()))  # .item() synchronizes
+        sync()
+        print(f"worker {args.system}: step {i} {time.perf_counter() - t:.2f} s loss {losses[-1]:.4f}; {_host_note()}", file=sys.stderr, flush=True)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = args.batch * args.seq_len
+    flops = model_flops_per_step(cfg.n_params, cfg.n_layer, cfg.d_model, cfg.seq_len, tokens)
+    out = {
+        "system": args.system,
+        "n_layer": cfg.n_layer,
+        "d_model": cfg.d_model,
+        "n_params": cfg.n_params,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "init_s": round(init_s, 2),
+        "step_s": round(step_s, 4),
+        "step_s_all": [round(t, 3) for t in times],
+        "tflops": round(flops / step_s / 1e12, 2),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "losses": [round(v, 4) for v in losses],
+    }
+    if device.type == "cuda":
+        out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        out["host_rss_bytes"] = psutil.Process().memory_info().rss
+    if args.system == "hybridps":
+        stats = engine.memory_stats()
+        out["hybridps_moves"] = stats.get("moves")
+        out["hybridps_devices"] = {
+            name: {k: d.get(k) for k in ("capacity_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes")}
+            for name, d in stats["devices"].items()
+        }
+    return out
+
+
+# -- the phases -----------------------------------------------------------------------------
+
+
+def phase_env() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        out["host_total_bytes"], out["host_available_bytes"] = vm.total, vm.available
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    out.update(gpu=props.name, gpu_total_bytes=total, gpu_free_bytes=free, multiprocessors=props.multi_processor_count)
+    for name in ("zmq", "msgpack", "safetensors", "transformers", "deepspeed"):
+        try:
+            mod = __import__(name)
+            out[f"{name}_version"] = getattr(mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            out[f"{name}_version"] = f"missing ({type(e).__name__})"
+    return out
+
+
+def phase_tests(clock: Clock, env: dict) -> dict:
+    r = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+             min(300.0, clock.left_s() - 5), env)
+    summary = [line for line in r["stdout"].splitlines() if " passed" in line or " failed" in line or " error" in line]
+    return {"rc": r["rc"], "seconds": r["seconds"], "summary": summary[-1] if summary else None,
+            "failures": [line for line in r["stdout"].splitlines() if line.startswith(("FAILED", "ERROR"))],
+            **({"stdout_tail": r["stdout"][-3000:]} if r["rc"] != 0 else {})}
+
+
+def phase_bandwidth(clock: Clock, env: dict, chunk_mib: int) -> dict:
+    r = _run([sys.executable, "scripts/bench_move.py", "--chunk-mib", str(chunk_mib), "--rounds", "20"],
+             min(120.0, clock.left_s() - 5), env)
+    if r["rc"] != 0:
+        return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
+    data = json.loads(r["stdout"])
+    return {"seconds": r["seconds"], "gpu": data.get("gpu"), "raw_pinned": _raw_pinned_bandwidth(chunk_mib)}
+
+
+def _raw_pinned_bandwidth(chunk_mib: int) -> dict:
+    """One-direction pinned copies, timed with CUDA events (the link's own figure)."""
+    import torch
+
+    n = chunk_mib * 2**20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, fn in (("h2d_gbps", lambda: dev.copy_(host, non_blocking=True)),
+                     ("d2h_gbps", lambda: host.copy_(dev, non_blocking=True))):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        end.synchronize()
+        out[name] = round(20 * n / (start.elapsed_time(end) / 1e3) / 1e9, 2)
+    return out
+
+
+def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
+    from hybridps.common.devices import DEFAULT_GPU_FRACTION
+
+    gpu = int(node["gpu_free_bytes"] * DEFAULT_GPU_FRACTION)  # what a default capacity takes of it
+    cpu = int(node.get("host_available_bytes", 0) * 0.9)
+    cmd = [sys.executable, "-m", "hybridps", "plan", "--layers", "2", "--hidden", str(args.hidden), "--heads",
+           str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--precision", args.precision,
+           "--gpus", f"1x{gpu}", "--cpu", str(cpu), "--json"]
+    if args.checkpoint:
+        cmd.append("--checkpoint")
+    r = _run(cmd, min(180.0, clock.left_s() - 5), env)
+    if r["rc"] not in (0, 1) or not r["stdout"].strip().startswith("{"):
+        return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
+    plan = json.loads(r["stdout"])
+    args.cpu_bytes = args.cpu_bytes or cpu
+    out = {"gpu_bytes": gpu, "cpu_bytes": cpu, "seconds": r["seconds"],
+           "hybridps": plan["hybridps"]["largest"]}
+    for peer in plan["peers"]:
+        out[peer["name"]] = peer.get("largest")
+    return out
+
+
+def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int, timeout_s: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--layers", str(n_layer),
+           "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch), "--precision", args.precision, "--steps", str(steps), "--warmup", "1"]
+    if args.checkpoint:
+        cmd.append("--checkpoint")
+    if system == "hybridps" and args.cpu_bytes:
+        cmd += ["--cpu-bytes", str(args.cpu_bytes)]  # the capacity the plan was made for
+    r = _run(cmd, min(timeout_s, clock.left_s() - 5), env)
+    if r["result"] is not None:
+        return {"trained": True, "seconds": r["seconds"], **r["result"]}
+    err = r["stderr_tail"]
+    oom = "out of memory" in err.lower() or "CapacityError" in err or r["rc"] == -9
+    return {"trained": False, "system": system, "n_layer": n_layer, "rc": r["rc"], "seconds": r["seconds"],
+            "out_of_memory": oom, "stderr_tail": err}
+
+
+def _largest_that_trains(system: str, planned: int, clock: Clock, env: dict, args) -> dict:
+    """Train the planned size; on failure step down by 15% while time is left."""
+    tries = []
+    n = planned
+    while n >= 1 and clock.left_s() > 60:
+        run = _train(system, n, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s)
+        tries.append({k: run.get(k) for k in ("n_layer", "trained", "rc", "seconds", "out_of_memory", "stderr_tail")})
+        if run["trained"]:
+            return {"planned_n_layer": planned, "largest": run, "tries": tries}
+        if not run.get("out_of_memory"):
+            return {"planned_n_layer": planned, "largest": None, "tries": tries, "last_error": run["stderr_tail"]}
+        n = int(n * 0.85)
+    return {"planned_n_layer": planned, "largest": None, "tries": tries, "stopped": "budget"}
+
+
+def phase_largest(clock: Clock, env: dict, args, plan: dict, have_deepspeed: bool) -> dict:
+    out = {}
+    planned = (plan.get("hybridps") or {}).get("n_layer") if args.layers is None else args.layers
+    if planned:
+        out["hybridps"] = _largest_that_trains("hybridps", planned, clock, env, args)
+    ds_planned = (plan.get("deepspeed-zero-offload") or {}).get("n_layer") if args.ds_layers is None else args.ds_layers
+    if not args.deepspeed:
+        return out
+    if not have_deepspeed:
+        out["deepspeed-zero-offload"] = "not measured: deepspeed is not importable (carry its wheel: scripts/fetch_gpu_wheels.sh)"
+        return out
+    if ds_planned:
+        ds = _largest_that_trains("deepspeed-zero-offload", ds_planned, clock, env, args)
+        out["deepspeed-zero-offload"] = ds
+        both = (ds.get("largest") or {}).get("n_layer")
+        mine = ((out.get("hybridps") or {}).get("largest") or {})
+        if both and (mine.get("n_layer") == both or clock.left_s() > 90):
+            if mine.get("n_layer") == both:
+                hp = mine
+            else:
+                hp = _train("hybridps", both, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s)
+            out["at_largest_both_train"] = {
+                "n_layer": both,
+                "n_params": ds["largest"]["n_params"],
+                "hybridps": hp,
+                "deepspeed-zero-offload": ds["largest"],
+                "hybridps_over_deepspeed_tflops": round(hp["tflops"] / ds["largest"]["tflops"], 3) if hp.get("trained") else None,
+            }
+    return out
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wheels", type=Path, default=None, help="folder of wheels to install first (no network needed)")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    ap.add_argument("--budget-s", type=float, default=570.0, help="the whole run's time limit (default 570)")
+    ap.add_argument("--run-timeout-s", type=float, default=300.0, help="one training run's time limit")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per training run (after one warm-up step)")
+    ap.add_argument("--layers", type=int, default=None, help="HybridPS size to train instead of the planned largest")
+    ap.add_argument("--ds-layers", type=int, default=None, help="DeepSpeed size to train instead of its planned largest")
+    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True, help="measure the peer too")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    # worker mode (one training run in this process)
+    ap.add_argument("--worker", choices=("hybridps", "deepspeed-zero-offload", "zero3-offload"), default=None)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--gpu-bytes", default=None)
+    ap.add_argument("--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)")
+    ap.add_argument("--overlap-step", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        args.system = args.worker
+        real_stdout = os.dup(1)
+        os.dup2(2, 1)  # libraries print to stdout; the result line alone goes to the real one
+        result = _worker(args)
+        os.write(real_stdout, (RESULT_PREFIX + json.dumps(result) + "\n").encode())
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_validate: no CUDA device on this machine; nothing to validate")
+        return 0
+    clock = Clock(args.budget_s)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    report: dict = {"benchmark": "gpu_validate", "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    if args.wheels is not None:
+        site = _install_wheels(args.wheels)
+        if site:
+            sys.path.insert(0, site)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (site, str(ROOT), env.get("PYTHONPATH")) if p)
+            report["wheels_installed_into"] = site
+    env.setdefault("PYTHONPATH", str(ROOT))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}; choose from {','.join(PHASES)}")
+    report["env"] = phase_env()
+    have_deepspeed = not str(report["env"].get("deepspeed_version", "")).startswith("missing")
+    plan: dict = {}
+    for phase in phases:
+        if phase == "env":
+            continue
+        if clock.left_s() < 20:
+            report[phase] = "skipped: the time budget is spent"
+            continue
+        try:
+            if phase == "tests":
+                report[phase] = phase_tests(clock, env)
+            elif phase == "bandwidth":
+                report[phase] = phase_bandwidth(clock, env, chunk_mib=64)
+            elif phase == "plan":
+                plan = report[phase] = phase_plan(clock, env, args, report["env"])
+            elif phase == "largest":
+                report[phase] = phase_largest(clock, env, args, plan, have_deepspeed)
+        except Exception as e:  # noqa: BLE001 - one phase's failure is reported, the rest still run
+            report[phase] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"gpu_validate: {phase} done, {clock.left_s():.0f} s left", file=sys.stderr, flush=True)
+    report["seconds"] = round(args.budget_s - clock.left_s(), 1)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
