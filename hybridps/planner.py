@@ -326,7 +326,7 @@ def simulate(
     grad_reuse: bool = True,
     margin_bytes: int = 0,
     chunk_size: int | None = None,
-    pinned_host: bool = True,
+    simulated_gpus: bool = False,
     iterations: int = 2,
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
@@ -344,7 +344,7 @@ def simulate(
         grad_reuse=grad_reuse,
         margin=margin_bytes,
         chunk_size=chunk_size,
-        pinned_bytes=None if pinned_host else 0,
+        pinned_bytes=0 if simulated_gpus else None,
     )
     with torch.device("meta"):
         module = model.build()
@@ -551,7 +551,7 @@ class RankShare:
         return self.owned_bytes / self.even_share_bytes if self.even_share_bytes else 1.0
 
 
-def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0, pinned_host: bool = True) -> RankShare:
+def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0, simulated_gpus: bool = False) -> RankShare:
     """Per-rank model data of a ``node.world_size``-rank job, laid out as its clients would.
 
     The multi-rank client (chunk groups of ``world_size`` chunks; each rank owns one chunk
@@ -586,7 +586,7 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0,
 
     w = node.world_size
     compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True, meta=True)
-    config = Config(precision=_precision_of(sim), alignment=sim.alignment, pinned_bytes=None if pinned_host else 0)
+    config = Config(precision=_precision_of(sim), alignment=sim.alignment, pinned_bytes=0 if simulated_gpus else None)
     size = auto_chunk_size(list(sim.param_numels), config, compute, w) if sim.param_numels else (sim.chunk_size_elements or 1)
     layout = ChunkLayout(size, sim.alignment)
     slots = [layout.add(n) for n in sim.param_numels]
@@ -753,6 +753,60 @@ def _peer_bytes(name: str, n_params: int, largest_layer: int, node: NodeSpec, bu
 # -- the report --------------------------------------------------------------------------
 
 
+#: host memory of a training process beyond its model data: torch's kernels and libraries,
+#: gloo's buffers, Python objects. Measured on this project's CPU machines at 75-100 MiB per
+#: rank; a CUDA context and its libraries add several hundred MiB (an H100 rank held 0.8 GiB
+#: more than its booked chunks right after init).
+PROCESS_OVERHEAD_BYTES = {"simulated": 128 << 20, "gpu": 1 << 30}
+
+#: bytes per param of the checkpoint the load figure assumes (fp32 safetensors)
+CHECKPOINT_BYTES_PER_PARAM = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InitPeak:
+    """Host memory of one rank while its model is built on meta, initialized into its chunks
+    and loaded from safetensors (``meta_init`` + ``initialize`` + ``load_pretrained``).
+
+    [Note: the init peak]
+    Nothing is materialized whole: a rank holds its own chunks (the model data it keeps on
+    the host: all of it on simulated GPUs) plus, at any moment, one op's values. The replay of
+    the model's init holds the largest param's value in its own dtype (fp32). The streamed
+    load reads tensor by tensor from memory-mapped files; the file pages a rank has read stay
+    mapped, and counted in its RSS, until the file is closed, so the load adds the rank's
+    share of the checkpoint plus the largest tensor widened to fp32. The peak is the larger
+    of the two, over the rank's host model data and the process's own overhead.
+    """
+
+    host_model_data_bytes: int
+    replay_transient_bytes: int
+    load_transient_bytes: int
+    process_overhead_bytes: int
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.host_model_data_bytes + max(self.replay_transient_bytes, self.load_transient_bytes) + self.process_overhead_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "host_peak_bytes": self.host_peak_bytes}
+
+
+def init_peak(sim: Simulation, share: RankShare | None, node: NodeSpec, *, simulated_gpus: bool) -> InitPeak:
+    """One rank's host peak during meta init and streamed loading (see [Note: the init peak])."""
+    world = node.world_size
+    largest = max(sim.param_numels, default=0)
+    if share is not None:
+        host = share.owned_bytes if simulated_gpus else share.cpu_bytes
+    else:
+        host = sim.model_data_bytes if simulated_gpus else (sim.cpu.peak_bytes if sim.cpu else 0)
+    return InitPeak(
+        host_model_data_bytes=host,
+        replay_transient_bytes=largest * 4,
+        load_transient_bytes=-(-sim.n_params * CHECKPOINT_BYTES_PER_PARAM // world) + largest * 4,
+        process_overhead_bytes=PROCESS_OVERHEAD_BYTES["simulated" if simulated_gpus else "gpu"],
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HybridPSPlan:
     """HybridPS on this node: the simulated run (single rank) or its derived share."""
@@ -782,6 +836,8 @@ class HybridPSPlan:
     rank_share: RankShare | None = None
     largest: LargestModel | None = None
     warnings: tuple[str, ...] = ()
+    #: one rank's host peak while the model is built on meta and loaded (per rank)
+    init: InitPeak | None = None
 
     def __post_init__(self) -> None:
         for f in ("chunk_bytes", "model_data_bytes", "min_compute_bytes", "cpu_node_bytes", "non_model_peak_bytes", "gpu_need_bytes"):
@@ -856,9 +912,10 @@ class PlanRequest:
     grad_reuse: bool = True
     margin_bytes: int = 0
     chunk_size: int | None = None
-    #: host chunks of the node's (real) GPUs are pinned, so chunk sizes avoid the pinned
-    #: allocator's rounding (False: plan a run on simulated GPUs, which pin nothing)
-    pinned_host: bool = True
+    #: plan a run on simulated GPUs (no pinned host memory, and GPU chunks in host memory)
+    #: instead of a real node, whose host chunks are pinned: chunk sizes then avoid the
+    #: pinned allocator's rounding
+    simulated_gpus: bool = False
     iterations: int = 2
     search_largest: bool = True
     max_layers: int = DEFAULT_MAX_LAYERS
@@ -910,7 +967,7 @@ def plan(
     grad_reuse: bool = True,
     margin: int | str = 0,
     chunk_size: int | None = None,
-    pinned_host: bool = True,
+    simulated_gpus: bool = False,
     iterations: int = 2,
     search_largest: bool = True,
     max_layers: int = DEFAULT_MAX_LAYERS,
@@ -939,7 +996,7 @@ def plan(
         grad_reuse=grad_reuse,
         margin_bytes=margin,
         chunk_size=chunk_size,
-        pinned_host=pinned_host,
+        simulated_gpus=simulated_gpus,
         iterations=iterations,
         search_largest=search_largest,
         max_layers=max_layers,
@@ -983,14 +1040,14 @@ class Planner:
             grad_reuse=req.grad_reuse,
             margin_bytes=req.margin_bytes,
             chunk_size=req.chunk_size,
-            pinned_host=req.pinned_host,
+            simulated_gpus=req.simulated_gpus,
             iterations=req.iterations,
         )
         self.sim_seconds += sim.seconds
         share = None
         reasons = [] if sim.completed else [sim.failure or "the simulation failed"]
         if multi and sim.completed:
-            share = derive_rank_share(sim, node, margin_bytes=req.margin_bytes, pinned_host=req.pinned_host)
+            share = derive_rank_share(sim, node, margin_bytes=req.margin_bytes, simulated_gpus=req.simulated_gpus)
             if share.gpu_need_bytes > node.gpu_bytes:
                 reasons.append(
                     f"GPU per rank needs {format_bytes(share.gpu_need_bytes)} (activations "
@@ -1068,6 +1125,14 @@ class Planner:
                 f"needs that headroom once, so consider a margin of "
                 f"{format_bytes(sim.peak_total_warmup_bytes - node.gpu_bytes)}"
             )
+        init = init_peak(sim, share, node, simulated_gpus=self.request.simulated_gpus) if sim.completed else None
+        if init is not None and init.host_peak_bytes * node.ranks_per_node > node.cpu_bytes:
+            warnings.append(
+                f"building and loading the model takes {format_bytes(init.host_peak_bytes)} of host memory per rank "
+                f"({format_bytes(init.host_peak_bytes * node.ranks_per_node)} for the node's {node.ranks_per_node} ranks) "
+                f"of {format_bytes(node.cpu_bytes)}: build it under hybridps.meta_init() and load with "
+                f"engine.load_pretrained, and leave the host that much"
+            )
         if share is not None and share.imbalance > 1.1:
             warnings.append(
                 f"the largest rank owns {format_bytes(share.owned_bytes)}, {share.imbalance:.2f}x the even share "
@@ -1090,6 +1155,7 @@ class Planner:
             simulation_failure=sim.failure,
             largest=largest,
             warnings=tuple(warnings),
+            init=init,
         )
         if share is None:
             return HybridPSPlan(
@@ -1330,6 +1396,8 @@ def _on_line(line: Sequence[Simulation], n: int, value: Callable[[Simulation], i
 
 def _plain(obj: Any) -> Any:
     """Dataclasses to dicts, mappings to dicts, tuples to lists (JSON-ready)."""
+    if isinstance(obj, InitPeak):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
@@ -1404,6 +1472,13 @@ def _format_report(r: PlanReport) -> str:
                 )
             )
     lines += ["  " + line for line in _table(dev_rows)]
+    if h.init is not None:
+        i = h.init
+        lines.append(
+            f"  host peak per rank at init + load: {format_bytes(i.host_peak_bytes)} (model data on the host "
+            f"{format_bytes(i.host_model_data_bytes)} + transient {format_bytes(max(i.replay_transient_bytes, i.load_transient_bytes))} "
+            f"+ process {format_bytes(i.process_overhead_bytes)})"
+        )
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.moved_bytes_per_step.items()) or "none"
     lines.append(f"  moved per step{' (derived)' if h.derived else ''}: {moved}")
     if not h.fits:
@@ -1464,8 +1539,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
     t.add_argument("--chunk-size", type=_positive_int, default=None, help="elements per chunk (default: chosen as the client would)")
     t.add_argument(
-        "--pinned-host", action=argparse.BooleanOptionalAction, default=True,
-        help="host chunks are pinned for the GPUs, as on a real node (--no-pinned-host: plan a run on simulated GPUs)",
+        "--simulated-gpus", action="store_true",
+        help="plan a run on simulated GPUs (their chunks in host memory, nothing pinned) instead of a real node",
     )
     t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
     n = p.add_argument_group("node")
@@ -1541,7 +1616,7 @@ def run_command(args: argparse.Namespace) -> int:
             grad_reuse=args.grad_reuse,
             margin=args.margin,
             chunk_size=args.chunk_size,
-            pinned_host=args.pinned_host,
+            simulated_gpus=args.simulated_gpus,
             iterations=args.iterations,
             search_largest=args.search,
             max_layers=args.max_layers,

@@ -58,7 +58,7 @@ def train_for_real(shape: GPTShape, gpu_bytes: int, *, precision: str, grad_reus
 
 def plan_one(shape: GPTShape, gpu_bytes: int, **kwargs) -> hybridps.planner.PlanReport:
     # compared with runs on simulated GPUs, which pin no host memory
-    return hybridps.plan(shape, gpus=f"1x{gpu_bytes}", cpu=kwargs.pop("cpu", CPU), search_largest=False, pinned_host=False, **kwargs)
+    return hybridps.plan(shape, gpus=f"1x{gpu_bytes}", cpu=kwargs.pop("cpu", CPU), search_largest=False, simulated_gpus=True, **kwargs)
 
 
 def assert_within_5_percent(planned: int, measured: int, what: str) -> None:
@@ -130,7 +130,7 @@ def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
     """The search says n fits and n + 1 does not; real simulated runs (with the same CPU) agree."""
     shape = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
     gpu, cpu = 2 * 2**20, 3 * 2**20
-    report = hybridps.plan(shape, gpus=f"1x{gpu}", cpu=cpu, precision="fp32", pinned_host=False)
+    report = hybridps.plan(shape, gpus=f"1x{gpu}", cpu=cpu, precision="fp32", simulated_gpus=True)
     largest = report.hybridps.largest
     assert largest.confirmed and largest.method == "simulated" and 2 < largest.n_layer < 20
     train_for_real(shape.with_layers(largest.n_layer), gpu, precision="fp32", grad_reuse=True, cpu=cpu)
@@ -182,7 +182,7 @@ def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     assert share.owned_bytes >= share.even_share_bytes
     # the derivation uses the client's own layout and owner assignment: real ranks agree
     shares = run_ranks(_share_of_a_real_rank, 2, shape.n_layer, timeout_s=90)
-    derived = derive_rank_share(sim, NodeSpec.parse("2x2MiB", "8MiB"), pinned_host=False)  # the ranks ran on simulated GPUs
+    derived = derive_rank_share(sim, NodeSpec.parse("2x2MiB", "8MiB"), simulated_gpus=True)  # the ranks ran on simulated GPUs
     assert max(shares) == derived.owned_bytes
     # every rank of a group gathers the group's param chunks while a module computes
     assert share.gathered_bytes >= sim.min_compute_bytes

@@ -163,7 +163,12 @@ class ChunkGroups:
             members = self.ranked(g)
             cap = max(rows[i].capacity for i in members)
             own_index = members[self.rank]
-            if sync:
+            if not any(values.get(slot.index) is not None for i in members for slot in rows[i].slots):
+                # params built on the meta device only: every rank knows it (same model), the
+                # chunks are zeroed already and the replayed init or the load fills them, so
+                # nothing is built or sent (rank 0 would build world x chunk bytes per group)
+                mine = None
+            elif sync:
                 mine = torch.zeros(cap, dtype=torch.float32)
                 outgoing = None
                 if self.rank == 0:
@@ -175,7 +180,8 @@ class ChunkGroups:
                 chunk = client.lists[kind][own_index]
                 if chunk.payload is None:
                     continue  # a padding row keeps no master: it holds no params
-                chunk.payload.copy_(mine[: chunk.capacity])
+                if mine is not None:
+                    chunk.payload.copy_(mine[: chunk.capacity])
                 for slot in chunk.slots:
                     chunk.set_slot_state(slot, _S.HOLD, "initial weights")
 
