@@ -18,6 +18,8 @@ last ``release``. The state given to the last release is the one the param ends 
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import logging
 import os
@@ -127,6 +129,7 @@ class Client:
                 world_size=world_size,
                 group=process_group,
                 store=_store_of(process_group),
+                prefix=_collectives_prefix(process_group),
                 timeout_s=self.config.collective_timeout_s,
                 device=_backend_device(process_group, self.compute),
             )
@@ -1037,6 +1040,22 @@ def _backend_device(group: dist.ProcessGroup | None, compute) -> torch.device:
     if backend == "nccl" and compute.is_gpu and not compute.simulated:
         return compute.torch_device
     return torch.device("cpu")
+
+
+#: clients created so far per process group (None: the default group), in this process
+_CLIENTS_OF_GROUP: collections.Counter = collections.Counter()
+
+
+def _collectives_prefix(process_group) -> str:
+    """A store namespace of the collectives of one client: the n-th client on a process
+    group. Every rank creates its clients in the same order, so the ranks agree on n. Without
+    it a second client on the same group (an engine made after another was closed) reused
+    the first one's watchdog keys: a rank already in the new client's collective #k met a
+    slower rank's #k of the old one and reported a divergence that was not there."""
+    key = id(process_group) if process_group is not None else None
+    n = _CLIENTS_OF_GROUP[key]
+    _CLIENTS_OF_GROUP[key] += 1
+    return f"hybridps/c{n}"
 
 
 def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int) -> int:
