@@ -81,16 +81,33 @@ def weight_files(path: str | os.PathLike) -> tuple[Path, dict[str, str]]:
     )
 
 
+#: what a peft adapter wrapper adds to the names of the base model's params
+_PEFT_PREFIX = "base_model.model."
+_PEFT_BASE_LAYER = ".base_layer."
+
+
+def _unwrapped(key: str) -> str:
+    """The base model's name of ``key`` in a peft-wrapped model: LoRA moves a wrapped
+    layer's weight to ``<layer>.base_layer.weight`` under ``base_model.model.``; a base
+    checkpoint names it ``<layer>.weight``."""
+    if key.startswith(_PEFT_PREFIX):
+        key = key[len(_PEFT_PREFIX) :]
+    return key.replace(_PEFT_BASE_LAYER, ".")
+
+
 def _match(names: dict[str, str], model_keys: list[str], prefix: str) -> dict[str, str]:
     """model key -> name in the files, for the keys the files hold (see [Note: names])."""
     out: dict[str, str] = {}
     for key in model_keys:
-        if key in names:
-            out[key] = key
-        elif prefix and key.startswith(prefix + ".") and key[len(prefix) + 1 :] in names:
-            out[key] = key[len(prefix) + 1 :]
-        elif prefix and f"{prefix}.{key}" in names:
-            out[key] = f"{prefix}.{key}"
+        for candidate in dict.fromkeys((key, _unwrapped(key))):
+            if candidate in names:
+                out[key] = candidate
+            elif prefix and candidate.startswith(prefix + ".") and candidate[len(prefix) + 1 :] in names:
+                out[key] = candidate[len(prefix) + 1 :]
+            elif prefix and f"{prefix}.{candidate}" in names:
+                out[key] = f"{prefix}.{candidate}"
+            if key in out:
+                break
     return out
 
 

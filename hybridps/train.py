@@ -1,4 +1,5 @@
-"""``hybridps train``: train a byte-level GPT on real text through HybridPS.
+"""``hybridps train``: train a byte-level GPT (or a local Hugging Face causal LM) on real text
+through HybridPS.
 
 By default the text is the Python standard library's own source files (present on every
 machine with Python), the manager is embedded, and when no GPU is visible a simulated
@@ -10,6 +11,13 @@ saves at the end, ``--resume`` continues a run, ``--plot`` writes the memory plo
     hybridps train                       # about a minute on 2 CPU cores
     hybridps train --data ~/corpus.txt --steps 2000 --ckpt runs/a
     torchrun --nproc_per_node 2 -m hybridps.train --manager auto
+
+A local Hugging Face causal LM instead (see hf_task.py; built on the meta device, weights
+streamed into each rank's chunks, the text tokenized with the folder's tokenizer if any):
+
+    hybridps train --model ./llama-folder --data ~/corpus.txt --save runs/tuned
+    hybridps train --model ./llama-folder --lora 8 --save runs/adapter   # adapters only
+    hybridps train --model-config tiny/config.json                         # random init
 """
 
 from __future__ import annotations
@@ -59,25 +67,33 @@ def read_corpus(path: Path, max_bytes: int) -> bytes:
     return bytes(out[:max_bytes])
 
 
-class ByteBatches:
-    """Random windows of a byte string, the same on every rank for a given step (each rank
-    takes its own rows), with a held-out tail for evaluation."""
+class TokenBatches:
+    """Random windows of a sequence of token ids, the same on every rank for a given step
+    (each rank takes its own rows), with a held-out tail for evaluation."""
 
-    def __init__(self, data: bytes, seq_len: int, *, holdout: float = 0.05):
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    def __init__(self, ids: torch.Tensor, seq_len: int, *, holdout: float = 0.05):
+        t = ids.long()
         if t.numel() < 4 * (seq_len + 1):
-            raise SystemExit(f"the text has {t.numel()} bytes; need at least {4 * (seq_len + 1)} for seq_len={seq_len}")
+            raise SystemExit(f"the text has {t.numel()} tokens; need at least {4 * (seq_len + 1)} for seq_len={seq_len}")
         cut = int(t.numel() * (1 - holdout))
         self.train, self.val = t[:cut], t[cut:]
         self.seq_len = seq_len
 
     def get(self, step: int, batch: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets shifted by one) of ``batch`` windows."""
         data = self.train if split == "train" else self.val
         g = torch.Generator().manual_seed(step if split == "train" else 10**9 + step)
         starts = torch.randint(0, data.numel() - self.seq_len - 1, (batch,), generator=g)
         x = torch.stack([data[s : s + self.seq_len] for s in starts.tolist()])
         y = torch.stack([data[s + 1 : s + 1 + self.seq_len] for s in starts.tolist()])
         return x, y
+
+
+class ByteBatches(TokenBatches):
+    """Windows of a byte string (the byte-level GPT's tokens)."""
+
+    def __init__(self, data: bytes, seq_len: int, *, holdout: float = 0.05):
+        super().__init__(torch.frombuffer(bytearray(data), dtype=torch.uint8), seq_len, holdout=holdout)
 
 
 def estimate_activation_bytes(cfg, batch: int) -> int:
@@ -111,6 +127,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    hf = ap.add_argument_group("a Hugging Face causal LM instead of the byte-level GPT (needs transformers)")
+    hf.add_argument("--model", type=Path, default=None, help="a local pretrained folder (config, safetensors, tokenizer)")
+    hf.add_argument("--model-config", type=Path, default=None, help="a config.json (or its folder): random init")
+    hf.add_argument("--lora", type=int, default=None, metavar="R", help="train LoRA adapters of rank R only (needs peft)")
+    hf.add_argument("--save", type=Path, default=None, help="write a save_pretrained folder of the trained model here")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -123,24 +144,44 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
     torch.manual_seed(args.seed)
     data = read_corpus(args.data, parse_bytes(args.data_bytes)) if args.data else stdlib_text(parse_bytes(args.data_bytes))
-    batches = ByteBatches(data, args.seq)
-    cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
-                    checkpoint=args.checkpointing)
-    model = GPT(cfg)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
     micro = args.batch // world
+    hf_task = None
+    if args.model is not None or args.model_config is not None:
+        from hybridps.hf_task import HFCausalLM
+
+        hf_task = HFCausalLM(model_path=args.model, config_path=args.model_config, lora_rank=args.lora, seq_len=args.seq)
+        model = hf_task.build()
+        batches = TokenBatches(hf_task.token_ids(data), args.seq)
+        groups = hf_task.param_groups(model)
+        n_params = hf_task.n_params(model)
+        activations_fp32 = hf_task.activation_estimate_bytes(micro)
+
+        def loss_of(x, y):
+            return hf_task.loss(engine, x, y)
+    else:
+        if args.lora or args.save:
+            raise SystemExit("--lora and --save need a Hugging Face model: --model PATH or --model-config FILE")
+        batches = ByteBatches(data, args.seq)
+        cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                        checkpoint=args.checkpointing)
+        model = GPT(cfg)
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        n_params = cfg.n_params
+        activations_fp32 = estimate_activation_bytes(cfg, micro)
+
+        def loss_of(x, y):
+            return engine(x, y)[1]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     per_param = 14 if args.precision != "fp32" else 16
-    model_bytes = cfg.n_params * per_param // world
+    model_bytes = n_params * per_param // world
     devices: dict = {}
     if not torch.cuda.is_available():
         if args.gpu_capacity == "auto":
             # Below the model data, so chunks really move; but leave a quarter of the model
             # data for chunks beside the activations at their peak.
             scale = 0.5 if args.precision != "fp32" else 1.0
-            activations = int(estimate_activation_bytes(cfg, micro) * scale)
+            activations = int(activations_fp32 * scale)
             capacity = max(int(0.9 * model_bytes), activations + model_bytes // 4)
             if capacity > model_bytes:
                 logger.warning("activations (~%s) need a simulated GPU larger than the model data", format_bytes(activations))
@@ -152,6 +193,8 @@ def run(args: argparse.Namespace) -> dict:
     config = hybridps.Config(devices=devices, precision=args.precision, manager=args.manager,
                              record=bool(args.plot or args.trace))
     engine = hybridps.initialize(model, optimizer, config)
+    if hf_task is not None:
+        hf_task.after_initialize(engine)
 
     def lr_at(step: int) -> float:
         if step < args.warmup_steps:
@@ -172,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
     for step in range(start, start + args.steps):
         x, y = batches.get(step, args.batch)
         x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
-        _, loss = engine(x, y)
+        loss = loss_of(x, y)
         engine.backward(loss)
         engine.clip_grad_norm_(1.0)
         engine.step()
@@ -191,7 +234,9 @@ def run(args: argparse.Namespace) -> dict:
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
-    val = _validation_loss(engine, batches, micro, rank, world)
+    val = _validation_loss(engine, batches, micro, rank, world, loss_of)
+    if args.save:
+        hf_task.save(engine, model, args.save, rank)
     if args.ckpt:
         engine.save_checkpoint(args.ckpt, lr_scheduler=scheduler, client_state={"next_step": start + args.steps})
     if args.plot and rank == 0:
@@ -200,7 +245,8 @@ def run(args: argparse.Namespace) -> dict:
         engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
     stats = engine.memory_stats()
     summary = {
-        "params": cfg.n_params,
+        "params": n_params,
+        "model": str(args.model or args.model_config or "byte-level GPT") + (f" + LoRA r={args.lora}" if args.lora else ""),
         "ranks": world,
         "precision": args.precision,
         "steps": args.steps,
@@ -220,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         "moves": stats["moves"] - stats0["moves"],
         "moved_bytes": sum(stats["moved_bytes"].values()) - sum(stats0["moved_bytes"].values()),
         "checkpoint": str(args.ckpt) if args.ckpt else None,
+        "saved": str(args.save) if args.save else None,
     }
     if rank == 0:
         print(json.dumps(summary, indent=2) if args.json else _summary_text(summary))
@@ -236,12 +283,12 @@ def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
 
 
 @torch.no_grad()
-def _validation_loss(engine, batches: ByteBatches, micro: int, rank: int, world: int, n: int = 4) -> float:
+def _validation_loss(engine, batches: TokenBatches, micro: int, rank: int, world: int, loss_of, n: int = 4) -> float:
     engine.eval()
     total = 0.0
     for i in range(n):
         x, y = batches.get(i, micro * world, "val")
-        _, loss = engine(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
+        loss = loss_of(x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro])
         total += _mean_over_ranks(loss, world)
     engine.train()
     return total / n
@@ -260,7 +307,7 @@ def _progress(args, rank: int, start: int):
 
 def _summary_text(s: dict) -> str:
     lines = [
-        f"trained {s['params']:,} params for {s['steps']} steps on {s['ranks']} rank(s), {s['precision']}: "
+        f"trained {s['model']} ({s['params']:,} params) for {s['steps']} steps on {s['ranks']} rank(s), {s['precision']}: "
         f"loss {s['mean_loss_first_10']:.3f} -> {s['mean_loss_last_10']:.3f} (mean of first/last 10), "
         f"validation {s['val_loss']:.3f}",
         f"{s['tokens_per_s']:,.0f} tokens/s over {s['seconds']:.1f} s; model data {format_bytes(s['model_data_bytes'])} "
@@ -274,11 +321,13 @@ def _summary_text(s: dict) -> str:
         lines.append(f"  {name} ({kind}): peak chunks {format_bytes(d['peak_bytes'])} of {format_bytes(d['capacity_bytes'])}{extra}")
     if s["checkpoint"]:
         lines.append(f"checkpoint: {s['checkpoint']}")
+    if s.get("saved"):
+        lines.append(f"save_pretrained folder: {s['saved']}")
     return "\n".join(lines)
 
 
 def add_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a byte-level GPT on real text", description=__doc__,
+    p = subparsers.add_parser("train", help="train a byte-level GPT, or a local Hugging Face causal LM, on real text", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=lambda args: (run(args), 0)[1])
