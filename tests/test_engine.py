@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -399,7 +400,43 @@ def test_memory_stats_account_host_memory_by_part():
     host = stats["host"]
     chunk_bytes = sum(d["used_bytes"] for d in stats["devices"].values())
     assert host["cpu_chunk_bytes"] + host["simulated_gpu_chunk_bytes"] == chunk_bytes
-    parts = [v for k, v in host.items() if k not in ("accounted_bytes", "rss_bytes")]
+    parts = [v for k, v in host.items() if k not in ("accounted_bytes", "rss_bytes", "allocator_free_bytes")]
     assert host["accounted_bytes"] == sum(parts)
     assert host["pool_bytes"] == stats["pool"]["held_bytes"]
     assert host["rss_bytes"] > host["accounted_bytes"]
+    assert host["allocator_free_bytes"] is None or host["allocator_free_bytes"] >= 0
+
+
+def test_rss_growth_is_explained_by_the_accounted_bytes_and_the_allocators_free_memory():
+    """What a training process's RSS grows by over torch's baseline (torch and its meta
+    registrations loaded) is HybridPS's accounted host memory plus the free memory the C
+    allocator keeps, within 10%."""
+    import ctypes
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("Linux only")
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    from hybridps.client.client import _rss_bytes
+
+    with hybridps.meta_init():  # torch's meta registrations are part of its baseline
+        GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, seq_len=16, vocab_size=64))
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _rss_bytes()
+    cfg = GPTConfig(n_layer=8, d_model=512, n_head=8, seq_len=64, vocab_size=8192)  # 29 M params
+    with hybridps.meta_init():
+        model = GPT(cfg)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()),
+                                 hybridps.Config(devices={"cuda:0": int(cfg.n_params * 16 * 0.3)}))
+    for step in range(3):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(step))
+        _, loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    host = engine.memory_stats()["host"]
+    growth = host["rss_bytes"] - base
+    explained = host["accounted_bytes"] + host["allocator_free_bytes"]
+    assert abs(growth - explained) <= 0.10 * growth, (growth >> 20, host["accounted_bytes"] >> 20, host["allocator_free_bytes"] >> 20)

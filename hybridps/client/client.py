@@ -19,6 +19,7 @@ last ``release``. The state given to the last release is the one the param ends 
 from __future__ import annotations
 
 import collections
+import ctypes
 
 import dataclasses
 import logging
@@ -893,6 +894,9 @@ class Client:
         }
         parts["accounted_bytes"] = sum(parts.values())
         parts["rss_bytes"] = _rss_bytes()
+        # freed memory the C allocator keeps for reuse (activations and temporaries of the last
+        # step): not HybridPS's data, but most of what RSS holds beyond it and torch's baseline
+        parts["allocator_free_bytes"] = _allocator_free_bytes()
         return parts
 
     # -- lifetime --------------------------------------------------------------------------
@@ -965,6 +969,25 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.lists.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _allocator_free_bytes() -> int | None:
+    """Free bytes glibc's malloc holds in its arenas (``mallinfo2().fordblks``; glibc >=
+    2.33), None elsewhere. [Note] Measured at 91 M params after three steps: RSS growth
+    1.16x the accounted bytes, 1.02x once these were returned (malloc_trim); trimming every
+    step would cost re-faulting the next step's activations, so they are reported instead."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
 
 
 def _rss_bytes() -> int | None:
