@@ -19,9 +19,8 @@ from hybridps.common.errors import (
     RegistrationError,
     StateError,
 )
-
-from hybridps.engine import Engine, initialize
 from hybridps.deferred_init import meta_init
+from hybridps.engine import Engine, initialize
 from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"

@@ -386,7 +386,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
         for key, buf in buffers.items():
             if key in weight_map:
                 buf.copy_(tensor(weight_map[key], key))
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=True):
             for k, v in saved.items():
                 if k != "params":
                     group[k] = tuple(v) if k == "betas" else v

@@ -385,7 +385,7 @@ def _sort_key(value: object) -> tuple[int, int, str]:
 def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
-        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
         for row in rows
     ]
 

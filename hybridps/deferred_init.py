@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 from torch.utils import _pytree as pytree
+from torch.utils._device import _device_constructors
 
 from hybridps.client.placeholder import written_arg
 from hybridps.common.errors import HybridPSError
@@ -155,7 +155,7 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
         for i, op in enumerate(record.ops):
             loaded: dict[int, torch.Tensor] = {}  # param storages read for this op
 
-            def real_of(t: Any) -> Any:
+            def real_of(t: Any, loaded: dict = loaded, op: Any = op) -> Any:  # bound to this op
                 if not _is_meta(t):
                     return t
                 key = _key(t)
@@ -179,7 +179,7 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
                 kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             with torch.no_grad():
                 out = op.func(*args, **kwargs)
-            for meta_out, real_out in zip(op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)]):
+            for meta_out, real_out in zip(op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)], strict=True):
                 key = _key(meta_out)
                 flat = _storage_of(real_out)
                 if key in params:

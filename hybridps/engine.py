@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridps import deferred_init
 from hybridps.client.chunk import ChunkKind
 from hybridps.client.client import Client
 from hybridps.client.events import EventRecorder
@@ -27,7 +28,6 @@ from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.placeholder import ParamGuard
-from hybridps import deferred_init
 from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config

@@ -593,9 +593,9 @@ def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0,
     layout.pad_to_multiple(w)
     caps = [layout.capacity(i) for i in range(layout.num_chunks)]
     has_slots = [bool(layout.members(i)) for i in range(layout.num_chunks)]
-    owner_of, _ = assign_owners([c if h else 0 for c, h in zip(caps, has_slots)], w)
+    owner_of, _ = assign_owners([c if h else 0 for c, h in zip(caps, has_slots, strict=True)], w)
     shares = [0] * w
-    for i, (cap, filled) in enumerate(zip(caps, has_slots)):
+    for i, (cap, filled) in enumerate(zip(caps, has_slots, strict=True)):
         shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else _param_elem_bytes(sim))
     owned = max(shares, default=0)
     even = math.ceil(sum(shares) / w)
@@ -1310,7 +1310,7 @@ class Planner:
         a, b = line
         needs = [(self._needs(a), a.sim.n_layer), (self._needs(b), b.sim.n_layer)]
         best: float = float(self.request.max_layers)
-        for (need_a, cap), (need_b, _) in zip(needs[0][0], needs[1][0]):
+        for (need_a, cap), (need_b, _) in zip(needs[0][0], needs[1][0], strict=True):
             slope = (need_b - need_a) / (needs[1][1] - needs[0][1])
             if slope > 0:
                 best = min(best, needs[0][1] + (cap - need_a) / slope)
@@ -1496,7 +1496,7 @@ def _format_report(r: PlanReport) -> str:
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 # -- command line ------------------------------------------------------------------------

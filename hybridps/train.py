@@ -23,7 +23,6 @@ streamed into each rank's chunks, the text tokenized with the folder's tokenizer
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math

@@ -35,12 +35,12 @@ def torch_master_copy_step(model16: nn.Module, masters: list[torch.Tensor], opt:
     does per chunk): fp16 grads to fp32, unscale with an inf/NaN check (GradScaler's kernel),
     fused AdamW on the masters, params written back to fp16."""
     found_inf = torch.zeros(1)
-    for p16, m in zip(model16.parameters(), masters):
+    for p16, m in zip(model16.parameters(), masters, strict=True):
         m.grad.copy_(p16.grad)
     torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in masters], found_inf, inv_scale)
     if not found_inf.item():
         opt.step()
-    for p16, m in zip(model16.parameters(), masters):
+    for p16, m in zip(model16.parameters(), masters, strict=True):
         p16.data.copy_(m.data)
 
 
@@ -57,7 +57,7 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True) -
     if precision == "fp16":  # the like-for-like baseline: torch with fp32 masters
         model16 = make_model(n_params).half()
         masters = [p.detach().float().requires_grad_() for p in model16.parameters()]
-        for p16, m in zip(model16.parameters(), masters):
+        for p16, m in zip(model16.parameters(), masters, strict=True):
             p16.grad = torch.randn_like(p16) * 1e-3
             m.grad = torch.zeros_like(m)
         master_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)

@@ -40,8 +40,6 @@ from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch  # noqa: E402
 
 
-
-
 class ByteCounter:
     """Bytes each rank receives, by collective, counted around torch.distributed calls."""
 

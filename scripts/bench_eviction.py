@@ -25,8 +25,6 @@ from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch
 
 
-
-
 def offline_belady(tracer, sizes: dict[int, int], capacity: int, margin: int, compute: str, resident0: set[int]) -> int:
     """Bytes moved (in + out of the compute device) by Belady over one traced iteration,
     starting from the residency ``resident0`` (the state at the iteration's start)."""

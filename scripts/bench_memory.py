@@ -132,7 +132,7 @@ def main() -> None:
         small, large = (_subprocess(kind, precision, d, args.layers, args.steps) for d in args.d_model)
         extra = large["params"] - small["params"]
 
-        def slope(field: str) -> float:  # bytes per param beyond the fixed overhead (code pages, allocator)
+        def slope(field: str, large=large, small=small, extra=extra) -> float:  # bytes per param beyond the fixed overhead
             return round((large[field] * large["params"] - small[field] * small["params"]) / extra, 2)
 
         results.append({

@@ -26,8 +26,6 @@ from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch
 
 
-
-
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
 

@@ -140,7 +140,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_two_and_four_ranks(tmp_path):
         resumed = run_ranks(_resume_in_fresh_process, world, path, 4, 7, timeout_s=90)[0][2]
         # Other world sizes split the batch differently, so losses and grads are summed in
         # another order: equal to rounding.
-        for got, want in zip(resumed, continued):
+        for got, want in zip(resumed, continued, strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), (resumed, continued)
 
 

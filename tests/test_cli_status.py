@@ -38,8 +38,8 @@ def test_status_prints_devices_clients_and_totals(daemon, client, capsys):
     lines = out.splitlines()
     assert lines[0].startswith(f"hybridps-manager on {daemon.endpoint}: pid {daemon.proc.pid}")
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
-    assert ["cuda:0", "simulated", "GPU", "8.00", "MiB", "3.00", "MiB", "5.00", "MiB", "3.00", "MiB"] in [l.split() for l in lines]
-    assert ["cpu", "cpu", "1.00", "GiB", "512", "B", "1024.00", "MiB", "512", "B"] in [l.split() for l in lines]
+    assert ["cuda:0", "simulated", "GPU", "8.00", "MiB", "3.00", "MiB", "5.00", "MiB", "3.00", "MiB"] in [line.split() for line in lines]
+    assert ["cpu", "cpu", "1.00", "GiB", "512", "B", "1024.00", "MiB", "512", "B"] in [line.split() for line in lines]
     assert any(line.split()[:1] == ["total"] for line in lines)
     assert "CLIENTS (1)" in lines
     row = next(line for line in lines if line.endswith(client.client_id)).split()
@@ -130,9 +130,9 @@ def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_
     text = cli.format_status(status)
     lines = text.splitlines()
     assert lines[0] == "hybridps-manager on ipc:///x: pid 1, instance i, up 5s, lease ? s"
-    assert ["cuda:0", "simulated", "GPU", "2.00", "KiB", "0", "B", "?", "?"] in [l.split() for l in lines]
-    assert ["0", "?", "?", "n", "?", "512", "B", "0", "B", "r0-a"] in [l.split() for l in lines]
-    assert ["1", "1", "9", "n", "?", "?", "?", "r1-b"] in [l.split() for l in lines]
+    assert ["cuda:0", "simulated", "GPU", "2.00", "KiB", "0", "B", "?", "?"] in [line.split() for line in lines]
+    assert ["0", "?", "?", "n", "?", "512", "B", "0", "B", "r0-a"] in [line.split() for line in lines]
+    assert ["1", "1", "9", "n", "?", "?", "?", "r1-b"] in [line.split() for line in lines]
     assert "CLIENTS (2)" in lines
     note = lines[-1]
     assert note.startswith("? = not in this daemon's status")

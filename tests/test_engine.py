@@ -49,7 +49,7 @@ def test_fp32_gpt_training_at_30_percent_capacity_matches_plain_pytorch_bitwise(
     assert ref_opt.param_groups[0]["lr"] == engine.optimizer.param_groups[0]["lr"]
     engine.close()
     # the model gets its trained weights back
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -60,7 +60,7 @@ def test_the_default_adamw_kernel_stays_within_1e_5_of_plain_pytorch():
     expected = train_plain(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3), 10)
     engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 0.3)
     got = train_engine(engine, 10)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
@@ -407,18 +407,9 @@ def test_memory_stats_account_host_memory_by_part():
     assert host["allocator_free_bytes"] is None or host["allocator_free_bytes"] >= 0
 
 
-def test_rss_growth_is_explained_by_the_accounted_bytes_and_the_allocators_free_memory():
-    """What a training process's RSS grows by over torch's baseline (torch and its meta
-    registrations loaded) is HybridPS's accounted host memory plus the free memory the C
-    allocator keeps, within 10%."""
+def _rss_growth_and_explained(rank, world):
     import ctypes
 
-    if not os.path.exists("/proc/self/statm"):
-        pytest.skip("Linux only")
-    try:
-        ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
     from hybridps.client.client import _rss_bytes
 
     with hybridps.meta_init():  # torch's meta registrations are part of its baseline
@@ -437,6 +428,21 @@ def test_rss_growth_is_explained_by_the_accounted_bytes_and_the_allocators_free_
         engine.step()
         engine.zero_grad()
     host = engine.memory_stats()["host"]
-    growth = host["rss_bytes"] - base
-    explained = host["accounted_bytes"] + host["allocator_free_bytes"]
-    assert abs(growth - explained) <= 0.10 * growth, (growth >> 20, host["accounted_bytes"] >> 20, host["allocator_free_bytes"] >> 20)
+    return host["rss_bytes"] - base, host["accounted_bytes"], host["allocator_free_bytes"]
+
+
+def test_rss_growth_is_explained_by_the_accounted_bytes_and_the_allocators_free_memory():
+    """What a training process's RSS grows by over torch's baseline (torch and its meta
+    registrations loaded) is HybridPS's accounted host memory plus the free memory the C
+    allocator keeps, within 10% (measured 4.6%; the accounted bytes alone: 15% short). In a
+    fresh process: what earlier tests left in the allocator is not this model's."""
+    import ctypes
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("Linux only")
+    if not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    from tests.dist import run_ranks
+
+    ((growth, accounted, free),) = run_ranks(_rss_growth_and_explained, 1, timeout_s=120)
+    assert abs(growth - (accounted + free)) <= 0.10 * growth, (growth >> 20, accounted >> 20, free >> 20)

@@ -87,7 +87,7 @@ def test_values_survive_asynchronous_moves_bitwise():
         client.register_module(model)
         manager = client.chunks
         params = list(model.parameters())
-        for p, expected in zip(params + params[::-1], original + original[::-1]):
+        for p, expected in zip(params + params[::-1], original + original[::-1], strict=True):
             # start a prefetch of the next chunk on the copy stream, then use this one
             t = client.access(p)
             assert torch.equal(t.cpu(), expected)

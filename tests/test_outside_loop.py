@@ -322,7 +322,7 @@ def test_reads_with_grad_outside_forward_keep_their_gradient():
         engine.step()
         engine.zero_grad()
         assert got.item() == pytest.approx(loss.item(), rel=1e-6)
-    for a, b in zip(plain.parameters(), wrapped.state_dict().values()):
+    for a, b in zip(plain.parameters(), wrapped.state_dict().values(), strict=True):
         torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-6)
 
 

@@ -16,15 +16,14 @@ import pytest
 import torch
 
 import hybridps
-from tests.dist import run_ranks
 from hybridps import CapacityError, ConfigError
 from hybridps.models import GPT
 from hybridps.planner import (
     GPTShape,
     ModelFactory,
     NodeSpec,
-    PlanRequest,
     Planner,
+    PlanRequest,
     add_subcommand,
     deepspeed_zero2_offload_bytes,
     deepspeed_zero3_offload_bytes,
@@ -32,6 +31,7 @@ from hybridps.planner import (
     main,
     parse_gpus,
 )
+from tests.dist import run_ranks
 from tests.training import tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

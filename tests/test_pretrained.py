@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 CFG = hybridps.Config(devices={"cuda:0": "64MiB"})
 
 
-def _config() -> "transformers.GPT2Config":
+def _config() -> transformers.GPT2Config:
     return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
                                    embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-
 import dataclasses
 import logging
 import os
@@ -252,7 +251,7 @@ class Client:
             return
         done: list[ParamInfo] = []
         try:
-            for (name, p), slot in zip(named, slots):
+            for (name, p), slot in zip(named, slots, strict=True):
                 done.append(self._commit(name, p, slot, plan))
         except BaseException as exc:
             self._rollback(done)
@@ -269,7 +268,7 @@ class Client:
         for index in range(plan.num_chunks):
             self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
         values: dict[int, torch.Tensor] = {}
-        for (name, p), slot in zip(named, slots):
+        for (name, p), slot in zip(named, slots, strict=True):
             info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
             self._params[id(p)] = info
             self.params.append(info)
@@ -301,7 +300,7 @@ class Client:
     def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
         """Refuse, before anything moves, a capacity that no module could run in."""
         per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
-        slot_of = {id(p): s for (_, p), s in zip(named, slots)}
+        slot_of = {id(p): s for (_, p), s in zip(named, slots, strict=True)}
         for info in self.params:
             slot_of[id(info.param)] = info.slot
         by_module: dict[str, set[int]] = {}
@@ -519,7 +518,7 @@ class Client:
 
     @staticmethod
     def _set_states(chunk: Chunk, states: list[TensorState]) -> None:
-        for slot, state in zip(chunk.slots, states):
+        for slot, state in zip(chunk.slots, states, strict=True):
             chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
 
     def place_optimizer_states(self, spare_bytes: int) -> int:

@@ -140,7 +140,7 @@ class EventRecorder:
         fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3 * len(devices)), squeeze=False)
         moments = [h[0] for h in self.history]
         mib = 1024.0 * 1024.0
-        for ax, dev in zip(axes[:, 0], devices):
+        for ax, dev in zip(axes[:, 0], devices, strict=True):
             s = series[dev.name]
             ax.plot(moments, [v / mib for v in s["model_data"]], label="model data (chunks)")
             ax.plot(moments, [v / mib for v in s["non_model"]], label="non-model data")

@@ -300,7 +300,7 @@ class ChunkGroups:
         for chunk in self._members(g):
             if chunk.owned:
                 continue
-            for slot, state in zip(chunk.slots, list(chunk.states)):
+            for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
                 if state is not _S.FREE:
                     chunk.set_slot_state(slot, _S.FREE, f"dropping {chunk}")
             self.client.chunks.free(chunk)
@@ -382,7 +382,7 @@ class ChunkGroups:
             own.payload.copy_(result)
             if own.slots:  # a padding row has no params to write back
                 self.write_back.add(own_index)
-            for slot, state in zip(own.slots, list(own.states)):
+            for slot, state in zip(own.slots, list(own.states), strict=True):
                 if state is not _S.HOLD_AFTER_BWD:
                     own.set_slot_state(slot, _S.COMPUTE, "reduced grad")
                     own.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")
@@ -417,7 +417,7 @@ class ChunkGroups:
             chunk.payload.copy_(reduced.to(chunk.payload.device))
         else:
             chunk.payload.add_(reduced.to(chunk.payload.device))
-        for slot, state in zip(chunk.slots, list(chunk.states)):
+        for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
             if state is _S.FREE:
                 chunk.set_slot_state(slot, _S.COMPUTE, "reduced grad")
                 chunk.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")

@@ -148,18 +148,18 @@ class ModuleHooks:
         if now == self._trainable:
             return
         optimizer = self.client.optimizer
-        for info, trainable, was in zip(params, now, self._trainable):
+        for info, trainable, was in zip(params, now, self._trainable, strict=True):
             if trainable and not was and optimizer is not None and optimizer.group_of[info.slot.index] is None:
                 raise RegistrationError(
                     f"{info.describe()} was set to requires_grad=True after initialize, but it is in no param group "
                     f"of the optimizer, so it would get grads and never train. Build the optimizer over all of "
                     f"model.parameters() (frozen ones included: Adam skips params without grads) before initialize"
                 )
-        for info, trainable in zip(params, now):
+        for info, trainable in zip(params, now, strict=True):
             if trainable and id(info.param) not in self._grad_hooked:
                 self._hook_grad(info.param)
         self._trainable = now
-        frozen_ids = {id(i.param) for i, trainable in zip(params, now) if not trainable}
+        frozen_ids = {id(i.param) for i, trainable in zip(params, now, strict=True) if not trainable}
         self.frozen = {m for m, ps in self.own.items() if any(id(p) in frozen_ids for p in ps)}
 
     def remove(self) -> None:

@@ -164,7 +164,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         low = self.client.param_dtype != torch.float32
         norms: list[torch.Tensor] = []
         first_device = None
-        for index, infos in grads.items():
+        for infos in grads.values():
             views = [self.client.grad_view(i) for i in infos]
             first_device = first_device or views[0].device
             norms.extend(torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type))
@@ -449,7 +449,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             for chunk in client.lists[ChunkKind.GRAD]:
                 if chunk.payload is None:
                     continue
-                for slot, state in zip(chunk.slots, list(chunk.states)):
+                for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
                     if state is not TensorState.FREE:
                         chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
                 client.chunks.free(chunk)
@@ -505,10 +505,10 @@ class ChunkedAdam(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
         params: dict[int, ParamInfo] = {}
-        for g, (saved, group) in enumerate(zip(groups, self.param_groups)):
+        for g, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(group["params"]):
                 raise ConfigError(f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}")
-            for idx, p in zip(saved["params"], group["params"]):
+            for idx, p in zip(saved["params"], group["params"], strict=True):
                 params[idx] = client.param_info(p)
         for idx, entry in state_dict["state"].items():
             info = params.get(int(idx))
@@ -518,7 +518,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 if key in entry and tuple(entry[key].shape) != tuple(info.shape):
                     raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
         with torch.no_grad():
-            for g, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            for saved, group in zip(groups, self.param_groups, strict=True):
                 for k, v in saved.items():
                     if k != "params":
                         group[k] = v

@@ -165,7 +165,7 @@ class Metrics:
         family("hybridps_manager_request_duration_seconds", "histogram", "Time the daemon spent on a request, by op.")
         for op, (counts, count, total_s) in sorted(latency.items()):
             cumulative = 0
-            for bound, n in zip(LATENCY_BUCKETS_S, counts):
+            for bound, n in zip(LATENCY_BUCKETS_S, counts[: len(LATENCY_BUCKETS_S)], strict=True):  # the last count is +Inf's
                 cumulative += n
                 sample("hybridps_manager_request_duration_seconds_bucket", {"op": op, "le": repr(bound)}, cumulative)
             sample("hybridps_manager_request_duration_seconds_bucket", {"op": op, "le": "+Inf"}, count)

@@ -47,7 +47,7 @@ def test_access_in_forward_then_reverse_order_keeps_values_and_counts_every_move
 
         params = list(model.parameters())
         order = params + params[::-1]
-        for p, expected in zip(order, original + original[::-1]):
+        for p, expected in zip(order, original + original[::-1], strict=True):
             t = client.access(p)
             assert t.shape == expected.shape and p.shape == expected.shape
             assert torch.equal(t, expected), "values must survive every move bitwise"
@@ -79,7 +79,7 @@ def test_the_seed_example_reports_its_minimum_gpu_bytes_and_refuses_less():
         with pytest.raises(ConfigError) as e:
             client.register_module(model)
     assert "160 B" in str(e.value) and "159 B" in str(e.value)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a refused model keeps its data"
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)), "a refused model keeps its data"
 
 
 def test_accesses_nest_and_the_last_release_decides_the_state():
@@ -114,14 +114,14 @@ def test_low_precision_params_are_chunked_with_an_fp32_master_copy():
     original = [p.detach().clone() for p in model.parameters()]
     with Client(Config(devices={"cuda:0": "1MiB"}, precision="bf16")) as client:
         client.register_module(model)
-        for p, o in zip(model.parameters(), original):
+        for p, o in zip(model.parameters(), original, strict=True):
             assert torch.equal(client.access(p), o.to(torch.bfloat16))
             client.release(p)
         info = client.param_info(model[1].weight)
         master = client.lists[ChunkKind.MASTER][info.chunk]
         assert torch.equal(master.view(info.slot).view(info.shape), original[2])
     # close() gives the params their full-precision values back
-    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original))
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original, strict=True))
 
 
 def test_closing_gives_every_byte_back_to_the_manager():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.training import gpt_pair, engine_for, train_engine
+from tests.training import engine_for, gpt_pair, train_engine
 
 
 def test_the_trace_is_valid_chrome_json_with_every_event_kind(tmp_path):
@@ -44,11 +44,11 @@ def test_the_memory_plot_has_three_series_per_device(tmp_path):
     png = (tmp_path / "memory.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert set(series) == {"cpu", "cuda:0"}
-    for dev, s in series.items():
+    for s in series.values():
         assert set(s) == {"model_data", "non_model", "capacity"}
         assert len(s["model_data"]) == len(s["non_model"]) == len(s["capacity"]) > 0
     gpu = series["cuda:0"]
     assert max(gpu["non_model"]) > 0 and max(gpu["model_data"]) > 0
     # after warm-up the chunks and the activations share the capacity at every moment
     warm = len(gpu["model_data"]) // 2
-    assert all(m + n <= c for m, n, c in zip(gpu["model_data"][warm:], gpu["non_model"][warm:], gpu["capacity"][warm:]))
+    assert all(m + n <= c for m, n, c in zip(gpu["model_data"][warm:], gpu["non_model"][warm:], gpu["capacity"][warm:], strict=True))

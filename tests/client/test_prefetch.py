@@ -5,7 +5,6 @@ import torch
 
 import hybridps
 from hybridps import CapacityError, ConfigError, StateError
-from hybridps.client.chunk import ChunkKind
 from tests.dist import run_ranks
 from tests.training import SMALL_GPT, engine_for, gpt_pair, model_data_bytes, train_engine
 

@@ -152,7 +152,7 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
     client = hybridps.Client(hybridps.Config(devices={"cuda:0": "1MiB"}, manager=daemon.endpoint, chunk_size=256 * 257))
     try:
         client.register_module(model)
-        for p, expected in zip(list(model.parameters()) * 2, original * 2):
+        for p, expected in zip(list(model.parameters()) * 2, original * 2, strict=True):
             assert torch.equal(client.access(p), expected)
             client.release(p, hybridps.TensorState.HOLD)
         stats = client.memory_stats()
@@ -168,7 +168,7 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
         client.close()
     status = status_json(daemon.endpoint)
     assert status["totals"]["used_bytes"] == 0 and status["clients"] == []
-    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original))
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original, strict=True))
 
 
 # -- the ledger is always exact: lost leases, atomic verbs, long errors, exit, versions ----

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hybridps import Config, ConfigError
@@ -10,7 +12,7 @@ def test_capacities_in_human_units_become_bytes():
 
 def test_a_config_is_frozen():
     cfg = Config()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.precision = "fp16"  # type: ignore[misc]
 
 

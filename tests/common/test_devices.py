@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from hybridps.common import devices as devices_mod
 from hybridps.common.devices import DeviceInventory, DeviceSpec, canonical_device_name
 from hybridps.common.errors import ConfigError
 
@@ -62,8 +63,6 @@ def test_the_cpu_cannot_be_simulated():
 
 
 # -- container limits: a fake cgroup tree (root and /proc/self/cgroup are injectable) ------
-
-from hybridps.common import devices as devices_mod
 
 MiB = 1 << 20
 
