@@ -487,7 +487,15 @@ def _meta_attention_as_flash():
     backward what the fused kernels of a real run save (see [Note: attention on the meta
     device]). Real tensors go to the original function untouched, so other threads are not
     affected. Models that imported the function by name before this block are not covered
-    and plan with the math kernel's (larger) activations."""
+    and plan with the math kernel's (larger) activations.
+
+    [Note: why a patch and not a TorchFunctionMode]
+    A scoped torch function mode would be tidier, but modes are thread-local and autograd
+    runs the backward of meta tensors on a device thread of its own: with activation
+    checkpointing the recomputed forward then takes the math kernel while the first forward
+    took the flash one, and torch.utils.checkpoint refuses the mismatch (tried; the planner's
+    checkpointed cases fail). The patch is process-wide but counted, and passes real tensors
+    through unchanged."""
     with _SDPA_LOCK:
         if _sdpa_state["depth"] == 0:
             original = F.scaled_dot_product_attention
