@@ -113,7 +113,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
-    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None, help="default: the --config file's, else fp32")
+    ap.add_argument("--config", type=Path, default=None, help="a HybridPS Config file (.json or .toml); the flags here win")
     ap.add_argument("--gpu-capacity", default="auto",
                     help="capacity of the (simulated) GPU: bytes with units, or 'auto' = 90%% of the model data "
                          "(more when the activations need it)")
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> dict:
     from hybridps.models import GPT, GPTConfig
 
     rank, local_rank, world = hybridps.init_distributed()
+    base = hybridps.Config.from_file(args.config) if args.config else hybridps.Config()
+    args.precision = args.precision or base.precision
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
     torch.manual_seed(args.seed)
@@ -189,8 +192,10 @@ def run(args: argparse.Namespace) -> dict:
         devices = {"cuda:local": capacity}
     elif args.gpu_capacity != "auto":
         devices = {"cuda:local": parse_bytes(args.gpu_capacity, what="--gpu-capacity")}
-    config = hybridps.Config(devices=devices, precision=args.precision, manager=args.manager,
-                             record=bool(args.plot or args.trace))
+    if base.devices and args.gpu_capacity == "auto":
+        devices = dict(base.devices)  # the file's, unless --gpu-capacity says otherwise
+    config = base.replace(devices=devices, precision=args.precision, manager=args.manager or base.manager,
+                          record=bool(args.plot or args.trace) or base.record)
     engine = hybridps.initialize(model, optimizer, config)
     if hf_task is not None:
         hf_task.after_initialize(engine)

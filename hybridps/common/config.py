@@ -8,8 +8,13 @@ with the layout in the client.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
+import logging
+import os
 import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +22,8 @@ import torch
 from hybridps.common.devices import SIMULATE_MODES, canonical_device_name, parse_capacity
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
+
+logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 EVICTIONS = ("auto", "lru", "opt")
@@ -161,6 +168,77 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+    # -- files -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "the config") -> Config:
+        """A Config from a mapping of field names; an unknown name is refused with the
+        closest valid one."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source} must be a mapping of Config fields, not {type(values).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid fields: {', '.join(sorted(fields))}"
+                raise ConfigError(f"{source}: unknown field {key!r}{hint}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Config:
+        """A Config from a JSON (``.json``) or TOML (``.toml``) file of field names; a TOML
+        file may keep them under a ``[hybridps]`` table."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p}: no such file")
+        text = p.read_text()
+        if p.suffix == ".json":
+            try:
+                values = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config file {p}: not valid JSON ({exc})") from None
+        elif p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ConfigError(f"config file {p}: TOML needs Python >= 3.11; use a .json file") from None
+            try:
+                values = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file {p}: not valid TOML ({exc})") from None
+            values = values.get("hybridps", values)
+        else:
+            raise ConfigError(f"config file {p}: use a .json or .toml file")
+        return cls.from_dict(values, source=f"config file {p}")
+
+    @classmethod
+    def from_deepspeed(cls, ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
+        """The Config a DeepSpeed config (mapping or JSON file) means here; ``overrides`` win.
+        The loop's settings (clipping, batch sizes, optimizer) and the ignored fields with
+        their reasons: ``hybridps.common.deepspeed_config.translate``, whose ``describe()``
+        lists them; they are also logged here."""
+        from hybridps.common.deepspeed_config import translate
+
+        result = translate(ds, **overrides)
+        for key, why in result.ignored:
+            logger.info("DeepSpeed config: %s ignored (%s)", key, why)
+        if result.training:
+            logger.info("DeepSpeed config: for the training loop: %s", result.training)
+        return result.config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (capacities in bytes), as ``from_dict`` takes them."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["devices"] = dict(self.devices)
+        return out
+
+    def to_file(self, path: str | os.PathLike) -> None:
+        """Write the fields as JSON; ``from_file`` reads them back to an equal Config."""
+        p = Path(path)
+        if p.suffix != ".json":
+            raise ConfigError(f"{p}: Config.to_file writes JSON; name the file *.json")
+        p.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def _positive(name: str, value: object) -> None:
