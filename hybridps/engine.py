@@ -85,6 +85,7 @@ class Engine:
         if config.eviction in ("opt", "auto"):
             self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
+        self.hooks.on_bare_backward = self._finish_bare_backward
         self.hooks.install()
         self.prefetcher = Prefetcher(self.client, self.tracer, window=config.prefetch_window) if config.prefetch_window else None
         self.events = EventRecorder(self.client)
@@ -235,6 +236,15 @@ class Engine:
             self.client.in_backward = False
             self.hooks.end_backward()
             self._backward_since_step = True
+        self._end_backward()
+
+    def _finish_bare_backward(self) -> None:
+        """The end of a backward pass that a bare ``loss.backward()`` ran: what engine.backward
+        does when it returns. Under fp16 the grads are unscaled, and the step refuses them."""
+        if self.scaler is not None:
+            return
+        self.hooks.end_backward()
+        self._backward_since_step = True
         self._end_backward()
 
     def _end_backward(self) -> None:

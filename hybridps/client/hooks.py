@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,6 +112,10 @@ class ModuleHooks:
         #: modules with params that get no grad: released after the module's backward
         self.frozen = {m for m, ps in self.own.items() if any(not p.requires_grad for p in ps)}
         self._held_for_backward: dict[int, nn.Parameter] = {}
+        #: called once at the end of a backward pass that engine.backward did not start (a bare
+        #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
+        self.on_bare_backward: Callable[[], None] | None = None
+        self._bare_queued = False
         self.overlap_step = client.config.overlap_step and client.optimizer is not None
         self._active: dict[nn.Module, int] = {}  # forward calls whose pre-hook accessed the params
         self._running: list[nn.Module] = []  # modules whose forward is under way, innermost last
@@ -236,6 +240,14 @@ class ModuleHooks:
     # -- backward --------------------------------------------------------------------------
 
     def _pre_backward(self, mod: nn.Module, grad) -> None:
+        if not self.client.in_backward and not self._bare_queued and self.on_bare_backward is not None:
+            # [Note: bare backward] engine.backward finishes a backward pass when it returns
+            # (held params released, grads reduce-scattered to their owners with several ranks).
+            # A bare loss.backward() has no such point, so the first module reached queues the
+            # same work to run when autograd completes this pass, as FSDP's post-backward
+            # callback does. Without it, grads would reach clip_grad_norm_ unreduced.
+            self._bare_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._bare_backward_done)
         labels = self._labels[mod]
         self.tracer.tick(labels[2])
         who = labels[4]
@@ -266,6 +278,11 @@ class ModuleHooks:
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
         if self.overlap_step and self.client.groups is None:
             self.client.optimizer.step_chunk_early(self.client.param_info(p).chunk)
+
+    def _bare_backward_done(self) -> None:
+        self._bare_queued = False
+        if self.on_bare_backward is not None:
+            self.on_bare_backward()
 
     def end_backward(self) -> None:
         """Release what backward left accessed (params whose grad never came)."""

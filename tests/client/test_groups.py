@@ -190,3 +190,30 @@ def test_plain_pytorch_agrees_with_the_single_rank_reference(single_rank):
     _, reference = gpt_pair()
     expected = train_plain(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True), 6, batch=GLOBAL_BATCH)
     assert expected == single_rank["losses"]
+
+
+def _bare_or_engine_backward(rank, world, bare):
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), _config())
+    out = []
+    for step in range(4):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x[rank::world], y[rank::world])
+        if bare:
+            loss.backward()  # as Trainer-style loops (accelerate) run it
+        else:
+            engine.backward(loss)
+        norm = engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+def test_a_bare_loss_backward_on_two_ranks_trains_like_engine_backward():
+    # without the end-of-backward callback the grads reached clip_grad_norm_ unreduced: the
+    # norm read 0.0 and the steps went wrong without an error
+    bare = run_ranks(_bare_or_engine_backward, 2, True, timeout_s=90)
+    reference = run_ranks(_bare_or_engine_backward, 2, False, timeout_s=90)
+    assert bare == reference
+    assert all(norm > 0 for _, norm in bare[0])
