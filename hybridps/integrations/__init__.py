@@ -1,0 +1,1 @@
+"""Integrations with the tools people train with (see docs/INTEGRATIONS.md)."""
