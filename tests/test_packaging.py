@@ -58,3 +58,36 @@ def test_the_installed_wheel_imports_on_its_own_and_trains_a_step(wheel, tmp_pat
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[0] == hybridps.__version__
+
+
+NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable", "ConnectTimeout")
+
+
+@pytest.mark.slow
+def test_a_fresh_venv_installs_the_wheel_with_the_hf_extra_and_trains(wheel, tmp_path):
+    """What a user runs: `pip install hybridps[hf]` from the built wheel into an empty venv
+    (torch pinned to the CPU build, as the README does), then a step of a Hugging Face model."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    torch_pin = f"torch=={__import__('torch').__version__.split('+')[0]}"
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_pin, f"{wheel}[hf]"],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and any(e in proc.stderr for e in NETWORK_ERRORS):
+        pytest.skip(f"no package index reachable: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = (
+        "import torch, transformers, hybridps\n"
+        "cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)\n"
+        "with hybridps.meta_init():\n"
+        "    model = transformers.GPT2LMHeadModel(cfg)\n"
+        "engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), hybridps.Config(devices={'cuda:0': '4MiB'}))\n"
+        "ids = torch.randint(0, 64, (2, 16))\n"
+        "loss = engine(input_ids=ids, labels=ids).loss\n"
+        "engine.backward(loss); engine.step()\n"
+        "print(hybridps.__version__, hybridps.__file__)\n"
+    )
+    run = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    version, location = run.stdout.split()
+    assert version == hybridps.__version__ and location.startswith(str(venv))

@@ -88,7 +88,7 @@ def test_hybridps_train_lora_starts_from_the_base_models_loss_and_saves_only_ada
     config = _tiny_llama_config(tmp_path)
     _train("--model-config", config, "--steps", "2", "--save", tmp_path / "base")
     base = _train("--model", tmp_path / "base", "--steps", "3")
-    lora = _train("--model", tmp_path / "base", "--lora", "4", "--steps", "3", "--save", tmp_path / "adapter")
+    lora = _train("--model", tmp_path / "base", "--lora", "8", "--steps", "3", "--save", tmp_path / "adapter")
     # LoRA's B starts at zero: the first loss is the base model's, exactly
     assert lora["first_loss"] == base["first_loss"]
     assert lora["params"] > base["params"]
