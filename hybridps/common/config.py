@@ -29,76 +29,232 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 EVICTIONS = ("auto", "lru", "opt")
 
 
+def _field(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, section: str, doc: str, unit: str = "") -> Any:
+    """A Config field with its documentation, the one place it is written: docs/CONFIG.md's
+    reference is generated from it (``python -m hybridps.common.config_doc --write``)."""
+    metadata = {"section": section, "unit": unit, "doc": doc}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Configuration of one HybridPS client (one per data-parallel rank).
 
-    Capacities take bytes or strings with units ("256MiB", "2GiB"). See docs/CONFIG.md for
-    the reference of every field.
+    Capacities take bytes or strings with units ("256MiB", "2GiB"). Each field's meaning is
+    in its ``doc`` below; docs/CONFIG.md shows them all (generated from these).
     """
 
-    #: "fp32", "fp16" (dynamic loss scaling) or "bf16". Master weights are fp32 in every mode.
-    precision: str = "fp32"
-    #: Memory HybridPS may use per device, e.g. {"cuda:0": "8GiB", "cpu": "64GiB"}. On a GPU
-    #: the activations share this capacity (tidal budget). "cpu" defaults to available RAM;
-    #: a visible GPU defaults to most of its free memory. Empty = every visible GPU + CPU
-    #: (with several ranks: this rank's GPU). "cuda:local" names the GPU of this rank
-    #: (cuda:LOCAL_RANK), so one config serves every rank of a node.
-    devices: Mapping[str, int | str | None] = dataclasses.field(default_factory=dict)
-    #: True: simulate a listed cuda:N that is not visible; False: require real GPUs;
-    #: "always": simulate every listed GPU; "meta": simulate every device with no memory
-    #: behind it (capacity planning: sizes and moves are real, values are not).
-    simulate: bool | str = True
-    #: Elements per chunk; None chooses one from the model (and the compute capacity).
-    chunk_size: int | None = None
-    #: Store each grad in its param's own slot after backward (14 B/param in fp16). Forbids
-    #: gradient accumulation; set False to accumulate (16 B/param).
-    grad_reuse: bool = True
-    #: None: embedded in-process manager. "auto" or an endpoint ("ipc://...", "tcp://...")
-    #: : the node's hybridps-manager daemon.
-    manager: str | None = None
-    #: Bytes kept free on the compute device at every moment, on top of the traced
-    #: non-model memory.
-    margin: int | str = 0
-    #: Offsets of tensors inside chunks are multiples of this many elements.
-    alignment: int = 8
-    #: Eviction: "lru", "opt" (furthest next use from the warm-up trace) or "auto" (opt once a
-    #: trace exists, lru before).
-    eviction: str = "auto"
-    #: fp16 loss scaling: a fixed scale, or None for dynamic scaling.
-    static_loss_scale: float | None = None
-    initial_loss_scale: float = 2.0**16
-    loss_scale_growth_factor: float = 2.0
-    loss_scale_backoff_factor: float = 0.5
-    loss_scale_growth_interval: int = 2000
-    min_loss_scale: float = 1.0
-    #: Record a warm-up trace on the first training iteration (tidal budget, eviction).
-    trace: bool = True
-    #: Moments to look ahead in the trace for chunks to bring early (0 = no prefetch).
-    prefetch_window: int = 2
-    #: Step a chunk's Adam as soon as all its grads are final, during backward (overlaps the
-    #: optimizer with the rest of backward; same results). Needs grad_reuse=True, no fp16
-    #: (overflow is only known when every grad is in) and no clip_grad_norm_ (the global norm
-    #: is only known then too). engine.step() steps what is left.
-    overlap_step: bool = False
-    #: Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes);
-    #: None = four of the largest chunks.
-    pool_bytes: int | str | None = None
-    #: Cap on pinned (page-locked) host memory for param and grad chunks that cross to a real
-    #: GPU; beyond it host chunks are pageable. None = a quarter of the CPU capacity.
-    pinned_bytes: int | str | None = None
-    #: Record chunk events and the memory history from the start (export_trace, plot_memory);
-    #: ``engine.record(True)`` turns it on later.
-    record: bool = False
-    #: Multi-rank: start every rank from rank 0's initial weights (as DDP does).
-    sync_module_states: bool = True
-    #: Multi-rank: how long a rank waits for the others at a collective before it fails
-    #: naming the ranks that did not arrive.
-    collective_timeout_s: float = 300.0
-    #: Multi-rank: bytes of other ranks' chunks kept gathered after the forward used them,
-    #: so backward need not gather them again (the last groups of the forward come first in
-    #: backward). None = 10% of the compute device's capacity; the ranks agree on the least.
-    live_gathered_bytes: int | str | None = None
+    precision: str = _field(
+        "fp32",
+        section="Model data layout",
+        unit="`\"fp32\"`, `\"fp16\"`, `\"bf16\"`",
+        doc=(
+            "What forward and backward compute in. Master weights, momentum and variance are fp32 in every mode. "
+            "fp16 uses dynamic loss scaling."
+        ),
+    )
+    devices: Mapping[str, int | str | None] = _field(
+        factory=dict,
+        section="Memory and devices",
+        unit="`{name: bytes}`",
+        doc=(
+            "Memory HybridPS may use per device: `\"cpu\"`, `\"cuda:N\"`, or `\"cuda:local\"` (the GPU of this rank, "
+            "`cuda:LOCAL_RANK`, so one config serves every rank of a node). On a GPU the activations share this "
+            "capacity (see *tidal budget* in [CONCEPTS.md](CONCEPTS.md)). `\"cpu\"` defaults to the RAM available "
+            "at start: the smaller of the host's available memory and the room left in the process's memory "
+            "cgroup (v2 `memory.max - memory.current`, v1 `memory.limit_in_bytes - memory.usage_in_bytes`, the "
+            "tightest of the cgroup and its ancestors; Slurm, Kubernetes and Docker set these), so a job in a 900 "
+            "MiB container gets a `CapacityError`, not the OOM killer, less 10% of it (at least 2 GiB) left to "
+            "the process itself (CUDA context, libraries, staging buffers, activations); a visible GPU defaults "
+            "to 92% of its free memory. On a real GPU, memory the process already held there when the client "
+            "started (another model, an EMA copy) is not counted against the GPU's capacity. Where each figure "
+            "came from is kept as `DeviceSpec.capacity_source` and shown by `hybridps status`. Empty: every "
+            "visible GPU (with several ranks, this rank's GPU) and the CPU. A value of `None` means \"what the "
+            "machine has\"."
+        ),
+    )
+    simulate: bool | str = _field(
+        True,
+        section="Memory and devices",
+        unit="`True`, `False`, `\"always\"`, `\"meta\"`",
+        doc=(
+            "`True`: a listed `cuda:N` that is not visible is *simulated* (chunks in CPU memory, accounted and "
+            "evicted exactly as on a GPU of that capacity); `False`: listed GPUs must exist; `\"always\"`: simulate "
+            "every listed GPU even on a GPU machine; `\"meta\"`: every device simulated with no memory behind it "
+            "(sizes, placement and moves are real, values are not; the capacity planner uses it). A simulated GPU "
+            "needs a capacity."
+        ),
+    )
+    chunk_size: int | None = _field(
+        None,
+        section="Model data layout",
+        unit="elements",
+        doc=(
+            "Elements per chunk. `None` chooses one from the model: at most 64 Mi elements, at most 1/4 of the "
+            "model (1/(8 x ranks) with several ranks), at most 1/4 of the compute capacity, with the least "
+            "padding. A tensor larger than the chunk size gets a chunk of its own size."
+        ),
+    )
+    grad_reuse: bool = _field(
+        True,
+        section="Model data layout",
+        unit="bool",
+        doc=(
+            "After backward each grad is copied into its param's own slot (the fp32 master is the truth), so "
+            "model data is 14 B/param in fp16/bf16 instead of 16. Forbids gradient accumulation over "
+            "micro-batches; set `False` to accumulate. In fp32 both layouts cost 16 B/param: with reuse, grads "
+            "need no extra GPU room during backward but the step writes the params back from the master copy; "
+            "without, the param chunks are the master copy and the step is a plain fused Adam."
+        ),
+    )
+    manager: str | None = _field(
+        None,
+        section="Several ranks and the node manager",
+        unit="`None`, `\"auto\"`, endpoint",
+        doc=(
+            "`None`: an embedded, in-process manager. `\"auto\"`: this user's node daemon at its default ipc "
+            "endpoint. `\"ipc:///path\"` or `\"tcp://host:port\"`: that daemon. See [MANAGER.md](MANAGER.md)."
+        ),
+    )
+    margin: int | str = _field(
+        0,
+        section="Memory and devices",
+        unit="bytes",
+        doc=(
+            "Kept free on the compute device at every moment, on top of the traced activations. On real GPUs a "
+            "few hundred MiB absorb allocator fragmentation."
+        ),
+    )
+    alignment: int = _field(
+        8,
+        section="Model data layout",
+        unit="elements",
+        doc="Offsets of tensors inside chunks are multiples of this.",
+    )
+    eviction: str = _field(
+        "auto",
+        section="Placement and movement",
+        unit="`\"auto\"`, `\"opt\"`, `\"lru\"`",
+        doc=(
+            "Which chunk leaves a full device: `\"opt\"` furthest next use from the trace (Belady), `\"lru\"` least "
+            "recently used, `\"auto\"` = opt once a trace exists, lru before."
+        ),
+    )
+    static_loss_scale: float | None = _field(
+        None,
+        section="fp16 loss scaling",
+        doc="A fixed loss scale; `None` for dynamic scaling. Overflowing steps are skipped either way.",
+    )
+    initial_loss_scale: float = _field(
+        2.0**16,
+        section="fp16 loss scaling",
+        doc="Starting scale of dynamic scaling.",
+    )
+    loss_scale_growth_factor: float = _field(
+        2.0,
+        section="fp16 loss scaling",
+        doc="Scale multiplier after `loss_scale_growth_interval` clean steps.",
+    )
+    loss_scale_backoff_factor: float = _field(
+        0.5,
+        section="fp16 loss scaling",
+        doc="Scale multiplier on an overflow.",
+    )
+    loss_scale_growth_interval: int = _field(
+        2000,
+        section="fp16 loss scaling",
+        doc="Clean steps between growths.",
+    )
+    min_loss_scale: float = _field(
+        1.0,
+        section="fp16 loss scaling",
+        doc="The scale never goes below this.",
+    )
+    trace: bool = _field(
+        True,
+        section="Placement and movement",
+        unit="bool",
+        doc=(
+            "Record a warm-up trace on the first training iteration: the activation memory at every moment (the "
+            "tidal budget) and the order of chunk accesses (eviction, prefetch)."
+        ),
+    )
+    prefetch_window: int = _field(
+        2,
+        section="Placement and movement",
+        unit="moments",
+        doc=(
+            "How far ahead in the trace to look for chunks to bring early (0: no prefetch). Prefetch never "
+            "evicts."
+        ),
+    )
+    overlap_step: bool = _field(
+        False,
+        section="Placement and movement",
+        unit="bool",
+        doc=(
+            "Step a chunk's Adam as soon as all its grads are final, during backward. Same results. Needs "
+            "`grad_reuse=True`, not fp16 (skipping a step for an overflow is decided only when every grad is in) "
+            "and no `clip_grad_norm_` (the global norm too). `engine.step()` steps what is left."
+        ),
+    )
+    pool_bytes: int | str | None = _field(
+        None,
+        section="Memory and devices",
+        unit="bytes",
+        doc=(
+            "Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes). `None`: four of "
+            "the largest chunks. Pooled bytes are booked with the manager and given up whenever a chunk needs the "
+            "room."
+        ),
+    )
+    pinned_bytes: int | str | None = _field(
+        None,
+        section="Memory and devices",
+        unit="bytes",
+        doc=(
+            "Cap on pinned (page-locked) host memory, used only for param and grad chunks that cross to a real "
+            "GPU (fast asynchronous copies); beyond it host chunks are pageable. PyTorch's pinned allocator "
+            "rounds each buffer up to a power of two: the cap counts the rounded blocks, and with a real GPU the "
+            "automatic chunk size avoids the rounding (powers of two win). `0`: nothing is pinned. `None`: a "
+            "quarter of the CPU capacity."
+        ),
+    )
+    record: bool = _field(
+        False,
+        section="Observability",
+        doc=(
+            "Record chunk events and the memory history from the start (`engine.export_trace`, "
+            "`engine.plot_memory`); `engine.record(True)` turns it on later."
+        ),
+    )
+    sync_module_states: bool = _field(
+        True,
+        section="Several ranks and the node manager",
+        unit="bool",
+        doc="Start every rank from rank 0's initial weights (as DDP does).",
+    )
+    collective_timeout_s: float = _field(
+        300.0,
+        section="Several ranks and the node manager",
+        unit="seconds",
+        doc=(
+            "How long a rank waits for the others at a collective before failing with the names of the ranks that "
+            "did not arrive. A *dead* rank is noticed much sooner, from its stopped heartbeat (about 10 s; see "
+            "[MULTI_RANK.md](MULTI_RANK.md#when-ranks-disagree))."
+        ),
+    )
+    live_gathered_bytes: int | str | None = _field(
+        None,
+        section="Several ranks and the node manager",
+        unit="bytes",
+        doc=(
+            "Bytes of chunk groups kept gathered after the forward used them, so backward need not gather them "
+            "again. `None`: 10% of the compute device's capacity. The ranks agree on the least of their values."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
