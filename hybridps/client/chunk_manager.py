@@ -193,19 +193,20 @@ class ChunkManager:
             return None
         self._collect()  # buffers whose outgoing copies finished join the pool first
         pin = self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
+        block = pinned_block_bytes(chunk.nbytes)
+        pinned_room = self.pinned_bytes + block <= self.pinned_cap_bytes
         buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=pin)
-        if buf is None and pin and self.pinned_bytes + chunk.nbytes > self.pinned_cap_bytes:
+        if buf is None and pin and not pinned_room:
             buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=False)  # no pinned room: pageable, pooled
         if buf is not None:
             self.connection.remove("cpu", chunk.nbytes)  # leaves the pool, booked as a chunk below
-        elif pin and self.pinned_bytes + pinned_block_bytes(chunk.nbytes) <= self.pinned_cap_bytes:
+        elif pin and pinned_room:
             # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
             # asynchronous and fast, but the OS cannot page it out: too much of it starves the
             # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
             # The cap counts what the pinned allocator really takes (a power of two; see
             # [Note: pinned rounding] in layout.py); the part beyond the chunk is reported as
             # pinned_rounding_bytes in the host memory breakdown.
-            block = pinned_block_bytes(chunk.nbytes)
             buf = chunk.new_buffer(spec, pin=True)
             self.pinned_bytes += block
             self.pinned_rounding_bytes += block - chunk.nbytes
