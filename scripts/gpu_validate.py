@@ -40,10 +40,12 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +80,7 @@ def _run(cmd: list[str], timeout_s: float, env: dict) -> dict:
     for line in out.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX):])
-    return {"rc": rc, "seconds": round(time.perf_counter() - start, 1), "result": result, "stdout": out, "stderr_tail": err[-1500:]}
+    return {"rc": rc, "seconds": round(time.perf_counter() - start, 1), "result": result, "stdout": out, "stderr_tail": err[-3000:]}
 
 
 def _install_wheels(folder: Path) -> str | None:
@@ -192,16 +194,23 @@ def _worker(args) -> dict:
     init_s = time.perf_counter() - t0
     print(f"worker {args.system}: {cfg.n_params / 1e9:.2f} B params initialized in {init_s:.1f} s; {_host_note()}", file=sys.stderr, flush=True)
     losses, times = [], []
-    for i, batch in enumerate(batches):
-        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        t = time.perf_counter()
-        loss = train_step(x, y)
-        losses.append(float(loss.item()))  # .item() synchronizes
-        sync()
-        print(f"worker {args.system}: step {i} {time.perf_counter() - t:.2f} s loss {losses[-1]:.4f}; {_host_note()}", file=sys.stderr, flush=True)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    step_s = sorted(times)[len(times) // 2]
+    try:
+        for i, batch in enumerate(batches):
+            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            t = time.perf_counter()
+            loss = train_step(x, y)
+            losses.append(float(loss.item()))  # .item() synchronizes
+            sync()
+            print(f"worker {args.system}: step {i} {time.perf_counter() - t:.2f} s loss {losses[-1]:.4f}; {_host_note()}",
+                  file=sys.stderr, flush=True)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+    except Exception as e:
+        # the last lines of stderr come back in the summary: the error, then what memory held
+        traceback.print_exc(limit=-3)
+        print(f"worker diagnostics: {json.dumps(_diagnostics(args.system, engine, device))}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from e
+    step_s = statistics.median(times)
     tokens = args.batch * args.seq_len
     flops = model_flops_per_step(cfg.n_params, cfg.n_layer, cfg.d_model, cfg.seq_len, tokens)
     out = {
@@ -219,19 +228,34 @@ def _worker(args) -> dict:
         "tokens_per_s": round(tokens / step_s, 1),
         "losses": [round(v, 4) for v in losses],
     }
+    out.update(_diagnostics(args.system, engine, device))
+    return out
+
+
+def _diagnostics(system: str, engine, device) -> dict:
+    """What memory held: the GPU allocator's figures and, for HybridPS, its own accounts
+    (the traced non-model peak is what the planner's simulation is compared with)."""
+    import torch
+
+    out = {}
     if device.type == "cuda":
         out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["gpu_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["gpu_reserved_bytes"] = torch.cuda.memory_reserved()
     with contextlib.suppress(ImportError):
         import psutil
 
         out["host_rss_bytes"] = psutil.Process().memory_info().rss
-    if args.system == "hybridps":
-        stats = engine.memory_stats()
-        out["hybridps_moves"] = stats.get("moves")
-        out["hybridps_devices"] = {
-            name: {k: d.get(k) for k in ("capacity_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes")}
-            for name, d in stats["devices"].items()
-        }
+    if system == "hybridps":
+        with contextlib.suppress(Exception):
+            stats = engine.memory_stats()
+            out["hybridps_moves"] = stats.get("moves")
+            out["hybridps_devices"] = {
+                name: {k: d.get(k) for k in ("capacity_bytes", "used_bytes", "peak_bytes", "non_model_peak_bytes",
+                                             "peak_total_bytes")}
+                for name, d in stats["devices"].items()
+            }
     return out
 
 

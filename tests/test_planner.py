@@ -186,7 +186,9 @@ def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     assert max(shares) == derived.owned_bytes
     # every rank of a group gathers the group's param chunks while a module computes
     assert share.gathered_bytes >= sim.min_compute_bytes
-    assert share.gpu_need_bytes == sim.non_model_peak_bytes + share.gathered_bytes
+    # a real GPU holds more than autograd saves: one more largest saved tensor is planned
+    assert planner.transient_bytes == sim.largest_saved_bytes > 0
+    assert share.gpu_need_bytes == sim.non_model_peak_bytes + share.gathered_bytes + planner.transient_bytes
     assert share.cpu_node_bytes == 4 * share.cpu_bytes
     report = hybridps.plan(shape, node, precision="fp32", search_largest=False)
     assert report.hybridps.derived and report.hybridps.gpu.derived and report.hybridps.cpu.derived
@@ -304,3 +306,15 @@ def test_the_plan_subcommand_plugs_into_another_parser(capsys):
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "HybridPS (simulated)" in table and "DeepSpeed ZeRO-Offload" in table and "planned, not measured" in table
+
+
+def test_simulated_gpus_are_planned_without_the_real_gpu_transient_allowance():
+    shape = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    real = hybridps.plan(shape, NodeSpec.parse("1x4MiB", "64MiB"), precision="fp32", search_largest=False)
+    simulated = hybridps.plan(shape, NodeSpec.parse("1x4MiB", "64MiB"), precision="fp32", search_largest=False,
+                              simulated_gpus=True)
+    # the largest saved tensor here: the fp32 logits, 2 x 32 x 256 x 4 B (or a larger one)
+    assert real.transient_allowance_bytes >= 2 * 32 * 256 * 4
+    assert real.to_dict()["training"]["transient_allowance_bytes"] == real.transient_allowance_bytes
+    assert simulated.transient_allowance_bytes == 0
+    assert "real-GPU transients" in real.format_table() and "real-GPU transients" not in simulated.format_table()

@@ -353,32 +353,43 @@ class ChunkManager:
     # -- mechanics -------------------------------------------------------------------------
 
     def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk]) -> torch.Tensor:
-        """A buffer for ``chunk`` on ``device``: pooled host memory, or a fresh allocation.
-
-        A CUDA out-of-memory error (other processes, fragmentation, activations beyond the
-        trace) evicts every chunk not in use from that GPU and retries once; a second failure
-        raises a CapacityError with a memory report.
-        """
+        """A buffer for ``chunk`` on ``device``: pooled host memory, or a fresh allocation
+        (with ``_retry_out_of_memory``)."""
         buf = self._buffer(chunk, device)
         if buf is not None:
             return buf
         spec = self._specs[device]
+        return self._retry_out_of_memory(device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect)
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
+        """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
+        ``_retry_out_of_memory``. It is non-model memory: on a real GPU the
+        tracer counts it in the allocated bytes beyond the chunks."""
+        torch_device = self._specs[device].torch_device
+        what = f"{who} ({format_bytes(numel * dtype.itemsize)} of {dtype})"
+        return self._retry_out_of_memory(device, lambda: torch.empty(numel, dtype=dtype, device=torch_device), what, ())
+
+    def _retry_out_of_memory(self, device: str, make, what: str, protect: Collection[Chunk]) -> torch.Tensor:
+        """``make()`` on ``device``. A CUDA out-of-memory error (other processes,
+        fragmentation, activations beyond the trace) evicts every chunk not in use from that
+        GPU and retries once; a second failure raises a CapacityError with a memory report."""
+        spec = self._specs[device]
         try:
-            return chunk.new_buffer(spec)
+            return make()
         except torch.OutOfMemoryError as first:
             if not spec.is_gpu or spec.simulated:
                 raise
-            logger.warning("out of memory on %s for %s: evicting and retrying once", device, chunk)
+            logger.warning("out of memory on %s for %s: evicting and retrying once", device, what)
             for victim in [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]:
                 self.evict(victim)
             self.sync()
             torch.cuda.empty_cache()
             try:
-                return chunk.new_buffer(spec)
+                return make()
             except torch.OutOfMemoryError:
                 raise CapacityError(
-                    f"CUDA out of memory on {device} for {chunk} ({format_bytes(chunk.nbytes)}) even after evicting every "
-                    f"chunk not in use. {first}\n{self.memory_report()}"
+                    f"CUDA out of memory on {device} for {what} even after evicting every chunk not in use. "
+                    f"{first}\n{self.memory_report()}"
                 ) from None
 
     def sync(self) -> None:

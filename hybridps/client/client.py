@@ -40,7 +40,7 @@ from hybridps.client.pending_grads import PendingGrads
 from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.client.states import ChunkState, TensorState
 from hybridps.common.config import Config
-from hybridps.common.devices import DeviceInventory
+from hybridps.common.devices import DeviceInventory, use_expandable_segments
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
@@ -99,6 +99,8 @@ class Client:
             self.config.devices, simulate=self.config.simulate, local_rank=local_rank, world_size=world_size
         )
         self.compute = self.inventory.compute_device
+        if self.compute.is_gpu and not self.compute.simulated and self.config.expandable_segments:
+            logger.info("CUDA allocator: %s", use_expandable_segments())
         self.param_dtype = self.config.param_dtype
         info = ClientInfo(
             rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(self.inventory.names)

@@ -308,7 +308,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                     for _, _, start, end in runs:
                         grads[start:end].mul_(coef)
             else:
-                grads = self._buffer(device, grad_chunk.capacity)
+                grads = self._buffer(device, grad_chunk.capacity, index)
                 grads[:used].copy_(grad_chunk.payload[:used])  # to fp32, one pass
                 factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
                 if self._clip_coef is not None:
@@ -406,11 +406,13 @@ class ChunkedAdam(torch.optim.Optimizer):
             maximize=group.get("maximize", False),
         )
 
-    def _buffer(self, device: str, numel: int) -> torch.Tensor:
+    def _buffer(self, device: str, numel: int, index: int) -> torch.Tensor:
+        """The fp32 grads of one chunk, reused from chunk to chunk on each device."""
         buf = self._buffers.get(device)
         if buf is None or buf.numel() < numel:
-            torch_device = self.client.inventory[device].torch_device
-            buf = self._buffers[device] = torch.empty(numel, dtype=torch.float32, device=torch_device)
+            self._buffers.pop(device, None)  # give the smaller one back before asking for more
+            who = f"the fp32 grads of the optimizer step of chunk {index}"
+            buf = self._buffers[device] = self.client.chunks.scratch(numel, torch.float32, device, who)
         return buf
 
     def _write_back(self, index: int, used: int) -> None:

@@ -117,6 +117,9 @@ class MemoryTracer:
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
         self._live_saved = 0
+        #: the largest single storage saved for backward (simulated GPUs): the planner's
+        #: allowance for what a real GPU holds beyond the saved bytes (see planner.simulate)
+        self.largest_saved_bytes = 0
         # read by the pack hook for every saved storage: bound once
         self._chunk_bytes = client.chunks.used_bytes  # device name -> chunk bytes there
         self._payload_ptrs = client.chunks.payload_ptrs
@@ -168,6 +171,8 @@ class MemoryTracer:
         refs = self._saved_refs.get(key, 0)
         if refs == 0:
             nbytes = t.untyped_storage().nbytes()
+            if nbytes > self.largest_saved_bytes:
+                self.largest_saved_bytes = nbytes
             live = self._live_saved + nbytes
             if self._chunk_bytes[self._name] + live > self._watch_bytes:
                 self._grow(live)  # may evict, or raise CapacityError: then nothing is counted
@@ -364,4 +369,5 @@ class MemoryTracer:
             "peak_total_bytes": self.total_peak,
             "peak_total_warmup_bytes": self.total_peak_warmup,
             "trace_non_model_peak_bytes": max(self.non_model, default=0),
+            "largest_saved_bytes": self.largest_saved_bytes,
         }

@@ -222,6 +222,16 @@ class Config:
             "quarter of the CPU capacity."
         ),
     )
+    expandable_segments: bool = _field(
+        True,
+        section="Memory and devices",
+        doc=(
+            "On a real GPU, turn on PyTorch's expandable segments in its CUDA caching allocator when the client "
+            "starts, unless `PYTORCH_CUDA_ALLOC_CONF` is set (then that is kept). Chunks of a fixed size "
+            "interleaved with activations of every size otherwise fragment the GPU: 5.8 GiB reserved but "
+            "unusable was measured on an H100 near its capacity."
+        ),
+    )
     record: bool = _field(
         False,
         section="Observability",

@@ -419,6 +419,23 @@ def visible_gpu_capacities() -> dict[str, int]:
     return out
 
 
+def use_expandable_segments() -> str:
+    """Turn on expandable segments in PyTorch's CUDA caching allocator, unless the user set
+    ``PYTORCH_CUDA_ALLOC_CONF`` (kept as it is). Returns what was done, for the log. Segments
+    allocated before the call keep their kind; later ones grow in place instead of leaving
+    holes between fixed-size chunk buffers and activations of every size."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return f"kept PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']!r}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        return "expandable segments not available in this PyTorch"
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError as e:  # a platform without them (e.g. some ROCm builds)
+        return f"expandable segments refused: {e}"
+    return "expandable segments on"
+
+
 def parse_capacity(name: str, value: int | str | None) -> int | None:
     """Parse one capacity entry of ``Config.devices``; None means "what the machine has"."""
     if value is None:

@@ -163,3 +163,15 @@ def test_a_default_cpu_capacity_leaves_the_process_a_tenth_of_the_available_memo
     assert "less 10%" in cpu.capacity_source
     assert devices_mod.default_cpu_reserve(8 << 30) == 2 << 30  # at least 2 GiB
     assert devices_mod.default_cpu_reserve(1 << 30) == 512 << 20  # never all of it
+
+
+def test_expandable_segments_keep_a_users_allocator_settings(monkeypatch):
+    from hybridps.common import devices
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    calls = []
+    monkeypatch.setattr(devices.torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    assert "kept" in devices.use_expandable_segments() and calls == []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert devices.use_expandable_segments() == "expandable segments on"
+    assert calls == ["expandable_segments:True"]
