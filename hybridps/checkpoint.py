@@ -101,7 +101,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None, client_state: dict | None = None) -> None:
+def save_checkpoint(
+    engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None, client_state: dict | None = None
+) -> None:
     """Write a checkpoint of ``engine`` to directory ``path`` (every rank calls this)."""
     client = engine.client
     groups = client.groups
@@ -161,7 +163,10 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
             "precision": client.config.precision,
             "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
             "param_groups": [
-                {**{k: v for k, v in g.items() if k != "params" and _jsonable(v)}, "params": [client.param_info(p).name for p in g["params"]]}
+                {
+                    **{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
+                    "params": [client.param_info(p).name for p in g["params"]],
+                }
                 for g in optimizer.param_groups
             ],
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
@@ -218,7 +223,11 @@ def _complete(d: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     needed = [_shard("optimizer", r, world) for r in range(world)]
-    needed += ["model.safetensors"] if world == 1 else ["model.safetensors.index.json"] + [_shard("model", r, world) for r in range(world)]
+    needed += (
+        ["model.safetensors"]
+        if world == 1
+        else ["model.safetensors.index.json"] + [_shard("model", r, world) for r in range(world)]
+    )
     return all((d / f).is_file() for f in needed)
 
 
@@ -305,7 +314,9 @@ def resolve(path: str | os.PathLike) -> Path:
     if newest is None:
         seen = [d.name for d in _copies(final).values() if d.exists()]
         found = f" ({', '.join(seen)} exist but are incomplete: a save crashed before writing {META})" if seen else ""
-        raise ConfigError(f"no checkpoint at {final} (no complete copy with {META}){found}; pass the directory that save_checkpoint wrote")
+        raise ConfigError(
+            f"no checkpoint at {final} (no complete copy with {META}){found}; pass the directory that save_checkpoint wrote"
+        )
     kind, src = newest
     if kind != "main":
         why = "is missing" if not final.exists() else ("is incomplete" if not _complete(final) else f"is older than {src.name}")
@@ -344,7 +355,9 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: An
     if extra:
         problems.append(f"params in the checkpoint that the model lacks: {extra[:5]}")
     if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
-        problems.append(f"{len(meta['param_groups'])} param groups in the checkpoint, {len(engine.optimizer.param_groups)} in the optimizer")
+        problems.append(
+            f"{len(meta['param_groups'])} param groups in the checkpoint, {len(engine.optimizer.param_groups)} in the optimizer"
+        )
     handles: dict[str, Any] = {}
 
     def tensor(file: str, key: str) -> torch.Tensor:

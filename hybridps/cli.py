@@ -105,7 +105,9 @@ def _manager_parser() -> argparse.ArgumentParser:
         help="allow a loopback tcp endpoint without a token: every user of this machine can then read the status and "
         "register, book for and unregister any client. Not for a non-loopback address",
     )
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT", help="serve Prometheus metrics on this port (0: any free port)"
+    )
     parser.add_argument(
         "--metrics-host",
         default="127.0.0.1",
@@ -203,7 +205,13 @@ def manager_devices(specs: Sequence[str], *, simulate: bool | str, cpu_reserve: 
             limit = visible[name]
             if cap is not None and cap > limit:
                 raise ConfigError(f"--device {name}={cap}: this GPU can give at most {format_bytes(limit)} ({limit} B)")
-            devices.append(DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap, capacity_source=GPU_SOURCE if cap is None else "config"))
+            devices.append(
+                DeviceSpec(
+                    name=name,
+                    capacity_bytes=limit if cap is None else cap,
+                    capacity_source=GPU_SOURCE if cap is None else "config",
+                )
+            )
         elif simulate:
             if cap is None:
                 raise ConfigError(f"{name} is simulated (no such GPU is visible) and needs a capacity: --device {name}=8GiB")
@@ -272,9 +280,13 @@ def _add_status_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = subparsers.add_parser("status", help="devices, clients and totals of this node's manager daemon")
     sub.add_argument("--endpoint", default="auto", help="the daemon's endpoint (default: this user's ipc socket)")
     sub.add_argument("--json", action="store_true", help="print one JSON object (one per line with --watch)")
-    sub.add_argument("--watch", type=_positive_float, default=None, metavar="SECONDS", help="print again every SECONDS until Ctrl-C")
+    sub.add_argument(
+        "--watch", type=_positive_float, default=None, metavar="SECONDS", help="print again every SECONDS until Ctrl-C"
+    )
     sub.add_argument("--token", default=None, help=f"the daemon's token (default ${TOKEN_ENV})")
-    sub.add_argument("--timeout", type=_positive_float, default=2.0, metavar="SECONDS", help="how long to wait for the daemon (default 2)")
+    sub.add_argument(
+        "--timeout", type=_positive_float, default=2.0, metavar="SECONDS", help="how long to wait for the daemon (default 2)"
+    )
     sub.set_defaults(func=_cmd_status)
 
 
@@ -340,14 +352,26 @@ def format_status(status: dict) -> str:
             (
                 str(name),
                 kind,
-                *(field(d, k, f"devices.{name}.", format_bytes) for k in ("capacity_bytes", "used_bytes", "free_bytes", "peak_bytes")),
+                *(
+                    field(d, k, f"devices.{name}.", format_bytes)
+                    for k in ("capacity_bytes", "used_bytes", "free_bytes", "peak_bytes")
+                ),
             )
         )
     totals = section("totals", dict)
     if totals:
-        rows.append(("total", "", *(field(totals, k, "totals.", format_bytes) for k in ("capacity_bytes", "used_bytes", "free_bytes")), ""))
+        rows.append(
+            (
+                "total",
+                "",
+                *(field(totals, k, "totals.", format_bytes) for k in ("capacity_bytes", "used_bytes", "free_bytes")),
+                "",
+            )
+        )
     lines += ["", *_table(rows, right=(2, 3, 4, 5))]
-    sources = [f"  {name}: {d['capacity_source']}" for name, d in devices.items() if isinstance(d, dict) and d.get("capacity_source")]
+    sources = [
+        f"  {name}: {d['capacity_source']}" for name, d in devices.items() if isinstance(d, dict) and d.get("capacity_source")
+    ]
     if sources:
         lines += ["capacity from:", *sources]
     clients = [c if isinstance(c, dict) else {} for c in section("clients", list)]
@@ -385,7 +409,9 @@ def _sort_key(value: object) -> tuple[int, int, str]:
 def _table(rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
-        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        "  ".join(
+            cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
     ]
 

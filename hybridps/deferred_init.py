@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 #: storage key of every meta tensor a recording created -> that recording
 _RECORDS: dict[int, MetaInitRecord] = {}
 
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -179,7 +180,9 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
                 kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             with torch.no_grad():
                 out = op.func(*args, **kwargs)
-            for meta_out, real_out in zip(op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)], strict=True):
+            for meta_out, real_out in zip(
+                op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)], strict=True
+            ):
                 key = _key(meta_out)
                 flat = _storage_of(real_out)
                 if key in params:
@@ -201,7 +204,9 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
         for key, places in buffers.items():
             base = real.get(key)
             if base is None:
-                raise HybridPSError(f"buffer {places[0][1]!r} of {type(places[0][0]).__name__} was never given values in meta_init")
+                raise HybridPSError(
+                    f"buffer {places[0][1]!r} of {type(places[0][0]).__name__} was never given values in meta_init"
+                )
             for mod, name in places:
                 meta_buf = mod._buffers[name]
                 mod._buffers[name] = base.as_strided(meta_buf.size(), meta_buf.stride(), meta_buf.storage_offset()).clone()

@@ -129,7 +129,10 @@ class Engine:
         if not metas:
             return set()
         if record is None:
-            logger.info("%d params were built on the meta device without meta_init(): load their weights with engine.load_pretrained", len(metas))
+            logger.info(
+                "%d params were built on the meta device without meta_init(): load their weights with engine.load_pretrained",
+                len(metas),
+            )
             return {id(i.param) for i in metas}
         if client.groups is not None:  # every rank draws rank 0's random stream, as sync_module_states would give
             state = record.rng_state.clone()
@@ -209,7 +212,11 @@ class Engine:
                 obj = obj.to(dtype)
             return obj.to(device)
         if isinstance(obj, tuple):
-            return type(obj)(*(self._prepare_inputs(x) for x in obj)) if hasattr(obj, "_fields") else tuple(self._prepare_inputs(x) for x in obj)
+            return (
+                type(obj)(*(self._prepare_inputs(x) for x in obj))
+                if hasattr(obj, "_fields")
+                else tuple(self._prepare_inputs(x) for x in obj)
+            )
         if isinstance(obj, list):
             return [self._prepare_inputs(x) for x in obj]
         if isinstance(obj, dict):
@@ -392,7 +399,9 @@ class Engine:
                     own[key].copy_(value)
 
     @contextlib.contextmanager
-    def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None, *, modify: bool = False) -> Iterator[None]:
+    def gathered_parameters(
+        self, params: Iterable[nn.Parameter] | nn.Module | None = None, *, modify: bool = False
+    ) -> Iterator[None]:
         """Materialize ``params`` (all of the model's by default, or a module's) as ordinary
         tensors holding their full-precision values, for reading or editing outside forward.
 
@@ -410,7 +419,9 @@ class Engine:
         device = client.compute.torch_device
         if client.groups is not None:
             wanted = {id(i.param) for i in infos}
-            values = {id(i.param): v.to(device=device, dtype=i.orig_dtype) for i, v in client.full_values() if id(i.param) in wanted}
+            values = {
+                id(i.param): v.to(device=device, dtype=i.orig_dtype) for i, v in client.full_values() if id(i.param) in wanted
+            }
         else:
             values = {id(i.param): client.read_value(i.param).to(device) for i in infos}
         for info in infos:

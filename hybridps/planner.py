@@ -212,7 +212,9 @@ class NodeSpec:
     def parse(cls, gpus: str, cpu: str | int, *, ranks_per_node: int | None = None, nodes: int = 1) -> NodeSpec:
         """``gpus`` as "8x80GiB" (count x capacity) or "80GiB" (one GPU); ``cpu`` as "1TiB"."""
         count, size = parse_gpus(gpus)
-        return cls(gpus=count, gpu_bytes=size, cpu_bytes=parse_bytes(cpu, what="--cpu"), ranks_per_node=ranks_per_node, nodes=nodes)
+        return cls(
+            gpus=count, gpu_bytes=size, cpu_bytes=parse_bytes(cpu, what="--cpu"), ranks_per_node=ranks_per_node, nodes=nodes
+        )
 
     @property
     def world_size(self) -> int:
@@ -510,7 +512,14 @@ def _meta_attention_as_flash():
                         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
                     )[0]
                 return original(
-                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+                    query,
+                    key,
+                    value,
+                    attn_mask=attn_mask,
+                    dropout_p=dropout_p,
+                    is_causal=is_causal,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
                 )
 
             F.scaled_dot_product_attention = attention
@@ -553,7 +562,15 @@ class RankShare:
 
     def __post_init__(self) -> None:
         _check_positive_int("world_size", self.world_size)
-        for f in ("owned_bytes", "even_share_bytes", "gathered_bytes", "gpu_need_bytes", "gpu_peak_bytes", "cpu_bytes", "cpu_node_bytes"):
+        for f in (
+            "owned_bytes",
+            "even_share_bytes",
+            "gathered_bytes",
+            "gpu_need_bytes",
+            "gpu_peak_bytes",
+            "cpu_bytes",
+            "cpu_node_bytes",
+        ):
             _check_bytes(f, getattr(self, f))
 
     @property
@@ -663,7 +680,9 @@ PEER_RULES = {
 }
 
 
-def deepspeed_zero2_offload_bytes(total_params: int, gpus_per_node: int, nodes: int, buffer_factor: float = DEEPSPEED_BUFFER_FACTOR) -> tuple[int, int]:
+def deepspeed_zero2_offload_bytes(
+    total_params: int, gpus_per_node: int, nodes: int, buffer_factor: float = DEEPSPEED_BUFFER_FACTOR
+) -> tuple[int, int]:
     """(CPU bytes per node, GPU bytes per GPU) of model states under ZeRO-Offload.
 
     Rule: ``estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node, num_nodes,
@@ -796,7 +815,9 @@ class InitPeak:
 
     @property
     def host_peak_bytes(self) -> int:
-        return self.host_model_data_bytes + max(self.replay_transient_bytes, self.load_transient_bytes) + self.process_overhead_bytes
+        return (
+            self.host_model_data_bytes + max(self.replay_transient_bytes, self.load_transient_bytes) + self.process_overhead_bytes
+        )
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "host_peak_bytes": self.host_peak_bytes}
@@ -851,7 +872,14 @@ class HybridPSPlan:
     init: InitPeak | None = None
 
     def __post_init__(self) -> None:
-        for f in ("chunk_bytes", "model_data_bytes", "min_compute_bytes", "cpu_node_bytes", "non_model_peak_bytes", "gpu_need_bytes"):
+        for f in (
+            "chunk_bytes",
+            "model_data_bytes",
+            "min_compute_bytes",
+            "cpu_node_bytes",
+            "non_model_peak_bytes",
+            "gpu_need_bytes",
+        ):
             _check_bytes(f, getattr(self, f))
         if not 0.0 <= self.padding_fraction < 1.0:
             raise ConfigError(f"padding_fraction={self.padding_fraction!r} must be in [0, 1)")
@@ -999,7 +1027,9 @@ def plan(
     """
     described = {"gpus": gpus, "cpu": cpu, "ranks_per_node": ranks_per_node, "nodes": nodes}
     if node is None:
-        node = NodeSpec.parse(gpus or "1x80GiB", "128GiB" if cpu is None else cpu, ranks_per_node=ranks_per_node, nodes=nodes or 1)
+        node = NodeSpec.parse(
+            gpus or "1x80GiB", "128GiB" if cpu is None else cpu, ranks_per_node=ranks_per_node, nodes=nodes or 1
+        )
     elif any(v is not None for v in described.values()):
         given = ", ".join(k for k, v in described.items() if v is not None)
         raise ConfigError(f"plan() got node={node!r} and also {given}; describe the node once, one way or the other")
@@ -1128,7 +1158,9 @@ class Planner:
             largest = self.search_largest()
         search_seconds = time.perf_counter() - search_start
         activation = self.activation_bytes(n0)
-        peers = peer_plans(ev.sim.n_params, ev.sim.largest_layer_params, activation, node, self.margin_bytes, req.deepspeed_buffer_factor)
+        peers = peer_plans(
+            ev.sim.n_params, ev.sim.largest_layer_params, activation, node, self.margin_bytes, req.deepspeed_buffer_factor
+        )
         if req.search_largest:
             peers = [dataclasses.replace(p, largest=self.peer_largest(p.name)) for p in peers]
         hybrid = self._hybridps_plan(ev, largest)
@@ -1508,7 +1540,15 @@ def _format_report(r: PlanReport) -> str:
     hyb_cpu = h.cpu_node_bytes if h.simulation_failure is None else None
     rows.append(("HybridPS" + tag, "yes" if h.fits else "no", _gb(hyb_gpu), _gb(hyb_cpu), _largest_text(h.largest)))
     for p in r.peers:
-        rows.append((_PEER_TITLES.get(p.name, p.name), "yes" if p.fits else "no", _gb(p.gpu_need_bytes), _gb(p.cpu_node_bytes), _largest_text(p.largest)))
+        rows.append(
+            (
+                _PEER_TITLES.get(p.name, p.name),
+                "yes" if p.fits else "no",
+                _gb(p.gpu_need_bytes),
+                _gb(p.cpu_node_bytes),
+                _largest_text(p.largest),
+            )
+        )
     lines += _table(rows)
     lines.append("")
     if h.chunk_size_elements:
@@ -1587,7 +1627,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size (default 50304)")
     m.add_argument("--seq-len", type=_positive_int, default=1024, help="sequence length (default 1024)")
     m.add_argument("--batch", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
-    m.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=False, help="activation checkpointing of each block")
+    m.add_argument(
+        "--checkpoint", action=argparse.BooleanOptionalAction, default=False, help="activation checkpointing of each block"
+    )
     m.add_argument(
         "--factory",
         metavar="MODULE:CALLABLE",
@@ -1595,11 +1637,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t = p.add_argument_group("training")
     t.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
-    t.add_argument("--grad-reuse", action=argparse.BooleanOptionalAction, default=True, help="grads in the params' slots (14 B/param in 16-bit)")
-    t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
-    t.add_argument("--chunk-size", type=_positive_int, default=None, help="elements per chunk (default: chosen as the client would)")
     t.add_argument(
-        "--simulated-gpus", action="store_true",
+        "--grad-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="grads in the params' slots (14 B/param in 16-bit)",
+    )
+    t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
+    t.add_argument(
+        "--chunk-size", type=_positive_int, default=None, help="elements per chunk (default: chosen as the client would)"
+    )
+    t.add_argument(
+        "--simulated-gpus",
+        action="store_true",
         help="plan a run on simulated GPUs (their chunks in host memory, nothing pinned) instead of a real node",
     )
     t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
@@ -1646,7 +1696,9 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
         return model.with_layers(args.layers) if args.layers else model
     if args.layers is None or args.hidden is None:
         missing = " and ".join(f for f, v in (("--layers", args.layers), ("--hidden", args.hidden)) if v is None)
-        raise ConfigError(f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE")
+        raise ConfigError(
+            f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE"
+        )
     heads = args.heads or max(1, args.hidden // 128)
     return GPTShape(
         n_layer=args.layers,

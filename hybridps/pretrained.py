@@ -154,7 +154,9 @@ def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = T
                 if shape != tuple(state[key].shape):
                     problems.append(f"{key}: shape {shape} in {names[matched[key]]}, {tuple(state[key].shape)} in the model")
         if strict and missing:
-            problems.append(f"{len(missing)} params are not in the files: {missing[:5]}{' ...' if len(missing) > 5 else ''} (strict=False keeps their values)")
+            problems.append(
+                f"{len(missing)} params are not in the files: {missing[:5]}{' ...' if len(missing) > 5 else ''} (strict=False keeps their values)"
+            )
         if problems:
             shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
             raise ConfigError(f"weights at {folder} do not match the model; nothing was loaded:\n  " + "\n  ".join(shown))

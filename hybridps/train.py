@@ -103,7 +103,9 @@ def estimate_activation_bytes(cfg, batch: int) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--data", type=Path, default=None, help="a text file or folder (default: the Python standard library's sources)")
+    ap.add_argument(
+        "--data", type=Path, default=None, help="a text file or folder (default: the Python standard library's sources)"
+    )
     ap.add_argument("--data-bytes", default="8MiB", help="how much text to read (default 8MiB)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8, help="global batch in sequences")
@@ -115,9 +117,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None, help="default: the --config file's, else fp32")
     ap.add_argument("--config", type=Path, default=None, help="a HybridPS Config file (.json or .toml); the flags here win")
-    ap.add_argument("--gpu-capacity", default="auto",
-                    help="capacity of the (simulated) GPU: bytes with units, or 'auto' = 90%% of the model data "
-                         "(more when the activations need it)")
+    ap.add_argument(
+        "--gpu-capacity",
+        default="auto",
+        help="capacity of the (simulated) GPU: bytes with units, or 'auto' = 90%% of the model data "
+        "(more when the activations need it)",
+    )
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--manager", default=None, help="node daemon endpoint ('auto' for the default); default: embedded")
     ap.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here at the end")
@@ -164,16 +169,25 @@ def run(args: argparse.Namespace) -> dict:
         if args.lora or args.save:
             raise SystemExit("--lora and --save need a Hugging Face model: --model PATH or --model-config FILE")
         batches = ByteBatches(data, args.seq)
-        cfg = GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
-                        checkpoint=args.checkpointing)
+        cfg = GPTConfig(
+            vocab_size=256,
+            seq_len=args.seq,
+            n_layer=args.layers,
+            n_head=args.heads,
+            d_model=args.d_model,
+            checkpoint=args.checkpointing,
+        )
         model = GPT(cfg)
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         n_params = cfg.n_params
         activations_fp32 = estimate_activation_bytes(cfg, micro)
 
         def loss_of(x, y):
             return engine(x, y)[1]
+
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     per_param = 14 if args.precision != "fp32" else 16
     model_bytes = n_params * per_param // world
@@ -194,8 +208,12 @@ def run(args: argparse.Namespace) -> dict:
         devices = {"cuda:local": parse_bytes(args.gpu_capacity, what="--gpu-capacity")}
     if base.devices and args.gpu_capacity == "auto":
         devices = dict(base.devices)  # the file's, unless --gpu-capacity says otherwise
-    config = base.replace(devices=devices, precision=args.precision, manager=args.manager or base.manager,
-                          record=bool(args.plot or args.trace) or base.record)
+    config = base.replace(
+        devices=devices,
+        precision=args.precision,
+        manager=args.manager or base.manager,
+        record=bool(args.plot or args.trace) or base.record,
+    )
     engine = hybridps.initialize(model, optimizer, config)
     if hf_task is not None:
         hf_task.after_initialize(engine)
@@ -231,7 +249,9 @@ def run(args: argparse.Namespace) -> dict:
         if bar is not None:
             gpu = engine.memory_stats()["devices"].get(engine.client.compute.name, {})
             rate = tokens / max(1e-9, time.perf_counter() - t_start)
-            bar.set_postfix_str(f"loss {value:.3f}  {rate:,.0f} tok/s  gpu {format_bytes(gpu.get('used_bytes', 0))}", refresh=False)
+            bar.set_postfix_str(
+                f"loss {value:.3f}  {rate:,.0f} tok/s  gpu {format_bytes(gpu.get('used_bytes', 0))}", refresh=False
+            )
             bar.update(1)
         if args.eval_every and (step + 1) % args.eval_every == 0 and rank == 0 and bar is None and not args.quiet:
             print(f"step {step + 1}: loss {value:.4f}", file=sys.stderr)
@@ -264,7 +284,11 @@ def run(args: argparse.Namespace) -> dict:
         "model_data_bytes": stats["model_data_bytes"],
         "devices": {
             name: {k: d[k] for k in ("capacity_bytes", "peak_bytes", "used_bytes", "simulated")}
-            | ({"peak_total_bytes": d["peak_total_bytes"], "non_model_peak_bytes": d["non_model_peak_bytes"]} if "peak_total_bytes" in d else {})
+            | (
+                {"peak_total_bytes": d["peak_total_bytes"], "non_model_peak_bytes": d["non_model_peak_bytes"]}
+                if "peak_total_bytes" in d
+                else {}
+            )
             for name, d in stats["devices"].items()
         },
         "moves": stats["moves"] - stats0["moves"],
@@ -305,8 +329,14 @@ def _progress(args, rank: int, start: int):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=args.steps, initial=0, desc=f"train (from step {start})" if start else "train", unit="step",
-                dynamic_ncols=True, file=sys.stderr)
+    return tqdm(
+        total=args.steps,
+        initial=0,
+        desc=f"train (from step {start})" if start else "train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
 
 
 def _summary_text(s: dict) -> str:
@@ -322,7 +352,9 @@ def _summary_text(s: dict) -> str:
         extra = ""
         if "peak_total_bytes" in d:
             extra = f", peak chunks + activations {format_bytes(d['peak_total_bytes'])}"
-        lines.append(f"  {name} ({kind}): peak chunks {format_bytes(d['peak_bytes'])} of {format_bytes(d['capacity_bytes'])}{extra}")
+        lines.append(
+            f"  {name} ({kind}): peak chunks {format_bytes(d['peak_bytes'])} of {format_bytes(d['capacity_bytes'])}{extra}"
+        )
     if s["checkpoint"]:
         lines.append(f"checkpoint: {s['checkpoint']}")
     if s.get("saved"):
@@ -331,8 +363,12 @@ def _summary_text(s: dict) -> str:
 
 
 def add_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a byte-level GPT, or a local Hugging Face causal LM, on real text", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="train a byte-level GPT, or a local Hugging Face causal LM, on real text",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=lambda args: (run(args), 0)[1])
 

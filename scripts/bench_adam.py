@@ -30,7 +30,9 @@ def make_model(n_params: int, width: int = 1024) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width, bias=True) for _ in range(rows)])
 
 
-def torch_master_copy_step(model16: nn.Module, masters: list[torch.Tensor], opt: torch.optim.Optimizer, inv_scale: torch.Tensor) -> None:
+def torch_master_copy_step(
+    model16: nn.Module, masters: list[torch.Tensor], opt: torch.optim.Optimizer, inv_scale: torch.Tensor
+) -> None:
     """What a plain-PyTorch fp16 optimizer with fp32 masters does per step (the work HybridPS
     does per chunk): fp16 grads to fp32, unscale with an inf/NaN check (GradScaler's kernel),
     fused AdamW on the masters, params written back to fp16."""
@@ -121,11 +123,19 @@ def main() -> None:
     ap.add_argument("--params", default="16M", help="number of parameters (K/M/G suffixes)")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
-    n = parse_bytes(args.params.replace("M", "MiB").replace("G", "GiB").replace("K", "KiB")) if not args.params.isdigit() else int(args.params)
+    n = (
+        parse_bytes(args.params.replace("M", "MiB").replace("G", "GiB").replace("K", "KiB"))
+        if not args.params.isdigit()
+        else int(args.params)
+    )
     out = {
         "benchmark": "adam",
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__},
-        "results": [bench("fp32", n, args.rounds), bench("fp32", n, args.rounds, grad_reuse=False), bench("fp16", n, args.rounds)],
+        "results": [
+            bench("fp32", n, args.rounds),
+            bench("fp32", n, args.rounds, grad_reuse=False),
+            bench("fp16", n, args.rounds),
+        ],
     }
     print(json.dumps(out, indent=2))
 

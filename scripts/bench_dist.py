@@ -62,8 +62,12 @@ class ByteCounter:
             "_reduce_scatter_base": lambda a, k: (world() - 1) * nbytes(a[0]),
             "reduce_scatter": lambda a, k: (world() - 1) * nbytes(a[0] if a else k["output"]),
             "all_reduce": lambda a, k: 2 * (world() - 1) * nbytes(a[0] if a else k["tensor"]) // world(),
-            "broadcast": lambda a, k: 0 if dist.get_rank() == (a[1] if len(a) > 1 else k.get("src", 0)) else nbytes(a[0] if a else k["tensor"]),
-            "reduce": lambda a, k: (world() - 1) * nbytes(a[0]) if dist.get_rank() == (a[1] if len(a) > 1 else k.get("dst", 0)) else 0,
+            "broadcast": lambda a, k: (
+                0 if dist.get_rank() == (a[1] if len(a) > 1 else k.get("src", 0)) else nbytes(a[0] if a else k["tensor"])
+            ),
+            "reduce": lambda a, k: (
+                (world() - 1) * nbytes(a[0]) if dist.get_rank() == (a[1] if len(a) > 1 else k.get("dst", 0)) else 0
+            ),
         }
         for name, rule in rules.items():
             if not hasattr(dist, name):
@@ -88,8 +92,14 @@ def _peak_rss_bytes() -> int:
 def _worker(rank, world, port, system, args, outdir):
     os.dup2(2, 1)  # the peer prints to stdout; keep stdout for the JSON result
     sys.stdout = sys.stderr
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(max(1, args.threads // world))
     counter = ByteCounter()
     counter.install()
@@ -212,14 +222,19 @@ def main() -> None:
             if "hybridps" in pair and "deepspeed" in pair:
                 ratios.setdefault(f"world_{world}", []).append(pair["hybridps"]["step_s"] / pair["deepspeed"]["step_s"])
     summary = {w: {"median": round(statistics.median(r), 3), "runs": [round(x, 3) for x in r]} for w, r in ratios.items()}
-    print(json.dumps({
-        "benchmark": "dist",
-        "date": datetime.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "model": {"d_model": args.d_model, "layers": args.layers, "seq": args.seq, "global_batch": args.batch},
-        "results": results,
-        "hybridps_over_deepspeed_step_time": summary,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "dist",
+                "date": datetime.date.today().isoformat(),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                "model": {"d_model": args.d_model, "layers": args.layers, "seq": args.seq, "global_batch": args.batch},
+                "results": results,
+                "hybridps_over_deepspeed_step_time": summary,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -118,12 +118,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    print(json.dumps({
-        "benchmark": "eviction",
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
-        "fraction": args.fraction,
-        "results": [run("opt", args), run("lru", args)],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "eviction",
+                "machine": {"platform": platform.platform(), "torch": torch.__version__},
+                "fraction": args.fraction,
+                "results": [run("opt", args), run("lru", args)],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -99,9 +99,23 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="hps-bench-")
     endpoint = f"ipc://{workdir}/manager.sock"
     cmd = [
-        sys.executable, "-m", "hybridps.manager", "--endpoint", endpoint,
-        "--device", "cpu=64GiB", "--device", "cuda:0=8GiB", "--device", "cuda:1=8GiB", "--simulate", "always",
-        "--metrics-port", "0", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "hybridps.manager",
+        "--endpoint",
+        endpoint,
+        "--device",
+        "cpu=64GiB",
+        "--device",
+        "cuda:0=8GiB",
+        "--device",
+        "cuda:1=8GiB",
+        "--simulate",
+        "always",
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "warning",
     ]
     daemon = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:

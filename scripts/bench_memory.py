@@ -111,8 +111,20 @@ def run_case(kind: str, precision: str, d_model: int, layers: int, steps: int) -
 
 
 def _subprocess(kind: str, precision: str, d_model: int, layers: int, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--case", kind, precision, "--d-model", str(d_model), str(d_model), "--layers", str(layers),
-           "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--case",
+        kind,
+        precision,
+        "--d-model",
+        str(d_model),
+        str(d_model),
+        "--layers",
+        str(layers),
+        "--steps",
+        str(steps),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -135,22 +147,34 @@ def main() -> None:
         def slope(field: str, large=large, small=small, extra=extra) -> float:  # bytes per param beyond the fixed overhead
             return round((large[field] * large["params"] - small[field] * small["params"]) / extra, 2)
 
-        results.append({
-            "kind": kind,
-            "precision": precision,
-            "sizes": [small, large],
-            "init_peak_marginal_bytes_per_param": slope("init_peak_bytes_per_param"),
-            "steady_marginal_bytes_per_param": slope("steady_bytes_per_param"),
-            "model_data_bytes_per_param": large["model_data_bytes_per_param"],
-            # memory_stats()["host"]["accounted_bytes"] at the margin, next to RSS at the margin
-            "accounted_marginal_bytes_per_param": (
-                round((large["accounted_host_bytes"] - small["accounted_host_bytes"]) / extra, 2)
-                if small["accounted_host_bytes"] is not None else None
-            ),
-            "formula_bytes_per_param": large["formula_bytes_per_param"],
-        })
-    print(json.dumps({"benchmark": "memory", "machine": {"platform": platform.platform(), "python": platform.python_version()},
-                      "model": {"d_model": args.d_model, "layers": args.layers}, "cases": results}, indent=2))
+        results.append(
+            {
+                "kind": kind,
+                "precision": precision,
+                "sizes": [small, large],
+                "init_peak_marginal_bytes_per_param": slope("init_peak_bytes_per_param"),
+                "steady_marginal_bytes_per_param": slope("steady_bytes_per_param"),
+                "model_data_bytes_per_param": large["model_data_bytes_per_param"],
+                # memory_stats()["host"]["accounted_bytes"] at the margin, next to RSS at the margin
+                "accounted_marginal_bytes_per_param": (
+                    round((large["accounted_host_bytes"] - small["accounted_host_bytes"]) / extra, 2)
+                    if small["accounted_host_bytes"] is not None
+                    else None
+                ),
+                "formula_bytes_per_param": large["formula_bytes_per_param"],
+            }
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "memory",
+                "machine": {"platform": platform.platform(), "python": platform.python_version()},
+                "model": {"d_model": args.d_model, "layers": args.layers},
+                "cases": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
     model = copy.deepcopy(plain).cpu()
     plain_opt = make_optimizer(plain)
     model_bytes = cfg.n_params * 16
-    config = hybridps.Config(devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)}, precision="fp32")
+    config = hybridps.Config(
+        devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)}, precision="fp32"
+    )
     engine = hybridps.initialize(model, make_optimizer(model), config)
     plain_ms, hps_ms, losses = [], [], []
     moves0 = bytes0 = 0
@@ -114,8 +116,13 @@ def main() -> None:
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
     out = {
         "benchmark": "overhead",
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "device": args.device,
-                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": torch.get_num_threads(),
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__,
+        },
         "model": {"params": cfg.n_params, "d_model": args.d_model, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         "fits": _safe(run_case, args, 2.0, args.device),
         "tight": _safe(run_case, args, args.tight, args.device),

@@ -79,8 +79,14 @@ def _run(cmd: list[str], timeout_s: float, env: dict) -> dict:
     result = None
     for line in out.splitlines():
         if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-    return {"rc": rc, "seconds": round(time.perf_counter() - start, 1), "result": result, "stdout": out, "stderr_tail": err[-3000:]}
+            result = json.loads(line[len(RESULT_PREFIX) :])
+    return {
+        "rc": rc,
+        "seconds": round(time.perf_counter() - start, 1),
+        "result": result,
+        "stdout": out,
+        "stderr_tail": err[-3000:],
+    }
 
 
 def _install_wheels(folder: Path) -> str | None:
@@ -90,8 +96,20 @@ def _install_wheels(folder: Path) -> str | None:
         return None
     target = Path(tempfile.gettempdir()) / "hybridps-gpu-validate-site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade",
-         "--target", str(target), *wheels],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--upgrade",
+            "--target",
+            str(target),
+            *wheels,
+        ],
         check=True,
     )
     return str(target)
@@ -125,8 +143,14 @@ def _worker(args) -> dict:
 
     from hybridps.models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.hidden, checkpoint=args.checkpoint)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.hidden,
+        checkpoint=args.checkpoint,
+    )
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
     batches = [
@@ -143,8 +167,9 @@ def _worker(args) -> dict:
         devices = {"cuda:0": args.gpu_bytes} if device.type == "cuda" else {"cuda:0": args.gpu_bytes or "1GiB"}
         if args.cpu_bytes:
             devices["cpu"] = args.cpu_bytes
-        config = hybridps.Config(precision=args.precision, devices=devices, simulate=device.type != "cuda",
-                                 overlap_step=args.overlap_step)
+        config = hybridps.Config(
+            precision=args.precision, devices=devices, simulate=device.type != "cuda", overlap_step=args.overlap_step
+        )
         engine = hybridps.initialize(model, optimizer, config)
 
         def train_step(x, y):
@@ -157,12 +182,17 @@ def _worker(args) -> dict:
     else:
         import deepspeed
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
+        )
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         stage3 = args.system == "zero3-offload"
-        zero = {"stage": 3 if stage3 else 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                "contiguous_gradients": True, "overlap_comm": True}
+        zero = {
+            "stage": 3 if stage3 else 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+        }
         if stage3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         ds_config = {
@@ -192,7 +222,11 @@ def _worker(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     init_s = time.perf_counter() - t0
-    print(f"worker {args.system}: {cfg.n_params / 1e9:.2f} B params initialized in {init_s:.1f} s; {_host_note()}", file=sys.stderr, flush=True)
+    print(
+        f"worker {args.system}: {cfg.n_params / 1e9:.2f} B params initialized in {init_s:.1f} s; {_host_note()}",
+        file=sys.stderr,
+        flush=True,
+    )
     losses, times = [], []
     try:
         for i, batch in enumerate(batches):
@@ -201,8 +235,11 @@ def _worker(args) -> dict:
             loss = train_step(x, y)
             losses.append(float(loss.item()))  # .item() synchronizes
             sync()
-            print(f"worker {args.system}: step {i} {time.perf_counter() - t:.2f} s loss {losses[-1]:.4f}; {_host_note()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"worker {args.system}: step {i} {time.perf_counter() - t:.2f} s loss {losses[-1]:.4f}; {_host_note()}",
+                file=sys.stderr,
+                flush=True,
+            )
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
     except Exception as e:
@@ -252,8 +289,10 @@ def _diagnostics(system: str, engine, device) -> dict:
             stats = engine.memory_stats()
             out["hybridps_moves"] = stats.get("moves")
             out["hybridps_devices"] = {
-                name: {k: d.get(k) for k in ("capacity_bytes", "used_bytes", "peak_bytes", "non_model_peak_bytes",
-                                             "peak_total_bytes")}
+                name: {
+                    k: d.get(k)
+                    for k in ("capacity_bytes", "used_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes")
+                }
                 for name, d in stats["devices"].items()
             }
     return out
@@ -265,8 +304,13 @@ def _diagnostics(system: str, engine, device) -> dict:
 def phase_env() -> dict:
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
     with contextlib.suppress(ImportError):
         import psutil
 
@@ -285,17 +329,27 @@ def phase_env() -> dict:
 
 
 def phase_tests(clock: Clock, env: dict) -> dict:
-    r = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-             min(300.0, clock.left_s() - 5), env)
+    r = _run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        min(300.0, clock.left_s() - 5),
+        env,
+    )
     summary = [line for line in r["stdout"].splitlines() if " passed" in line or " failed" in line or " error" in line]
-    return {"rc": r["rc"], "seconds": r["seconds"], "summary": summary[-1] if summary else None,
-            "failures": [line for line in r["stdout"].splitlines() if line.startswith(("FAILED", "ERROR"))],
-            **({"stdout_tail": r["stdout"][-3000:]} if r["rc"] != 0 else {})}
+    return {
+        "rc": r["rc"],
+        "seconds": r["seconds"],
+        "summary": summary[-1] if summary else None,
+        "failures": [line for line in r["stdout"].splitlines() if line.startswith(("FAILED", "ERROR"))],
+        **({"stdout_tail": r["stdout"][-3000:]} if r["rc"] != 0 else {}),
+    }
 
 
 def phase_bandwidth(clock: Clock, env: dict, chunk_mib: int) -> dict:
-    r = _run([sys.executable, "scripts/bench_move.py", "--chunk-mib", str(chunk_mib), "--rounds", "20"],
-             min(120.0, clock.left_s() - 5), env)
+    r = _run(
+        [sys.executable, "scripts/bench_move.py", "--chunk-mib", str(chunk_mib), "--rounds", "20"],
+        min(120.0, clock.left_s() - 5),
+        env,
+    )
     if r["rc"] != 0:
         return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
     data = json.loads(r["stdout"])
@@ -310,8 +364,10 @@ def _raw_pinned_bandwidth(chunk_mib: int) -> dict:
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     out = {}
-    for name, fn in (("h2d_gbps", lambda: dev.copy_(host, non_blocking=True)),
-                     ("d2h_gbps", lambda: host.copy_(dev, non_blocking=True))):
+    for name, fn in (
+        ("h2d_gbps", lambda: dev.copy_(host, non_blocking=True)),
+        ("d2h_gbps", lambda: host.copy_(dev, non_blocking=True)),
+    ):
         for _ in range(3):
             fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -329,9 +385,29 @@ def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
 
     gpu = int(node["gpu_free_bytes"] * DEFAULT_GPU_FRACTION)  # what a default capacity takes of it
     cpu = int(node.get("host_available_bytes", 0) * 0.9)
-    cmd = [sys.executable, "-m", "hybridps", "plan", "--layers", "2", "--hidden", str(args.hidden), "--heads",
-           str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--precision", args.precision,
-           "--gpus", f"1x{gpu}", "--cpu", str(cpu), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridps",
+        "plan",
+        "--layers",
+        "2",
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--precision",
+        args.precision,
+        "--gpus",
+        f"1x{gpu}",
+        "--cpu",
+        str(cpu),
+        "--json",
+    ]
     if args.checkpoint:
         cmd.append("--checkpoint")
     r = _run(cmd, min(180.0, clock.left_s() - 5), env)
@@ -339,17 +415,35 @@ def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
         return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
     plan = json.loads(r["stdout"])
     args.cpu_bytes = args.cpu_bytes or cpu
-    out = {"gpu_bytes": gpu, "cpu_bytes": cpu, "seconds": r["seconds"],
-           "hybridps": plan["hybridps"]["largest"]}
+    out = {"gpu_bytes": gpu, "cpu_bytes": cpu, "seconds": r["seconds"], "hybridps": plan["hybridps"]["largest"]}
     for peer in plan["peers"]:
         out[peer["name"]] = peer.get("largest")
     return out
 
 
 def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int, timeout_s: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--layers", str(n_layer),
-           "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--precision", args.precision, "--steps", str(steps), "--warmup", "1"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        system,
+        "--layers",
+        str(n_layer),
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--precision",
+        args.precision,
+        "--steps",
+        str(steps),
+        "--warmup",
+        "1",
+    ]
     if args.checkpoint:
         cmd.append("--checkpoint")
     if system == "hybridps" and args.cpu_bytes:
@@ -359,8 +453,15 @@ def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int,
         return {"trained": True, "seconds": r["seconds"], **r["result"]}
     err = r["stderr_tail"]
     oom = "out of memory" in err.lower() or "CapacityError" in err or r["rc"] == -9
-    return {"trained": False, "system": system, "n_layer": n_layer, "rc": r["rc"], "seconds": r["seconds"],
-            "out_of_memory": oom, "stderr_tail": err}
+    return {
+        "trained": False,
+        "system": system,
+        "n_layer": n_layer,
+        "rc": r["rc"],
+        "seconds": r["seconds"],
+        "out_of_memory": oom,
+        "stderr_tail": err,
+    }
 
 
 def _largest_that_trains(system: str, planned: int, clock: Clock, env: dict, args) -> dict:
@@ -393,7 +494,7 @@ def phase_largest(clock: Clock, env: dict, args, plan: dict, have_deepspeed: boo
         ds = _largest_that_trains("deepspeed-zero-offload", ds_planned, clock, env, args)
         out["deepspeed-zero-offload"] = ds
         both = (ds.get("largest") or {}).get("n_layer")
-        mine = ((out.get("hybridps") or {}).get("largest") or {})
+        mine = (out.get("hybridps") or {}).get("largest") or {}
         if both and (mine.get("n_layer") == both or clock.left_s() > 90):
             if mine.get("n_layer") == both:
                 hp = mine
@@ -434,7 +535,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", choices=("hybridps", "deepspeed-zero-offload", "zero3-offload"), default=None)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gpu-bytes", default=None)
-    ap.add_argument("--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)")
+    ap.add_argument(
+        "--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)"
+    )
     ap.add_argument("--overlap-step", action="store_true")
     args = ap.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Register a model 4x larger than a simulated GPU, access every param, print memory stats.
 
-    python scripts/quickstart.py
+python scripts/quickstart.py
 """
 
 import json

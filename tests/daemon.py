@@ -144,7 +144,9 @@ class Daemons:
             died_early = d.proc.poll() is not None
             rc = d.stop()
             if not d.expected_dead and (died_early or rc != 0):
-                failures.append(f"daemon {d.command} exited with {rc}{' before the test ended' if died_early else ''}:\n{d.stderr}")
+                failures.append(
+                    f"daemon {d.command} exited with {rc}{' before the test ended' if died_early else ''}:\n{d.stderr}"
+                )
         shutil.rmtree(self.workdir, ignore_errors=True)
         if failures:
             pytest.fail("\n\n".join(failures))

@@ -54,7 +54,9 @@ def _worker(rank, world, port, fn, args, outdir, timeout_s, env, threads):
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False, threads: int = 1):
+def run_ranks(
+    fn, world: int, *args, timeout_s: float = 120.0, env: dict | None = None, expect_failure: bool = False, threads: int = 1
+):
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return the list of results.
 
     Each rank uses ``threads`` CPU threads (results are bitwise comparable only between
@@ -107,7 +109,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, env: dict | None 
         return outcomes
     failed = [payload for status, payload in outcomes if status != "ok"]
     # the rank with its own error first; the others mostly lost their peer because of it
-    failed.sort(key=lambda msg: ("left no result" in msg or "Connection closed by peer" in msg or "Terminating" in msg))
+    failed.sort(key=lambda msg: "left no result" in msg or "Connection closed by peer" in msg or "Terminating" in msg)
     if failed or error is not None:
         raise RankFailed("\n".join(failed) or str(error))
     return [payload for _, payload in outcomes]

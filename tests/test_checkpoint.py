@@ -17,7 +17,9 @@ from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, train_engine
 
 def _engine(seed=0, precision="fp32"):
     model, _ = gpt_pair(seed=seed)
-    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, precision=precision, collective_timeout_s=60)
+    config = hybridps.Config(
+        devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, precision=precision, collective_timeout_s=60
+    )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(engine.optimizer, T_max=20)
     return engine, sched
@@ -227,7 +229,9 @@ def test_two_saves_crashing_at_every_step_leave_the_newest_complete_checkpoint_l
             _save_crashing_at(monkeypatch, engine, work / "ck", j, "C")
             want = "C" if j > commit_c else ("B" if k > commit_b else "A")
             got = ckpt.load_checkpoint(other, work / "ck")["tag"]
-            assert got == want, f"first save died at {full_b[k] if k < len(full_b) else 'never'}, second at {full_c[j]}: loaded {got}, want {want} ({sorted(os.listdir(work))})"
+            assert got == want, (
+                f"first save died at {full_b[k] if k < len(full_b) else 'never'}, second at {full_c[j]}: loaded {got}, want {want} ({sorted(os.listdir(work))})"
+            )
             state = other.state_dict()
             assert all(torch.equal(state[key], v) for key, v in values[want].items())
             checked += 1

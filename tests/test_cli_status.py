@@ -38,7 +38,9 @@ def test_status_prints_devices_clients_and_totals(daemon, client, capsys):
     lines = out.splitlines()
     assert lines[0].startswith(f"hybridps-manager on {daemon.endpoint}: pid {daemon.proc.pid}")
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
-    assert ["cuda:0", "simulated", "GPU", "8.00", "MiB", "3.00", "MiB", "5.00", "MiB", "3.00", "MiB"] in [line.split() for line in lines]
+    assert ["cuda:0", "simulated", "GPU", "8.00", "MiB", "3.00", "MiB", "5.00", "MiB", "3.00", "MiB"] in [
+        line.split() for line in lines
+    ]
     assert ["cpu", "cpu", "1.00", "GiB", "512", "B", "1024.00", "MiB", "512", "B"] in [line.split() for line in lines]
     assert any(line.split()[:1] == ["total"] for line in lines)
     assert "CLIENTS (1)" in lines
@@ -53,14 +55,22 @@ def test_status_json_is_one_object_with_devices_and_clients(daemon, client, caps
     assert out.count("\n") == 1
     status = json.loads(out)
     assert status["devices"]["cuda:0"] == {
-        "capacity_bytes": 8 << 20, "used_bytes": 3 << 20, "free_bytes": 5 << 20, "peak_bytes": 3 << 20, "simulated": True,
+        "capacity_bytes": 8 << 20,
+        "used_bytes": 3 << 20,
+        "free_bytes": 5 << 20,
+        "peak_bytes": 3 << 20,
+        "simulated": True,
         "capacity_source": "config",
     }
     (me,) = status["clients"]
     assert (me["rank"], me["pid"], me["host"], me["usage"]) == (3, os.getpid(), "node-a", {"cpu": 512, "cuda:0": 3 << 20})
     assert 0 <= me["last_seen_age_s"] < 10
-    assert status["totals"] == {"capacity_bytes": (1 << 30) + (8 << 20), "used_bytes": (3 << 20) + 512,
-                                "free_bytes": (1 << 30) + (5 << 20) - 512, "clients": 1}
+    assert status["totals"] == {
+        "capacity_bytes": (1 << 30) + (8 << 20),
+        "used_bytes": (3 << 20) + 512,
+        "free_bytes": (1 << 30) + (5 << 20) - 512,
+        "clients": 1,
+    }
 
 
 def test_status_watch_prints_again_until_interrupted(daemon, capsys, monkeypatch):
@@ -92,7 +102,9 @@ def test_the_status_command_exits_non_zero_when_no_daemon_answers_on_tcp():
         port = s.getsockname()[1]
     proc = subprocess.run(
         [sys.executable, "-m", "hybridps", "status", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "0.2"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1
     assert proc.stdout == ""
@@ -106,9 +118,14 @@ def test_hybridps_without_a_command_prints_its_help_and_fails(capsys):
 
 def test_the_text_report_of_an_idle_daemon_says_no_client_is_registered():
     status = {
-        "endpoint": "ipc:///x", "pid": 1, "instance_id": "i", "uptime_s": 3725.0, "lease_s": 10.0,
+        "endpoint": "ipc:///x",
+        "pid": 1,
+        "instance_id": "i",
+        "uptime_s": 3725.0,
+        "lease_s": 10.0,
         "devices": {"cpu": {"capacity_bytes": 1024, "used_bytes": 0, "free_bytes": 1024, "peak_bytes": 0, "simulated": False}},
-        "clients": [], "totals": {"capacity_bytes": 1024, "used_bytes": 0, "free_bytes": 1024, "clients": 0},
+        "clients": [],
+        "totals": {"capacity_bytes": 1024, "used_bytes": 0, "free_bytes": 1024, "clients": 0},
     }
     text = cli.format_status(status)
     assert "up 1h02m" in text and "CLIENTS: none registered" in text and "1.00 KiB" in text
@@ -116,7 +133,10 @@ def test_the_text_report_of_an_idle_daemon_says_no_client_is_registered():
 
 def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_what_is_missing():
     status = {
-        "endpoint": "ipc:///x", "pid": 1, "instance_id": "i", "uptime_s": 5.0,  # no lease_s
+        "endpoint": "ipc:///x",
+        "pid": 1,
+        "instance_id": "i",
+        "uptime_s": 5.0,  # no lease_s
         "devices": {
             "cpu": {"capacity_bytes": 1024, "used_bytes": 512, "free_bytes": 512, "peak_bytes": 512, "simulated": False},
             "cuda:0": {"capacity_bytes": 2048, "used_bytes": 0, "simulated": True},  # no free_bytes, peak_bytes
@@ -136,7 +156,16 @@ def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_
     assert "CLIENTS (2)" in lines
     note = lines[-1]
     assert note.startswith("? = not in this daemon's status")
-    for name in ("lease_s", "devices.cuda:0.free_bytes", "devices.cuda:0.peak_bytes", "totals", "clients[r0-a].pid",
-                 "clients[r1-b].usage", "clients[r1-b].last_seen_age_s"):
+    for name in (
+        "lease_s",
+        "devices.cuda:0.free_bytes",
+        "devices.cuda:0.peak_bytes",
+        "totals",
+        "clients[r0-a].pid",
+        "clients[r1-b].usage",
+        "clients[r1-b].last_seen_age_s",
+    ):
         assert name in note
-    assert cli.format_status({}).splitlines()[-1].endswith("endpoint, pid, instance_id, uptime_s, lease_s, devices, totals, clients")
+    assert (
+        cli.format_status({}).splitlines()[-1].endswith("endpoint, pid, instance_id, uptime_s, lease_s, devices, totals, clients")
+    )

@@ -125,8 +125,12 @@ def test_four_accumulated_micro_batches_equal_one_batch_four_times_larger():
     b_model = GPT(cfg)
     b_model.load_state_dict(a_model.state_dict())
     config = dict(devices={"cuda:0": model_data_bytes(cfg)})
-    accum = hybridps.initialize(a_model, torch.optim.AdamW(a_model.parameters(), lr=1e-3), hybridps.Config(grad_reuse=False, **config))
-    whole = hybridps.initialize(b_model, torch.optim.AdamW(b_model.parameters(), lr=1e-3), hybridps.Config(grad_reuse=False, **config))
+    accum = hybridps.initialize(
+        a_model, torch.optim.AdamW(a_model.parameters(), lr=1e-3), hybridps.Config(grad_reuse=False, **config)
+    )
+    whole = hybridps.initialize(
+        b_model, torch.optim.AdamW(b_model.parameters(), lr=1e-3), hybridps.Config(grad_reuse=False, **config)
+    )
     for step in range(6):
         x, y = tokens(step, batch=8, seq=16)
         total = 0.0
@@ -166,7 +170,10 @@ def test_activation_checkpointing_trains_with_the_same_losses():
     assert train_engine(engine, 12) == expected
 
 
-@pytest.mark.parametrize("precision, grad_reuse, per_param", [("fp16", True, 14), ("fp16", False, 16), ("bf16", True, 14), ("fp32", True, 16), ("fp32", False, 16)])
+@pytest.mark.parametrize(
+    "precision, grad_reuse, per_param",
+    [("fp16", True, 14), ("fp16", False, 16), ("bf16", True, 14), ("fp32", True, 16), ("fp32", False, 16)],
+)
 def test_model_data_costs_14_or_16_bytes_per_param(precision, grad_reuse, per_param):
     """Bytes per param of all chunk kinds, padding included (at most 5% on an 8-block GPT;
     chunk tails are the padding, so shallower toy models pad relatively more)."""
@@ -220,7 +227,9 @@ def test_structured_outputs_and_a_module_called_twice_train_like_plain_pytorch()
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
     engine = hybridps.initialize(
-        model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=80)
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2, fused=True),
+        hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=80),
     )
     for step in range(5):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -241,7 +250,9 @@ def test_frozen_params_are_computed_with_but_not_updated():
     model[2].requires_grad_(False)
     frozen = model[2].weight.detach().clone()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine = hybridps.initialize(model, torch.optim.Adam(trainable, lr=1e-2), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=80))
+    engine = hybridps.initialize(
+        model, torch.optim.Adam(trainable, lr=1e-2), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=80)
+    )
     for _ in range(3):
         loss = engine(torch.randn(4, 8)).square().mean()
         engine.backward(loss)
@@ -314,7 +325,9 @@ def test_a_capacity_below_one_modules_working_set_names_the_module_and_bytes():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(64, 64))
     with pytest.raises(ConfigError) as e:
-        hybridps.initialize(model, torch.optim.Adam(model.parameters()), hybridps.Config(devices={"cuda:0": "8KiB"}, chunk_size=1024))
+        hybridps.initialize(
+            model, torch.optim.Adam(model.parameters()), hybridps.Config(devices={"cuda:0": "8KiB"}, chunk_size=1024)
+        )
     msg = str(e.value)
     # Linear(64, 64) at chunk_size=1024: its weight gets a 4096-element chunk of its own and
     # its bias a regular chunk: (4096 + 1024) x 4 B
@@ -344,7 +357,9 @@ def test_a_changed_access_order_is_detected_and_traced_again():
 
     torch.manual_seed(0)
     model = Branchy()
-    engine = hybridps.initialize(model, torch.optim.Adam(model.parameters()), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=72))
+    engine = hybridps.initialize(
+        model, torch.optim.Adam(model.parameters()), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=72)
+    )
     for use_b in (True, True, False, False, True):
         engine.backward(engine(torch.randn(2, 8), use_b).sum())
         engine.step()
@@ -419,8 +434,9 @@ def _rss_growth_and_explained(rank, world):
     cfg = GPTConfig(n_layer=8, d_model=512, n_head=8, seq_len=64, vocab_size=8192)  # 29 M params
     with hybridps.meta_init():
         model = GPT(cfg)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()),
-                                 hybridps.Config(devices={"cuda:0": int(cfg.n_params * 16 * 0.3)}))
+    engine = hybridps.initialize(
+        model, torch.optim.AdamW(model.parameters()), hybridps.Config(devices={"cuda:0": int(cfg.n_params * 16 * 0.3)})
+    )
     for step in range(3):
         x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(step))
         _, loss = engine(x, x)

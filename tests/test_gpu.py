@@ -103,7 +103,9 @@ def test_gpu_memory_held_before_initialize_is_not_counted_against_the_capacity()
 
     model = GPT(SMALL_GPT)
     capacity = int(model_data_bytes(SMALL_GPT) * 0.3) + 64 * 2**20
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), hybridps.Config(devices={"cuda:0": capacity}, simulate=False))
+    engine = hybridps.initialize(
+        model, torch.optim.AdamW(model.parameters()), hybridps.Config(devices={"cuda:0": capacity}, simulate=False)
+    )
     for step in range(2):
         x, y = tokens(step)
         _, loss = engine(x, y)

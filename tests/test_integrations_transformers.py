@@ -68,13 +68,26 @@ def test_trainers_own_mixed_precision_flags_are_refused_with_the_fix(tmp_path, f
 
 def _torchrun(kind: str, outdir) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "tests.trainer_job", kind, str(outdir)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "tests.trainer_job",
+            kind,
+            str(outdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]  # torchrun fails when a rank fails
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_two_ranks_under_torchrun_train_like_plain_ddp(tmp_path):

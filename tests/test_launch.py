@@ -33,8 +33,18 @@ def _train_with_daemon(rank, world, endpoint):
 def test_every_rank_registers_with_the_node_daemon_and_status_shows_it():
     pool = Daemons()
     try:
-        daemon = pool.start("--device", "cpu=1GiB", "--device", f"cuda:0={GPU_BYTES}", "--device", f"cuda:1={GPU_BYTES}",
-                            "--simulate", "always", "--lease-s", "5")
+        daemon = pool.start(
+            "--device",
+            "cpu=1GiB",
+            "--device",
+            f"cuda:0={GPU_BYTES}",
+            "--device",
+            f"cuda:1={GPU_BYTES}",
+            "--simulate",
+            "always",
+            "--lease-s",
+            "5",
+        )
         results = run_ranks(_train_with_daemon, 2, daemon.endpoint, timeout_s=120)
         assert [r["compute"] for r in results] == ["cuda:0", "cuda:1"]  # cuda:local is each rank's own GPU
         status = results[0]["status"]
@@ -54,14 +64,41 @@ def test_every_rank_registers_with_the_node_daemon_and_status_shows_it():
 def test_torchrun_launches_the_trainer_against_the_node_daemon(tmp_path):
     pool = Daemons()
     try:
-        daemon = pool.start("--device", "cpu=2GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hybridps.train",
-               "--manager", daemon.endpoint, "--steps", "3", "--layers", "2", "--d-model", "64", "--heads", "4",
-               "--data-bytes", "256KiB", "--gpu-capacity", "32MiB", "--json", "--quiet", "--ckpt", str(tmp_path / "ck")]
+        daemon = pool.start(
+            "--device", "cpu=2GiB", "--device", "cuda:0=64MiB", "--device", "cuda:1=64MiB", "--simulate", "always"
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "hybridps.train",
+            "--manager",
+            daemon.endpoint,
+            "--steps",
+            "3",
+            "--layers",
+            "2",
+            "--d-model",
+            "64",
+            "--heads",
+            "4",
+            "--data-bytes",
+            "256KiB",
+            "--gpu-capacity",
+            "32MiB",
+            "--json",
+            "--quiet",
+            "--ckpt",
+            str(tmp_path / "ck"),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+        summary = json.loads(proc.stdout[proc.stdout.index("{") :])
         assert summary["ranks"] == 2 and summary["steps"] == 3
         assert (tmp_path / "ck" / "model.safetensors.index.json").exists()
     finally:

@@ -23,9 +23,17 @@ def _hf_builders():
             transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
         ),
         "hf-llama": lambda: transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                     bos_token_id=0, eos_token_id=0)
+            transformers.LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
         ),
     }
 
@@ -84,7 +92,9 @@ def test_meta_params_without_a_recorded_init_wait_for_weights(tmp_path):
     source = GPT(GPT_CFG)
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in source.state_dict().items() if k != "head.weight"}, str(tmp_path / "model.safetensors")
+    )
     with torch.device("meta"):
         model = GPT(GPT_CFG)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), CFG)
@@ -103,8 +113,11 @@ def _meta_on_ranks(rank, world):
         torch.manual_seed(0)
     with hybridps.meta_init():
         model = GPT(GPT_CFG)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True),
-                                 hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=60.0))
+    engine = hybridps.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), fused=True),
+        hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=60.0),
+    )
     return engine.state_dict(), engine.memory_stats()["model_data_bytes"]
 
 
@@ -147,8 +160,11 @@ def _build_and_load_on_ranks(rank, world, path):
     baseline, _ = _host_figures()
     with hybridps.meta_init():
         model = GPT(PEAK_GPT)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                 hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=120.0))
+    engine = hybridps.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=120.0),
+    )
     engine.load_pretrained(path)
     _, peak = _host_figures()
     host = engine.memory_stats()["host"]

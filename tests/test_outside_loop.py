@@ -229,8 +229,18 @@ def test_state_dict_streams_without_extra_chunks():
 
 def test_hf_save_pretrained_round_trips_bit_for_bit_with_tied_weights(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0,
-                                  embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     plain = transformers.GPT2LMHeadModel(cfg)
     wrapped = copy.deepcopy(plain)
@@ -542,7 +552,7 @@ def _outside_loop_on_ranks(rank, world):
 def test_several_ranks_serve_borrowed_params_and_edit_collectively():
     from tests.dist import run_ranks
 
-    (one_losses, _, one_state), = [_outside_loop_on_ranks(0, 1)]
+    ((one_losses, _, one_state),) = [_outside_loop_on_ranks(0, 1)]
     results = run_ranks(_outside_loop_on_ranks, 2)
     for losses, refused, state in results:
         assert losses == pytest.approx(one_losses, rel=1e-5)
@@ -554,10 +564,22 @@ def test_several_ranks_serve_borrowed_params_and_edit_collectively():
 def test_peft_lora_trains_saves_adapters_and_merges_inside_gathered_parameters(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, attn_pdrop=0.0,
-                                  embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
-    wrapped = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg), peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0))
+    wrapped = peft.get_peft_model(
+        transformers.GPT2LMHeadModel(cfg), peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0)
+    )
     plain = copy.deepcopy(wrapped)
     opt = adamw(plain)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
@@ -577,16 +599,27 @@ def test_peft_lora_trains_saves_adapters_and_merges_inside_gathered_parameters(t
 
 def test_deberta_v2_reads_its_relative_embeddings_outside_their_module():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=64, max_position_embeddings=32, relative_attention=True,
-                                       position_buckets=8, pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
-                                       attention_probs_dropout_prob=0.0)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     plain = transformers.DebertaV2ForMaskedLM(cfg)
     wrapped = copy.deepcopy(plain)
     opt = adamw(plain)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
-    train_hf_both(plain, opt, engine, [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)])
+    train_hf_both(
+        plain, opt, engine, [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    )
     assert same_state(plain, wrapped)
 
 

@@ -19,8 +19,12 @@ def wheel(tmp_path_factory):
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("building a wheel needs setuptools in this environment")
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.glob("hybridps-*.whl")
     return path
@@ -41,8 +45,12 @@ def test_the_wheel_carries_the_version_entry_points_and_type_marker(wheel):
 
 def test_the_installed_wheel_imports_on_its_own_and_trains_a_step(wheel, tmp_path):
     target = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     script = (
         "import sys, torch, hybridps\n"
@@ -54,8 +62,14 @@ def test_the_installed_wheel_imports_on_its_own_and_trains_a_step(wheel, tmp_pat
         "print(hybridps.__version__, float(loss))\n"
     )
     # the wheel's copy comes first on the path: this checkout is not importable from tmp_path
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[0] == hybridps.__version__
 
@@ -71,8 +85,9 @@ def test_a_fresh_venv_installs_the_wheel_with_the_hf_extra_and_trains(wheel, tmp
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     torch_pin = f"torch=={__import__('torch').__version__.split('+')[0]}"
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", torch_pin, f"{wheel}[hf]"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", torch_pin, f"{wheel}[hf]"], capture_output=True, text=True, timeout=900
+    )
     if proc.returncode != 0 and any(e in proc.stderr for e in NETWORK_ERRORS):
         pytest.skip(f"no package index reachable: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -58,7 +58,9 @@ def train_for_real(shape: GPTShape, gpu_bytes: int, *, precision: str, grad_reus
 
 def plan_one(shape: GPTShape, gpu_bytes: int, **kwargs) -> hybridps.planner.PlanReport:
     # compared with runs on simulated GPUs, which pin no host memory
-    return hybridps.plan(shape, gpus=f"1x{gpu_bytes}", cpu=kwargs.pop("cpu", CPU), search_largest=False, simulated_gpus=True, **kwargs)
+    return hybridps.plan(
+        shape, gpus=f"1x{gpu_bytes}", cpu=kwargs.pop("cpu", CPU), search_largest=False, simulated_gpus=True, **kwargs
+    )
 
 
 def assert_within_5_percent(planned: int, measured: int, what: str) -> None:
@@ -247,7 +249,9 @@ def test_unreadable_gpu_specs_name_the_value_and_the_fix(text):
 def test_inputs_are_validated_when_the_request_is_made():
     with pytest.raises(ConfigError, match="n_layer=0"):
         GPTShape(n_layer=0, d_model=64, n_head=4)
-    with pytest.raises(ConfigError, match=r"multiple of n_head=3; pick heads that divide the hidden size \(for example n_head=2\)"):
+    with pytest.raises(
+        ConfigError, match=r"multiple of n_head=3; pick heads that divide the hidden size \(for example n_head=2\)"
+    ):
         GPTShape(n_layer=1, d_model=64, n_head=3)
     with pytest.raises(ConfigError, match="ranks_per_node=9 is more than the 8 GPUs"):
         NodeSpec.parse("8x80GiB", "1TiB", ranks_per_node=9)
@@ -311,8 +315,9 @@ def test_the_plan_subcommand_plugs_into_another_parser(capsys):
 def test_simulated_gpus_are_planned_without_the_real_gpu_transient_allowance():
     shape = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
     real = hybridps.plan(shape, NodeSpec.parse("1x4MiB", "64MiB"), precision="fp32", search_largest=False)
-    simulated = hybridps.plan(shape, NodeSpec.parse("1x4MiB", "64MiB"), precision="fp32", search_largest=False,
-                              simulated_gpus=True)
+    simulated = hybridps.plan(
+        shape, NodeSpec.parse("1x4MiB", "64MiB"), precision="fp32", search_largest=False, simulated_gpus=True
+    )
     # the largest saved tensor here: the fp32 logits, 2 x 32 x 256 x 4 B (or a larger one)
     assert real.transient_allowance_bytes >= 2 * 32 * 256 * 4
     assert real.to_dict()["training"]["transient_allowance_bytes"] == real.transient_allowance_bytes

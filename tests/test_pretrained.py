@@ -18,8 +18,18 @@ CFG = hybridps.Config(devices={"cuda:0": "64MiB"})
 
 
 def _config() -> transformers.GPT2Config:
-    return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0,
-                                   embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
 
 
 def _pretrained(tmp_path, shard: str | None = None, dtype=None):
@@ -38,7 +48,9 @@ def _fresh(seed: int = 1):
 
 
 def _engine(model, **kw):
-    return hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), hybridps.Config(devices={"cuda:0": "64MiB"}, **kw))
+    return hybridps.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), hybridps.Config(devices={"cuda:0": "64MiB"}, **kw)
+    )
 
 
 @pytest.mark.parametrize("shard", [None, "40KB"], ids=["one-file", "sharded"])
@@ -105,8 +117,11 @@ def test_missing_params_are_an_error_unless_not_strict(tmp_path):
 
 def _load_on_ranks(rank, world, path):
     model = _fresh()
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                 hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=60.0))
+    engine = hybridps.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        hybridps.Config(devices={"cuda:0": "64MiB"}, collective_timeout_s=60.0),
+    )
     report = engine.load_pretrained(path)
     return report.read_bytes, engine.state_dict()
 

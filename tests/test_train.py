@@ -14,9 +14,21 @@ def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
     first 10 (measured: about 3.9 -> 2.6), within 3 minutes."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridps", "train", "--json", "--quiet", "--plot", str(tmp_path / "memory.png"),
-         "--ckpt", str(tmp_path / "ck")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hybridps",
+            "train",
+            "--json",
+            "--quiet",
+            "--plot",
+            str(tmp_path / "memory.png"),
+            "--ckpt",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,19 +45,38 @@ def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
 
 
 def test_hybridps_train_resumes_from_its_checkpoint(tmp_path):
-    common = [sys.executable, "-m", "hybridps", "train", "--json", "--quiet", "--layers", "2", "--d-model", "64",
-              "--heads", "4", "--data-bytes", "512KiB", "--eval-every", "0"]
+    common = [
+        sys.executable,
+        "-m",
+        "hybridps",
+        "train",
+        "--json",
+        "--quiet",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "4",
+        "--data-bytes",
+        "512KiB",
+        "--eval-every",
+        "0",
+    ]
     first = subprocess.run([*common, "--steps", "4", "--ckpt", str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run([*common, "--steps", "3", "--resume", str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(
+        [*common, "--steps", "3", "--resume", str(tmp_path / "a")], capture_output=True, text=True, timeout=120
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     whole = subprocess.run([*common, "--steps", "7"], capture_output=True, text=True, timeout=120)
     assert json.loads(resumed.stdout)["last_loss"] == json.loads(whole.stdout)["last_loss"]
 
 
 def test_a_missing_data_path_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hybridps", "train", "--data", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", "--data", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and "no such file or folder" in proc.stderr
 
 
@@ -54,20 +85,42 @@ def test_a_missing_data_path_is_a_clear_error(tmp_path):
 
 def _tiny_llama_config(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     config.save_pretrained(tmp_path / "config")
     return tmp_path / "config" / "config.json"
 
 
 def _train(*args, timeout=180):
-    common = [sys.executable, "-m", "hybridps", "train", "--json", "--quiet", "--data-bytes", "256KiB", "--seq", "32",
-              "--batch", "4", "--eval-every", "0"]
+    common = [
+        sys.executable,
+        "-m",
+        "hybridps",
+        "train",
+        "--json",
+        "--quiet",
+        "--data-bytes",
+        "256KiB",
+        "--seq",
+        "32",
+        "--batch",
+        "4",
+        "--eval-every",
+        "0",
+    ]
     proc = subprocess.run([*common, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()  # a library may print a line of its own first (DeepSpeed, if installed)
-    return json.loads("\n".join(lines[next(i for i, line in enumerate(lines) if line == "{"):]))
+    return json.loads("\n".join(lines[next(i for i, line in enumerate(lines) if line == "{") :]))
 
 
 def test_hybridps_train_on_a_hugging_face_config_saves_a_folder_that_loads_back_exactly(tmp_path):
@@ -97,6 +150,7 @@ def test_hybridps_train_lora_starts_from_the_base_models_loss_and_saves_only_ada
 
 
 def test_hybridps_train_refuses_lora_without_a_hugging_face_model():
-    proc = subprocess.run([sys.executable, "-m", "hybridps", "train", "--lora", "4", "--steps", "1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", "--lora", "4", "--steps", "1"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and "--model PATH or --model-config FILE" in proc.stderr

@@ -16,15 +16,34 @@ def _tokens(step, vocab=256, batch=2, seq=32):
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                  attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -36,7 +55,9 @@ def test_transformers_models_train_20_steps_like_plain_pytorch(make, tmp_path):
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
     n_params = sum(p.numel() for p in model.parameters())
     engine = hybridps.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), hybridps.Config(devices={"cuda:0": n_params * 16 * 3 // 10 + 2**20})  # 30% of model data + room for activations
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        hybridps.Config(devices={"cuda:0": n_params * 16 * 3 // 10 + 2**20}),  # 30% of model data + room for activations
     )
     for step in range(20):
         x = _tokens(step)

@@ -21,14 +21,26 @@ VOCAB, SEQ = 64, 16
 
 def model(lora: bool = False):
     torch.manual_seed(0)
-    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0))
+    m = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     if lora:
         import peft
 
-        m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
-                                                   fan_in_fan_out=True))
+        m = peft.get_peft_model(
+            m, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+        )
     return m
 
 
@@ -43,13 +55,26 @@ def dataset(n: int = 64):
 
 def arguments(outdir: str, **kw) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
-        output_dir=outdir, per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3, logging_steps=1, report_to=[],
-        optim="adamw_torch_fused", max_grad_norm=1.0, seed=0, use_cpu=True, disable_tqdm=True,
-        **({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}), **kw)
+        output_dir=outdir,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        optim="adamw_torch_fused",
+        max_grad_norm=1.0,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        **({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
+        **kw,
+    )
 
 
 def trainer(kind: str, outdir: str, *, ga: int = 1, lora: bool = False, eval_save: bool = False, **kw):
-    extra = dict(eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3) if eval_save else dict(save_strategy="no")
+    extra = (
+        dict(eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3) if eval_save else dict(save_strategy="no")
+    )
     args = arguments(outdir, gradient_accumulation_steps=ga, **extra, **kw)
     data = dataset()
     common = dict(model=model(lora), args=args, train_dataset=data, eval_dataset=data[:16] if eval_save else None)
@@ -62,8 +87,11 @@ def trainer(kind: str, outdir: str, *, ga: int = 1, lora: bool = False, eval_sav
 
 def logged(t) -> dict:
     h = t.state.log_history
-    return {"loss": [e["loss"] for e in h if "loss" in e], "grad_norm": [e["grad_norm"] for e in h if "loss" in e],
-            "eval_loss": [e["eval_loss"] for e in h if "eval_loss" in e]}
+    return {
+        "loss": [e["loss"] for e in h if "loss" in e],
+        "grad_norm": [e["grad_norm"] for e in h if "loss" in e],
+        "eval_loss": [e["eval_loss"] for e in h if "eval_loss" in e],
+    }
 
 
 def main() -> None:

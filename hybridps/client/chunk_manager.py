@@ -359,7 +359,9 @@ class ChunkManager:
         if buf is not None:
             return buf
         spec = self._specs[device]
-        return self._retry_out_of_memory(device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect)
+        return self._retry_out_of_memory(
+            device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect
+        )
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with

@@ -237,7 +237,9 @@ class Client:
             logger.warning(
                 "dropping the .grad that %d params had before registration (%s%s): HybridPS keeps grads in chunks and "
                 "starts from none, so a grad from a backward run before initialize is not added into the first step",
-                len(stale), ", ".join(stale[:3]), ", ..." if len(stale) > 3 else "",
+                len(stale),
+                ", ".join(stale[:3]),
+                ", ..." if len(stale) > 3 else "",
             )
             for _, p in named:
                 p.grad = None
@@ -271,7 +273,9 @@ class Client:
             self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
         values: dict[int, torch.Tensor] = {}
         for (name, p), slot in zip(named, slots, strict=True):
-            info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
+            info = ParamInfo(
+                param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
+            )
             self._params[id(p)] = info
             self.params.append(info)
             for kind in self.kinds:
@@ -332,7 +336,9 @@ class Client:
         per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.world_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.chunks.used_bytes.values())
-        already = self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.world_size if self.layout else 0
+        already = (
+            self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.world_size if self.layout else 0
+        )
         if total - already > room:
             parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
             raise CapacityError(
@@ -484,7 +490,9 @@ class Client:
                 f"call access() first"
             )
         if state is TensorState.COMPUTE:
-            raise StateError(f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE")
+            raise StateError(
+                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
+            )
         info.refs -= 1
         if info.refs:
             return
@@ -737,7 +745,9 @@ class Client:
         chunks = self.lists.setdefault(ChunkKind.BUFFER, [])
         slot = self._buffer_layout.add(value.numel())
         while len(chunks) <= slot.chunk:
-            chunk = Chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype, self._next_chunk_id)
+            chunk = Chunk(
+                ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype, self._next_chunk_id
+            )
             self._next_chunk_id += 1
             self.chunks.place(chunk, self.compute.name)
             chunks.append(chunk)
@@ -745,7 +755,14 @@ class Client:
         if chunk.dtype != value.dtype:
             raise ConfigError(f"{name}: managed tensors of one client share a dtype ({chunk.dtype}); got {value.dtype}")
         param = nn.Parameter(torch.empty(0, dtype=value.dtype), requires_grad=False)
-        info = ParamInfo(param=param, name=f"{name}#{len(self.buffers)}", slot=slot, shape=value.shape, orig_dtype=value.dtype, kind=ChunkKind.BUFFER)
+        info = ParamInfo(
+            param=param,
+            name=f"{name}#{len(self.buffers)}",
+            slot=slot,
+            shape=value.shape,
+            orig_dtype=value.dtype,
+            kind=ChunkKind.BUFFER,
+        )
         chunk.add_slot(slot)
         chunk.view(slot).copy_(value.reshape(-1))
         chunk.set_slot_state(slot, TensorState.HOLD, info)
@@ -973,8 +990,10 @@ class Client:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
 
 
 def _allocator_free_bytes() -> int | None:

@@ -99,7 +99,9 @@ class PeerWatch:
     the main thread's. Holds no reference to the Collectives that owns it.
     """
 
-    def __init__(self, *, store, rank: int, world_size: int, prefix: str, period_s: float, dead_after_s: float, clock=time.monotonic):
+    def __init__(
+        self, *, store, rank: int, world_size: int, prefix: str, period_s: float, dead_after_s: float, clock=time.monotonic
+    ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -223,7 +225,12 @@ class Collectives:
                 logger.debug("no dead-peer detection (%s cannot be cloned: %s)", type(store).__name__, exc)
             else:
                 self.watch = PeerWatch(
-                    store=own, rank=rank, world_size=world_size, prefix=prefix, period_s=heartbeat_period_s, dead_after_s=dead_after_s
+                    store=own,
+                    rank=rank,
+                    world_size=world_size,
+                    prefix=prefix,
+                    period_s=heartbeat_period_s,
+                    dead_after_s=dead_after_s,
                 )
                 weakref.finalize(self, self.watch.stop)
 
@@ -270,7 +277,7 @@ class Collectives:
         dead = [p for p in posts if p.startswith(DEAD_MARK)]
         if dead:
             raise CollectiveError(
-                f"{dead[0][len(DEAD_MARK):]}. Check that rank's log and exit status (a crash, the OOM killer, a "
+                f"{dead[0][len(DEAD_MARK) :]}. Check that rank's log and exit status (a crash, the OOM killer, a "
                 f"lost node) and restart the job from the last checkpoint"
             )
         odd = [r for r, p in enumerate(posts) if p != mine]

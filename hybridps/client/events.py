@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from hybridps.client.chunk import Chunk
     from hybridps.client.client import Client
 
+
 class EventRecorder:
     """Timed chunk events and a per-moment memory history of one client."""
 
@@ -60,7 +61,9 @@ class EventRecorder:
         if self.enabled:
             end = self._now_us()
             dur = seconds * 1e6
-            self.events.append(("evict" if evicted else "move", end - dur, dur, chunk.kind.value, chunk.index, f"{src}->{dst}", chunk.nbytes))
+            self.events.append(
+                ("evict" if evicted else "move", end - dur, dur, chunk.kind.value, chunk.index, f"{src}->{dst}", chunk.nbytes)
+            )
 
     def on_step(self, phase: str, index: int) -> None:
         if not self.enabled:
@@ -94,14 +97,57 @@ class EventRecorder:
             kind, ts, dur = ev[0], ev[1], ev[2]
             if kind == "access":
                 _, _, _, chunk_kind, index, device = ev
-                out.append({"name": f"access {chunk_kind}[{index}]", "cat": "access", "ph": "i", "s": "t", "ts": ts, "pid": pid, "tid": tids[kind], "args": {"device": device}})
+                out.append(
+                    {
+                        "name": f"access {chunk_kind}[{index}]",
+                        "cat": "access",
+                        "ph": "i",
+                        "s": "t",
+                        "ts": ts,
+                        "pid": pid,
+                        "tid": tids[kind],
+                        "args": {"device": device},
+                    }
+                )
             elif kind in ("move", "evict"):
                 _, _, _, chunk_kind, index, route, nbytes = ev
-                out.append({"name": f"{kind} {chunk_kind}[{index}] {route}", "cat": kind, "ph": "X", "ts": ts, "dur": max(dur, 0.001), "pid": pid, "tid": tids[kind], "args": {"bytes": nbytes, "route": route}})
+                out.append(
+                    {
+                        "name": f"{kind} {chunk_kind}[{index}] {route}",
+                        "cat": kind,
+                        "ph": "X",
+                        "ts": ts,
+                        "dur": max(dur, 0.001),
+                        "pid": pid,
+                        "tid": tids[kind],
+                        "args": {"bytes": nbytes, "route": route},
+                    }
+                )
             elif kind == "optimizer_step":
-                out.append({"name": f"adam chunk {ev[4]}", "cat": kind, "ph": "X", "ts": ts, "dur": max(dur, 0.001), "pid": pid, "tid": tids[kind]})
+                out.append(
+                    {
+                        "name": f"adam chunk {ev[4]}",
+                        "cat": kind,
+                        "ph": "X",
+                        "ts": ts,
+                        "dur": max(dur, 0.001),
+                        "pid": pid,
+                        "tid": tids[kind],
+                    }
+                )
             else:
-                out.append({"name": ev[5], "cat": kind, "ph": "i", "s": "t", "ts": ts, "pid": pid, "tid": tids[kind], "args": {"moment": ev[4]}})
+                out.append(
+                    {
+                        "name": ev[5],
+                        "cat": kind,
+                        "ph": "i",
+                        "s": "t",
+                        "ts": ts,
+                        "pid": pid,
+                        "tid": tids[kind],
+                        "args": {"moment": ev[4]},
+                    }
+                )
         return {"traceEvents": out, "displayTimeUnit": "ms"}
 
     def export_trace(self, path: str | os.PathLike) -> None:

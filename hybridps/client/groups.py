@@ -221,11 +221,17 @@ class ChunkGroups:
         own = members[self.rank]
         assert own.payload is not None
         if all(c.capacity == own.capacity for c in members):
-            works = [self.comm.all_gather([c.payload for c in members], own.payload, what=f"params of chunk group {g}", async_op=asynchronous)]
+            works = [
+                self.comm.all_gather(
+                    [c.payload for c in members], own.payload, what=f"params of chunk group {g}", async_op=asynchronous
+                )
+            ]
         else:  # an oversize chunk in the group: one broadcast per member, checked in once
             self.comm.arrive("gather", f"params of chunk group {g}")
             works = [
-                self.comm.broadcast(chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True, async_op=asynchronous)
+                self.comm.broadcast(
+                    chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True, async_op=asynchronous
+                )
                 for r, chunk in enumerate(members)
             ]
         for chunk in members:

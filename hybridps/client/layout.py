@@ -194,7 +194,10 @@ def choose_chunk_size(
                 candidates.add(run)
     ordered = sorted(c for c in candidates if lo <= c <= hi) or [hi]
     if pinned:
-        ordered = sorted(set(ordered) | {1 << k for k in range(lo.bit_length() - 1, hi.bit_length()) if lo <= 1 << k <= hi and (1 << k) % alignment == 0})
+        ordered = sorted(
+            set(ordered)
+            | {1 << k for k in range(lo.bit_length() - 1, hi.bit_length()) if lo <= 1 << k <= hi and (1 << k) % alignment == 0}
+        )
     waste = [int(w) for w in layout_waste_many(numels, ordered, alignment)]
     if pinned:
         for k, size in enumerate(ordered):

@@ -47,14 +47,13 @@ def _validate(optimizer: object) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         cls = type(optimizer)
         name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
-        raise ConfigError(
-            f"unsupported optimizer {name}; HybridPS steps "
-            f"{' and '.join(SUPPORTED_OPTIMIZERS)} over chunks"
-        )
+        raise ConfigError(f"unsupported optimizer {name}; HybridPS steps {' and '.join(SUPPORTED_OPTIMIZERS)} over chunks")
     for i, group in enumerate(optimizer.param_groups):
         for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
             if group.get(key, False) == bad:
-                raise ConfigError(f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False")
+                raise ConfigError(
+                    f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
+                )
 
 
 class ChunkedAdam(torch.optim.Optimizer):
@@ -121,7 +120,9 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "client", None) is not None and hasattr(self, "steps"):
-            raise StateError("HybridPS lays out optimizer states when the optimizer is registered; add param groups before initialize()")
+            raise StateError(
+                "HybridPS lays out optimizer states when the optimizer is registered; add param groups before initialize()"
+            )
         super().add_param_group(param_group)
 
     # -- grads -----------------------------------------------------------------------------
@@ -167,7 +168,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         for infos in grads.values():
             views = [self.client.grad_view(i) for i in infos]
             first_device = first_device or views[0].device
-            norms.extend(torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type))
+            norms.extend(
+                torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type)
+            )
         if groups is None:
             total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
         else:
@@ -178,7 +181,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         if self.scaler is not None:
             self._found_inf = not finite
         if error_if_nonfinite and not finite:
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip")
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip"
+            )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._clip_coef = coef
         self._clipped = (float(max_norm), float(norm_type), total)
@@ -252,7 +257,11 @@ class ChunkedAdam(torch.optim.Optimizer):
             if self.scaler is not None:
                 found_inf = self._found_inf if self._found_inf is not None else self._overflow(grads)
                 if found_inf:
-                    logger.info("fp16 overflow: step skipped, loss scale %g -> %g", self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
+                    logger.info(
+                        "fp16 overflow: step skipped, loss scale %g -> %g",
+                        self.scaler.scale,
+                        self.scaler.scale * self.scaler.backoff_factor,
+                    )
                     self.scaler.update(True)
                     if self.client.config.grad_reuse:
                         self._restore_params(grads)
@@ -509,7 +518,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         params: dict[int, ParamInfo] = {}
         for g, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(group["params"]):
-                raise ConfigError(f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}")
+                raise ConfigError(
+                    f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}"
+                )
             for idx, p in zip(saved["params"], group["params"], strict=True):
                 params[idx] = client.param_info(p)
         for idx, entry in state_dict["state"].items():
@@ -529,7 +540,11 @@ class ChunkedAdam(torch.optim.Optimizer):
             for idx, entry in state_dict["state"].items():
                 info = params[int(idx)]
                 self.steps[info.slot.index] = int(entry["step"])
-                for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE), ("master", client.master_kind)):
+                for key, kind in (
+                    ("exp_avg", ChunkKind.MOMENTUM),
+                    ("exp_avg_sq", ChunkKind.VARIANCE),
+                    ("master", client.master_kind),
+                ):
                     if key in entry and (key != "master" or client.param_dtype != torch.float32):
                         self._write(kind, info, entry[key])
                 if "master" in entry and client.param_dtype != torch.float32:

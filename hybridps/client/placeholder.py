@@ -52,15 +52,38 @@ _GUARDS: dict[int, ParamGuard] = {}
 
 _INPLACE_DUNDERS = frozenset(
     {
-        "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-        "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+        "__setitem__",
     }
 )
 #: in-place ops that change what a tensor *is* (its storage, shape or autograd identity)
 _STRUCTURAL = frozenset(
     {
-        "set_", "resize_", "resize_as_", "detach_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
-        "transpose_", "swapdims_", "swapaxes_", "rename_", "share_memory_",
+        "set_",
+        "resize_",
+        "resize_as_",
+        "detach_",
+        "as_strided_",
+        "squeeze_",
+        "unsqueeze_",
+        "t_",
+        "transpose_",
+        "swapdims_",
+        "swapaxes_",
+        "rename_",
+        "share_memory_",
     }
 )
 #: ops whose answer depends on the shape alone
@@ -69,7 +92,15 @@ _SHAPE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension", "s
 _VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 #: ops that answer from the object alone
 _IDENTITY = frozenset(
-    {"__hash__", "register_hook", "register_post_accumulate_grad_hook", "_is_view", "is_floating_point", "is_complex", "get_device"}
+    {
+        "__hash__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "_is_view",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+    }
 )
 
 
@@ -138,7 +169,12 @@ class ReadOnlyGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "zero_" and len(args) == 1 and type(args[0]) is ReadOnlyGrad and args[0]._hybridps_drop:
+        if (
+            getattr(func, "__name__", "") == "zero_"
+            and len(args) == 1
+            and type(args[0]) is ReadOnlyGrad
+            and args[0]._hybridps_drop
+        ):
             # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
             args[0]._hybridps_drop()
             with torch._C.DisableTorchFunctionSubclass():
@@ -348,7 +384,11 @@ class ParamGuard:
         return self._apply_outside(func, op, args, kwargs, targets, writes)
 
     def _apply_outside(self, func, op, args, kwargs, targets, writes):
-        device = torch.device("cpu") if op in ("detach", "cpu", "numpy", "tolist", "__reduce_ex__") else self.client.compute.torch_device
+        device = (
+            torch.device("cpu")
+            if op in ("detach", "cpu", "numpy", "tolist", "__reduce_ex__")
+            else self.client.compute.torch_device
+        )
         grad_enabled = torch.is_grad_enabled()
         copies: dict[int, torch.Tensor] = {}
         cache = self.read_cache if op == "detach" and not writes else None
@@ -373,7 +413,9 @@ class ParamGuard:
                     value.requires_grad_(True)
                     value.register_post_accumulate_grad_hook(self._grad_through_copy(t))
             copies[id(t)] = value
-        new_args, new_kwargs = pytree.tree_map(lambda x: copies.get(id(x), x) if isinstance(x, ChunkedParameter) else x, (args, kwargs))
+        new_args, new_kwargs = pytree.tree_map(
+            lambda x: copies.get(id(x), x) if isinstance(x, ChunkedParameter) else x, (args, kwargs)
+        )
         result = func(*new_args, **new_kwargs)
         if writes:
             self.read_cache = None  # values change: no copy read before may be handed out again

@@ -253,9 +253,7 @@ class RemoteConnection:
             self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
             return reply.device
 
-    def move(
-        self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()
-    ) -> str:
+    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
         """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
         near ``refer_device`` and not in ``exclude``): one request; returns the destination."""
         src = _canonical(src)
@@ -347,12 +345,19 @@ class RemoteConnection:
         if reply.instance_id != self._instance_id:
             logger.warning(
                 "manager at %s restarted (instance %s -> %s); registering %s again and re-reporting %s",
-                self.endpoint, self._instance_id, reply.instance_id, self.client_id, self._holdings or "nothing",
+                self.endpoint,
+                self._instance_id,
+                reply.instance_id,
+                self.client_id,
+                self._holdings or "nothing",
             )
         else:
             logger.warning(
                 "manager at %s no longer knows %s (lease of %.1f s expired?); registering again and re-reporting %s",
-                self.endpoint, self.client_id, self.lease_s, self._holdings or "nothing",
+                self.endpoint,
+                self.client_id,
+                self.lease_s,
+                self._holdings or "nothing",
             )
         self.recoveries += 1
         self._reregister_locked()
@@ -428,7 +433,14 @@ class RemoteConnection:
             # reach a restarted daemon.
             self._close_socket()
             if attempt < retries:
-                logger.info("no reply from %s to %s in %.2f s; retrying (%d/%d)", self.endpoint, request.OP, timeout_s, attempt + 1, retries)
+                logger.info(
+                    "no reply from %s to %s in %.2f s; retrying (%d/%d)",
+                    self.endpoint,
+                    request.OP,
+                    timeout_s,
+                    attempt + 1,
+                    retries,
+                )
         return None
 
     def _connected_socket(self) -> zmq.Socket:

@@ -29,7 +29,9 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 EVICTIONS = ("auto", "lru", "opt")
 
 
-def _field(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, section: str, doc: str, unit: str = "") -> Any:
+def _field(
+    default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, section: str, doc: str, unit: str = ""
+) -> Any:
     """A Config field with its documentation, the one place it is written: docs/CONFIG.md's
     reference is generated from it (``python -m hybridps.common.config_doc --write``)."""
     metadata = {"section": section, "unit": unit, "doc": doc}
@@ -49,7 +51,7 @@ class Config:
     precision: str = _field(
         "fp32",
         section="Model data layout",
-        unit="`\"fp32\"`, `\"fp16\"`, `\"bf16\"`",
+        unit='`"fp32"`, `"fp16"`, `"bf16"`',
         doc=(
             "What forward and backward compute in. Master weights, momentum and variance are fp32 in every mode. "
             "fp16 uses dynamic loss scaling."
@@ -60,9 +62,9 @@ class Config:
         section="Memory and devices",
         unit="`{name: bytes}`",
         doc=(
-            "Memory HybridPS may use per device: `\"cpu\"`, `\"cuda:N\"`, or `\"cuda:local\"` (the GPU of this rank, "
+            'Memory HybridPS may use per device: `"cpu"`, `"cuda:N"`, or `"cuda:local"` (the GPU of this rank, '
             "`cuda:LOCAL_RANK`, so one config serves every rank of a node). On a GPU the activations share this "
-            "capacity (see *tidal budget* in [CONCEPTS.md](CONCEPTS.md)). `\"cpu\"` defaults to the RAM available "
+            'capacity (see *tidal budget* in [CONCEPTS.md](CONCEPTS.md)). `"cpu"` defaults to the RAM available '
             "at start: the smaller of the host's available memory and the room left in the process's memory "
             "cgroup (v2 `memory.max - memory.current`, v1 `memory.limit_in_bytes - memory.usage_in_bytes`, the "
             "tightest of the cgroup and its ancestors; Slurm, Kubernetes and Docker set these), so a job in a 900 "
@@ -72,17 +74,17 @@ class Config:
             "started (another model, an EMA copy) is not counted against the GPU's capacity. Where each figure "
             "came from is kept as `DeviceSpec.capacity_source` and shown by `hybridps status`. Empty: every "
             "visible GPU (with several ranks, this rank's GPU) and the CPU. A value of `None` means \"what the "
-            "machine has\"."
+            'machine has".'
         ),
     )
     simulate: bool | str = _field(
         True,
         section="Memory and devices",
-        unit="`True`, `False`, `\"always\"`, `\"meta\"`",
+        unit='`True`, `False`, `"always"`, `"meta"`',
         doc=(
             "`True`: a listed `cuda:N` that is not visible is *simulated* (chunks in CPU memory, accounted and "
-            "evicted exactly as on a GPU of that capacity); `False`: listed GPUs must exist; `\"always\"`: simulate "
-            "every listed GPU even on a GPU machine; `\"meta\"`: every device simulated with no memory behind it "
+            'evicted exactly as on a GPU of that capacity); `False`: listed GPUs must exist; `"always"`: simulate '
+            'every listed GPU even on a GPU machine; `"meta"`: every device simulated with no memory behind it '
             "(sizes, placement and moves are real, values are not; the capacity planner uses it). A simulated GPU "
             "needs a capacity."
         ),
@@ -112,10 +114,10 @@ class Config:
     manager: str | None = _field(
         None,
         section="Several ranks and the node manager",
-        unit="`None`, `\"auto\"`, endpoint",
+        unit='`None`, `"auto"`, endpoint',
         doc=(
-            "`None`: an embedded, in-process manager. `\"auto\"`: this user's node daemon at its default ipc "
-            "endpoint. `\"ipc:///path\"` or `\"tcp://host:port\"`: that daemon. See [MANAGER.md](MANAGER.md)."
+            '`None`: an embedded, in-process manager. `"auto"`: this user\'s node daemon at its default ipc '
+            'endpoint. `"ipc:///path"` or `"tcp://host:port"`: that daemon. See [MANAGER.md](MANAGER.md).'
         ),
     )
     margin: int | str = _field(
@@ -136,10 +138,10 @@ class Config:
     eviction: str = _field(
         "auto",
         section="Placement and movement",
-        unit="`\"auto\"`, `\"opt\"`, `\"lru\"`",
+        unit='`"auto"`, `"opt"`, `"lru"`',
         doc=(
-            "Which chunk leaves a full device: `\"opt\"` furthest next use from the trace (Belady), `\"lru\"` least "
-            "recently used, `\"auto\"` = opt once a trace exists, lru before."
+            'Which chunk leaves a full device: `"opt"` furthest next use from the trace (Belady), `"lru"` least '
+            'recently used, `"auto"` = opt once a trace exists, lru before.'
         ),
     )
     static_loss_scale: float | None = _field(
@@ -185,10 +187,7 @@ class Config:
         2,
         section="Placement and movement",
         unit="moments",
-        doc=(
-            "How far ahead in the trace to look for chunks to bring early (0: no prefetch). Prefetch never "
-            "evicts."
-        ),
+        doc=("How far ahead in the trace to look for chunks to bring early (0: no prefetch). Prefetch never evicts."),
     )
     overlap_step: bool = _field(
         False,
@@ -316,7 +315,9 @@ class Config:
             raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
         _positive("collective_timeout_s", self.collective_timeout_s)
         if self.overlap_step and not self.grad_reuse:
-            raise ConfigError("overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step")
+            raise ConfigError(
+                "overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step"
+            )
         if self.overlap_step and self.precision == "fp16":
             raise ConfigError(
                 "overlap_step=True cannot be used with precision='fp16': whether to skip a step for an overflow is known "

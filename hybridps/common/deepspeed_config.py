@@ -143,7 +143,9 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> De
         if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
             device = value.get("device", "none")
             if device == "nvme":
-                ignored.append((f"zero_optimization.{key}.device", "there is no NVMe tier: model data lives in GPU and CPU memory"))
+                ignored.append(
+                    (f"zero_optimization.{key}.device", "there is no NVMe tier: model data lives in GPU and CPU memory")
+                )
             elif device not in ("none", None):
                 ignored.append((f"zero_optimization.{key}.device", "chunks go to the CPU when the trace says so, not by rule"))
             if value.get("pin_memory") is False and key == "offload_param":
@@ -158,4 +160,6 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> De
         if key not in known:
             ignored.append((key, _TOP_IGNORED.get(key, "no equivalent in HybridPS")))
     fields.update(overrides)
-    return DeepSpeedTranslation(config=Config.from_dict(fields, source="the DeepSpeed config"), training=training, ignored=ignored)
+    return DeepSpeedTranslation(
+        config=Config.from_dict(fields, source="the DeepSpeed config"), training=training, ignored=ignored
+    )

@@ -60,6 +60,7 @@ def resolve_local(requested: Mapping[str, int | None], local_rank: int) -> dict[
         out[real] = cap
     return out
 
+
 # Fraction of a real GPU's free memory offered to HybridPS when no capacity is given: the
 # rest is left to the CUDA context, cuBLAS workspaces and allocator fragmentation.
 DEFAULT_GPU_FRACTION = 0.92
@@ -252,7 +253,7 @@ class DeviceInventory:
             by_name[d.name] = d
         if "cpu" not in by_name:
             raise ConfigError("the inventory needs the 'cpu' device")
-        order = sorted(by_name, key=lambda n: (-1 if n == "cpu" else int(n.split(":")[1])))
+        order = sorted(by_name, key=lambda n: -1 if n == "cpu" else int(n.split(":")[1]))
         self._devices = {n: by_name[n] for n in order}
 
     @classmethod
@@ -300,7 +301,11 @@ class DeviceInventory:
                         f"lower it to at most {limit} bytes"
                     )
                 specs.append(
-                    DeviceSpec(name=name, capacity_bytes=limit if cap is None else cap, capacity_source=GPU_SOURCE if cap is None else "config")
+                    DeviceSpec(
+                        name=name,
+                        capacity_bytes=limit if cap is None else cap,
+                        capacity_source=GPU_SOURCE if cap is None else "config",
+                    )
                 )
             elif simulate:
                 if cap is None:
@@ -375,7 +380,12 @@ class DeviceInventory:
 
     def to_dict(self) -> dict[str, dict]:
         return {
-            d.name: {"capacity_bytes": d.capacity_bytes, "simulated": d.simulated, "type": d.type, "capacity_source": d.capacity_source}
+            d.name: {
+                "capacity_bytes": d.capacity_bytes,
+                "simulated": d.simulated,
+                "type": d.type,
+                "capacity_source": d.capacity_source,
+            }
             for d in self._devices.values()
         }
 

@@ -541,7 +541,9 @@ def _foreign_error(obj: dict) -> ErrorReply:
             f"daemon from this one (stop it, then run hybridps-manager again)"
         )
     instance_id = obj.get("instance_id", "")
-    return ErrorReply(request_id=request_id, instance_id=instance_id if isinstance(instance_id, str) else "", code=code, message=message)
+    return ErrorReply(
+        request_id=request_id, instance_id=instance_id if isinstance(instance_id, str) else "", code=code, message=message
+    )
 
 
 def _unpack(data: bytes) -> dict:

@@ -34,9 +34,7 @@ class ManagerConnection(Protocol):
         """Choose a device near ``refer_device`` and book ``size`` bytes there, in one step."""
         ...
 
-    def move(
-        self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()
-    ) -> str:
+    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
         """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
         near ``refer_device`` and not in ``exclude``), in one step; returns the destination."""
         ...
@@ -87,9 +85,7 @@ class EmbeddedConnection:
         with self._manager._lock:
             return self._manager.ledger.place(self.client_id, size, refer_device, tuple(exclude))
 
-    def move(
-        self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()
-    ) -> str:
+    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
         with self._manager._lock:
             return self._manager.ledger.move(self.client_id, size, src, dst, refer_device=refer_device, exclude=tuple(exclude))
 

@@ -125,7 +125,11 @@ class Metrics:
         devices = status.get("devices", {})
         family("hybridps_manager_device_capacity_bytes", "gauge", "Bytes the daemon may book on the device.")
         for name, d in devices.items():
-            sample("hybridps_manager_device_capacity_bytes", {"device": name, "simulated": str(d["simulated"]).lower()}, d["capacity_bytes"])
+            sample(
+                "hybridps_manager_device_capacity_bytes",
+                {"device": name, "simulated": str(d["simulated"]).lower()},
+                d["capacity_bytes"],
+            )
         family("hybridps_manager_device_used_bytes", "gauge", "Bytes booked on the device by all clients.")
         for name, d in devices.items():
             sample("hybridps_manager_device_used_bytes", {"device": name}, d["used_bytes"])

@@ -335,9 +335,7 @@ class ManagerServer:
                     request_id=_request_id(frames[2]) if frame_count == 3 else 0,
                 )
             elif frame_count != 3 or frames[1] != transport.DELIMITER:
-                reply = self.service.reject(
-                    "bad_frames", f"got {frame_count - 1} frames after the identity; send [empty, body]"
-                )
+                reply = self.service.reject("bad_frames", f"got {frame_count - 1} frames after the identity; send [empty, body]")
             else:
                 op, reply = self._answer(frames[2])
             body = p.encode_reply(reply)
@@ -357,8 +355,7 @@ class ManagerServer:
             what = "has no token" if not request.token else "has the wrong token"
             return request.OP, self.service.reject(
                 "unauthorized",
-                f"this manager requires a token and the request {what}; set HYBRIDPS_TOKEN (or --token) to the "
-                f"manager's token",
+                f"this manager requires a token and the request {what}; set HYBRIDPS_TOKEN (or --token) to the manager's token",
                 request_id=request.request_id,
                 op=request.OP,
             )

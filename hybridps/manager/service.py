@@ -174,10 +174,17 @@ class ManagerService:
             self._leases[req.client_id] = _Lease(req.client_id, self.clock())
             logger.info(
                 "registered %s (rank %d, local rank %d, pid %d, host %s, devices %s)%s",
-                req.client_id, req.rank, req.local_rank, req.pid, req.host or "?", ", ".join(devices) or "-",
+                req.client_id,
+                req.rank,
+                req.local_rank,
+                req.pid,
+                req.host or "?",
+                ", ".join(devices) or "-",
                 f" holding {_describe(req.holdings)}" if any(req.holdings.values()) else "",
             )
-        return p.Registered(request_id=req.request_id, instance_id=self.instance_id, client_id=req.client_id, lease_s=self.lease_s)
+        return p.Registered(
+            request_id=req.request_id, instance_id=self.instance_id, client_id=req.client_id, lease_s=self.lease_s
+        )
 
     def _heartbeat(self, req: p.Heartbeat) -> p.Reply:
         self._touch(req.client_id)
@@ -262,7 +269,12 @@ class ManagerService:
                 self.metrics.lease_expired()
                 logger.warning(
                     "client %s (rank %d, pid %d, host %s) sent nothing for %.1f s (lease %.1f s): dropped%s",
-                    lease.client_id, acct.info.rank, acct.info.pid, acct.info.host or "?", silent_s, self.lease_s,
+                    lease.client_id,
+                    acct.info.rank,
+                    acct.info.pid,
+                    acct.info.host or "?",
+                    silent_s,
+                    self.lease_s,
                     f", reclaimed {_describe(reclaimed)}" if reclaimed else "",
                 )
         return dropped

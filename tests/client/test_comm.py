@@ -106,7 +106,9 @@ def test_a_dead_peer_is_named_from_its_stopped_heartbeat_within_seconds_not_the_
     status, (what, elapsed_s, message) = outcomes[0]
     assert status == "ok" and what == "failed", outcomes[0]
     assert elapsed_s < 20, f"the survivor noticed after {elapsed_s:.1f} s: {message}"
-    assert re.search(r"rank 1 is dead or frozen: its heartbeat .* has not moved for \d+\.\d s \(last seen at \d\d:\d\d:\d\d", message), message
+    assert re.search(
+        r"rank 1 is dead or frozen: its heartbeat .* has not moved for \d+\.\d s \(last seen at \d\d:\d\d:\d\d", message
+    ), message
     assert "timed out" not in message
 
 
@@ -134,8 +136,9 @@ def _engines_one_after_another(rank, world):
                 model = GPT(cfg)
         else:
             model = GPT(cfg)
-        engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()),
-                                     hybridps.Config(devices={"cuda:0": "1MiB"}, collective_timeout_s=60.0))
+        engine = hybridps.initialize(
+            model, torch.optim.AdamW(model.parameters()), hybridps.Config(devices={"cuda:0": "1MiB"}, collective_timeout_s=60.0)
+        )
         engine.close()  # gathers every group's values back into the model
         sums.append(sum(float(p.double().sum()) for p in model.parameters()))
     return sums

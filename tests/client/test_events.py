@@ -51,4 +51,6 @@ def test_the_memory_plot_has_three_series_per_device(tmp_path):
     assert max(gpu["non_model"]) > 0 and max(gpu["model_data"]) > 0
     # after warm-up the chunks and the activations share the capacity at every moment
     warm = len(gpu["model_data"]) // 2
-    assert all(m + n <= c for m, n, c in zip(gpu["model_data"][warm:], gpu["non_model"][warm:], gpu["capacity"][warm:], strict=True))
+    assert all(
+        m + n <= c for m, n, c in zip(gpu["model_data"][warm:], gpu["non_model"][warm:], gpu["capacity"][warm:], strict=True)
+    )

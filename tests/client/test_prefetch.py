@@ -43,7 +43,9 @@ def test_overlap_step_refuses_what_it_cannot_keep():
 
 def _overlap_ranks(rank, world, overlap):
     model, _ = gpt_pair()
-    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, overlap_step=overlap, collective_timeout_s=60)
+    config = hybridps.Config(
+        devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, overlap_step=overlap, collective_timeout_s=60
+    )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
     return train_engine(engine, 4, clip=0, batch=4, rank=rank, world=world)
 
@@ -94,7 +96,9 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
 
 def _group_prefetch(rank, world, window):
     model, _ = gpt_pair()
-    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, prefetch_window=window, collective_timeout_s=60)
+    config = hybridps.Config(
+        devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, prefetch_window=window, collective_timeout_s=60
+    )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
     losses = train_engine(engine, 4, batch=4, rank=rank, world=world)
     return losses, engine.memory_stats()["dist"]["prefetched_gathers"]

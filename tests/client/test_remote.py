@@ -268,7 +268,9 @@ def test_a_client_that_dies_of_an_uncaught_exception_gives_its_bytes_back_at_onc
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "booked" in proc.stdout and "RuntimeError: training failed" in proc.stderr, proc.stderr
     status = query_status(d.endpoint)
-    assert status["clients"] == [] and status["devices"]["cpu"]["used_bytes"] == 0, "unregistered at exit, not after the 60 s lease"
+    assert status["clients"] == [] and status["devices"]["cpu"]["used_bytes"] == 0, (
+        "unregistered at exit, not after the 60 s lease"
+    )
 
 
 def test_a_client_of_the_previous_protocol_version_gets_a_clear_error_from_the_daemon(daemon):
@@ -306,8 +308,15 @@ def test_a_client_meeting_a_daemon_of_the_previous_protocol_version_says_so_at_o
         if router.poll(5000):
             ident, _, body = router.recv_multipart()
             req = msgpack.unpackb(body)
-            reply = dict(v=1, id=req["id"], instance_id="old", ok=False, kind="error", code="bad_version",
-                         message=f"protocol version {req['v']}; this side speaks 1")
+            reply = dict(
+                v=1,
+                id=req["id"],
+                instance_id="old",
+                ok=False,
+                kind="error",
+                code="bad_version",
+                message=f"protocol version {req['v']}; this side speaks 1",
+            )
             router.send_multipart([ident, b"", msgpack.packb(reply)])
 
     t = threading.Thread(target=old_daemon)

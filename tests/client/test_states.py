@@ -14,7 +14,13 @@ def test_every_state_has_an_explicit_row_in_the_transition_table():
 
 @pytest.mark.parametrize(
     "old, new",
-    [(S.FREE, S.HOLD_AFTER_FWD), (S.FREE, S.HOLD_AFTER_BWD), (S.HOLD, S.HOLD), (S.HOLD, S.HOLD_AFTER_FWD), (S.COMPUTE, S.COMPUTE)],
+    [
+        (S.FREE, S.HOLD_AFTER_FWD),
+        (S.FREE, S.HOLD_AFTER_BWD),
+        (S.HOLD, S.HOLD),
+        (S.HOLD, S.HOLD_AFTER_FWD),
+        (S.COMPUTE, S.COMPUTE),
+    ],
 )
 def test_an_illegal_transition_raises_naming_both_states(old, new):
     with pytest.raises(StateError, match=f"{old.name} -> {new.name}"):

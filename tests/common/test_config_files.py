@@ -42,12 +42,22 @@ ZERO3_OFFLOAD = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": 1.0,
-    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 2,
-             "min_loss_scale": 1},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR"},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "offload_param": {"device": "nvme", "nvme_path": "/local"}, "overlap_comm": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "nvme", "nvme_path": "/local"},
+        "overlap_comm": True,
+    },
     "steps_per_print": 100,
 }
 
@@ -59,12 +69,22 @@ def test_a_deepspeed_zero3_offload_config_maps_what_has_a_meaning_and_says_why_t
     assert (c.precision, c.initial_loss_scale, c.loss_scale_growth_interval, c.min_loss_scale) == ("fp16", 4096.0, 500, 1.0)
     assert c.static_loss_scale is None and dict(c.devices) == {"cuda:0": 8 << 30}
     # the loop's settings, with Hugging Face's "auto" left out
-    assert result.training == {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8}}}
+    assert result.training == {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8}},
+    }
     ignored = dict(result.ignored)
-    assert set(ignored) == {"fp16.hysteresis", "scheduler", "zero_optimization.stage", "zero_optimization.offload_optimizer.device",
-                            "zero_optimization.offload_param.device", "zero_optimization.offload_param.nvme_path",
-                            "zero_optimization.overlap_comm", "steps_per_print"}
+    assert set(ignored) == {
+        "fp16.hysteresis",
+        "scheduler",
+        "zero_optimization.stage",
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.offload_param.device",
+        "zero_optimization.offload_param.nvme_path",
+        "zero_optimization.overlap_comm",
+        "steps_per_print",
+    }
     assert "NVMe" in ignored["zero_optimization.offload_param.device"] and "scheduler" in result.describe()
     assert Config.from_deepspeed(ZERO3_OFFLOAD) == translate(ZERO3_OFFLOAD).config
 
@@ -82,15 +102,41 @@ def test_hybridps_train_takes_a_config_file(tmp_path):
     import subprocess
 
     (tmp_path / "c.json").write_text(json.dumps({"precision": "bf16", "prefetch_window": 1}))
-    proc = subprocess.run([sys.executable, "-m", "hybridps", "train", "--config", str(tmp_path / "c.json"), "--steps", "2",
-                           "--layers", "1", "--d-model", "32", "--heads", "2", "--data-bytes", "64KiB", "--json", "--quiet"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridps",
+            "train",
+            "--config",
+            str(tmp_path / "c.json"),
+            "--steps",
+            "2",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+            "--data-bytes",
+            "64KiB",
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    summary = json.loads("\n".join(lines[lines.index("{"):]))
+    summary = json.loads("\n".join(lines[lines.index("{") :]))
     assert summary["precision"] == "bf16"
-    bad = subprocess.run([sys.executable, "-m", "hybridps", "train", "--config", str(tmp_path / "nope.json"), "--steps", "1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", "--config", str(tmp_path / "nope.json"), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "no such file" in bad.stderr
     assert hybridps.Config.from_file(tmp_path / "c.json").prefetch_window == 1
 

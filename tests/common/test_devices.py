@@ -80,10 +80,14 @@ def _cgroup_tree(tmp_path, proc_line, files):
 
 
 def test_cgroup_v2_limit_caps_the_default_cpu_capacity(tmp_path, monkeypatch):
-    root, proc = _cgroup_tree(tmp_path, "0::/job.slice/step_0\n", {
-        "job.slice/step_0/memory.max": f"{900 * MiB}\n",
-        "job.slice/step_0/memory.current": f"{100 * MiB}\n",
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "0::/job.slice/step_0\n",
+        {
+            "job.slice/step_0/memory.max": f"{900 * MiB}\n",
+            "job.slice/step_0/memory.current": f"{100 * MiB}\n",
+        },
+    )
     monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
     fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
     assert fig.bytes == 800 * MiB
@@ -91,9 +95,14 @@ def test_cgroup_v2_limit_caps_the_default_cpu_capacity(tmp_path, monkeypatch):
 
 
 def test_cgroup_v2_max_means_no_limit_and_the_host_figure_is_used(tmp_path, monkeypatch):
-    root, proc = _cgroup_tree(tmp_path, "0::/user.slice\n", {
-        "user.slice/memory.max": "max\n", "user.slice/memory.current": "12345\n",
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "0::/user.slice\n",
+        {
+            "user.slice/memory.max": "max\n",
+            "user.slice/memory.current": "12345\n",
+        },
+    )
     monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 4 << 30)
     assert devices_mod.cgroup_memory_room(root=root, proc_self_cgroup=proc) is None
     fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
@@ -102,23 +111,34 @@ def test_cgroup_v2_max_means_no_limit_and_the_host_figure_is_used(tmp_path, monk
 
 def test_a_nested_cgroup_is_limited_by_its_tightest_ancestor(tmp_path, monkeypatch):
     # the job's own cgroup says "max"; its parent (the Slurm job) holds the limit
-    root, proc = _cgroup_tree(tmp_path, "0::/slurm/job_7/step_0/task_1\n", {
-        "slurm/job_7/memory.max": f"{2048 * MiB}", "slurm/job_7/memory.current": f"{1500 * MiB}",
-        "slurm/job_7/step_0/memory.max": "max", "slurm/job_7/step_0/memory.current": f"{1400 * MiB}",
-        "slurm/job_7/step_0/task_1/memory.max": f"{1024 * MiB}", "slurm/job_7/step_0/task_1/memory.current": f"{200 * MiB}",
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "0::/slurm/job_7/step_0/task_1\n",
+        {
+            "slurm/job_7/memory.max": f"{2048 * MiB}",
+            "slurm/job_7/memory.current": f"{1500 * MiB}",
+            "slurm/job_7/step_0/memory.max": "max",
+            "slurm/job_7/step_0/memory.current": f"{1400 * MiB}",
+            "slurm/job_7/step_0/task_1/memory.max": f"{1024 * MiB}",
+            "slurm/job_7/step_0/task_1/memory.current": f"{200 * MiB}",
+        },
+    )
     monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 64 << 30)
     fig = devices_mod.cgroup_memory_room(root=root, proc_self_cgroup=proc)
     assert fig.bytes == 548 * MiB and fig.source.endswith("slurm/job_7/memory.max")
 
 
 def test_cgroup_v1_limit_and_unlimited(tmp_path, monkeypatch):
-    root, proc = _cgroup_tree(tmp_path, "12:cpu,cpuacct:/docker/abc\n9:memory:/docker/abc\n", {
-        "memory/docker/abc/memory.limit_in_bytes": f"{900 * MiB}\n",
-        "memory/docker/abc/memory.usage_in_bytes": f"{300 * MiB}\n",
-        "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
-        "memory/memory.usage_in_bytes": f"{5000 * MiB}\n",
-    })
+    root, proc = _cgroup_tree(
+        tmp_path,
+        "12:cpu,cpuacct:/docker/abc\n9:memory:/docker/abc\n",
+        {
+            "memory/docker/abc/memory.limit_in_bytes": f"{900 * MiB}\n",
+            "memory/docker/abc/memory.usage_in_bytes": f"{300 * MiB}\n",
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+            "memory/memory.usage_in_bytes": f"{5000 * MiB}\n",
+        },
+    )
     monkeypatch.setattr(devices_mod, "host_available_bytes", lambda: 23 << 30)
     fig = devices_mod.available_cpu_memory(cgroup_root=root, proc_self_cgroup=proc)
     assert fig.bytes == 600 * MiB and fig.source == f"cgroup v1 {root}/memory/docker/abc/memory.limit_in_bytes"

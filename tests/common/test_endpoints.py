@@ -101,7 +101,16 @@ def test_missing_parent_directories_are_created_private_and_existing_ones_left_a
 
 @pytest.mark.parametrize(
     "host, loopback",
-    [("127.0.0.1", True), ("localhost", True), ("::1", True), ("[::1]", True), ("0.0.0.0", False), ("", False), ("*", False), ("10.0.0.1", False)],
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("", False),
+        ("*", False),
+        ("10.0.0.1", False),
+    ],
 )
 def test_a_host_is_loopback_only_when_no_other_machine_can_reach_it(host, loopback):
     assert is_loopback_host(host) is loopback

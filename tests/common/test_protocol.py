@@ -81,8 +81,14 @@ MALFORMED = {
     "device not a string": (pack(**{**ADD, "device": 0}), "bad_field"),
     "client id too long": (pack(**{**ADD, "client_id": "c" * 1000}), "bad_field"),
     "token not a string": (pack(**{**ADD, "token": 5}), "bad_field"),
-    "exclude not a list": (pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"), "bad_field"),
-    "exclude of integers": (pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude=[1]), "bad_field"),
+    "exclude not a list": (
+        pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"),
+        "bad_field",
+    ),
+    "exclude of integers": (
+        pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude=[1]),
+        "bad_field",
+    ),
     "rank negative": (pack(v=V, op="register", id=1, client_id="c", rank=-3), "bad_field"),
     "negative size": (pack(**{**ADD, "size_bytes": -1}), "bad_size"),
     "size 2**64 - 1": (pack(**{**ADD, "size_bytes": 2**64 - 1}), "bad_size"),
@@ -192,7 +198,9 @@ def test_an_old_client_reads_the_new_daemons_bad_version_error():
 
 def test_a_new_client_reads_an_old_daemons_bad_version_error():
     # exactly what a version-1 daemon answers to a request of version 2
-    old = pack(v=1, id=7, instance_id="old", ok=False, kind="error", code="bad_version", message="protocol version 2; this side speaks 1")
+    old = pack(
+        v=1, id=7, instance_id="old", ok=False, kind="error", code="bad_version", message="protocol version 2; this side speaks 1"
+    )
     reply = p.decode_reply(old)
     assert isinstance(reply, p.ErrorReply) and reply.code == "bad_version" and reply.request_id == 7
     assert f"version 1 and this side {V}" in reply.message and "restart the daemon" in reply.message

@@ -47,7 +47,11 @@ def test_the_daemon_prints_its_endpoint_and_removes_its_socket_when_signalled(da
     path = d.endpoint[len("ipc://") :]
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
     assert query_status(d.endpoint)["devices"]["cuda:1"] == {
-        "capacity_bytes": 64 << 20, "used_bytes": 0, "free_bytes": 64 << 20, "peak_bytes": 0, "simulated": True,
+        "capacity_bytes": 64 << 20,
+        "used_bytes": 0,
+        "free_bytes": 64 << 20,
+        "peak_bytes": 0,
+        "simulated": True,
         "capacity_source": "config",
     }
     assert d.stop(sig) == 0
@@ -191,7 +195,9 @@ def test_metrics_without_a_token_are_served_on_loopback_without_client_ids_or_pi
         text = "\n".join(lines)
         assert conn.client_id not in text and twin.client_id not in text and "pid=" not in text
         assert 'hybridps_manager_requests_total{op="schedule"} 1' in lines
-        assert any(line.startswith('hybridps_manager_request_duration_seconds_bucket{op="schedule",le="+Inf"} 1') for line in lines)
+        assert any(
+            line.startswith('hybridps_manager_request_duration_seconds_bucket{op="schedule",le="+Inf"} 1') for line in lines
+        )
 
 
 def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(daemons, monkeypatch):
@@ -205,7 +211,10 @@ def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(da
                 scrape(url, token)
             assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Bearer")
         lines = scrape(url, "s3cret")
-        assert f'hybridps_manager_client_bytes{{client_id="{conn.client_id}",rank="0",pid="{os.getpid()}",device="cuda:0"}} 4096' in lines
+        assert (
+            f'hybridps_manager_client_bytes{{client_id="{conn.client_id}",rank="0",pid="{os.getpid()}",device="cuda:0"}} 4096'
+            in lines
+        )
 
 
 def test_metrics_beyond_loopback_need_a_token(daemons, monkeypatch):
@@ -383,28 +392,70 @@ def malformed_messages(n, client_id, rng):
         if kind == 4:
             return [random_obj(depth + 1) for _ in range(rng.randrange(4))]
         # A few integer keys: msgpack allows them, the daemon must refuse them.
-        return {rng.randrange(10) if rng.random() < 0.2 else str(random_obj(depth + 1)): random_obj(depth + 1) for _ in range(rng.randrange(4))}
+        return {
+            rng.randrange(10) if rng.random() < 0.2 else str(random_obj(depth + 1)): random_obj(depth + 1)
+            for _ in range(rng.randrange(4))
+        }
 
     makers = [
         lambda: [b"", rng.randbytes(rng.randrange(0, 200))],
         lambda: [b"", msgpack.packb(random_obj(), use_bin_type=True)],
-        lambda: body(v=p.PROTOCOL_VERSION, id=rng.randrange(2**32), op=rng.choice(["", "ADD", "drop", "sched", "eval"]), client_id=client_id),
-        lambda: body(v=rng.choice([0, 1, p.PROTOCOL_VERSION + 1, -1, "2", None, 1.0001, [1]]), id=1, op="add", client_id=client_id, device="cpu", size_bytes=1),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "heartbeat", "unregister", "register"])),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule"]), client_id=client_id, device="cpu", refer_device="cpu",
-                     size_bytes=rng.choice([-1, -(2**63), 2**64 - 1, p.MAX_SIZE_BYTES + 1, float(2**70), "4096", True, None, [1]])),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=rng.choice([3, None, b"raw", ["c"]]), device="cpu", size_bytes=1),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "register"]), client_id=client_id, device=rng.choice([0, None, "x" * 300]), size_bytes=1, refer_device=[1], exclude=5, devices="cpu"),
+        lambda: body(
+            v=p.PROTOCOL_VERSION,
+            id=rng.randrange(2**32),
+            op=rng.choice(["", "ADD", "drop", "sched", "eval"]),
+            client_id=client_id,
+        ),
+        lambda: body(
+            v=rng.choice([0, 1, p.PROTOCOL_VERSION + 1, -1, "2", None, 1.0001, [1]]),
+            id=1,
+            op="add",
+            client_id=client_id,
+            device="cpu",
+            size_bytes=1,
+        ),
+        lambda: body(
+            v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "heartbeat", "unregister", "register"])
+        ),
+        lambda: body(
+            v=p.PROTOCOL_VERSION,
+            id=1,
+            op=rng.choice(["add", "remove", "schedule"]),
+            client_id=client_id,
+            device="cpu",
+            refer_device="cpu",
+            size_bytes=rng.choice([-1, -(2**63), 2**64 - 1, p.MAX_SIZE_BYTES + 1, float(2**70), "4096", True, None, [1]]),
+        ),
+        lambda: body(
+            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=rng.choice([3, None, b"raw", ["c"]]), device="cpu", size_bytes=1
+        ),
+        lambda: body(
+            v=p.PROTOCOL_VERSION,
+            id=1,
+            op=rng.choice(["add", "remove", "schedule", "register"]),
+            client_id=client_id,
+            device=rng.choice([0, None, "x" * 300]),
+            size_bytes=1,
+            refer_device=[1],
+            exclude=5,
+            devices="cpu",
+        ),
         lambda: [b"", valid[: rng.randrange(len(valid))]],
         lambda: [valid],  # no delimiter
         lambda: [b"", b"", valid],
         lambda: [b"junk", valid],
         lambda: [b"", valid, b"trailer"],
         lambda: [b""],
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="remove", client_id=client_id, device="cuda:0", size_bytes=10**9),  # more than held
+        lambda: body(
+            v=p.PROTOCOL_VERSION, id=1, op="remove", client_id=client_id, device="cuda:0", size_bytes=10**9
+        ),  # more than held
         lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id="someone-else", device="cpu", size_bytes=1),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device=rng.choice(["cuda:9", "tpu", ""]), size_bytes=1),
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20),  # past capacity
+        lambda: body(
+            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device=rng.choice(["cuda:9", "tpu", ""]), size_bytes=1
+        ),
+        lambda: body(
+            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20
+        ),  # past capacity
         lambda: body(v=p.PROTOCOL_VERSION, id=1, op="unregister", client_id="someone-else"),
     ]
     for i in range(n):
@@ -445,8 +496,21 @@ def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unch
             sock.close()
             ctx.term()
         assert sum(codes.values()) == n
-        assert {"garbage", "bad_request", "bad_version", "unknown_op", "missing_field", "bad_field", "bad_size",
-                "bad_frames", "too_large", "over_remove", "unknown_client", "unknown_device", "capacity"} <= set(codes)
+        assert {
+            "garbage",
+            "bad_request",
+            "bad_version",
+            "unknown_op",
+            "missing_field",
+            "bad_field",
+            "bad_size",
+            "bad_frames",
+            "too_large",
+            "over_remove",
+            "unknown_client",
+            "unknown_device",
+            "capacity",
+        } <= set(codes)
         after = query_status(d.endpoint)
         assert after["devices"] == before["devices"]
         assert [c["usage"] for c in after["clients"]] == [{"cpu": 1000, "cuda:0": 2000}]

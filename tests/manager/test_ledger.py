@@ -19,7 +19,13 @@ def test_usage_is_booked_per_client_and_device_with_peaks():
     led.add("b", "cpu", 300)
     led.remove("a", "cuda:0", 50)
     snap = led.snapshot()
-    assert snap["devices"]["cuda:0"] == {"capacity_bytes": 100, "used_bytes": 10, "free_bytes": 90, "peak_bytes": 60, "simulated": True}
+    assert snap["devices"]["cuda:0"] == {
+        "capacity_bytes": 100,
+        "used_bytes": 10,
+        "free_bytes": 90,
+        "peak_bytes": 60,
+        "simulated": True,
+    }
     assert {c["client_id"]: c["usage"] for c in snap["clients"]} == {"a": {"cuda:0": 10}, "b": {"cpu": 300}}
 
 
@@ -137,4 +143,3 @@ def test_register_with_holdings_books_them_all_or_nothing():
     assert [c.client_id for c in led.clients] == ["b"] and led.free_bytes() == {"cpu": 1000, "cuda:0": 30}
     led.register("a", ClientInfo(), {"cpu": 500, "cuda:0": 30})
     assert led.client("a").usage == {"cpu": 500, "cuda:0": 30} and led.free_bytes() == {"cpu": 500, "cuda:0": 0}
-

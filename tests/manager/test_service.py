@@ -34,7 +34,9 @@ def used(svc):
 def test_a_registered_client_books_schedules_and_gives_back_through_reply_objects():
     svc, _ = make_service()
     register(svc)
-    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)) == p.OkReply(request_id=2, instance_id="inst1")
+    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)) == p.OkReply(
+        request_id=2, instance_id="inst1"
+    )
     assert svc.handle(p.Schedule(request_id=3, client_id="c0", size_bytes=300, refer_device="cuda:0")).device == "cuda:0"
     assert svc.handle(p.Schedule(request_id=4, client_id="c0", size_bytes=500, refer_device="cuda:0")).device == "cpu"
     assert svc.handle(p.Schedule(request_id=5, client_id="c0", size_bytes=500, refer_device="cuda")).device == "cpu"
@@ -201,7 +203,9 @@ def test_place_and_move_choose_and_book_in_one_request_and_a_retry_is_applied_on
     move = p.Move(request_id=7, client_id="c0", size_bytes=600, src_device="cuda:0", refer_device="cpu", exclude=("cuda:0",))
     assert svc.handle(move).device == "cpu" and svc.handle(move).device == "cpu"
     assert used(svc) == {"cpu": 1200, "cuda:0": 0}
-    assert svc.handle(p.Move(request_id=8, client_id="c0", size_bytes=300, src_device="cpu", dst_device="cuda:0")).device == "cuda:0"
+    assert (
+        svc.handle(p.Move(request_id=8, client_id="c0", size_bytes=300, src_device="cpu", dst_device="cuda:0")).device == "cuda:0"
+    )
     assert svc.status()["clients"][0]["usage"] == {"cpu": 900, "cuda:0": 300}
     refused = svc.handle(p.Move(request_id=9, client_id="c0", size_bytes=900, src_device="cpu", dst_device="cuda:0"))
     assert refused.code == "capacity" and "cannot move" in refused.message
