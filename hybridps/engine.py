@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from hybridps import deferred_init
-from hybridps.client.chunk import ChunkKind
 from hybridps.client.client import Client
 from hybridps.client.events import EventRecorder
 from hybridps.client.eviction import BeladyPolicy
@@ -32,6 +31,7 @@ from hybridps.client.prefetch import Prefetcher
 from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError, StateError
+from hybridps.iteration_phase import IterationPhase
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +81,20 @@ class Engine:
         except BaseException:
             self.client.close()
             raise
-        self.tracer = MemoryTracer(self.client, enabled=config.trace)
+        self.tracer = MemoryTracer(self.client.store, self.client.chunks, enabled=config.trace)
         if config.eviction in ("opt", "auto"):
             self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
         self.hooks.on_bare_backward = self._finish_bare_backward
         self.hooks.install()
-        self.prefetcher = Prefetcher(self.client, self.tracer, window=config.prefetch_window) if config.prefetch_window else None
-        self.events = EventRecorder(self.client)
+        self.prefetcher = (
+            Prefetcher(
+                self.client.store, self.client.chunks, self.tracer, groups=self.client.groups, window=config.prefetch_window
+            )
+            if config.prefetch_window
+            else None
+        )
+        self.events = EventRecorder(self.client.chunks, self.client.inventory, rank=self.client.rank)
         self.events.enabled = config.record
         self.tracer.tick_listeners.append(self.events.on_moment)
         self.optimizer.step_listeners.append(self.events.on_step)
@@ -116,8 +122,8 @@ class Engine:
             model.register_state_dict_post_hook(state_dict_ends),
         ]
         self._gathered = 0  # gathered_parameters contexts open
-        self._in_iteration = False
-        self._backward_since_step = False
+        #: where the iteration stands (iteration_phase.py): named moves, one field
+        self.phase = IterationPhase.IDLE
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
         self.global_step = 0
 
@@ -170,16 +176,16 @@ class Engine:
                 f"inside `with hybridps.meta_init():` so its own init is replayed"
             )
         self.hooks.sync_requires_grad()
-        if self.config.grad_reuse and self._backward_since_step:
+        if self.config.grad_reuse and self.phase.grads_since_step:
             raise StateError(
                 "forward after backward without step(): with grad_reuse=True the grads sit in the params' own "
                 "slots, so the params are not there to compute with. Call engine.step() (or engine.zero_grad() "
                 "to drop the grads) first, or set Config(grad_reuse=False) to accumulate gradients over micro-batches"
             )
         training = self.module.training and torch.is_grad_enabled()
-        if training and not self._in_iteration:
+        if training and not self.phase.iteration_open:
             self.tracer.start_iteration()
-            self._in_iteration = True
+            self.phase = self.phase.forward_opens()
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
         self.client.begin_forward()
         with self._saved_tensors() if training else contextlib.nullcontext():
@@ -230,7 +236,7 @@ class Engine:
         if not loss.requires_grad:
             raise StateError("the loss does not require grad: was the forward run under torch.no_grad() or in eval mode?")
         self.hooks.sync_requires_grad()  # a model called directly (not through engine(...)) is checked here
-        if self.config.grad_reuse and self._backward_since_step:
+        if self.config.grad_reuse and self.phase.grads_since_step:
             raise StateError(
                 "second backward without step(): gradient accumulation needs Config(grad_reuse=False), since with "
                 "grad reuse each grad overwrites its param"
@@ -242,7 +248,7 @@ class Engine:
         finally:
             self.client.in_backward = False
             self.hooks.end_backward()
-            self._backward_since_step = True
+            self.phase = self.phase.backward_ends()
         self._end_backward()
 
     def _finish_bare_backward(self) -> None:
@@ -251,7 +257,7 @@ class Engine:
         if self.scaler is not None:
             return
         self.hooks.end_backward()
-        self._backward_since_step = True
+        self.phase = self.phase.backward_ends()
         self._end_backward()
 
     def _end_backward(self) -> None:
@@ -260,7 +266,7 @@ class Engine:
 
     def _grads_from_plain_backward(self) -> bool:
         """Grads arrived since the last step without engine.backward (a bare loss.backward())."""
-        return not self._backward_since_step and (
+        return not self.phase.grads_since_step and (
             any(i.has_grad for i in self.client.params) or bool(self.client.pending._waiting)
         )
 
@@ -290,7 +296,7 @@ class Engine:
                     "loss.backward() (it scales the loss), then engine.zero_grad() to drop these grads"
                 )
             self.hooks.end_backward()  # what engine.backward does when it returns
-            self._backward_since_step = True
+            self.phase = self.phase.backward_ends()
             self._end_backward()
         self.tracer.tick(("step",))
         try:
@@ -298,36 +304,25 @@ class Engine:
             self.global_step += 1
         finally:
             self.tracer.tick(("step_end",))
-            if self._in_iteration:
+            was_open = self.phase.iteration_open
+            self.phase = self.phase.step_ends()
+            if was_open:
                 warmup = not self.tracer.has_trace
                 self.tracer.end_iteration()
-                self._in_iteration = False
                 if warmup and self.tracer.has_trace:
                     self._place_optimizer_states()
-            self._backward_since_step = False
 
     def _place_optimizer_states(self) -> None:
-        """After warm-up: put optimizer rows on the GPU where activations never need the room."""
-        compute = self.client.compute
-        if not compute.is_gpu:
-            return
-        per_iteration = [c for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.client.lists.get(k, [])]
-        spare = (
-            compute.capacity_bytes
-            - self.config.margin
-            - max(self.tracer.non_model, default=0)
-            - sum(c.nbytes for c in per_iteration)
-        )
-        if spare > 0:
-            moved = self.client.place_optimizer_states(spare)
-            logger.info("optimizer states on %s after warm-up: %d B (spare %d B)", compute.name, moved, spare)
+        """After warm-up: optimizer rows to the GPU where activations never need the room
+        (how much and which: the client's placement policy)."""
+        self.client.place_optimizer_states(non_model_peak_bytes=max(self.tracer.non_model, default=0))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every grad (``engine.optimizer.zero_grad()`` and ``param.grad = None`` do too)."""
         self.optimizer.zero_grad(set_to_none)
 
     def _grads_dropped(self) -> None:
-        self._backward_since_step = False
+        self.phase = self.phase.grads_dropped()
 
     def get_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """A copy of ``param``'s grad as plain PyTorch would show it in ``param.grad``

@@ -13,7 +13,7 @@ import enum
 import torch
 
 from hybridps.client.layout import Slot
-from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, TensorState, transition
+from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, Move, TensorState, named_move, transition
 from hybridps.common.devices import DeviceSpec
 
 
@@ -77,6 +77,15 @@ class Chunk:
         counts = self.counts
         counts[old] -= 1
         counts[new] += 1
+        self.states[pos] = new
+
+    def apply(self, slot: Slot, move: Move, what: object) -> None:
+        """Change one slot's state by a named move (states.py, ``NAMED_MOVES``)."""
+        pos = self._pos[slot.index]
+        old = self.states[pos]
+        new = named_move(old, move, str(what))
+        self.counts[old] -= 1
+        self.counts[new] += 1
         self.states[pos] = new
 
     def set_all_states(self, new: TensorState, what: object) -> None:

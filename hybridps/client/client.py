@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import dataclasses
 import logging
 import os
 import socket
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,9 +34,12 @@ from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.comm import Collectives
 from hybridps.client.groups import ChunkGroups
 from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.pending_grads import PendingGrads
 from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
+from hybridps.client.placement import make_policy
 from hybridps.client.states import ChunkState, TensorState
+from hybridps.client.store import ChunkStore, ParamInfo
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, use_expandable_segments
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
@@ -46,36 +47,7 @@ from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 
-if TYPE_CHECKING:
-    from hybridps.client.optimizer import ChunkedAdam
-
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)
-class ParamInfo:
-    """What the client knows of one registered param."""
-
-    param: nn.Parameter
-    name: str
-    slot: Slot
-    shape: torch.Size
-    orig_dtype: torch.dtype
-    refs: int = 0  # nested accesses (see [Note: access counting])
-    has_grad: bool = False  # a grad for this iteration sits in its grad slot
-    kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
-    cls: type = nn.Parameter  # the param's own class, restored while it is materialized
-    saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
-    meta_key: int | None = None  # storage of the meta tensor it was built as (deferred_init.py), else None
-
-    @property
-    def chunk(self) -> int:
-        return self.slot.chunk
-
-    def describe(self) -> str:
-        return f"param {self.name!r} (shape {tuple(self.shape)})"
-
-    __str__ = describe
 
 
 class Client:
@@ -111,15 +83,15 @@ class Client:
         self.chunks = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
         pinned = self.config.pinned_bytes
         self.chunks.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
-        self.layout: ChunkLayout | None = None
-        self.lists: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
-        self._params: dict[int, ParamInfo] = {}
-        self.params: list[ParamInfo] = []  # registration order
-        self.buffers: list[ParamInfo] = []  # results of allreduce/broadcast
+        #: where each kind of model data lives (placement.py)
+        self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        #: the rank's chunk rows and param records (store.py): what every collaborator takes
+        self.store = ChunkStore(self.config, self.compute, self.chunks, rank=rank, world_size=world_size)
         self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self._next_chunk_id = 0
         self.optimizer: ChunkedAdam | None = None
+        #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
+        self.early_step: Callable[[int], bool] | None = None
         self.min_compute_bytes = 0
         self.min_compute_module = ""
         #: handles of hooks installed on the model (engine); removed by close().
@@ -135,11 +107,11 @@ class Client:
                 timeout_s=self.config.collective_timeout_s,
                 device=_backend_device(process_group, self.compute),
             )
-            self.groups = ChunkGroups(self, comm)
+            self.groups = ChunkGroups(self.store, self.chunks, comm, placement=self.placement)
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
         #: grads that may not enter their slot yet (pending_grads.py)
-        self.pending = PendingGrads(self, self._write_grad)
+        self.pending = PendingGrads(self.store, self.chunks, self._write_grad)
         #: a backward of the engine is running (for error messages)
         self.in_backward = False
         #: an optimizer will be registered (the engine's case): registration counts Adam states too
@@ -155,37 +127,47 @@ class Client:
 
         return connect_remote(self.config.manager, info, self.inventory)
 
-    # -- kinds -----------------------------------------------------------------------------
+    # -- the store's figures, for callers of the facade -------------------------------------
+
+    @property
+    def layout(self) -> ChunkLayout | None:
+        return self.store.layout
+
+    @layout.setter
+    def layout(self, value: ChunkLayout | None) -> None:
+        self.store.layout = value
+
+    @property
+    def lists(self) -> dict[ChunkKind, list[Chunk]]:
+        """The store's chunk rows by kind."""
+        return self.store.rows
+
+    @property
+    def params(self) -> list[ParamInfo]:
+        return self.store.params
+
+    @property
+    def buffers(self) -> list[ParamInfo]:
+        return self.store.buffers
 
     @property
     def kinds(self) -> list[ChunkKind]:
-        """Chunk lists this client keeps (momentum and variance appear with register_optim)."""
-        kinds = [ChunkKind.PARAM]
-        if not self.config.grad_reuse:
-            kinds.append(ChunkKind.GRAD)
-        if self.has_master:
-            kinds.append(ChunkKind.MASTER)
-        return kinds
+        return self.store.kinds
 
     @property
     def has_master(self) -> bool:
-        """Whether fp32 master weights need their own chunks.
-
-        In fp32 without grad reuse the param chunks are already fp32 and never overwritten by
-        grads, so they are the master copy.
-        """
-        return self.config.grad_reuse or self.config.precision != "fp32"
+        return self.store.has_master
 
     @property
     def master_kind(self) -> ChunkKind:
-        return ChunkKind.MASTER if self.has_master else ChunkKind.PARAM
+        return self.store.master_kind
 
     @property
     def grad_kind(self) -> ChunkKind:
-        return ChunkKind.PARAM if self.config.grad_reuse else ChunkKind.GRAD
+        return self.store.grad_kind
 
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
-        return self.param_dtype if kind in (ChunkKind.PARAM, ChunkKind.GRAD) else torch.float32
+        return self.store.kind_dtype(kind)
 
     # -- registration ----------------------------------------------------------------------
 
@@ -194,7 +176,7 @@ class Client:
         self._check_open()
         if not isinstance(module, nn.Module):
             raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
-        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self._params]
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
         if not named:
             raise RegistrationError(f"{type(module).__name__} has no parameters that are not registered already")
         owners = _param_owners(module)
@@ -210,8 +192,8 @@ class Client:
                 if isinstance(param, torch.Tensor)
                 else f"register_param takes an nn.Parameter, got {type(param).__name__}"
             )
-        if id(param) in self._params:
-            raise RegistrationError(f"{self._params[id(param)].describe()} is already registered")
+        if id(param) in self.store.by_id:
+            raise RegistrationError(f"{self.store.by_id[id(param)].describe()} is already registered")
         label = name or f"param{len(self.params)}"
         self._register([(label, param)], {id(param): [(label, None)]})
 
@@ -276,8 +258,7 @@ class Client:
             info = ParamInfo(
                 param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
             )
-            self._params[id(p)] = info
-            self.params.append(info)
+            self.store.add(info)
             for kind in self.kinds:
                 self.lists[kind][slot.chunk].add_slot(slot)
             if info.meta_key is None:
@@ -361,8 +342,7 @@ class Client:
                 if info.meta_key is None:
                     chunk.view(slot).copy_(src)
                 chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
-        self._params[id(p)] = info
-        self.params.append(info)
+        self.store.add(info)
         if info.meta_key is not None:
             _leave_meta(p, self.compute.torch_device)
         self.guard.adopt(info)
@@ -371,7 +351,7 @@ class Client:
 
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
-        return self.groups is None or self.groups.owns(index)
+        return self.store.owns(index)
 
     def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
@@ -379,16 +359,12 @@ class Client:
         takes part in the group's collectives)."""
         index = len(self.lists[ChunkKind.PARAM])
         for kind in self.kinds:
-            chunk = Chunk(kind, index, capacity, self.kind_dtype(kind), self._next_chunk_id)
-            chunk.owned = self.owns(index)
-            self._next_chunk_id += 1
+            chunk = self.store.new_chunk(kind, index, capacity)
             self.lists[kind].append(chunk)
             if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
                 continue
-            if kind is ChunkKind.PARAM:
-                self.chunks.place(chunk, self.compute.name)
-            elif kind is ChunkKind.MASTER:
-                self.chunks.place(chunk, "cpu")
+            if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
+                self.chunks.place(chunk, self.placement.home(kind))
 
     def _rollback(self, done: list[ParamInfo]) -> None:
         """Give the params of a failed registration their data back (nothing is lost)."""
@@ -397,30 +373,32 @@ class Client:
             if source.payload is not None:
                 ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
             self.guard.forget(info)
-            del self._params[id(info.param)]
-            self.params.remove(info)
+            self.store.remove(info)
 
     def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
         optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
         self._check_open()
-        from hybridps.client.optimizer import ChunkedAdam
-
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
-        chunked = ChunkedAdam(self, optimizer)
+        chunked = ChunkedAdam(
+            self.store, self.chunks, optimizer, placement=self.placement, groups=self.groups, pending=self.pending
+        )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
             for i, param_chunk in enumerate(self.lists[ChunkKind.PARAM]):
-                chunk = Chunk(kind, i, param_chunk.capacity, torch.float32, self._next_chunk_id)
-                chunk.owned = self.owns(i)
-                self._next_chunk_id += 1
+                chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
                 for slot in param_chunk.slots:
                     chunk.add_slot(slot)
                 chunks.append(chunk)
             self.lists[kind] = chunks
         self._book_optimizer_states()
         self.optimizer = chunked
+        # the one place the early step (Config.overlap_step) is wired: chunk groups call it
+        # when a group's grads are reduced, the engine's grad hooks on one rank
+        self.early_step = chunked.step_chunk_early if self.config.overlap_step else None
+        if self.groups is not None:
+            self.groups.early_step = self.early_step
         chunked.attach_state()
         return chunked
 
@@ -437,7 +415,7 @@ class Client:
         need = sum(chunk.nbytes for chunk, _ in rows)
         try:
             for chunk, master in rows:
-                self.chunks.place(chunk, master.device or "cpu")
+                self.chunks.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
                 chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
         except CapacityError as exc:
             raise CapacityError(
@@ -448,21 +426,26 @@ class Client:
     # -- access / release ------------------------------------------------------------------
 
     def param_info(self, param: torch.Tensor) -> ParamInfo:
-        try:
-            return self._params[id(param)]
-        except KeyError:
-            shape = tuple(param.shape) if isinstance(param, torch.Tensor) else "?"
-            raise RegistrationError(
-                f"tensor of shape {shape} and dtype {getattr(param, 'dtype', '?')} is not registered with this client; "
-                f"register_module(model) or register_param(param) first"
-            ) from None
+        return self.store.param_info(param)
 
     def is_registered(self, param: torch.Tensor) -> bool:
-        return id(param) in self._params
+        return self.store.is_registered(param)
+
+    def chunk_params(self, index: int) -> list[ParamInfo]:
+        return self.store.chunk_params(index)
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        return self.store.grad_view(info)
+
+    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
+        return self.store.access_chunk(kind, index, device, who=who)
+
+    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
+        self.store.release_chunk(chunk, state)
 
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
-        info = self._params.get(id(param)) or self.param_info(param)
+        info = self.store.by_id.get(id(param)) or self.param_info(param)
         if info.refs == 0:
             chunk = self.lists[info.kind][info.chunk]
             if self.groups is not None and info.kind is ChunkKind.PARAM:
@@ -480,7 +463,7 @@ class Client:
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
-        info = self._params.get(id(param)) or self.param_info(param)
+        info = self.store.by_id.get(id(param)) or self.param_info(param)
         chunk = self.lists[info.kind][info.chunk]
         if not isinstance(state, TensorState):
             raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
@@ -503,61 +486,31 @@ class Client:
         elif chunk.state is ChunkState.FREE:
             self.chunks.free(chunk)
 
-    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
-        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (the
-        optimizer works on whole chunks). Returns the slot states it had, for ``release_chunk``."""
-        chunk = self.lists[kind][index]
-        previous = list(chunk.states)
-        what = f"{kind.value} chunk {index}"
-        chunk.set_all_states(TensorState.COMPUTE, what)
-        try:
-            self.chunks.bring(chunk, device, who=who or what)
-        except BaseException:
-            self._set_states(chunk, previous)
-            raise
-        return previous
+    def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
+        """After warm-up: move the optimizer rows (master, momentum, variance of one chunk
+        index) the placement policy chooses to the compute GPU; return the bytes moved.
 
-    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
-        """End a chunk access: every slot to ``state``, or back to the states in a list."""
-        if isinstance(state, TensorState):
-            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
-        else:
-            self._set_states(chunk, state)
-        if chunk.state is ChunkState.FREE:
-            self.chunks.free(chunk)
-
-    @staticmethod
-    def _set_states(chunk: Chunk, states: list[TensorState]) -> None:
-        for slot, state in zip(chunk.slots, states, strict=True):
-            chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
-
-    def place_optimizer_states(self, spare_bytes: int) -> int:
-        """Move whole optimizer rows (master, momentum, variance of one chunk index) to the
-        compute GPU while they fit in ``spare_bytes``; return the bytes moved.
-
-        Called once the warm-up trace says how much of the GPU activations never need: a row
-        on the GPU steps there, so its param chunk never leaves the GPU for the optimizer.
+        A row on the GPU steps there, so its param chunk never leaves the GPU for the
+        optimizer. How much room and which rows: ``placement.py``.
         """
-        if not self.compute.is_gpu:
+        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.lists.get(k, []))
+        room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
+        if room <= 0:
             return 0
         kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.lists]
-        moved = 0
-        for index in range(len(self.lists[ChunkKind.PARAM])):
-            if not self.owns(index):
-                continue
-            row = [self.lists[k][index] for k in kinds if self.lists[k][index].device != self.compute.name]
-            row_bytes = sum(c.nbytes for c in row)
-            if not row or row_bytes > spare_bytes - moved:
-                continue
-            for chunk in row:
+        away = {
+            index: [self.lists[k][index] for k in kinds if self.lists[k][index].device != self.compute.name]
+            for index in range(self.store.num_chunks)
+            if self.owns(index)
+        }
+        chosen = self.placement.optimizer_rows_for_gpu([(i, sum(c.nbytes for c in row)) for i, row in away.items()], room)
+        for index in chosen:
+            for chunk in away[index]:
                 if chunk.payload is not None:
                     self.chunks.bring(chunk, self.compute.name, who="optimizer state placement")
-            moved += row_bytes
+        moved = sum(c.nbytes for i in chosen for c in away[i])
+        logger.info("optimizer states on %s after warm-up: %d B of %d B of room", self.compute.name, moved, room)
         return moved
-
-    def chunk_params(self, index: int) -> list[ParamInfo]:
-        """The params of chunk ``index``, in slot order."""
-        return [self.params[s.index] for s in self.lists[ChunkKind.PARAM][index].slots]
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         ph = self._placeholders.get(dtype)
@@ -745,11 +698,8 @@ class Client:
         chunks = self.lists.setdefault(ChunkKind.BUFFER, [])
         slot = self._buffer_layout.add(value.numel())
         while len(chunks) <= slot.chunk:
-            chunk = Chunk(
-                ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype, self._next_chunk_id
-            )
-            self._next_chunk_id += 1
-            self.chunks.place(chunk, self.compute.name)
+            chunk = self.store.new_chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype)
+            self.chunks.place(chunk, self.placement.home(ChunkKind.BUFFER))
             chunks.append(chunk)
         chunk = chunks[slot.chunk]
         if chunk.dtype != value.dtype:
@@ -766,8 +716,7 @@ class Client:
         chunk.add_slot(slot)
         chunk.view(slot).copy_(value.reshape(-1))
         chunk.set_slot_state(slot, TensorState.HOLD, info)
-        self._params[id(param)] = info
-        self.buffers.append(info)
+        self.store.add(info)
         self.guard.adopt(info)
         self.guard.unmaterialize(info, self._placeholder(value.dtype))
         return param
@@ -787,10 +736,6 @@ class Client:
         self.pending.end_backward()
         if self.groups is not None:
             self.groups.end_backward()
-
-    def grad_view(self, info: ParamInfo) -> torch.Tensor:
-        """The grad of ``info`` as stored (its chunk must be allocated)."""
-        return self.lists[self.grad_kind][info.chunk].view(info.slot)
 
     # -- values ----------------------------------------------------------------------------
 
@@ -824,7 +769,7 @@ class Client:
         for kind in dict.fromkeys(kinds):
             chunk = self.lists[kind][info.chunk]
             if chunk.payload is None:
-                self.chunks.place(chunk, self.compute.name if kind is ChunkKind.PARAM else "cpu")
+                self.chunks.place(chunk, self.placement.home(kind))
             chunk.view(info.slot).copy_(value.reshape(-1))
 
     def read_value(self, param: nn.Parameter) -> torch.Tensor:
@@ -849,15 +794,11 @@ class Client:
     # -- stats -----------------------------------------------------------------------------
 
     def all_chunks(self) -> Iterator[Chunk]:
-        for chunks in self.lists.values():
-            yield from chunks
+        return self.store.all_chunks()
 
     @property
     def model_data_bytes(self) -> int:
-        """Bytes of every chunk of every kind this rank keeps, allocated or not: its share of
-        the model data (with several ranks, gathered copies of other ranks' chunks are not
-        counted: they come and go)."""
-        return sum(c.nbytes for c in self.all_chunks() if c.owned and (c.slots or c.payload is not None))
+        return self.store.model_data_bytes
 
     def memory_stats(self) -> dict:
         kinds = {

@@ -18,14 +18,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hybridps.client.chunk import Chunk
-    from hybridps.client.client import Client
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.common.devices import DeviceInventory
 
 
 class EventRecorder:
     """Timed chunk events and a per-moment memory history of one client."""
 
-    def __init__(self, client: Client, *, max_events: int = 1_000_000, max_moments: int = 200_000):
-        self.client = client
+    def __init__(
+        self,
+        mover: ChunkManager,
+        inventory: DeviceInventory,
+        *,
+        rank: int,
+        max_events: int = 1_000_000,
+        max_moments: int = 200_000,
+    ):
+        self.mover = mover
+        self.inventory = inventory
+        self.rank = rank
         self._enabled = False
         self.events: collections.deque = collections.deque(maxlen=max_events)
         self.history: collections.deque = collections.deque(maxlen=max_moments)
@@ -40,7 +51,7 @@ class EventRecorder:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         """Listen to the chunk manager only while recording: its hot path stays bare."""
-        chunks = self.client.chunks
+        chunks = self.mover
         for listeners, fn in ((chunks.access_listeners, self._on_access), (chunks.move_listeners, self._on_move)):
             if on and fn not in listeners:
                 listeners.append(fn)
@@ -79,7 +90,7 @@ class EventRecorder:
         if not self.enabled:
             return
         self._moment += 1
-        used = dict(self.client.chunks.used_bytes)
+        used = dict(self.mover.used_bytes)
         self.history.append((self._moment, str(label), used, non_model_bytes))
         self.events.append(("moment", self._now_us(), 0.0, "moment", self._moment, str(label)))
 
@@ -87,7 +98,7 @@ class EventRecorder:
 
     def chrome_trace(self) -> dict:
         """The events as a Chrome trace (chrome://tracing, ui.perfetto.dev)."""
-        pid = self.client.rank
+        pid = self.rank
         tids = {"access": 1, "move": 2, "evict": 3, "optimizer_step": 4, "moment": 5}
         out = [
             {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"hybridps rank {pid}"}},
@@ -159,9 +170,9 @@ class EventRecorder:
     def memory_series(self) -> dict[str, dict[str, list[float]]]:
         """Per device, three series over the recorded moments: model data, non-model data and
         capacity, in bytes."""
-        compute = self.client.compute.name
+        compute = self.inventory.compute_device.name
         series = {}
-        for dev in self.client.inventory:
+        for dev in self.inventory:
             series[dev.name] = {
                 "model_data": [float(h[2].get(dev.name, 0)) for h in self.history],
                 "non_model": [float(h[3] if dev.name == compute else 0) for h in self.history],
@@ -182,7 +193,7 @@ class EventRecorder:
         if not self.history:
             raise RuntimeError("no memory history recorded: call engine.record(True) before training, or train first")
         series = self.memory_series()
-        devices = list(self.client.inventory)
+        devices = list(self.inventory)
         fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3 * len(devices)), squeeze=False)
         moments = [h[0] for h in self.history]
         mib = 1024.0 * 1024.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,10 +30,12 @@ import torch.distributed as dist
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.comm import Collectives
-from hybridps.client.states import TensorState
+from hybridps.client.states import Move, TensorState
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client, ParamInfo
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.placement import PlacementPolicy
+    from hybridps.client.store import ChunkStore, ParamInfo
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,11 @@ def assign_owners(weights: list[int], world: int) -> tuple[list[int], list[list[
 class ChunkGroups:
     """The data-parallel side of one client."""
 
-    def __init__(self, client: Client, comm: Collectives):
-        self.client = client
+    def __init__(self, store: ChunkStore, mover: ChunkManager, comm: Collectives, *, placement: PlacementPolicy):
+        self.store = store
+        self.mover = mover
+        self.placement = placement
+        self.config = store.config
         self.comm = comm
         self.rank = comm.rank
         self.world = comm.world_size
@@ -98,12 +104,19 @@ class ChunkGroups:
         self.gather_listeners: list = []
         self.prefetched_gathers = 0
         self.by_rank: list[list[int]] = []
+        #: steps one owned chunk whose grads are final (Config.overlap_step); returns whether
+        #: it stepped. Wired by the client when the optimizer is registered, else None
+        self.early_step: Callable[[int], bool] | None = None
+        #: owned chunks stepped early in this backward: their params have no grad left to step
+        self.stepped_early: set[int] = set()
 
     # -- arithmetic ------------------------------------------------------------------------
 
     def assign(self, weights: list[int]) -> None:
-        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner)."""
+        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner);
+        the store answers ``owns`` from the same table."""
         self.owner_of, self.by_rank = assign_owners(weights, self.world)
+        self.store.owner_of = self.owner_of
 
     def owner(self, index: int) -> int:
         return self.owner_of[index]
@@ -123,25 +136,25 @@ class ChunkGroups:
 
     @property
     def num_groups(self) -> int:
-        return len(self.client.lists[ChunkKind.PARAM]) // self.world
+        return self.store.num_chunks // self.world
 
     def setup(self) -> None:
         """Per-group counters, once the layout is final."""
-        client = self.client
+        store = self.store
         self.grad_slots = [0] * self.num_groups
         self.grads_seen = [0] * self.num_groups
         self.group_slots = [0] * self.num_groups
-        for info in client.params:
+        for info in store.params:
             self.group_slots[self.group_of(info.chunk)] += 1
             if info.param.requires_grad:
                 self.grad_slots[self.group_of(info.chunk)] += 1
-        self.local_flags = torch.zeros(len(client.params), dtype=torch.uint8)
+        self.local_flags = torch.zeros(len(store.params), dtype=torch.uint8)
         self.used_in_pass = [0] * self.num_groups
-        self.param_pass = [-1] * len(client.params)
+        self.param_pass = [-1] * len(store.params)
         self.pass_id = 0
-        wanted = client.config.live_gathered_bytes
+        wanted = self.config.live_gathered_bytes
         if wanted is None:
-            wanted = client.compute.capacity_bytes // 10
+            wanted = store.compute.capacity_bytes // 10
         cap = torch.tensor([wanted], dtype=torch.int64)
         self.comm.all_reduce(cap, op=dist.ReduceOp.MIN, what="bytes kept gathered")  # every rank keeps the same
         self.live_cap_bytes = int(cap.item())
@@ -157,8 +170,8 @@ class ChunkGroups:
     def distribute(self, values: dict[int, torch.Tensor], sync: bool) -> None:
         """Fill every owned row (master and param chunk) with the initial values: rank 0's,
         scattered group by group (``sync``), or each rank's own."""
-        client = self.client
-        rows = client.lists[ChunkKind.PARAM]
+        store = self.store
+        rows = store.rows[ChunkKind.PARAM]
         for g in range(self.num_groups):
             members = self.ranked(g)
             cap = max(rows[i].capacity for i in members)
@@ -176,8 +189,8 @@ class ChunkGroups:
                 self.comm.scatter(mine, outgoing, src=0, what=f"initial weights of chunk group {g}")
             else:
                 mine = self._row_values(own_index, values, cap)
-            for kind in dict.fromkeys((ChunkKind.PARAM, client.master_kind)):
-                chunk = client.lists[kind][own_index]
+            for kind in dict.fromkeys((ChunkKind.PARAM, store.master_kind)):
+                chunk = store.rows[kind][own_index]
                 if chunk.payload is None:
                     continue  # a padding row keeps no master: it holds no params
                 if mine is not None:
@@ -187,7 +200,7 @@ class ChunkGroups:
 
     def _row_values(self, index: int, values: dict[int, torch.Tensor], cap: int) -> torch.Tensor:
         row = torch.zeros(cap, dtype=torch.float32)
-        for slot in self.client.lists[ChunkKind.PARAM][index].slots:
+        for slot in self.store.rows[ChunkKind.PARAM][index].slots:
             value = values.get(slot.index)
             if value is not None:  # a param built on the meta device stays zero until its init
                 row[slot.offset : slot.end].copy_(value.reshape(-1))
@@ -213,11 +226,10 @@ class ChunkGroups:
             self.prefetched_gathers += 1
 
     def _gather(self, g: int, who: object, *, asynchronous: bool = False) -> None:
-        client = self.client
-        members = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
-        compute = client.compute.name
+        members = [self.store.rows[ChunkKind.PARAM][i] for i in self.ranked(g)]
+        compute = self.store.compute.name
         for chunk in members:
-            client.chunks.bring(chunk, compute, who=who or f"chunk group {g}", protect=members, zero=chunk.owned)
+            self.mover.bring(chunk, compute, who=who or f"chunk group {g}", protect=members, zero=chunk.owned)
         own = members[self.rank]
         assert own.payload is not None
         if all(c.capacity == own.capacity for c in members):
@@ -287,7 +299,7 @@ class ChunkGroups:
             self._drop(oldest)
 
     def _members(self, g: int) -> list[Chunk]:
-        return [self.client.lists[ChunkKind.PARAM][i] for i in self.members(g)]
+        return [self.store.rows[ChunkKind.PARAM][i] for i in self.members(g)]
 
     def _idle(self, g: int) -> bool:
         return not any(c.counts[_S.COMPUTE] for c in self._members(g))
@@ -309,7 +321,7 @@ class ChunkGroups:
             for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
                 if state is not _S.FREE:
                     chunk.set_slot_state(slot, _S.FREE, f"dropping {chunk}")
-            self.client.chunks.free(chunk)
+            self.mover.free(chunk)
         self.gathered.discard(g)
         self.retained.pop(g, None)
 
@@ -327,18 +339,17 @@ class ChunkGroups:
 
     def grad_slot_view(self, info: ParamInfo) -> torch.Tensor:
         """Where the local grad of ``info`` goes when grad reuse is off (a staging chunk)."""
-        client = self.client
+        compute = self.store.compute.name
         chunk = self.staging.get(info.chunk)
         if chunk is None:
             chunk = self._new_staging(info.chunk)
-        if chunk.payload is None or chunk.device != client.compute.name:
-            client.chunks.bring(chunk, client.compute.name, who=f"{info} local grad")
+        if chunk.payload is None or chunk.device != compute:
+            self.mover.bring(chunk, compute, who=f"{info} local grad")
         return chunk.view(info.slot)
 
     def _new_staging(self, index: int) -> Chunk:
-        client = self.client
-        row = client.lists[ChunkKind.PARAM][index]
-        chunk = Chunk(ChunkKind.GRAD, index, row.capacity, client.param_dtype, self._next_staging_id)
+        row = self.store.rows[ChunkKind.PARAM][index]
+        chunk = Chunk(ChunkKind.GRAD, index, row.capacity, self.store.param_dtype, self._next_staging_id)
         self._next_staging_id -= 1
         chunk.owned = False
         for slot in row.slots:
@@ -356,15 +367,14 @@ class ChunkGroups:
     @torch.no_grad()
     def reduce(self, g: int) -> None:
         """Average the group's local grads into their owners' chunks; drop foreign copies."""
-        client = self.client
-        compute = client.compute.name
+        compute = self.store.compute.name
         self._settle(g)
-        rows = [client.lists[ChunkKind.PARAM][i] for i in self.ranked(g)]
-        reuse = client.config.grad_reuse
+        rows = [self.store.rows[ChunkKind.PARAM][i] for i in self.ranked(g)]
+        reuse = self.config.grad_reuse
         if reuse:
             sources = rows
             for chunk in sources:  # the group may have been gathered for backward only in part of it
-                client.chunks.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
+                self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
                 assert chunk.payload is not None
                 for slot in chunk.slots:  # slots without a local grad hold params, not grads
                     if not self.local_flags[slot.index]:
@@ -372,7 +382,7 @@ class ChunkGroups:
         else:
             sources = [self.staging.get(i) or self._new_staging(i) for i in self.ranked(g)]
             for chunk in sources:
-                client.chunks.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
+                self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
         own_index = self.ranked(g)[self.rank]
         own_src = sources[self.rank]
         result = torch.empty(own_src.capacity, dtype=own_src.dtype, device=own_src.payload.device)
@@ -388,45 +398,40 @@ class ChunkGroups:
             own.payload.copy_(result)
             if own.slots:  # a padding row has no params to write back
                 self.write_back.add(own_index)
-            for slot, state in zip(own.slots, list(own.states), strict=True):
-                if state is not _S.HOLD_AFTER_BWD:
-                    own.set_slot_state(slot, _S.COMPUTE, "reduced grad")
-                    own.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")
+            for slot in own.slots:
+                own.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
         else:
             self._accumulate(own_index, result)
             for i in self.members(g):
                 chunk = self.staging.pop(i, None)
                 if chunk is not None:
-                    client.chunks.free(chunk)
+                    self.mover.free(chunk)
         complete = self.grads_seen[g] == self.grad_slots[g]
         self._drop(g)
         self.grads_seen[g] = 0
         self.pending.discard(g)
         self.reduces += 1
-        optimizer = client.optimizer
-        if complete and reuse and optimizer is not None and client.config.overlap_step:
+        if complete and reuse and self.early_step is not None:
             # every rank saw every grad of the group: the owned params all have grads now
-            for slot in client.lists[ChunkKind.PARAM][own_index].slots:
-                info = client.params[slot.index]
+            for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
+                info = self.store.params[slot.index]
                 info.has_grad = info.param.requires_grad
-            optimizer.step_chunk_early(own_index)
+            if self.early_step(own_index):
+                self.stepped_early.add(own_index)
 
     def _accumulate(self, index: int, reduced: torch.Tensor) -> None:
         """Owner's grad chunk += reduced grads (accumulation over micro-batches)."""
-        client = self.client
-        chunk = client.lists[ChunkKind.GRAD][index]
+        chunk = self.store.rows[ChunkKind.GRAD][index]
         fresh = chunk.payload is None
         if fresh:
-            client.chunks.place(chunk, client.compute.name)
+            self.mover.place(chunk, self.placement.home(ChunkKind.GRAD))
         assert chunk.payload is not None
         if fresh:
             chunk.payload.copy_(reduced.to(chunk.payload.device))
         else:
             chunk.payload.add_(reduced.to(chunk.payload.device))
-        for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
-            if state is _S.FREE:
-                chunk.set_slot_state(slot, _S.COMPUTE, "reduced grad")
-                chunk.set_slot_state(slot, _S.HOLD_AFTER_BWD, "reduced grad")
+        for slot in chunk.slots:
+            chunk.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
 
     def end_backward(self) -> None:
         """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
@@ -435,14 +440,13 @@ class ChunkGroups:
         self.settle_all()
         flags = self.local_flags.clone()
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
-        optimizer = self.client.optimizer
-        stepped = optimizer._stepped_early if optimizer is not None else set()
-        for info in self.client.params:
+        for info in self.store.params:
             if self.owns(info.chunk):
-                if flags[info.slot.index] and info.chunk not in stepped:
+                if flags[info.slot.index] and info.chunk not in self.stepped_early:
                     info.has_grad = True
             else:
                 info.has_grad = False
+        self.stepped_early.clear()
         self.local_flags.zero_()
         self.end_forward(keep_retained=False)
 
@@ -450,7 +454,7 @@ class ChunkGroups:
     def gather_rows(self, kind: ChunkKind, g: int) -> list[torch.Tensor]:
         """CPU copies of every member of group ``g`` of ``kind``, in the order of ``ranked(g)``
         (owners' values, all-gathered through temporary buffers; the chunks stay put)."""
-        rows = self.client.lists[kind]
+        rows = self.store.rows[kind]
         members = self.ranked(g)
         cap = max(rows[i].capacity for i in members)
         own = rows[members[self.rank]]

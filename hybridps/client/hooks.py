@@ -116,7 +116,8 @@ class ModuleHooks:
         #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
         self.on_bare_backward: Callable[[], None] | None = None
         self._bare_queued = False
-        self.overlap_step = client.config.overlap_step and client.optimizer is not None
+        #: the early step on one rank (several ranks: chunk groups call it after a reduction)
+        self.early_step = client.early_step if client.groups is None else None
         self._active: dict[nn.Module, int] = {}  # forward calls whose pre-hook accessed the params
         self._running: list[nn.Module] = []  # modules whose forward is under way, innermost last
         self._borrowed_now: dict[nn.Module, list[nn.Parameter]] = {}  # borrowed by a forward not yet returned
@@ -153,7 +154,7 @@ class ModuleHooks:
             return
         optimizer = self.client.optimizer
         for info, trainable, was in zip(params, now, self._trainable, strict=True):
-            if trainable and not was and optimizer is not None and optimizer.group_of[info.slot.index] is None:
+            if trainable and not was and optimizer is not None and optimizer.param_group_of[info.slot.index] is None:
                 raise RegistrationError(
                     f"{info.describe()} was set to requires_grad=True after initialize, but it is in no param group "
                     f"of the optimizer, so it would get grads and never train. Build the optimizer over all of "
@@ -276,8 +277,8 @@ class ModuleHooks:
         self.client.store_grad(p, grad)
         if self._held_for_backward.pop(id(p), None) is not None:
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
-        if self.overlap_step and self.client.groups is None:
-            self.client.optimizer.step_chunk_early(self.client.param_info(p).chunk)
+        if self.early_step is not None:
+            self.early_step(self.client.param_info(p).chunk)
 
     def _bare_backward_done(self) -> None:
         self._bare_queued = False

@@ -36,7 +36,11 @@ from hybridps.client.states import TensorState
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client, ParamInfo
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.groups import ChunkGroups
+    from hybridps.client.pending_grads import PendingGrads
+    from hybridps.client.placement import PlacementPolicy
+    from hybridps.client.store import ChunkStore, ParamInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +63,23 @@ def _validate(optimizer: object) -> None:
 class ChunkedAdam(torch.optim.Optimizer):
     """Adam/AdamW over chunks; a torch Optimizer wherever users touch it."""
 
-    def __init__(self, client: Client, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkManager,
+        optimizer: torch.optim.Optimizer,
+        *,
+        placement: PlacementPolicy,
+        groups: ChunkGroups | None = None,
+        pending: PendingGrads | None = None,
+    ):
         _validate(optimizer)
-        self.client = client
+        self.store = store
+        self.mover = mover
+        self.placement = placement
+        self.groups = groups
+        #: grads waiting beside their slots (pending_grads.py), dropped with the others
+        self.pending = pending
         self.inner = optimizer
         decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         self._check_params(optimizer)
@@ -69,11 +87,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", decoupled_default)
-        n = len(client.params)
-        self.group_of: list[int | None] = [None] * n  # registration index -> group
+        n = len(store.params)
+        self.param_group_of: list[int | None] = [None] * n  # registration index -> its param group (None: not optimized)
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
-                self.group_of[client.param_info(p).slot.index] = g
+                self.param_group_of[store.param_info(p).slot.index] = g
         self.steps: list[int] = [0] * n
         self.scaler: LossScaler | None = None
         self._clip_coef: torch.Tensor | None = None
@@ -93,19 +111,19 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
 
     def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
-        client = self.client
+        store = self.store
         in_optim: dict[int, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 in_optim[id(p)] = p
-        foreign = [p for pid, p in in_optim.items() if not client.is_registered(p)]
+        foreign = [p for pid, p in in_optim.items() if not store.is_registered(p)]
         if foreign:
             shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
             raise RegistrationError(
                 f"the optimizer holds {len(foreign)} params that are not the model's (shapes {shapes}"
                 f"{', ...' if len(foreign) > 5 else ''}); build it over model.parameters() of the registered model"
             )
-        missing = [i.name for i in client.params if i.param.requires_grad and id(i.param) not in in_optim]
+        missing = [i.name for i in store.params if i.param.requires_grad and id(i.param) not in in_optim]
         if missing:
             raise RegistrationError(
                 f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
@@ -119,7 +137,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._imported_state = None
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "client", None) is not None and hasattr(self, "steps"):
+        if getattr(self, "store", None) is not None and hasattr(self, "steps"):
             raise StateError(
                 "HybridPS lays out optimizer states when the optimizer is registered; add param groups before initialize()"
             )
@@ -130,8 +148,8 @@ class ChunkedAdam(torch.optim.Optimizer):
     def _grad_infos(self) -> dict[int, list[ParamInfo]]:
         """Params holding a grad that this optimizer steps, by chunk, in slot order."""
         out: dict[int, list[ParamInfo]] = {}
-        for info in self.client.params:
-            if info.has_grad and self.group_of[info.slot.index] is not None:
+        for info in self.store.params:
+            if info.has_grad and self.param_group_of[info.slot.index] is not None:
                 out.setdefault(info.chunk, []).append(info)
         return out
 
@@ -153,20 +171,20 @@ class ChunkedAdam(torch.optim.Optimizer):
                     f"once. Clip once per step with the bound you want"
                 )
             return first_total
-        if self.client.config.overlap_step:
+        if self.store.config.overlap_step:
             raise StateError(
                 "clip_grad_norm_ with Config(overlap_step=True): chunks were stepped during backward, before the global "
                 "norm was known; set overlap_step=False to clip"
             )
         grads = self._grad_infos()
-        groups = self.client.groups
+        groups = self.groups
         if not grads and groups is None:
             return torch.tensor(0.0)
-        low = self.client.param_dtype != torch.float32
+        low = self.store.param_dtype != torch.float32
         norms: list[torch.Tensor] = []
         first_device = None
         for infos in grads.values():
-            views = [self.client.grad_view(i) for i in infos]
+            views = [self.store.grad_view(i) for i in infos]
             first_device = first_device or views[0].device
             norms.extend(
                 torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type)
@@ -200,7 +218,7 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _global_norm(self, norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The norm over every rank's grads: each owner contributes the norms of its own."""
-        groups = self.client.groups
+        groups = self.groups
         assert groups is not None
         if norm_type == float("inf"):
             local = torch.stack([n.cpu() for n in norms]).max() if norms else torch.tensor(0.0)
@@ -213,19 +231,19 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
         """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk."""
-        if self.client.compute.meta:
+        if self.store.compute.meta:
             return False  # no values to overflow (capacity planning)
         extremes = [torch.zeros(2)]
         for index in grads:
-            chunk = self.client.lists[self.client.grad_kind][index]
+            chunk = self.store.rows[self.store.grad_kind][index]
             assert chunk.payload is not None
             # min and max see NaN, +inf and -inf, in the grads' own dtype: half the work of
             # an fp32-accumulating sum
-            lo, hi = torch.aminmax(chunk.payload[: self.client.layout.used(index)])
+            lo, hi = torch.aminmax(chunk.payload[: self.store.layout.used(index)])
             extremes.append(torch.stack([lo, hi]).float().cpu())
         found = torch.tensor(0 if bool(torch.isfinite(torch.cat(extremes)).all()) else 1, dtype=torch.uint8)
-        if self.client.groups is not None:
-            self.client.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
+        if self.groups is not None:
+            self.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
         return bool(found)
 
     # -- step ------------------------------------------------------------------------------
@@ -249,7 +267,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self._grad_infos()
-        groups = self.client.groups
+        groups = self.groups
         if not grads and groups is None:
             self._stepped_early.clear()
             return loss
@@ -263,7 +281,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                         self.scaler.scale * self.scaler.backoff_factor,
                     )
                     self.scaler.update(True)
-                    if self.client.config.grad_reuse:
+                    if self.store.config.grad_reuse:
                         self._restore_params(grads)
                     return loss
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
@@ -271,12 +289,12 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self._step_chunk(index, infos, inv_scale)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(groups.write_back - set(grads)):
-                    self._write_back(index, self.client.layout.used(index))
+                    self._write_back(index, self.store.layout.used(index))
                 groups.write_back.clear()
             for infos in grads.values():
                 for info in infos:
                     self.steps[info.slot.index] += 1
-                    if self.client.config.grad_reuse:
+                    if self.store.config.grad_reuse:
                         info.has_grad = False  # the grad slot now holds the param again
             if self.scaler is not None:
                 self.scaler.update(False)
@@ -288,24 +306,24 @@ class ChunkedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_chunk(self, index: int, infos: list[ParamInfo], inv_scale: float | None) -> None:
-        client = self.client
-        master_kind, grad_kind = client.master_kind, client.grad_kind
-        master_chunk = client.lists[master_kind][index]
-        # Device-aware: step where the master copy lies (seed design: Adam on the CPU unless
-        # the states are already on a GPU), bringing momentum, variance and grads there.
-        device = master_chunk.device or "cpu"
+        store = self.store
+        master_kind, grad_kind = store.master_kind, store.grad_kind
+        master_chunk = store.rows[master_kind][index]
+        # device-aware: the placement policy says where (by default where the master lies);
+        # momentum, variance and grads are brought there
+        device = self.placement.step_device(master_chunk)
         for listener in self.step_listeners:
             listener("start", index)
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
         try:
             for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
-                previous = client.access_chunk(kind, index, device, who=f"optimizer step of chunk {index}")
+                previous = store.access_chunk(kind, index, device, who=f"optimizer step of chunk {index}")
                 after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
-                taken.append((client.lists[kind][index], after))
-            used = client.layout.used(index)
+                taken.append((store.rows[kind][index], after))
+            used = store.layout.used(index)
             master = master_chunk.payload
-            grad_chunk = client.lists[grad_kind][index]
-            m, v = client.lists[ChunkKind.MOMENTUM][index].payload, client.lists[ChunkKind.VARIANCE][index].payload
+            grad_chunk = store.rows[grad_kind][index]
+            m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
             assert master is not None and grad_chunk.payload is not None and m is not None and v is not None
             runs = self._runs(infos)
             divisor = None  # what the fused kernel divides the grads by (unscale and clip, folded)
@@ -333,7 +351,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self._write_back(index, used)
         finally:
             for chunk, after in reversed(taken):
-                client.release_chunk(chunk, after)
+                store.release_chunk(chunk, after)
             for listener in self.step_listeners:
                 listener("end", index)
 
@@ -341,11 +359,11 @@ class ChunkedAdam(torch.optim.Optimizer):
     def step_chunk_early(self, index: int) -> bool:
         """Step chunk ``index`` now if every param of it that this optimizer trains holds its
         final grad and none is in use (Config.overlap_step); returns whether it stepped."""
-        client = self.client
-        infos = [i for i in client.chunk_params(index) if self.group_of[i.slot.index] is not None]
+        store = self.store
+        infos = [i for i in store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
         if not infos or not all(i.has_grad for i in infos if i.param.requires_grad):
             return False
-        if client.lists[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
+        if store.rows[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
             return False  # a frozen param of it is still needed by backward: step it with the rest
         infos = [i for i in infos if i.has_grad]
         self._step_chunk(index, infos, None)
@@ -353,8 +371,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             self.steps[info.slot.index] += 1
             info.has_grad = False
         self._stepped_early.add(index)
-        if client.groups is not None:
-            client.groups.write_back.discard(index)
+        if self.groups is not None:
+            self.groups.write_back.discard(index)
         return True
 
     def _runs(self, infos: list[ParamInfo]) -> list[tuple[int, int, int, int]]:
@@ -364,7 +382,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         runs: list[tuple[int, int, int, int]] = []
         prev_end_slot = None
         for info in infos:
-            g = self.group_of[info.slot.index]
+            g = self.param_group_of[info.slot.index]
             assert g is not None
             step = self.steps[info.slot.index]
             if runs and runs[-1][0] == g and runs[-1][1] == step and prev_end_slot == info.slot.index - 1:
@@ -421,26 +439,26 @@ class ChunkedAdam(torch.optim.Optimizer):
         if buf is None or buf.numel() < numel:
             self._buffers.pop(device, None)  # give the smaller one back before asking for more
             who = f"the fp32 grads of the optimizer step of chunk {index}"
-            buf = self._buffers[device] = self.client.chunks.scratch(numel, torch.float32, device, who)
+            buf = self._buffers[device] = self.mover.scratch(numel, torch.float32, device, who)
         return buf
 
     def _write_back(self, index: int, used: int) -> None:
         """Low-precision (or grad-reused) params <- master, one copy per chunk."""
-        client = self.client
-        param_chunk = client.lists[ChunkKind.PARAM][index]
-        master_chunk = client.lists[client.master_kind][index]
+        store = self.store
+        param_chunk = store.rows[ChunkKind.PARAM][index]
+        master_chunk = store.rows[store.master_kind][index]
         assert param_chunk.payload is not None and master_chunk.payload is not None
         param_chunk.payload[:used].copy_(master_chunk.payload[:used])
-        client.chunks.count_transfer(master_chunk.device, param_chunk.device, used * param_chunk.dtype.itemsize)
+        self.mover.count_transfer(master_chunk.device, param_chunk.device, used * param_chunk.dtype.itemsize)
 
     def _restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
         """After a skipped step under grad reuse, give the param slots their values back."""
         indices = set(grads)
-        if self.client.groups is not None:
-            indices |= self.client.groups.write_back
-            self.client.groups.write_back.clear()
+        if self.groups is not None:
+            indices |= self.groups.write_back
+            self.groups.write_back.clear()
         for index in sorted(indices):
-            self._write_back(index, self.client.layout.used(index))
+            self._write_back(index, self.store.layout.used(index))
         for infos in grads.values():
             for info in infos:
                 info.has_grad = False
@@ -451,22 +469,23 @@ class ChunkedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all grads. Under grad reuse, grads not consumed by a step are replaced by the
         params' values from the master copy (nothing is lost)."""
-        client = self.client
+        store = self.store
         grads = {i: infos for i, infos in self._grad_infos().items()}
-        if client.config.grad_reuse:
-            if grads or (client.groups is not None and client.groups.write_back):
+        if store.config.grad_reuse:
+            if grads or (self.groups is not None and self.groups.write_back):
                 self._restore_params(grads)
         else:
-            for chunk in client.lists[ChunkKind.GRAD]:
+            for chunk in store.rows[ChunkKind.GRAD]:
                 if chunk.payload is None:
                     continue
                 for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
                     if state is not TensorState.FREE:
                         chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
-                client.chunks.free(chunk)
-        for info in client.params:
+                self.mover.free(chunk)
+        for info in store.params:
             info.has_grad = False
-        client.pending.drop()
+        if self.pending is not None:
+            self.pending.drop()
         self._clip_coef = None
         self._clipped = None
         self._found_inf = None
@@ -478,7 +497,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """A ``torch.optim.Adam``-compatible state dict (per-param exp_avg, exp_avg_sq, step),
         plus the fp32 ``master`` param where the model computes in lower precision."""
-        client = self.client
+        store = self.store
         index_of: dict[int, int] = {}
         groups = []
         for group in self.param_groups:
@@ -490,20 +509,20 @@ class ChunkedAdam(torch.optim.Optimizer):
             groups.append(packed)
         state: dict[int, dict] = {}
         with torch.no_grad():
-            for info in client.params:
+            for info in store.params:
                 idx = index_of.get(id(info.param))
                 if idx is None or self.steps[info.slot.index] == 0:
                     continue
                 entry = {"step": torch.tensor(float(self.steps[info.slot.index]))}
                 for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE)):
                     entry[key] = self._read(kind, info)
-                if client.param_dtype != torch.float32:
-                    entry["master"] = self._read(client.master_kind, info)
+                if store.param_dtype != torch.float32:
+                    entry["master"] = self._read(store.master_kind, info)
                 state[idx] = entry
         return {"state": state, "param_groups": groups}
 
     def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
-        chunk = self.client.lists[kind][info.chunk]
+        chunk = self.store.rows[kind][info.chunk]
         if chunk.payload is None:
             return torch.zeros(info.shape, dtype=torch.float32)
         return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
@@ -511,7 +530,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
         same params). Everything is checked before anything is written."""
-        client = self.client
+        store = self.store
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
@@ -522,7 +541,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                     f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}"
                 )
             for idx, p in zip(saved["params"], group["params"], strict=True):
-                params[idx] = client.param_info(p)
+                params[idx] = store.param_info(p)
         for idx, entry in state_dict["state"].items():
             info = params.get(int(idx))
             if info is None:
@@ -535,7 +554,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 for k, v in saved.items():
                     if k != "params":
                         group[k] = v
-            for info in client.params:
+            for info in store.params:
                 self.steps[info.slot.index] = 0
             for idx, entry in state_dict["state"].items():
                 info = params[int(idx)]
@@ -543,20 +562,20 @@ class ChunkedAdam(torch.optim.Optimizer):
                 for key, kind in (
                     ("exp_avg", ChunkKind.MOMENTUM),
                     ("exp_avg_sq", ChunkKind.VARIANCE),
-                    ("master", client.master_kind),
+                    ("master", store.master_kind),
                 ):
-                    if key in entry and (key != "master" or client.param_dtype != torch.float32):
+                    if key in entry and (key != "master" or store.param_dtype != torch.float32):
                         self._write(kind, info, entry[key])
-                if "master" in entry and client.param_dtype != torch.float32:
+                if "master" in entry and store.param_dtype != torch.float32:
                     self._write(ChunkKind.PARAM, info, entry["master"])
 
     def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
-        client = self.client
-        chunk = client.lists[kind][info.chunk]
+        store = self.store
+        chunk = store.rows[kind][info.chunk]
         device = chunk.device or "cpu"
-        previous = client.access_chunk(kind, info.chunk, device)
+        previous = store.access_chunk(kind, info.chunk, device)
         try:
             chunk.view(info.slot).copy_(value.reshape(-1))
         finally:
             after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
-            client.release_chunk(chunk, after)
+            store.release_chunk(chunk, after)

@@ -15,7 +15,7 @@ As a last line, storing a grad in a reused slot bumps the param's version counte
 that was not counted (a forward run outside ``engine.forward``) makes autograd raise instead
 of computing with the grad as if it were the weight.
 
-Owns the alias counts and the waiting grads. Does not own the slots (the client) or when
+Owns the alias counts and the waiting grads. Does not own the slots (the store, written through the client's grad path) or when
 backward ends (the engine).
 """
 
@@ -31,7 +31,8 @@ from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.chunk_manager import storage_key
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client, ParamInfo
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.store import ChunkStore, ParamInfo
 
 
 class _Alias:
@@ -48,8 +49,10 @@ class _Alias:
 class PendingGrads:
     """Alias counts and waiting grads of one client."""
 
-    def __init__(self, client: Client, write: Callable[[ParamInfo, torch.Tensor], None]):
-        self.client = client
+    def __init__(self, store: ChunkStore, mover: ChunkManager, write: Callable[[ParamInfo, torch.Tensor], None]):
+        self.store = store
+        #: the mover's storage keys of every payload (device memory of model data)
+        self._payload_ptrs = mover.payload_ptrs
         #: writes a grad into its slot (the client's store path)
         self._write = write
         self._waiting: dict[int, tuple[ParamInfo, torch.Tensor]] = {}  # slot index -> (info, grad)
@@ -64,7 +67,7 @@ class PendingGrads:
         if t.is_meta:
             return inner
         key = storage_key(t)
-        if key not in self.client.chunks.payload_ptrs:
+        if key not in self._payload_ptrs:
             return inner
         info = self._param_at(t, key)
         if info is None:
@@ -85,7 +88,7 @@ class PendingGrads:
     def _param_at(self, t: torch.Tensor, key: int) -> ParamInfo | None:
         chunk = self._by_storage.get(key)
         if chunk is None or chunk.payload is None or storage_key(chunk.payload) != key:
-            chunks = [c for c in self.client.lists[ChunkKind.PARAM] if c.payload is not None]
+            chunks = [c for c in self.store.rows[ChunkKind.PARAM] if c.payload is not None]
             self._by_storage = {storage_key(c.payload): c for c in chunks}
             self._starts = {c.chunk_id: [s.offset for s in c.slots] for c in chunks}
             chunk = self._by_storage.get(key)
@@ -94,7 +97,7 @@ class PendingGrads:
         offset = t.storage_offset() * t.element_size() // chunk.dtype.itemsize - chunk.payload.storage_offset()
         i = bisect.bisect_right(self._starts[chunk.chunk_id], offset) - 1
         if i >= 0 and offset < chunk.slots[i].end:
-            return self.client.params[chunk.slots[i].index]
+            return self.store.params[chunk.slots[i].index]
         return None
 
     # -- grads -----------------------------------------------------------------------------
@@ -123,7 +126,7 @@ class PendingGrads:
     def end_backward(self) -> None:
         """Backward is over: every saved tensor is gone; waiting grads go to their slots."""
         for index in list(self._counted):
-            self.client.params[index].saved_aliases = 0
+            self.store.params[index].saved_aliases = 0
         self._counted.clear()
         for index in list(self._waiting):
             self._flush(self._waiting[index][0])

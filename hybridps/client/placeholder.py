@@ -36,7 +36,7 @@ would see ops later, below autograd, and every op on an accessed param would pay
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -45,7 +45,23 @@ from torch.utils import _pytree as pytree
 from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client, ParamInfo
+    from hybridps.client.store import ParamInfo
+    from hybridps.common.devices import DeviceSpec
+
+
+class ParamValues(Protocol):
+    """What the guard asks of the holder of the params' values (the client's value API)."""
+
+    compute: DeviceSpec
+    world_size: int
+
+    def param_info(self, param: torch.Tensor) -> ParamInfo: ...
+    def read_value(self, param: nn.Parameter) -> torch.Tensor: ...
+    def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None: ...
+    def grad_value(self, param: nn.Parameter) -> torch.Tensor | None: ...
+    def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None: ...
+    def drop_grad(self, param: nn.Parameter) -> None: ...
+
 
 #: id(param) -> the guard of the client that holds it
 _GUARDS: dict[int, ParamGuard] = {}
@@ -263,7 +279,7 @@ class ParamGuard:
     False when no forward runs.
     """
 
-    def __init__(self, client: Client):
+    def __init__(self, client: ParamValues):
         self.client = client
         self.borrow: Callable[[nn.Parameter], bool] = lambda param: False
         self._shadows: dict[int, torch.Tensor] = {}

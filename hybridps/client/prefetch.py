@@ -21,18 +21,29 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.groups import ChunkGroups
+    from hybridps.client.store import ChunkStore
     from hybridps.client.tracer import MemoryTracer
 
 
 class Prefetcher:
-    def __init__(self, client: Client, tracer: MemoryTracer, *, window: int = 2):
-        self.client = client
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkManager,
+        tracer: MemoryTracer,
+        *,
+        groups: ChunkGroups | None = None,
+        window: int = 2,
+    ):
+        self.store = store
+        self.mover = mover
         self.tracer = tracer
         self.window = window
         self._by_id: dict[int, object] | None = None
         tracer.tick_listeners.append(self.on_tick)
-        self.groups = client.groups
+        self.groups = groups
         self._gathers_at: dict[int, list[int]] = {}  # moment -> chunk groups gathered then (warm-up)
         self._trace_id = -1
         if self.groups is not None:
@@ -47,7 +58,7 @@ class Prefetcher:
 
     def _chunk(self, chunk_id: int):
         if self._by_id is None:
-            self._by_id = {c.chunk_id: c for c in self.client.all_chunks()}
+            self._by_id = {c.chunk_id: c for c in self.store.all_chunks()}
         return self._by_id.get(chunk_id)
 
     def on_tick(self, label: Hashable, non_model_bytes: int) -> None:
@@ -57,8 +68,8 @@ class Prefetcher:
         if self.groups is not None and self._trace_id == self.tracer.trace_id:
             for g in self._gathers_at.get(now + 1, ()):
                 self.groups.prefetch(g)
-        compute = self.client.compute.name
-        chunks = self.client.chunks
+        compute = self.store.compute.name
+        chunks = self.mover
         for moment in range(now + 1, now + 1 + self.window):
             for chunk_id, device in self.tracer.by_moment.get(moment, ()):
                 if device != compute:

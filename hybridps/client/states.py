@@ -2,7 +2,9 @@
 
 Every tensor slot in a chunk has a ``TensorState``; a chunk's state is derived from its
 slots (any COMPUTE -> COMPUTE; all FREE -> FREE; else HOLD). ``transition`` is the only way
-a state changes, and it raises on a move the table below does not allow.
+a state changes, and it raises on a move the table below does not allow. Moves that are not
+an access (to COMPUTE) or the end of one are named (``Move``) with the states they start
+from, so no caller hops through COMPUTE to reach a state the table would refuse.
 
 [Note: why HOLD_AFTER_FWD and HOLD_AFTER_BWD]
 Both mean "payload must be kept, may live anywhere". They differ in what happens next: a
@@ -62,3 +64,30 @@ def transition(current: TensorState, new: TensorState, what: str) -> TensorState
         allowed = ", ".join(sorted(s.name for s in ALLOWED_TRANSITIONS[current]))
         raise StateError(f"{what}: illegal state change {current.name} -> {new.name}; from {current.name} only {allowed}")
     return new
+
+
+class Move(enum.Enum):
+    """Named moves that are neither an access nor the end of one."""
+
+    #: the owner's reduce-scattered (or accumulated) grad lands in its slot, outside any
+    #: access: the slot held the param (HOLD, HOLD_AFTER_FWD), or nothing yet (FREE, a grad
+    #: chunk's first micro-batch), and now holds the grad for the optimizer
+    REDUCED_GRAD_ARRIVES = "a reduced grad arrives"
+
+    __hash__ = object.__hash__
+
+
+#: move -> (the states it starts from, the state it ends in); a slot already in the end
+#: state stays (accumulation into a grad that is there)
+NAMED_MOVES: dict[Move, tuple[frozenset[TensorState], TensorState]] = {
+    Move.REDUCED_GRAD_ARRIVES: (frozenset({_S.FREE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD}), _S.HOLD_AFTER_BWD),
+}
+
+
+def named_move(current: TensorState, move: Move, what: str) -> TensorState:
+    """The state ``move`` leads to from ``current``, or a StateError naming ``what``."""
+    starts, end = NAMED_MOVES[move]
+    if current not in starts:
+        allowed = ", ".join(sorted(s.name for s in starts))
+        raise StateError(f"{what}: {move.value} while {current.name}; it may arrive only in {allowed}")
+    return end

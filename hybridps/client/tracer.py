@@ -59,7 +59,8 @@ from hybridps.client.chunk import Chunk
 from hybridps.client.chunk_manager import storage_key
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client
+    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +97,10 @@ class _SavedTensor:
 class MemoryTracer:
     """Moments, non-model memory and chunk accesses of the training iterations of one client."""
 
-    def __init__(self, client: Client, *, enabled: bool = True):
-        self.client = client
-        self.device = client.compute
+    def __init__(self, store: ChunkStore, mover: ChunkManager, *, enabled: bool = True):
+        self.store = store
+        self.mover = mover
+        self.device = store.compute
         self.enabled = enabled
         self.mode = TraceMode.OFF
         self.moment = 0
@@ -121,11 +123,11 @@ class MemoryTracer:
         #: allowance for what a real GPU holds beyond the saved bytes (see planner.simulate)
         self.largest_saved_bytes = 0
         # read by the pack hook for every saved storage: bound once
-        self._chunk_bytes = client.chunks.used_bytes  # device name -> chunk bytes there
-        self._payload_ptrs = client.chunks.payload_ptrs
+        self._chunk_bytes = mover.used_bytes  # device name -> chunk bytes there
+        self._payload_ptrs = mover.payload_ptrs
         self._name = self.device.name
         #: chunks + non-model may reach this on the compute device; beyond it idle chunks go
-        self._limit_bytes = self.device.capacity_bytes - client.chunks.margin_bytes
+        self._limit_bytes = self.device.capacity_bytes - mover.margin_bytes
         #: a new saved storage that brings chunks + non-model above this takes the slow path
         #: (evict, raise or new peak): min(_limit_bytes, the peak being kept now)
         self._watch_bytes = 0
@@ -141,9 +143,9 @@ class MemoryTracer:
         self._external_bytes = 0
         if self.device.is_gpu and not self.device.simulated:
             held = torch.cuda.memory_allocated(self.device.torch_device)
-            self._external_bytes = max(0, held - client.chunks.used_bytes[self.device.name])
-        client.chunks.reserve_fn = self.reserve
-        client.chunks.on_compute_growth = self._chunks_grew
+            self._external_bytes = max(0, held - mover.used_bytes[self.device.name])
+        mover.reserve_fn = self.reserve
+        mover.on_compute_growth = self._chunks_grew
         self.observe()
 
     # -- live non-model measurement --------------------------------------------------------
@@ -154,7 +156,7 @@ class MemoryTracer:
         if self.device.simulated:
             return self._live_saved
         allocated = torch.cuda.memory_allocated(self.device.torch_device)
-        return max(0, allocated - self.client.chunks.used_bytes[self.device.name] - self._external_bytes)
+        return max(0, allocated - self.mover.used_bytes[self.device.name] - self._external_bytes)
 
     def saved_tensors(self) -> contextlib.AbstractContextManager:
         """Context for a forward pass that counts saved activations against a simulated GPU."""
@@ -163,7 +165,7 @@ class MemoryTracer:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if self.client.is_registered(t):
+        if self.store.is_registered(t):
             return t
         key = storage_key(t)
         if key in self._payload_ptrs:
@@ -185,7 +187,7 @@ class MemoryTracer:
         """The non-model bytes are about to become ``live``: keep chunks + non-model within
         the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""
         if self._chunk_bytes[self._name] + live > self._limit_bytes:
-            self.client.chunks.fit_non_model(self._name, live, who=self._where())
+            self.mover.fit_non_model(self._name, live, who=self._where())
         self._note_total(self._chunk_bytes[self._name] + live)
 
     @staticmethod
@@ -228,7 +230,7 @@ class MemoryTracer:
         self._rewatch()
 
     def _listen(self, on: bool) -> None:
-        listeners = self.client.chunks.access_listeners
+        listeners = self.mover.access_listeners
         if on and self._on_access not in listeners:
             listeners.append(self._on_access)
         elif not on and self._on_access in listeners:
@@ -273,7 +275,7 @@ class MemoryTracer:
         for listener in self.tick_listeners:
             listener(label, live)
         if self.device.is_gpu:
-            self.client.chunks.fit_budget(self.device.name)
+            self.mover.fit_budget(self.device.name)
 
     def _lose_trace(self, label: Hashable) -> None:
         expected = self.labels[self.moment] if self.moment < len(self.labels) else "end of iteration"

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 EVICTIONS = ("auto", "lru", "opt")
+#: placement policies (hybridps/client/placement.py, POLICIES)
+PLACEMENTS = ("tidal", "cpu_optimizer")
 
 
 def _field(
@@ -142,6 +144,16 @@ class Config:
         doc=(
             'Which chunk leaves a full device: `"opt"` furthest next use from the trace (Belady), `"lru"` least '
             'recently used, `"auto"` = opt once a trace exists, lru before.'
+        ),
+    )
+    placement: str = _field(
+        "tidal",
+        section="Placement and movement",
+        unit='`"tidal"`, `"cpu_optimizer"`',
+        doc=(
+            'Where model data lives (hybridps/client/placement.py). `"tidal"`: optimizer rows (fp32 master, '
+            "momentum, variance) start on the CPU and, after the warm-up trace, move to the GPU as far as the room "
+            'that activations never need allows. `"cpu_optimizer"`: they stay on the CPU (ZeRO-Offload\'s layout).'
         ),
     )
     static_loss_scale: float | None = _field(
@@ -305,6 +317,8 @@ class Config:
             raise ConfigError(f"alignment={self.alignment!r} must be a positive number of elements")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction={self.eviction!r}; use one of {', '.join(EVICTIONS)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement={self.placement!r}; use one of {', '.join(PLACEMENTS)}")
         _positive("initial_loss_scale", self.initial_loss_scale)
         _positive("min_loss_scale", self.min_loss_scale)
         if self.static_loss_scale is not None:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.layout import Slot
@@ -48,3 +49,21 @@ def test_a_chunk_state_is_derived_from_its_tensors():
     chunk.set_slot_state(a, S.FREE, "a")
     chunk.set_slot_state(b, S.FREE, "b")
     assert chunk.state is ChunkState.FREE
+
+
+def test_a_reduced_grad_arrives_by_a_named_move_not_through_compute():
+    from hybridps.client.states import Move
+
+    chunk = Chunk(ChunkKind.PARAM, 0, 8, torch.float32, 0)
+    slots = [Slot(index=i, chunk=0, offset=4 * i, numel=4) for i in range(2)]
+    for slot in slots:
+        chunk.add_slot(slot)
+    chunk.set_slot_state(slots[0], TensorState.HOLD, "p0")
+    for slot in slots:  # from HOLD (a param) and from FREE (an empty grad slot)
+        chunk.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
+    assert chunk.states == [TensorState.HOLD_AFTER_BWD] * 2
+    chunk.apply(slots[0], Move.REDUCED_GRAD_ARRIVES, "accumulated grad")  # accumulation keeps it
+    assert chunk.counts[TensorState.HOLD_AFTER_BWD] == 2
+    chunk.set_slot_state(slots[1], TensorState.COMPUTE, "p1")
+    with pytest.raises(StateError, match="a reduced grad arrives while COMPUTE"):
+        chunk.apply(slots[1], Move.REDUCED_GRAD_ARRIVES, "p1")

@@ -1,0 +1,200 @@
+"""ChunkStore: one rank's model data as rows of chunks, below every user of it.
+
+Owns: the params' records (``ParamInfo``: by identity, in registration order, and the
+managed tensors of ``allreduce``/``broadcast``), the chunk layout, the rows of chunks per kind
+(row ``kind`` index ``i`` is chunk ``i`` of that kind; every kind shares the param layout),
+which kinds exist and their dtypes, which chunk indices this rank owns, and whole-chunk
+access (slot states + asking the mover to bring the chunk).
+
+Does not own: where chunks go or how they move (the mover, ``chunk_manager.py``), the
+collectives over chunk groups (``groups.py``), the optimizer's arithmetic
+(``optimizer.py``), registration and per-param access (``client.py``, the facade over
+all of them). Every user takes the store (and the mover) in its constructor, never the
+client, so nothing below ``client.py`` imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.chunk_manager import ChunkManager
+from hybridps.client.layout import ChunkLayout, Slot
+from hybridps.client.states import ChunkState, TensorState
+from hybridps.common.config import Config
+from hybridps.common.devices import DeviceSpec
+from hybridps.common.errors import RegistrationError
+
+
+@dataclasses.dataclass(eq=False)
+class ParamInfo:
+    """What the client knows of one registered param."""
+
+    param: nn.Parameter
+    name: str
+    slot: Slot
+    shape: torch.Size
+    orig_dtype: torch.dtype
+    refs: int = 0  # nested accesses (see client.py, [Note: access counting])
+    has_grad: bool = False  # a grad for this iteration sits in its grad slot
+    kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
+    cls: type = nn.Parameter  # the param's own class, restored while it is materialized
+    saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
+    meta_key: int | None = None  # storage of the meta tensor it was built as (deferred_init.py), else None
+
+    @property
+    def chunk(self) -> int:
+        return self.slot.chunk
+
+    def describe(self) -> str:
+        return f"param {self.name!r} (shape {tuple(self.shape)})"
+
+    __str__ = describe
+
+
+class ChunkStore:
+    """The chunk rows and param records of one rank."""
+
+    def __init__(self, config: Config, compute: DeviceSpec, mover: ChunkManager, *, rank: int, world_size: int):
+        self.config = config
+        self.compute = compute
+        self.mover = mover
+        self.rank, self.world_size = rank, world_size
+        self.param_dtype = config.param_dtype
+        self.layout: ChunkLayout | None = None
+        #: kind -> chunk index -> chunk (momentum and variance appear with the optimizer)
+        self.rows: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
+        self.by_id: dict[int, ParamInfo] = {}
+        self.params: list[ParamInfo] = []  # registration order
+        self.buffers: list[ParamInfo] = []  # results of allreduce/broadcast
+        #: chunk index -> the rank that keeps it (several ranks; None: this rank keeps all)
+        self.owner_of: list[int] | None = None
+        self._next_chunk_id = 0
+
+    # -- kinds -----------------------------------------------------------------------------
+
+    @property
+    def kinds(self) -> list[ChunkKind]:
+        """Rows laid out with the params (momentum and variance come with the optimizer)."""
+        kinds = [ChunkKind.PARAM]
+        if not self.config.grad_reuse:
+            kinds.append(ChunkKind.GRAD)
+        if self.has_master:
+            kinds.append(ChunkKind.MASTER)
+        return kinds
+
+    @property
+    def has_master(self) -> bool:
+        """Whether fp32 master weights need their own chunks.
+
+        In fp32 without grad reuse the param chunks are already fp32 and never overwritten by
+        grads, so they are the master copy.
+        """
+        return self.config.grad_reuse or self.config.precision != "fp32"
+
+    @property
+    def master_kind(self) -> ChunkKind:
+        return ChunkKind.MASTER if self.has_master else ChunkKind.PARAM
+
+    @property
+    def grad_kind(self) -> ChunkKind:
+        return ChunkKind.PARAM if self.config.grad_reuse else ChunkKind.GRAD
+
+    def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
+        return self.param_dtype if kind in (ChunkKind.PARAM, ChunkKind.GRAD) else torch.float32
+
+    # -- chunks and ownership --------------------------------------------------------------
+
+    def new_chunk(self, kind: ChunkKind, index: int, capacity: int, dtype: torch.dtype | None = None) -> Chunk:
+        """A chunk of ``kind`` at ``index`` with a store-wide id (not yet in a row)."""
+        chunk = Chunk(kind, index, capacity, dtype or self.kind_dtype(kind), self._next_chunk_id)
+        self._next_chunk_id += 1
+        chunk.owned = kind is ChunkKind.BUFFER or self.owns(index)
+        return chunk
+
+    def owns(self, index: int) -> bool:
+        """Whether this rank keeps chunk ``index`` (always, on one rank)."""
+        return self.owner_of is None or self.owner_of[index] == self.rank
+
+    def owner(self, index: int) -> int:
+        return self.rank if self.owner_of is None else self.owner_of[index]
+
+    def all_chunks(self) -> Iterator[Chunk]:
+        for chunks in self.rows.values():
+            yield from chunks
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.rows[ChunkKind.PARAM])
+
+    @property
+    def model_data_bytes(self) -> int:
+        """Bytes of every chunk of every kind this rank keeps, allocated or not: its share of
+        the model data (with several ranks, gathered copies of other ranks' chunks are not
+        counted: they come and go)."""
+        return sum(c.nbytes for c in self.all_chunks() if c.owned and (c.slots or c.payload is not None))
+
+    # -- params ----------------------------------------------------------------------------
+
+    def add(self, info: ParamInfo) -> None:
+        self.by_id[id(info.param)] = info
+        (self.buffers if info.kind is ChunkKind.BUFFER else self.params).append(info)
+
+    def remove(self, info: ParamInfo) -> None:
+        del self.by_id[id(info.param)]
+        (self.buffers if info.kind is ChunkKind.BUFFER else self.params).remove(info)
+
+    def param_info(self, param: torch.Tensor) -> ParamInfo:
+        try:
+            return self.by_id[id(param)]
+        except KeyError:
+            shape = tuple(param.shape) if isinstance(param, torch.Tensor) else "?"
+            raise RegistrationError(
+                f"tensor of shape {shape} and dtype {getattr(param, 'dtype', '?')} is not registered with this client; "
+                f"register_module(model) or register_param(param) first"
+            ) from None
+
+    def is_registered(self, param: torch.Tensor) -> bool:
+        return id(param) in self.by_id
+
+    def chunk_params(self, index: int) -> list[ParamInfo]:
+        """The params of chunk ``index``, in slot order."""
+        return [self.params[s.index] for s in self.rows[ChunkKind.PARAM][index].slots]
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        """The grad of ``info`` as stored (its chunk must be allocated)."""
+        return self.rows[self.grad_kind][info.chunk].view(info.slot)
+
+    # -- whole-chunk access (the optimizer, checkpoints) -----------------------------------
+
+    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
+        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (the
+        optimizer works on whole chunks). Returns the slot states it had, for ``release_chunk``."""
+        chunk = self.rows[kind][index]
+        previous = list(chunk.states)
+        what = f"{kind.value} chunk {index}"
+        chunk.set_all_states(TensorState.COMPUTE, what)
+        try:
+            self.mover.bring(chunk, device, who=who or what)
+        except BaseException:
+            self.restore_states(chunk, previous)
+            raise
+        return previous
+
+    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
+        """End a chunk access: every slot to ``state``, or back to the states in a list."""
+        if isinstance(state, TensorState):
+            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+        else:
+            self.restore_states(chunk, state)
+        if chunk.state is ChunkState.FREE:
+            self.mover.free(chunk)
+
+    @staticmethod
+    def restore_states(chunk: Chunk, states: list[TensorState]) -> None:
+        for slot, state in zip(chunk.slots, states, strict=True):
+            chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")

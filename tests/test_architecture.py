@@ -1,0 +1,126 @@
+"""The package's shape, checked from the source: which module may import which.
+
+- No import cycle among module-level imports (a function-level import that points back up,
+  such as ``Engine.save_checkpoint`` importing ``checkpoint``, and imports only for type
+  checking are allowed: neither runs when the module loads).
+- No module below the ``Client`` facade imports ``hybridps.client.client``, not even for
+  type checking: the store, the mover, the groups, the optimizer, the tracer and the rest
+  take their collaborators in their constructors.
+"""
+
+import ast
+import pathlib
+
+import hybridps
+
+ROOT = pathlib.Path(hybridps.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, mods, *, module_level_only: bool):
+    """Modules of the package that ``tree`` imports."""
+    found = set()
+
+    def targets(node):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("hybridps"):
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+            return subs if len(subs) == len(node.names) else [node.module, *subs]
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names if a.name.startswith("hybridps")]
+        return []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(t for t in targets(node) if t in mods)
+            elif isinstance(node, ast.If) and _is_type_checking(node):
+                if not module_level_only:
+                    visit(node.body)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if not module_level_only:
+                    for inner in ast.walk(node):
+                        if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                            found.update(t for t in targets(inner) if t in mods)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for child in getattr(node, field, []):
+                        visit([child] if not isinstance(child, ast.ExceptHandler) else child.body)
+
+    visit(tree.body)
+    return found
+
+
+def _graph(*, module_level_only: bool) -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        deps = _imports(ast.parse(path.read_text()), mods, module_level_only=module_level_only)
+        deps.discard(name)
+        # importing a submodule runs its package's __init__ first; that edge is not a design choice
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_module_level_imports_have_no_cycle():
+    assert _cycles(_graph(module_level_only=True)) == []
+
+
+def test_no_module_below_the_client_facade_imports_it():
+    graph = _graph(module_level_only=False)
+    below = set()
+    todo = [d for d in graph["hybridps.client.client"]]
+    while todo:  # everything client.py reaches
+        m = todo.pop()
+        if m not in below and m != "hybridps.client.client":
+            below.add(m)
+            todo.extend(graph[m])
+    offenders = sorted(m for m in below if "hybridps.client.client" in graph[m])
+    assert offenders == []
+    # and the collaborators are below it, not beside it
+    for m in ("store", "chunk_manager", "groups", "optimizer", "pending_grads", "placement", "placeholder"):
+        assert f"hybridps.client.{m}" in below
