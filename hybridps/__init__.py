@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # ``hybridps.plan`` (the capacity planner, hybridps/planner.py) is imported on first use:
-    # importing it here would load it twice under ``python -m hybridps.planner``.
+    # ``hybridps.plan`` (the capacity planner, hybridps/planner/) is imported on first use, so
+    # ``import hybridps`` does not load the planner and its command line.
     if name == "plan":
         from hybridps.planner import plan
 

@@ -1,0 +1,178 @@
+"""The command line of the planner: ``hybridps plan`` and ``python -m hybridps.planner``.
+
+Owns the arguments (model shape or ``--factory``, training, node, output), turning them into
+a model and a node, running ``plan()`` and printing the table or the JSON, and the exit
+status (2 with a message for a ``ConfigError``).
+
+Does not own planning (``search``) or the report's text (``report``); the ``hybridps``
+command adds ``plan`` to its subcommands through ``add_subcommand``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hybridps.common.config import PRECISIONS
+from hybridps.common.errors import ConfigError
+from hybridps.common.units import parse_bytes
+from hybridps.planner.model import GPTShape, PlannedModel
+from hybridps.planner.node import NodeSpec
+from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR
+from hybridps.planner.search import DEFAULT_MAX_LAYERS, plan
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a positive integer such as 24") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text, what="size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (a GPT-style shape, or --factory)")
+    m.add_argument("--layers", type=_positive_int, help="transformer blocks (n_layer)")
+    m.add_argument("--hidden", type=_positive_int, default=None, help="hidden size (d_model)")
+    m.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default: hidden / 128)")
+    m.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size (default 50304)")
+    m.add_argument("--seq-len", type=_positive_int, default=1024, help="sequence length (default 1024)")
+    m.add_argument("--batch", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
+    m.add_argument(
+        "--checkpoint", action=argparse.BooleanOptionalAction, default=False, help="activation checkpointing of each block"
+    )
+    m.add_argument(
+        "--factory",
+        metavar="MODULE:CALLABLE",
+        help="a callable taking no arguments that returns a hybridps.planner.ModelFactory or GPTShape (overrides the shape flags except --layers)",
+    )
+    t = p.add_argument_group("training")
+    t.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    t.add_argument(
+        "--grad-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="grads in the params' slots (14 B/param in 16-bit)",
+    )
+    t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
+    t.add_argument(
+        "--chunk-size", type=_positive_int, default=None, help="elements per chunk (default: chosen as the client would)"
+    )
+    t.add_argument(
+        "--simulated-gpus",
+        action="store_true",
+        help="plan a run on simulated GPUs (their chunks in host memory, nothing pinned) instead of a real node",
+    )
+    t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
+    n = p.add_argument_group("node")
+    n.add_argument("--gpus", default="1x80GiB", help="GPUs per node as COUNTxSIZE, e.g. 8x80GiB (default 1x80GiB)")
+    n.add_argument("--cpu", default="128GiB", help="CPU memory per node, e.g. 1TiB (default 128GiB)")
+    n.add_argument("--ranks-per-node", type=_positive_int, default=None, help="ranks per node (default: one per GPU)")
+    n.add_argument("--nodes", type=_positive_int, default=1)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
+    o.add_argument("--max-layers", type=_positive_int, default=DEFAULT_MAX_LAYERS, help="upper end of the search")
+    t.add_argument(
+        "--deepspeed-buffer-factor",
+        type=float,
+        default=DEEPSPEED_BUFFER_FACTOR,
+        help="additional_buffer_factor of DeepSpeed's estimators for the peers' CPU (default 1.5, theirs)",
+    )
+    o.add_argument("-v", "--verbose", action="count", default=0, help="log each simulation (-vv: the engine too)")
+
+
+def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to an argparse ``subparsers`` object; the command runs ``args.func(args)``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="plan memory: does a model fit a node, and the largest that does",
+        description="Capacity planning by simulating training iterations of the real engine on the meta device.",
+    )
+    _add_arguments(p)
+    p.set_defaults(func=run_command)
+    return p
+
+
+def _model_from_args(args: argparse.Namespace) -> PlannedModel:
+    if args.factory:
+        module_name, _, attr = args.factory.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"--factory {args.factory!r} must be MODULE:CALLABLE, e.g. mypkg.models:plan_model")
+        try:
+            target = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"--factory {args.factory!r} cannot be loaded ({exc}); check the module path and name") from None
+        model = target()
+        return model.with_layers(args.layers) if args.layers else model
+    if args.layers is None or args.hidden is None:
+        missing = " and ".join(f for f, v in (("--layers", args.layers), ("--hidden", args.hidden)) if v is None)
+        raise ConfigError(
+            f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE"
+        )
+    heads = args.heads or max(1, args.hidden // 128)
+    return GPTShape(
+        n_layer=args.layers,
+        d_model=args.hidden,
+        n_head=heads,
+        vocab_size=args.vocab,
+        seq_len=args.seq_len,
+        batch_size=args.batch,
+        checkpoint=args.checkpoint,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed ``plan`` command; returns the exit status."""
+    # The report carries every warning that matters; the engine's own messages (a failing
+    # candidate of the search, say) are for -v.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("hybridps").setLevel(logging.INFO if args.verbose >= 2 else logging.ERROR)
+    logging.getLogger("hybridps.planner").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    try:
+        model = _model_from_args(args)
+        node = NodeSpec.parse(args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes)
+        report = plan(
+            model,
+            node,
+            precision=args.precision,
+            grad_reuse=args.grad_reuse,
+            margin=args.margin,
+            chunk_size=args.chunk_size,
+            simulated_gpus=args.simulated_gpus,
+            iterations=args.iterations,
+            search_largest=args.search,
+            max_layers=args.max_layers,
+            deepspeed_buffer_factor=args.deepspeed_buffer_factor,
+        )
+    except ConfigError as exc:
+        print(f"hybridps plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report.format_table())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hybridps.planner ...``: the ``hybridps plan`` command on its own."""
+    parser = argparse.ArgumentParser(
+        prog="hybridps plan",
+        description="Capacity planning by simulating training iterations of the real engine on the meta device.",
+    )
+    _add_arguments(parser)
+    return run_command(parser.parse_args(argv))

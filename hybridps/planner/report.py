@@ -1,0 +1,285 @@
+"""What ``hybridps plan`` found, as records, as JSON and as a table.
+
+Owns the report's records (``PlanReport``; ``HybridPSPlan`` for HybridPS on the node;
+``PeerPlan`` for a peer; ``LargestModel`` for the largest member of the family that fits),
+``PlanReport.to_dict()`` (the ``--json`` output) and ``_format_report`` (the table).
+
+Does not own how the figures are found (``search``, ``simulation``, ``ranks``, ``peers``,
+``host_peak``): records here are filled there and only checked and printed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hybridps.common.config import PRECISIONS
+from hybridps.common.errors import ConfigError
+from hybridps.common.units import format_bytes
+from hybridps.planner.host_peak import InitPeak
+from hybridps.planner.node import NodeSpec
+from hybridps.planner.ranks import RankShare
+from hybridps.planner.simulation import DeviceFigures
+from hybridps.planner.validation import check_bytes, check_count
+
+# -- records ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LargestModel:
+    """The largest member of the model's family that fits, and how it was found."""
+
+    method: str
+    n_layer: int  # 0: not even one layer fits
+    n_params: int
+    #: True when the boundary was checked (n_layer fits and n_layer + 1 does not)
+    confirmed: bool
+    probes: int = 0
+    at_search_limit: bool = False
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_layer, int) or self.n_layer < 0:
+            raise ConfigError(f"LargestModel.n_layer={self.n_layer!r} must be an int >= 0")
+        check_count("n_params", self.n_params)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerPlan:
+    """A peer's static placement of this model on this node."""
+
+    name: str
+    rule: str
+    gpu_model_states_bytes: int
+    #: GPU per rank: model states + the same activations HybridPS measured + margin
+    gpu_need_bytes: int
+    cpu_node_bytes: int
+    fits: bool
+    reason: str
+    largest: LargestModel | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("gpu_model_states_bytes", "gpu_need_bytes", "cpu_node_bytes"):
+            check_bytes(f, getattr(self, f))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridPSPlan:
+    """HybridPS on this node: the simulated run (single rank) or its derived share."""
+
+    fits: bool
+    reason: str
+    #: True for multi-rank jobs: per-rank figures derived from the single-rank layout
+    derived: bool
+    chunk_size_elements: int | None
+    chunk_bytes: int
+    chunks: int
+    padding_fraction: float
+    #: model data of one rank (all of it for a single rank)
+    model_data_bytes: int
+    min_compute_bytes: int
+    min_compute_module: str
+    gpu: DeviceFigures | None
+    cpu: DeviceFigures | None
+    #: CPU of one node: every rank of the node holds its share there
+    cpu_node_bytes: int
+    moved_bytes_per_step: Mapping[str, int]
+    non_model_peak_bytes: int
+    #: what the GPU of a rank must hold at once: activations + the working set of the
+    #: largest module (gathered chunks in multi-rank jobs) + margin; chunks fill the rest
+    gpu_need_bytes: int
+    simulation_failure: str | None = None
+    rank_share: RankShare | None = None
+    largest: LargestModel | None = None
+    warnings: tuple[str, ...] = ()
+    #: one rank's host peak while the model is built on meta and loaded (per rank)
+    init: InitPeak | None = None
+
+    def __post_init__(self) -> None:
+        for f in (
+            "chunk_bytes",
+            "model_data_bytes",
+            "min_compute_bytes",
+            "cpu_node_bytes",
+            "non_model_peak_bytes",
+            "gpu_need_bytes",
+        ):
+            check_bytes(f, getattr(self, f))
+        if not 0.0 <= self.padding_fraction < 1.0:
+            raise ConfigError(f"padding_fraction={self.padding_fraction!r} must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Everything ``hybridps plan`` found. ``to_dict()`` is the ``--json`` output."""
+
+    model: Mapping[str, Any]
+    n_params: int
+    precision: str
+    grad_reuse: bool
+    margin_bytes: int
+    iterations: int
+    node: NodeSpec
+    hybridps: HybridPSPlan
+    peers: tuple[PeerPlan, ...]
+    largest_model_method: str | None
+    seconds: Mapping[str, float]
+    notes: tuple[str, ...] = ()
+    #: GPU bytes planned beside the margin for a real GPU's transients (Planner.transient_allowance)
+    transient_allowance_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_count("n_params", self.n_params)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
+
+    @property
+    def fits(self) -> bool:
+        return self.hybridps.fits
+
+    def to_dict(self) -> dict:
+        node = dataclasses.asdict(self.node)
+        node["world_size"] = self.node.world_size
+        return {
+            "fits": self.fits,
+            "model": {**self.model, "n_params": self.n_params},
+            "training": {
+                "precision": self.precision,
+                "grad_reuse": self.grad_reuse,
+                "margin_bytes": self.margin_bytes,
+                "transient_allowance_bytes": self.transient_allowance_bytes,
+                "iterations": self.iterations,
+            },
+            "node": node,
+            "hybridps": _plain(self.hybridps),
+            "peers": [_plain(p) for p in self.peers],
+            "largest_model_method": self.largest_model_method,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def format_table(self) -> str:
+        return _format_report(self)
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses to dicts, mappings to dicts, tuples to lists (JSON-ready)."""
+    if isinstance(obj, InitPeak):
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, float):
+        return round(obj, 6)
+    return obj
+
+
+_PEER_TITLES = {"deepspeed-zero-offload": "DeepSpeed ZeRO-Offload", "deepspeed-zero3-offload": "DeepSpeed ZeRO-3 offload"}
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _largest_text(largest: LargestModel | None) -> str:
+    if largest is None:
+        return "-"
+    if largest.n_layer == 0:
+        return "none"
+    more = "+" if largest.at_search_limit else ""
+    check = "" if largest.confirmed else " (unconfirmed)"
+    return f"{largest.n_layer}{more} layers, {_count(largest.n_params)} params{check}"
+
+
+def _format_report(r: PlanReport) -> str:
+    h = r.hybridps
+    model = ", ".join(f"{k}={v}" for k, v in r.model.items())
+    lines = [
+        f"HybridPS capacity plan (planned, not measured): {model}",
+        f"  {_count(r.n_params)} params, {r.precision}, grad reuse {'on' if r.grad_reuse else 'off'}, "
+        f"margin {format_bytes(r.margin_bytes)}"
+        + (f" + {format_bytes(r.transient_allowance_bytes)} real-GPU transients" if r.transient_allowance_bytes else "")
+        + f"; {r.node.describe()}",
+        "",
+    ]
+    rows = [("", "fits", "GPU need/rank", "CPU/node", "largest of the family")]
+    hyb_gpu = h.gpu_need_bytes if h.simulation_failure is None else None
+    tag = " (derived)" if h.derived else " (simulated)"
+    hyb_cpu = h.cpu_node_bytes if h.simulation_failure is None else None
+    rows.append(("HybridPS" + tag, "yes" if h.fits else "no", _gb(hyb_gpu), _gb(hyb_cpu), _largest_text(h.largest)))
+    for p in r.peers:
+        rows.append(
+            (
+                _PEER_TITLES.get(p.name, p.name),
+                "yes" if p.fits else "no",
+                _gb(p.gpu_need_bytes),
+                _gb(p.cpu_node_bytes),
+                _largest_text(p.largest),
+            )
+        )
+    lines += _table(rows)
+    lines.append("")
+    if h.chunk_size_elements:
+        lines.append(
+            f"HybridPS layout: chunk size {h.chunk_size_elements} elements ({format_bytes(h.chunk_bytes)} per "
+            f"{r.precision} chunk), {h.chunks} chunk rows, padding {100 * h.padding_fraction:.1f}%, model data "
+            f"{format_bytes(h.model_data_bytes)}{' per rank' if h.derived else ''}; smallest GPU working set "
+            f"{format_bytes(h.min_compute_bytes)} ({h.min_compute_module})"
+        )
+    dev_rows = [("device", "capacity", "model data after step", "peak model data", "activations peak", "peak total")]
+    for d in (h.gpu, h.cpu):
+        if d is not None:
+            dev_rows.append(
+                (
+                    d.device + (" (derived)" if d.derived else ""),
+                    _gb(d.capacity_bytes),
+                    _gb(d.model_data_bytes),
+                    _gb(d.peak_bytes),
+                    _gb(d.non_model_peak_bytes) if d.device != "cpu" else "-",
+                    _gb(d.peak_total_bytes) if d.device != "cpu" else "-",
+                )
+            )
+    lines += ["  " + line for line in _table(dev_rows)]
+    if h.init is not None:
+        i = h.init
+        lines.append(
+            f"  host peak per rank at init + load: {format_bytes(i.host_peak_bytes)} (model data on the host "
+            f"{format_bytes(i.host_model_data_bytes)} + transient {format_bytes(max(i.replay_transient_bytes, i.load_transient_bytes))} "
+            f"+ process {format_bytes(i.process_overhead_bytes)})"
+        )
+    moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.moved_bytes_per_step.items()) or "none"
+    lines.append(f"  moved per step{' (derived)' if h.derived else ''}: {moved}")
+    if not h.fits:
+        lines.append(f"  does not fit: {h.reason}")
+    for w in h.warnings:
+        lines.append(f"  warning: {w}")
+    if r.largest_model_method:
+        lines += ["", f"Largest model search: {r.largest_model_method}."]
+    lines += ["", "Peers' rules:"] + [f"  - {p.rule}" for p in r.peers]
+    lines += ["", "Notes:"] + [f"  - {n}" for n in r.notes]
+    s = r.seconds
+    lines.append(f"\nPlanned in {s['total']:.1f} s (first simulation {s['simulation']:.1f} s, search {s['search']:.1f} s).")
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -1,0 +1,264 @@
+"""One simulated training run: a member of the family trained for a few iterations by the
+real engine under ``simulate="meta"``, and what its memory did.
+
+Owns ``simulate`` (build the model on meta, ``initialize`` it, run the iterations with
+attention as a real run saves it), the records of what it showed (``Simulation``,
+``DeviceFigures``) read from ``memory_stats()`` and the client's layout
+(``_read_simulation``), and the parameter counts the peers' rules take
+(``deepspeed_param_counts``).
+
+Does not own chunk layout, placement, eviction, tidal budgets or activation measurement:
+the engine does all of that here exactly as in training (the same ``initialize``, hooks,
+tracer and chunked optimizer, with payloads on the meta device). Does not own a verdict on
+the node (``search``) or the multi-rank share (``ranks``): one simulation is one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from hybridps.client.chunk import ChunkKind
+from hybridps.common.config import Config
+from hybridps.common.errors import CapacityError, ConfigError
+from hybridps.engine import initialize
+from hybridps.planner.attention import meta_attention_as_flash
+from hybridps.planner.model import PlannedModel
+from hybridps.planner.validation import check_bytes, check_count, check_positive_int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceFigures:
+    """Memory of one device as planned (per rank for GPUs and, in multi-rank jobs, for CPU)."""
+
+    device: str
+    capacity_bytes: int
+    #: model data on the device after the last simulated step (steady-state placement)
+    model_data_bytes: int
+    #: most model data (chunk bytes) on the device at any moment
+    peak_bytes: int
+    #: activations and other non-model memory (compute device only)
+    non_model_peak_bytes: int = 0
+    #: chunks + non-model at the worst moment after warm-up (compute device only)
+    peak_total_bytes: int = 0
+    derived: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("capacity_bytes", "model_data_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes"):
+            check_bytes(f, getattr(self, f))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Simulation:
+    """What one meta-simulated single-rank run showed (or how far it got)."""
+
+    n_layer: int
+    n_params: int
+    largest_layer_params: int
+    completed: bool
+    failure: str | None
+    iterations: int
+    chunk_size_elements: int | None
+    #: elements of each chunk index (one layout for every kind), padding included
+    chunk_capacities: tuple[int, ...]
+    #: bytes per element summed over every chunk kind (14 for fp16 with grad reuse)
+    bytes_per_element: int
+    #: bytes per element of the param (+ grad without grad reuse) chunks a module computes with
+    compute_bytes_per_element: int
+    #: (module name, chunk indices it computes with), for every module holding params
+    module_chunks: tuple[tuple[str, tuple[int, ...]], ...]
+    #: elements of every param, in registration order (for layouts with another chunk size)
+    param_numels: tuple[int, ...]
+    #: (module name, registration indices of its params), for every module holding params
+    module_params: tuple[tuple[str, tuple[int, ...]], ...]
+    #: the chunk layout's alignment, in elements
+    alignment: int
+    model_data_bytes: int
+    padding_elements: int
+    gpu: DeviceFigures | None
+    cpu: DeviceFigures | None
+    peak_total_warmup_bytes: int
+    moved_bytes_per_step: Mapping[str, int]
+    min_compute_bytes: int
+    min_compute_module: str
+    seconds: float
+    #: the largest single storage autograd saved (the real-GPU transient allowance's measure)
+    largest_saved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("n_layer", self.n_layer)
+        for f in ("n_params", "largest_layer_params", "padding_elements"):
+            check_count(f, getattr(self, f))
+        for f in ("model_data_bytes", "peak_total_warmup_bytes", "min_compute_bytes"):
+            check_bytes(f, getattr(self, f))
+        if self.completed == (self.failure is not None):
+            raise ConfigError(f"Simulation: completed={self.completed} contradicts failure={self.failure!r}")
+
+    @property
+    def non_model_peak_bytes(self) -> int:
+        return self.gpu.non_model_peak_bytes if self.gpu else 0
+
+
+def simulate(
+    model: PlannedModel,
+    *,
+    gpu_bytes: int,
+    cpu_bytes: int,
+    precision: str = "fp16",
+    grad_reuse: bool = True,
+    margin_bytes: int = 0,
+    chunk_size: int | None = None,
+    simulated_gpus: bool = False,
+    iterations: int = 2,
+) -> Simulation:
+    """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
+    ``cpu_bytes`` of CPU, every payload on the meta device, and report what happened.
+
+    Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
+    budget and furthest-next-use eviction, as every later iteration would, so two are enough
+    for the peaks and for the bytes moved per step.
+    """
+    start = time.perf_counter()
+    config = Config(
+        devices={"cuda:0": gpu_bytes, "cpu": cpu_bytes},
+        simulate="meta",
+        precision=precision,
+        grad_reuse=grad_reuse,
+        margin=margin_bytes,
+        chunk_size=chunk_size,
+        pinned_bytes=0 if simulated_gpus else None,
+    )
+    with torch.device("meta"):
+        module = model.build()
+    n_params, largest_layer = deepspeed_param_counts(module)
+    owners = _module_params(module)
+    optimizer = torch.optim.AdamW(module.parameters())  # AdamW and Adam keep the same states
+    device = torch.device("meta")
+    failure: str | None = None
+    engine = None
+    done = 0
+    moved_before: dict[str, int] = {}
+    moved_after: dict[str, int] = {}
+    try:
+        engine = initialize(module, optimizer, config)
+        with meta_attention_as_flash():
+            for _ in range(iterations):
+                moved_before = dict(engine.client.chunks.moved_bytes)
+                out = engine(*model.inputs(device))
+                engine.backward(model.loss(out))
+                engine.step()
+                engine.zero_grad()
+                done += 1
+        moved_after = dict(engine.client.chunks.moved_bytes)
+    except (ConfigError, CapacityError) as exc:
+        where = "initialize" if engine is None else f"iteration {done + 1}"
+        failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
+    try:
+        return _read_simulation(
+            engine, model, config, owners, n_params, largest_layer, failure, done, moved_before, moved_after, start
+        )
+    finally:
+        if engine is not None:
+            engine.client.close(restore=False)
+
+
+def _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start) -> Simulation:
+    itemsizes = {
+        ChunkKind.PARAM: config.param_dtype.itemsize,
+        ChunkKind.GRAD: config.param_dtype.itemsize,
+        ChunkKind.MASTER: 4,
+        ChunkKind.MOMENTUM: 4,
+        ChunkKind.VARIANCE: 4,
+    }
+    compute_per_elem = config.param_dtype.itemsize * (1 if config.grad_reuse else 2)
+    if engine is None:
+        return Simulation(
+            n_layer=model.n_layer, n_params=n_params, largest_layer_params=largest_layer, completed=False,
+            failure=failure, iterations=0, chunk_size_elements=None, chunk_capacities=(), bytes_per_element=0,
+            compute_bytes_per_element=compute_per_elem, module_chunks=(), param_numels=(), module_params=(),
+            alignment=config.alignment, model_data_bytes=0, padding_elements=0,
+            gpu=None, cpu=None, peak_total_warmup_bytes=0, moved_bytes_per_step={}, min_compute_bytes=0,
+            min_compute_module="", seconds=time.perf_counter() - start,
+        )  # fmt: skip
+    client = engine.client
+    layout = client.layout
+    stats = engine.memory_stats()
+    kinds = [k for k, chunks in client.lists.items() if chunks]
+    capacities = tuple(layout.capacity(i) for i in range(layout.num_chunks))
+    module_chunks = tuple(
+        (name, tuple(sorted({client.param_info(p).slot.chunk for p in params if client.is_registered(p)})))
+        for name, params in owners.items()
+    )
+    gpu_stats, cpu_stats = stats["devices"]["cuda:0"], stats["devices"]["cpu"]
+    gpu = DeviceFigures(
+        device="cuda:0",
+        capacity_bytes=gpu_stats["capacity_bytes"],
+        model_data_bytes=gpu_stats["used_bytes"],
+        peak_bytes=gpu_stats["peak_bytes"],
+        non_model_peak_bytes=gpu_stats["non_model_peak_bytes"],
+        peak_total_bytes=gpu_stats["peak_total_bytes"],
+    )
+    cpu = DeviceFigures(
+        device="cpu",
+        capacity_bytes=cpu_stats["capacity_bytes"],
+        model_data_bytes=cpu_stats["used_bytes"],
+        peak_bytes=cpu_stats["peak_bytes"],
+    )
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after} if failure is None else {}
+    return Simulation(
+        largest_saved_bytes=stats["trace"]["largest_saved_bytes"],
+        n_layer=model.n_layer,
+        n_params=n_params,
+        largest_layer_params=largest_layer,
+        completed=failure is None,
+        failure=failure,
+        iterations=done,
+        chunk_size_elements=layout.chunk_size,
+        chunk_capacities=capacities,
+        bytes_per_element=sum(itemsizes[k] for k in kinds),
+        compute_bytes_per_element=compute_per_elem,
+        module_chunks=tuple((n, c) for n, c in module_chunks if c),
+        param_numels=tuple(i.slot.numel for i in client.params),
+        module_params=tuple(
+            (name, idx)
+            for name, idx in (
+                (name, tuple(sorted({client.param_info(p).slot.index for p in params if client.is_registered(p)})))
+                for name, params in owners.items()
+            )
+            if idx
+        ),
+        alignment=config.alignment,
+        model_data_bytes=stats["model_data_bytes"],
+        padding_elements=layout.total_elements - layout.tensor_elements,
+        gpu=gpu,
+        cpu=cpu,
+        peak_total_warmup_bytes=gpu_stats.get("peak_total_warmup_bytes", 0),
+        moved_bytes_per_step={k: v for k, v in sorted(moved.items()) if v},
+        min_compute_bytes=stats["min_compute_bytes"],
+        min_compute_module=stats["min_compute_module"],
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _module_params(module: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The params each module holds itself (a tied param appears under every holder)."""
+    out: dict[str, list[nn.Parameter]] = {}
+    for name, mod in module.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if own:
+            out[name or type(module).__name__] = own
+    return out
+
+
+def deepspeed_param_counts(module: nn.Module) -> tuple[int, int]:
+    """(total params, largest layer params) as DeepSpeed's ``model_to_params`` counts them:
+    shared params once in the total; a layer is one module's own params. DeepSpeed tells
+    shared params apart by ``data_ptr()``, which is 0 for every meta tensor, so identity is
+    used here instead."""
+    total = sum({id(p): p.numel() for p in module.parameters()}.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    return total, largest
