@@ -411,6 +411,11 @@ class ChunkGroups:
         self.grads_seen[g] = 0
         self.pending.discard(g)
         self.reduces += 1
+        if reuse and self.early_step is not None:
+            # an early step applies what this backward computed: first make sure every rank
+            # issued the same collectives so far (one small all-reduce; every rank takes this
+            # branch, which depends on the config only)
+            self.comm.check_order(f"early step of chunk group {g}")
         if complete and reuse and self.early_step is not None:
             # every rank saw every grad of the group: the owned params all have grads now
             for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
@@ -435,6 +440,7 @@ class ChunkGroups:
 
     def end_backward(self) -> None:
         """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
+        self.comm.check_order("end of backward")
         for g in sorted(self.pending):
             self.reduce(g)
         self.settle_all()

@@ -263,7 +263,8 @@ class Config:
         unit="seconds",
         doc=(
             "How long a rank waits for the others at a collective before failing with the names of the ranks that "
-            "did not arrive. A *dead* rank is noticed much sooner, from its stopped heartbeat (about 10 s; see "
+            "did not arrive. A *dead* rank is noticed much sooner, from its closed connections and stopped heartbeat "
+            "(about 5 s for a rank that exited, about 12 s for a frozen one; see "
             "[MULTI_RANK.md](MULTI_RANK.md#when-ranks-disagree))."
         ),
     )

@@ -217,3 +217,28 @@ def test_a_bare_loss_backward_on_two_ranks_trains_like_engine_backward():
     reference = run_ranks(_bare_or_engine_backward, 2, False, timeout_s=90)
     assert bare == reference
     assert all(norm > 0 for _, norm in bare[0])
+
+
+def _overlap_losses(rank, world, overlap_step):
+    model, _ = gpt_pair()
+    config = _config(overlap_step=overlap_step)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
+    losses, stepped_early = [], []
+    for step in range(4):
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x[rank::world], y[rank::world])
+        engine.backward(loss)  # with overlap_step each group steps once its grads are reduced
+        stepped_early.append(len(engine.optimizer._stepped_early))
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    state = engine.state_dict()
+    return losses, state if rank == 0 else None, stepped_early
+
+
+def test_early_steps_on_two_ranks_train_like_the_step_after_backward():
+    plain = run_ranks(_overlap_losses, 2, False, timeout_s=120)
+    early = run_ranks(_overlap_losses, 2, True, timeout_s=120)
+    assert all(n == 0 for r in plain for n in r[2]) and all(n > 0 for r in early for n in r[2])
+    assert [r[0] for r in early] == [r[0] for r in plain]  # every rank's losses, bit for bit
+    assert all(torch.equal(early[0][1][k], plain[0][1][k]) for k in plain[0][1])
