@@ -3,11 +3,9 @@
 Owns placement of new chunks, bringing a chunk to a device (evicting others to make room),
 freeing payloads, this client's per-device accounting (used, peak) and movement statistics.
 Every byte it allocates or frees is reported to the node manager, and every destination it
-does not dictate (a new chunk, an evicted chunk) is chosen by the node manager. Each
-placement is one atomic request: ``place`` (choose a device and book it), ``move`` (release
-the source and book the destination, dictated or chosen), ``add`` for a new chunk on a
-dictated device and ``remove`` for a freed one; so a placement cannot lose room it was
-offered to another rank between a question and a booking.
+does not dictate (a new chunk, an evicted chunk) is chosen by the node manager, in one
+atomic request per operation (see [Note: one request per chunk operation]); so a placement
+cannot lose room it was offered to another rank between a question and a booking.
 
 Does not own tensor states (chunk.py), which chunk to evict (eviction.py) or how much of the
 compute device activations need right now (the tracer supplies ``reserve_fn``).
@@ -27,11 +25,29 @@ live now, so a move keeps the sum within ``capacity - margin``. Between moments 
 memory grows without a move (activations saved during a module's forward): the tracer calls
 ``fit_non_model`` as it grows, which evicts idle chunks right then, or raises the
 CapacityError a real GPU of that size would raise as out-of-memory.
+
+[Note: one request per chunk operation]
+A placement, a bring, a prefetch, an eviction or a free changes what this client holds in
+one ``update`` request to the node manager: it releases the chunk's bytes on its source and
+books them on its destination, dictated or chosen by the manager near a referred device.
+Idle pooled host buffers (pool.py) are host memory the client holds, booked on the CPU; a
+chunk operation takes one of them for its new payload and gives its old payload to the pool,
+so before the request the operation takes the buffer and foresees the give
+(``PayloadPool.plan_give``), and the same request books the pool's new size, netted per
+device: a chunk moving between the CPU and a simulated GPU with a pooled buffer each way is
+one release and one booking, a freed CPU chunk whose buffer joins the pool or a CPU payload
+that comes from the pool is no request at all. Old payloads that a copy in flight still
+reads are booked with the pool from the start. When the outcome differs from the plan (a
+view of the old payload is alive after all, e.g. saved by autograd for backward, so the
+pool turns it down; the manager chose a device that does not hold host memory), one more
+request settles the difference, so that after every operation the manager books exactly
+the chunks plus the host buffers outside them.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 import weakref
@@ -64,6 +80,24 @@ def pinned_block_bytes(nbytes: int) -> int:
     return pinned_block_elems(nbytes)
 
 
+@dataclasses.dataclass(slots=True)
+class _PoolPlan:
+    """What one chunk operation does with the pool, decided before its one manager request."""
+
+    #: the pooled host buffer the chunk's new payload will be (taken out of the pool already)
+    taken: torch.Tensor | None = None
+    #: how much the host buffers outside chunks grow when the old payload is given to the
+    #: pool (its bytes less the older buffers that go to make room for it), as foreseen
+    give_bytes: int = 0
+    #: the pool let go to make room: this operation takes nothing from it and gives nothing
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.taken = None
+        self.give_bytes = 0
+        self.cancelled = True
+
+
 class ChunkManager:
     """Placement, movement and accounting of one client's chunks."""
 
@@ -80,8 +114,14 @@ class ChunkManager:
         self.connection = connection
         self.compute = inventory.compute_device
         self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
+        #: devices whose payloads are host memory (the CPU, simulated GPUs): the pool serves them
+        self._host = frozenset(d.name for d in inventory if d.torch_device.type == "cpu")
         #: host buffers kept for reuse; their bytes are booked on the CPU with the manager
         self.pool = PayloadPool(pool_bytes)
+        #: what the manager books on the CPU for host buffers outside chunks (the pool, and
+        #: old payloads a copy in flight still reads); equal to _pool_side_bytes() after
+        #: every operation
+        self._pool_booked_bytes = 0
         #: host payloads are pinned when a real GPU computes (asynchronous copies need it)
         self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
         #: pinned host memory in use, and its cap (set from the config by the client)
@@ -90,7 +130,8 @@ class ChunkManager:
         self.pinned_cap_bytes = 0
         #: prefetches and evictions copy on this stream (real GPUs only)
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
-        self._in_flight: list[tuple] = []  # (event, host buffer) of copies still reading it
+        #: (event, host buffer, joins the pool) of copies still reading the buffer
+        self._in_flight: list[tuple] = []
         self.prefetches = 0
         self.prefetch_hits = 0
         self.margin_bytes = margin_bytes
@@ -132,8 +173,12 @@ class ChunkManager:
 
     def place(self, chunk: Chunk, refer_device: str, *, zero: bool = True) -> None:
         """Allocate ``chunk`` near ``refer_device``, wherever the manager finds room."""
-        device = self._book_near(chunk.nbytes, refer_device, exclude=self._over_budget_gpus(chunk.nbytes))
-        self._allocate(chunk, device, zero=zero, booked=True)
+        self._collect()
+        exclude = self._over_budget_gpus(chunk.nbytes)
+        plan = self._plan(chunk, self._likely_choice(refer_device, exclude))
+        device = self._book_chunk(chunk.nbytes, refer=refer_device, exclude=exclude, plan=plan)
+        assert device is not None
+        self._allocate(chunk, device, zero=zero, plan=plan)
 
     def bring(self, chunk: Chunk, device: str, *, who: object = "", protect: Collection[Chunk] = (), zero: bool = True) -> None:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
@@ -154,7 +199,10 @@ class ChunkManager:
         protect = (chunk, *protect)
         self.make_room(device, chunk.nbytes, protect=protect, who=who)
         if chunk.payload is None:
-            self._allocate(chunk, device, zero=zero, protect=protect)
+            self._collect()
+            plan = self._plan(chunk, device)
+            self._book_chunk(chunk.nbytes, dst=device, plan=plan)
+            self._allocate(chunk, device, zero=zero, protect=protect, plan=plan)
         else:
             self._move(chunk, device, protect=protect)
 
@@ -178,109 +226,185 @@ class ChunkManager:
         device = chunk.device
         assert device is not None
         chunk.wait_ready()
+        self._collect()
         self._account(device, chunk, -1)
-        old = chunk.drop()
-        self.connection.remove(device, chunk.nbytes)
-        self._recycle(old)
+        plan = _PoolPlan()
+        self._recycle(chunk.drop(), plan)  # the pool's booking rides with the release below
+        self._book_chunk(chunk.nbytes, src=device, plan=plan)
 
-    # -- host buffer pool ------------------------------------------------------------------
+    # -- manager requests and the host buffer pool -------------------------------------------
 
-    def _buffer(self, chunk: Chunk, device: str) -> torch.Tensor | None:
-        """A pooled host buffer for ``chunk`` on ``device``, if one is free; else, for a chunk
-        that crosses to a real GPU, a pinned one while pinned memory stays under its cap."""
-        spec = self._specs[device]
-        if spec.torch_device.type != "cpu":
+    def _pool_side_bytes(self) -> int:
+        """Host bytes this client holds outside its chunks and books on the CPU: idle pooled
+        buffers, and old payloads that a copy in flight still reads and that join the pool
+        when it ends."""
+        if not self._in_flight:
+            return self.pool.held_bytes
+        in_flight = sum(buf.numel() * buf.element_size() for _, buf, pooled in self._in_flight if pooled)
+        return self.pool.held_bytes + in_flight
+
+    def _request(
+        self,
+        size: int = 0,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        refer: str | None = None,
+        exclude: Collection[str] = (),
+        pool_bytes: int | None = None,
+    ) -> str | None:
+        """One ``update`` request: release ``size`` bytes on ``src``, book them on ``dst`` or,
+        with ``refer``, on the device the manager chooses near it and not in ``exclude``, and
+        book ``pool_bytes`` (default: what they are now) for the host buffers outside chunks.
+        Changes on one device are netted; nothing is sent when nothing changes. Returns the
+        device booked."""
+        pool_bytes = self._pool_side_bytes() if pool_bytes is None else pool_bytes
+        change: dict[str, int] = {}
+        if src is not None:
+            change[src] = -size
+        if dst is not None:
+            change[dst] = change.get(dst, 0) + size
+        if pool_bytes != self._pool_booked_bytes:
+            change["cpu"] = change.get("cpu", 0) + pool_bytes - self._pool_booked_bytes
+        release = {d: -n for d, n in change.items() if n < 0}
+        book = {d: n for d, n in change.items() if n > 0}
+        device = dst
+        if refer is not None:
+            device = self.connection.update(release=release, book=book, place_bytes=size, refer_device=refer, exclude=exclude)
+        elif release or book:
+            self.connection.update(release=release, book=book)
+        self._pool_booked_bytes = pool_bytes
+        return device
+
+    def _book_chunk(
+        self,
+        size: int,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        refer: str | None = None,
+        exclude: Collection[str] = (),
+        plan: _PoolPlan,
+    ) -> str | None:
+        """The one request of a chunk operation (see [Note: one request per chunk operation]):
+        release ``size`` bytes on ``src`` and book them on ``dst`` or, with ``refer``, on the
+        device the manager chooses near it and not in ``exclude``; the pool's booking
+        follows ``plan``. Returns the device booked (None for a release only).
+
+        Idle pooled buffers never cost a chunk its room. When the request is refused and the
+        CPU had to grow, they go (their release rides with the retried request) and this
+        operation neither takes from nor gives to the pool. When the manager chose neither
+        the referred device nor the CPU while they hold CPU room, they go and the booking
+        moves (one more request) to where the manager then chooses."""
+        exclude = tuple(exclude)
+        planned = self._pool_side_bytes() + plan.give_bytes
+        try:
+            device = self._request(size, src=src, dst=dst, refer=refer, exclude=exclude, pool_bytes=planned)
+        except BaseException as exc:
+            self._return_taken(plan)  # nothing changed: the pool is as it was
+            cpu_change = (size if dst == "cpu" else 0) - (size if src == "cpu" else 0) + planned - self._pool_booked_bytes
+            cpu_grows = refer is not None or cpu_change > 0
+            if not isinstance(exc, CapacityError) or not cpu_grows or not (self.pool.held_bytes or plan.give_bytes):
+                raise
+            self.pool.clear()
+            plan.cancel()
+            try:
+                device = self._request(size, src=src, dst=dst, refer=refer, exclude=exclude)
+            except CapacityError:
+                self._settle_pool()  # the pool let go: so does its booking
+                raise
+        if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self.pool.held_bytes:
+            self.pool.clear()
+            plan.cancel()
+            device = self._request(size, src=device, refer=refer, exclude=exclude)
+        if plan.taken is not None and device not in self._host:
+            self._return_taken(plan)  # the manager chose a device whose payloads are not host memory
+        return device
+
+    def _likely_choice(self, refer: str, exclude: Collection[str]) -> str:
+        """The device the manager will likely choose near ``refer`` (its first candidate not
+        excluded; see policy.schedule), for planning the pool."""
+        return next((d for d in (refer, "cpu", *self._specs) if d not in exclude), refer)
+
+    def _settle_pool(self) -> None:
+        """Book the host buffers outside chunks as they are, when an operation left them other
+        than planned (a buffer the pool turned down after all, a copy in flight that ended):
+        one request, none in the common case. With no room on the CPU for them, they go."""
+        if self._pool_side_bytes() == self._pool_booked_bytes:
+            return
+        try:
+            self._request()
+        except CapacityError:
+            self.pool.clear()
+            self._request()
+
+    def release_pool(self) -> None:
+        """Let every idle pooled buffer go, and their booking with them."""
+        self.pool.clear()
+        self._settle_pool()
+
+    def _plan(self, chunk: Chunk, device: str, old: torch.Tensor | None = None, *, in_flight: bool = False) -> _PoolPlan:
+        """What an operation that puts ``chunk`` on ``device`` (the manager's likely choice,
+        when it chooses) and lets its payload ``old`` go does with the pool: takes the
+        pooled buffer the new payload will be, now, and foresees what giving ``old`` will
+        do (its copy still in flight: it joins the pool later, booked from now on)."""
+        plan = _PoolPlan(taken=self._take_pooled(chunk, device))
+        if old is not None and old.is_cpu:
+            dropped = self.pool.plan_give(old, views=len(chunk.slots))
+            if dropped is not None:
+                nbytes = old.numel() * old.element_size()
+                plan.give_bytes = nbytes if in_flight else nbytes - dropped
+        return plan
+
+    def _take_pooled(self, chunk: Chunk, device: str) -> torch.Tensor | None:
+        """A pooled host buffer for ``chunk`` on ``device``, if one is free: pinned for a chunk
+        that crosses to a real GPU, else (or with no pinned room left) pageable."""
+        if device not in self._host:
             return None
-        self._collect()  # buffers whose outgoing copies finished join the pool first
-        pin = self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
-        block = pinned_block_bytes(chunk.nbytes)
-        pinned_room = self.pinned_bytes + block <= self.pinned_cap_bytes
+        pin = self._pins(chunk)
         buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=pin)
-        if buf is None and pin and not pinned_room:
+        if buf is None and pin and not self._pinned_room(chunk):
             buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=False)  # no pinned room: pageable, pooled
-        if buf is not None:
-            self.connection.remove("cpu", chunk.nbytes)  # leaves the pool, booked as a chunk below
-        elif pin and pinned_room:
-            # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
-            # asynchronous and fast, but the OS cannot page it out: too much of it starves the
-            # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
-            # The cap counts what the pinned allocator really takes (a power of two; see
-            # [Note: pinned rounding] in layout.py); the part beyond the chunk is reported as
-            # pinned_rounding_bytes in the host memory breakdown.
-            buf = chunk.new_buffer(spec, pin=True)
-            self.pinned_bytes += block
-            self.pinned_rounding_bytes += block - chunk.nbytes
-            weakref.finalize(buf, self._unpinned, block, block - chunk.nbytes)
+        return buf
+
+    def _return_taken(self, plan: _PoolPlan) -> None:
+        if plan.taken is not None:
+            self.pool.give(plan.taken)
+            plan.taken = None
+
+    def _pins(self, chunk: Chunk) -> bool:
+        return self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
+
+    def _pinned_room(self, chunk: Chunk) -> bool:
+        return self.pinned_bytes + pinned_block_bytes(chunk.nbytes) <= self.pinned_cap_bytes
+
+    def _pinned_buffer(self, chunk: Chunk, device: str) -> torch.Tensor | None:
+        """For a chunk that crosses to a real GPU, a fresh pinned host buffer while pinned
+        memory stays under its cap."""
+        spec = self._specs[device]
+        if spec.torch_device.type != "cpu" or not self._pins(chunk) or not self._pinned_room(chunk):
+            return None
+        # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
+        # asynchronous and fast, but the OS cannot page it out: too much of it starves the
+        # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
+        # The cap counts what the pinned allocator really takes (a power of two; see
+        # [Note: pinned rounding] in layout.py); the part beyond the chunk is reported as
+        # pinned_rounding_bytes in the host memory breakdown.
+        block = pinned_block_bytes(chunk.nbytes)
+        buf = chunk.new_buffer(spec, pin=True)
+        self.pinned_bytes += block
+        self.pinned_rounding_bytes += block - chunk.nbytes
+        weakref.finalize(buf, self._unpinned, block, block - chunk.nbytes)
         return buf
 
     def _unpinned(self, nbytes: int, rounding: int) -> None:
         self.pinned_bytes -= nbytes
         self.pinned_rounding_bytes -= rounding
 
-    def _recycle(self, old: torch.Tensor | None) -> None:
-        if old is None or old.device.type != "cpu":
-            return
-        dropped = self.pool.give(old)
-        if dropped is None:
-            return
-        if dropped:
-            self.connection.remove("cpu", dropped)  # older pooled buffers went to make room
-        try:
-            self.connection.add("cpu", old.numel() * old.element_size())
-        except CapacityError:  # no room on the CPU for an idle buffer: let it go
-            self.pool.take(old.dtype, old.numel(), pinned=old.is_pinned())
-
-    def _book_near(self, size: int, refer: str, exclude: Collection[str] = (), *, src: str | None = None) -> str:
-        """Have the manager choose a device near ``refer`` and book ``size`` bytes there in
-        one request (``place``; with ``src``, ``move`` them off ``src``); returns the device.
-        Idle pooled buffers never cost a chunk its place on the CPU: when the answer is not
-        what it would be without them, they go first and the booking moves (one more atomic
-        request) to where the manager then chooses."""
-        exclude = list(exclude)
-
-        def book() -> str:
-            if src is None:
-                return self.connection.place(size, refer, exclude=exclude)
-            return self.connection.move(size, src, refer_device=refer, exclude=exclude)
-
-        try:
-            device = book()
-        except CapacityError:
-            if not self.pool.held_bytes:
-                raise
-            self.release_pool()
-            return book()
-        if device != refer and self.pool.held_bytes and "cpu" not in exclude and device != "cpu":
-            self.release_pool()
-            device = self.connection.move(size, device, refer_device=refer, exclude=exclude)
-        return device
-
-    def _relocate(self, src: str, dst: str, size: int) -> None:
-        """Move the booking of ``size`` bytes from ``src`` to ``dst`` in one request, making
-        room from the pool if the CPU is short."""
-        try:
-            self.connection.move(size, src, dst)
-        except CapacityError:
-            if dst != "cpu" or not self.pool.held_bytes:
-                raise
-            self.release_pool()
-            self.connection.move(size, src, dst)
-
-    def _book(self, device: str, size: int) -> None:
-        """Book ``size`` bytes on ``device`` with the manager, making room from the pool if
-        the CPU is short."""
-        try:
-            self.connection.add(device, size)
-        except CapacityError:
-            if device != "cpu" or not self.pool.held_bytes:
-                raise
-            self.release_pool()
-            self.connection.add(device, size)
-
-    def release_pool(self) -> None:
-        released = self.pool.clear()
-        if released:
-            self.connection.remove("cpu", released)
+    def _recycle(self, old: torch.Tensor | None, plan: _PoolPlan) -> None:
+        """Give ``old`` to the pool, unless ``plan`` was cancelled (the pool let go for room)."""
+        if old is not None and old.is_cpu and not plan.cancelled:
+            self.pool.give(old)
 
     def make_room(self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "") -> None:
         """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
@@ -338,9 +462,8 @@ class ChunkManager:
         """Move ``chunk`` off its device, to where the node manager says (the CPU first)."""
         src = chunk.device
         assert src is not None
-        dst = self._book_near(chunk.nbytes, "cpu", exclude=[src, *self._over_budget_gpus(chunk.nbytes)], src=src)
-        self.evictions += 1
-        self._move(chunk, dst, evicted=True, asynchronous=True, booked=True)
+        exclude = list(dict.fromkeys([src, *self._over_budget_gpus(chunk.nbytes)]))
+        self._move(chunk, None, evicted=True, asynchronous=True, refer="cpu", exclude=exclude)
 
     def _crosses_gpu(self, src: str, dst: str) -> bool:
         return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
@@ -352,10 +475,12 @@ class ChunkManager:
 
     # -- mechanics -------------------------------------------------------------------------
 
-    def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk]) -> torch.Tensor:
-        """A buffer for ``chunk`` on ``device``: pooled host memory, or a fresh allocation
-        (with ``_retry_out_of_memory``)."""
-        buf = self._buffer(chunk, device)
+    def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk], plan: _PoolPlan) -> torch.Tensor:
+        """A buffer for ``chunk`` on ``device``: the pooled host buffer ``plan`` took, a fresh
+        pinned one, or a fresh allocation (with ``_retry_out_of_memory``)."""
+        buf, plan.taken = plan.taken, None
+        if buf is None:
+            buf = self._pinned_buffer(chunk, device)
         if buf is not None:
             return buf
         spec = self._specs[device]
@@ -399,50 +524,66 @@ class ChunkManager:
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         self._collect(force=True)
+        self._settle_pool()
 
     def _collect(self, force: bool = False) -> None:
-        """Recycle host buffers whose outgoing copies have finished."""
+        """Recycle host buffers whose outgoing copies have finished (those booked as joining
+        the pool join it; the pool's booking is settled by the caller's request)."""
+        if not self._in_flight:
+            return
         keep = []
-        for event, buf in self._in_flight:
+        for event, buf, pooled in self._in_flight:
             if force or event.query():
-                self._recycle(buf)
+                if pooled:
+                    self.pool.give(buf)
             else:
-                keep.append((event, buf))
+                keep.append((event, buf, pooled))
         self._in_flight = keep
 
     def _allocate(
-        self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = (), booked: bool = False
+        self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = (), plan: _PoolPlan
     ) -> None:
-        if not booked:
-            self._book(device, chunk.nbytes)
+        """Give ``chunk`` a payload on ``device``, where it is booked already (``plan``: the
+        pooled buffer it takes)."""
         try:
-            chunk.allocate(self._specs[device], zero=zero, buffer=self._new_buffer(chunk, device, protect or (chunk,)))
+            chunk.allocate(self._specs[device], zero=zero, buffer=self._new_buffer(chunk, device, protect or (chunk,), plan))
         except BaseException:
-            self.connection.remove(device, chunk.nbytes)
+            self._request(chunk.nbytes, src=device)  # the booking goes back, the pool's as it is
             raise
         self._account(device, chunk, +1)
+        self._settle_pool()
 
     def _move(
         self,
         chunk: Chunk,
-        device: str,
+        device: str | None,
         *,
         evicted: bool = False,
         asynchronous: bool = False,
         protect: Collection[Chunk] = (),
-        booked: bool = False,
+        refer: str | None = None,
+        exclude: Collection[str] = (),
     ) -> None:
-        """Move ``chunk`` to ``device``; ``booked``: the manager moved its booking already."""
+        """Move ``chunk`` to ``device`` or, when it is None, to where the manager chooses near
+        ``refer`` and not in ``exclude``; one manager request (see [Note: one request per
+        chunk operation])."""
         src = chunk.device
         assert src is not None and src != device
         chunk.wait_ready()
-        if not booked:
-            self._relocate(src, device, chunk.nbytes)
+        self._collect()
+        old = chunk.payload
+        likely = device or self._likely_choice(refer or "cpu", exclude)
+        in_flight = asynchronous and self.copy_stream is not None and self._crosses_gpu(src, likely)
+        plan = self._plan(chunk, likely, old, in_flight=in_flight)
+        device = self._book_chunk(chunk.nbytes, src=src, dst=device, refer=refer, exclude=exclude, plan=plan)
+        assert device is not None
+        if evicted:
+            self.evictions += 1
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
         try:
-            buf = self._new_buffer(chunk, device, protect or (chunk,))
+            buf = self._new_buffer(chunk, device, protect or (chunk,), plan)
             if stream is None:
                 old = chunk.move_to(self._specs[device], buffer=buf)
             else:
@@ -462,14 +603,16 @@ class ChunkManager:
             self._account(src, chunk, +1)
             # [Note: a failed copy] The chunk stayed on src: its booking goes back there (the
             # room just left, so only a rank racing for exactly it can refuse; that raises).
-            self.connection.move(chunk.nbytes, device, src)
+            self._request(chunk.nbytes, src=device, dst=src)
             raise
         self._account(device, chunk, +1)
-        if stream is not None and old.device.type == "cpu":
-            self._in_flight.append((chunk.ready_event, old))  # recycled once the copy is done
+        if stream is not None and old.is_cpu:
+            # recycled once the copy is done; booked as the pool's from now if the plan said so
+            self._in_flight.append((chunk.ready_event, old, plan.give_bytes > 0))
         else:
-            self._recycle(old)
+            self._recycle(old, plan)
         self._collect()
+        self._settle_pool()
         self.moves += 1
         self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
         seconds = time.perf_counter() - started
@@ -536,14 +679,14 @@ class ChunkManager:
 
     def device_stats(self) -> dict[str, dict]:
         """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
-        books for this client there (``booked_bytes``: chunks, plus idle pooled buffers on
-        the CPU)."""
+        books for this client there (``booked_bytes``: chunks, plus on the CPU idle pooled
+        buffers and old payloads a copy in flight still reads)."""
         return {
             d.name: {
                 "capacity_bytes": d.capacity_bytes,
                 "used_bytes": self.used_bytes[d.name],
                 "peak_bytes": self.peak_bytes[d.name],
-                "booked_bytes": self.used_bytes[d.name] + (self.pool.held_bytes if d.name == "cpu" else 0),
+                "booked_bytes": self.used_bytes[d.name] + (self._pool_booked_bytes if d.name == "cpu" else 0),
                 "chunks": len(self.resident[d.name]),
                 "simulated": d.simulated,
             }

@@ -10,6 +10,11 @@ already reuses them.
 A buffer is pooled only when nothing else refers to its storage: a view of the old payload
 saved by autograd for backward must keep seeing the old values, so such a buffer is left to
 the garbage collector instead of being handed to another chunk.
+
+Pooled buffers are host memory their client holds, so the node manager books them on the
+CPU; the pool itself makes no request. ``plan_give`` tells, before a chunk operation, what a
+give will do, so that the chunk manager books the pool's bytes in the operation's one
+request (chunk_manager.py, [Note: one request per chunk operation]).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import collections
 
 import torch
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # no public API tells this
+
 
 def _use_count(t: torch.Tensor) -> int | None:
-    counter = getattr(torch._C, "_storage_Use_Count", None)  # no public API tells this
-    if counter is None:
+    if _STORAGE_USE_COUNT is None:
         return None
-    return counter(t.untyped_storage()._cdata)
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata)
 
 
 _UNSHARED = _use_count(torch.empty(1))  # the count of a tensor nothing else refers to
@@ -59,6 +65,34 @@ class PayloadPool:
         self.hits += 1
         return buf
 
+    def plan_give(self, buf: torch.Tensor, *, views: int = 0) -> int | None:
+        """What ``give(buf)`` would return, changing nothing, once ``views`` tensors that view
+        ``buf`` now are gone (a chunk's cached views of its payload go with the payload): the
+        bytes of older buffers it would let go, or None when it would not keep ``buf``.
+        The chunk manager books the pool's bytes from this before the give happens."""
+        if not self._keeps(buf, views=views):
+            return None
+        nbytes = buf.numel() * buf.element_size()
+        held_bytes, dropped = self.held_bytes, 0
+        for dtype, numel, _ in self._age.values():  # oldest first, as give lets them go
+            if held_bytes + nbytes <= self.cap_bytes:
+                break
+            size = numel * dtype.itemsize
+            held_bytes -= size
+            dropped += size
+        return dropped
+
+    def _keeps(self, buf: torch.Tensor, *, views: int = 0) -> bool:
+        """Whether ``buf`` may join the pool: a host buffer within the cap, of a size with room
+        left, that nothing but ``views`` other tensors refers to."""
+        if not buf.is_cpu or _UNSHARED is None:
+            return False
+        bucket = self._free.get(self._key(buf.dtype, buf.numel(), buf.is_pinned()), ())
+        if buf.numel() * buf.element_size() > self.cap_bytes or len(bucket) >= self.per_size:
+            return False
+        count = _use_count(buf)
+        return count is not None and count <= _UNSHARED + views  # more: a view of it is alive (e.g. saved for backward)
+
     def give(self, buf: torch.Tensor) -> int | None:
         """Keep ``buf`` for reuse if it is a host buffer nothing else refers to and fits the
         cap; returns None when it is not kept, else the bytes of older pooled buffers let go
@@ -69,14 +103,10 @@ class PayloadPool:
         pinned buffers every prefetch wants: measured on an H100, four pageable buffers held
         a 4-chunk pool for the whole run and every pinned chunk move missed (0 hits in 52).
         """
-        if buf.device.type != "cpu" or _UNSHARED is None:
+        if not self._keeps(buf):
             return None
         nbytes = buf.numel() * buf.element_size()
         key = self._key(buf.dtype, buf.numel(), buf.is_pinned())
-        if nbytes > self.cap_bytes or len(self._free[key]) >= self.per_size:
-            return None
-        if _use_count(buf) != _UNSHARED:
-            return None  # a view of it is alive somewhere (e.g. saved for backward)
         dropped = 0
         while self.held_bytes + nbytes > self.cap_bytes:
             old_id, old_key = self._age.popitem(last=False)

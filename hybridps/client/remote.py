@@ -8,8 +8,8 @@ background heartbeat that keeps the lease, and riding out a daemon restart (see
 Does not own the wire format (common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
-The stub keeps its own holdings per device: the sum of its successful adds, places and
-moves minus its removes. When a reply says the daemon no longer knows this client
+The stub keeps its own holdings per device: the sum of its successful adds, places, moves
+and updates minus its removes. When a reply says the daemon no longer knows this client
 (``unknown_client``: the daemon restarted, or the lease expired while this process was
 stopped) or comes from a new daemon instance, the stub registers again under the same
 client id with its holdings in the register request, which the daemon books all or nothing,
@@ -40,7 +40,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
@@ -277,6 +277,43 @@ class RemoteConnection:
             self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
             return reply.device
 
+    def update(
+        self,
+        *,
+        release: Mapping[str, int] | None = None,
+        book: Mapping[str, int] | None = None,
+        place_bytes: int = 0,
+        refer_device: str = "cpu",
+        exclude: Sequence[str] = (),
+    ) -> str | None:
+        """Release and book bytes per device and, with ``place_bytes``, book that many on the
+        device chosen near ``refer_device`` (not in ``exclude``): one request; returns the
+        chosen device (None without a placement)."""
+        releases, bookings, exclude = _by_device(release), _by_device(book), tuple(exclude)
+        with self._lock:
+            reply = self._request_locked(
+                lambda i: p.Update(
+                    request_id=i,
+                    token=self._token,
+                    client_id=self.client_id,
+                    release=releases,
+                    book=bookings,
+                    place_bytes=place_bytes,
+                    refer_device=refer_device,
+                    exclude=exclude,
+                )
+            )
+            _raise_for(reply)
+            assert isinstance(reply, p.Scheduled)
+            for device, size in releases.items():
+                self._holdings[device] = self._holdings.get(device, 0) - size
+            for device, size in bookings.items():
+                self._holdings[device] = self._holdings.get(device, 0) + size
+            if not place_bytes:
+                return None
+            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + place_bytes
+            return reply.device
+
     def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
         exclude = tuple(exclude)
         with self._lock:
@@ -509,6 +546,16 @@ def _canonical(device: str) -> str:
         return canonical_device_name(device)
     except HybridPSError:
         return device
+
+
+def _by_device(sizes: Mapping[str, int] | None) -> dict[str, int]:
+    """Bytes per canonical device name, zeros left out (a device named twice: summed)."""
+    out: dict[str, int] = {}
+    for device, size in (sizes or {}).items():
+        if size:
+            name = _canonical(device)
+            out[name] = out.get(name, 0) + size
+    return out
 
 
 def _raise_for(reply: p.Reply) -> None:

@@ -28,7 +28,12 @@ side a float, a string or a uint64 beyond the limit is refused the same way.
 [Note: versions]
 Version 2 added the atomic verbs ``place`` and ``move`` (choose a device and book it, or
 release one device and book another, in one request, so no other client can take the room
-in between) and the ``holdings`` a client re-books atomically when it registers again. A
+in between) and the ``holdings`` a client re-books atomically when it registers again.
+Version 3 added ``update``, which releases and books bytes on any devices and optionally
+places more, all in one request: a chunk's move together with the host buffers its client
+keeps for reuse, so that one change of what a client holds is one round trip. A version-2
+daemon would answer it ``unknown_op`` only once a client is registered and training; the
+version number makes the mismatch a ``bad_version`` at the first request instead. A
 peer speaking another version gets a clear ``bad_version`` error instead of silence, both
 ways: the error reply to a request of another version is framed as version 1
 (``ERROR_REPLY_WIRE_VERSION``), whose error reply (``v``, ``id``, ``instance_id``, ``ok``,
@@ -45,6 +50,7 @@ below any frame limit.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -52,7 +58,7 @@ import msgpack
 
 from hybridps.common.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: The version an error reply to a request of another version is framed as; see
 #: [Note: versions].
@@ -357,6 +363,23 @@ class Move(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Update(Request):
+    """Release ``release`` (bytes per device), book ``book`` (bytes per device) and, with
+    ``place_bytes``, book that many on the device schedule would choose near
+    ``refer_device`` (the CPU when "") and not in ``exclude``, in one step; the releases
+    first. The reply names the chosen device ("" without ``place_bytes``)."""
+
+    OP: ClassVar[str] = "update"
+
+    client_id: str
+    release: dict[str, int] = dataclasses.field(default_factory=dict)
+    book: dict[str, int] = dataclasses.field(default_factory=dict)
+    place_bytes: int = 0
+    refer_device: str = ""
+    exclude: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Status(Request):
     """The daemon's devices, clients and totals. Needs no registration."""
 
@@ -373,7 +396,7 @@ class Unregister(Request):
 
 
 REQUEST_TYPES: Mapping[str, type[Request]] = {
-    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Place, Move, Status, Unregister)
+    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Place, Move, Update, Status, Unregister)
 }
 
 
@@ -436,7 +459,8 @@ class Registered(Reply):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scheduled(Reply):
-    """Answer to schedule, place and move: the chosen (for place and move: booked) device."""
+    """Answer to schedule, place, move and update: the chosen (for place, move and update:
+    booked) device; "" for an update without a placement."""
 
     KIND: ClassVar[str] = "scheduled"
 
@@ -535,8 +559,12 @@ def _foreign_error(obj: dict) -> ErrorReply:
     if not isinstance(code, str) or not isinstance(message, str):
         raise BadMessage(f"error reply of protocol version {obj['v']} has no string code and message", "bad_field", request_id)
     if code == "bad_version":
+        # Such a reply is framed as version 1 (ERROR_REPLY_WIRE_VERSION) by every daemon since
+        # version 2, whose message says which version it speaks.
+        said = re.search(r"this side speaks (\d+)", message)
+        peer = said.group(1) if said else obj["v"]
         message = (
-            f"the peer speaks hybridps protocol version {obj['v']} and this side {PROTOCOL_VERSION} ({message}). Run the "
+            f"the peer speaks hybridps protocol version {peer} and this side {PROTOCOL_VERSION} ({message}). Run the "
             f"hybridps-manager daemon and the training processes from the same hybridps installation: restart the "
             f"daemon from this one (stop it, then run hybridps-manager again)"
         )

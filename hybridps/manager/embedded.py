@@ -2,15 +2,15 @@
 
 This is the default when no node daemon is configured (one rank, tests, notebooks). It
 serves the same ``ManagerConnection`` interface as the daemon's client stub, so the chunk
-manager cannot tell them apart. ``place`` and ``move`` are the ledger's atomic verbs, the
-same code the daemon runs (ledger.py), under this manager's lock.
+manager cannot tell them apart. ``place``, ``move`` and ``update`` are the ledger's atomic
+verbs, the same code the daemon runs (ledger.py), under this manager's lock.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from hybridps.common.devices import DeviceSpec
@@ -37,6 +37,20 @@ class ManagerConnection(Protocol):
     def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
         """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
         near ``refer_device`` and not in ``exclude``), in one step; returns the destination."""
+        ...
+
+    def update(
+        self,
+        *,
+        release: Mapping[str, int] | None = None,
+        book: Mapping[str, int] | None = None,
+        place_bytes: int = 0,
+        refer_device: str = "cpu",
+        exclude: Sequence[str] = (),
+    ) -> str | None:
+        """Release ``release`` and book ``book`` (bytes per device) and, with ``place_bytes``,
+        book that many on the device chosen near ``refer_device`` and not in ``exclude``, in
+        one step (the releases first); returns the chosen device, None without a placement."""
         ...
 
     def status(self) -> dict: ...
@@ -88,6 +102,25 @@ class EmbeddedConnection:
     def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
         with self._manager._lock:
             return self._manager.ledger.move(self.client_id, size, src, dst, refer_device=refer_device, exclude=tuple(exclude))
+
+    def update(
+        self,
+        *,
+        release: Mapping[str, int] | None = None,
+        book: Mapping[str, int] | None = None,
+        place_bytes: int = 0,
+        refer_device: str = "cpu",
+        exclude: Sequence[str] = (),
+    ) -> str | None:
+        with self._manager._lock:
+            return self._manager.ledger.update(
+                self.client_id,
+                release=release,
+                book=book,
+                place_bytes=place_bytes,
+                refer_device=refer_device,
+                exclude=tuple(exclude),
+            )
 
     def status(self) -> dict:
         with self._manager._lock:

@@ -5,10 +5,12 @@ invariants on them: nothing goes negative, no device is booked past its capacity
 never removes more than it holds. Every failing call leaves the ledger unchanged.
 
 Also owns the atomic verbs both managers serve (the daemon's service and the embedded
-manager call these, so there is one implementation): ``place`` chooses a device with the
-policy and books it in one step, ``move`` releases one device and books another in one
-step, and ``register`` books what a returning client already holds all or nothing. A
-caller holding the ledger's lock for one call therefore cannot lose room it was offered.
+manager call these, so there is one implementation): ``update`` releases and books bytes on
+any devices and books more on a device it chooses with the policy, all in one step; ``add``,
+``remove``, ``place`` (choose a device and book it) and ``move`` (release one device, book
+another, dictated or chosen) are special cases of it; and ``register`` books what a
+returning client already holds all or nothing. A caller holding the ledger's lock for one
+call therefore cannot lose room it was offered.
 
 Does not own placement rules (policy.py), sockets (server.py) or time (leases are the
 service's business; the ledger only records what it is told).
@@ -140,46 +142,16 @@ class Ledger:
     # -- usage -----------------------------------------------------------------------------
 
     def add(self, client_id: str, device: str, size: int) -> None:
-        acct = self.client(client_id)
-        dev = self.device(device)
-        _check_size(size)
-        if dev.used_bytes + size > dev.capacity_bytes:
-            raise CapacityError(
-                f"{dev.name} has {format_bytes(dev.free_bytes)} free of {format_bytes(dev.capacity_bytes)}; "
-                f"cannot book {format_bytes(size)} ({size} B) for client {client_id}"
-            )
-        self._book(acct, dev, size)
-
-    def _book(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
-        dev.used_bytes += size
-        dev.peak_bytes = max(dev.peak_bytes, dev.used_bytes)
-        acct.usage[dev.name] = acct.held(dev.name) + size
+        self._update(client_id, book={device: size}, placing=False)
 
     def remove(self, client_id: str, device: str, size: int) -> None:
-        acct = self.client(client_id)
-        dev = self.device(device)
-        _check_size(size)
-        self._check_held(acct, dev, size)
-        dev.used_bytes -= size
-        acct.usage[dev.name] = acct.held(dev.name) - size
-
-    def _check_held(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
-        held = acct.held(dev.name)
-        if size > held:
-            raise ManagerError(
-                f"client {acct.client_id} removes {size} B from {dev.name} but holds only {held} B there; "
-                f"report exactly what was added",
-                code="over_remove",
-            )
+        self._update(client_id, release={device: size}, placing=False)
 
     def place(self, client_id: str, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
         """Choose the device for ``size`` bytes near ``refer_device`` (policy.schedule) and
         book it there, in one step; returns the device."""
-        acct = self.client(client_id)
-        refer = self.device(refer_device).name
-        _check_size(size)
-        device = policy.schedule(size, refer, self.free_bytes(), self.reachable(client_id), exclude=_canonical_all(exclude))
-        self._book(acct, self._devices[device], size)
+        device = self._update(client_id, place_bytes=size, refer_device=refer_device, exclude=exclude, placing=True)
+        assert device is not None
         return device
 
     def move(
@@ -196,26 +168,117 @@ class Ledger:
         it is None, on the device policy.schedule chooses near ``refer_device`` and not in
         ``exclude``, with the source's room counted as free: an eviction excludes its
         source), in one step; returns the destination. On failure nothing changes."""
-        acct = self.client(client_id)
-        src = self.device(src_device)
-        _check_size(size)
-        self._check_held(acct, src, size)
         if dst_device:
-            dst = self.device(dst_device)
-            if dst is not src and dst.used_bytes + size > dst.capacity_bytes:
-                raise CapacityError(
-                    f"{dst.name} has {format_bytes(dst.free_bytes)} free of {format_bytes(dst.capacity_bytes)}; cannot "
-                    f"move {format_bytes(size)} ({size} B) there from {src.name} for client {client_id}"
-                )
-        else:
+            self._update(client_id, release={src_device: size}, book={dst_device: size}, placing=False)
+            return self.device(dst_device).name
+        device = self._update(
+            client_id, release={src_device: size}, place_bytes=size, refer_device=refer_device, exclude=exclude, placing=True
+        )
+        assert device is not None
+        return device
+
+    def update(
+        self,
+        client_id: str,
+        *,
+        release: Mapping[str, int] | None = None,
+        book: Mapping[str, int] | None = None,
+        place_bytes: int = 0,
+        refer_device: str | None = None,
+        exclude: Sequence[str] = (),
+    ) -> str | None:
+        """Change what a client holds in one step: release ``release`` (bytes per device),
+        book ``book`` (bytes per device), and book ``place_bytes`` on the device
+        policy.schedule chooses near ``refer_device`` (default the CPU) and not in
+        ``exclude``; returns that device, or None without a placement (``place_bytes`` 0).
+        The releases come first: their room counts as free for the bookings and the choice.
+        Every other booking verb is a case of this one. On failure nothing changes.
+        """
+        placing = isinstance(place_bytes, int) and place_bytes > 0
+        return self._update(
+            client_id,
+            release=release,
+            book=book,
+            place_bytes=place_bytes,
+            refer_device=refer_device,
+            exclude=exclude,
+            placing=placing,
+        )
+
+    def _update(
+        self,
+        client_id: str,
+        *,
+        release: Mapping[str, int] | None = None,
+        book: Mapping[str, int] | None = None,
+        place_bytes: int = 0,
+        refer_device: str | None = None,
+        exclude: Sequence[str] = (),
+        placing: bool,
+    ) -> str | None:
+        """``update``; ``placing``: choose a device even for ``place_bytes`` 0 (place, move)."""
+        acct = self.client(client_id)
+        releases = self._by_device(release) if release else {}
+        bookings = self._by_device(book) if book else {}
+        _check_size(place_bytes)
+        for name, size in releases.items():
+            self._check_held(acct, self._devices[name], size)
+        for name, size in bookings.items():
+            if size > self._devices[name].free_bytes + releases.get(name, 0):
+                raise CapacityError(self._refusal(client_id, name, size, releases))
+        chosen = None
+        if placing:
             refer = self.device(refer_device or "cpu").name
             free = self.free_bytes()
-            free[src.name] += size  # the bytes leave src first
-            dst = self._devices[policy.schedule(size, refer, free, self.reachable(client_id), exclude=_canonical_all(exclude))]
-        src.used_bytes -= size
-        acct.usage[src.name] = acct.held(src.name) - size
-        self._book(acct, dst, size)
-        return dst.name
+            for name, size in releases.items():
+                free[name] += size
+            for name, size in bookings.items():
+                free[name] -= size
+            chosen = self._devices[
+                policy.schedule(place_bytes, refer, free, self.reachable(client_id), exclude=_canonical_all(exclude))
+            ]
+        for name, size in releases.items():
+            self._devices[name].used_bytes -= size
+            acct.usage[name] = acct.held(name) - size
+        for name, size in bookings.items():
+            self._book(acct, self._devices[name], size)
+        if chosen is None:
+            return None
+        self._book(acct, chosen, place_bytes)
+        return chosen.name
+
+    def _by_device(self, sizes: Mapping[str, int] | None) -> dict[str, int]:
+        """``sizes`` by canonical device name (a device named twice: summed), each checked."""
+        out: dict[str, int] = {}
+        for name, size in (sizes or {}).items():
+            dev = self.device(name)
+            _check_size(size)
+            out[dev.name] = out.get(dev.name, 0) + size
+        return out
+
+    def _refusal(self, client_id: str, device: str, size: int, releases: Mapping[str, int]) -> str:
+        dev = self._devices[device]
+        what = f"{format_bytes(size)} ({size} B)"
+        sources = [name for name, s in releases.items() if s and name != device]
+        action = f"move {what} there from {', '.join(sources)}" if sources else f"book {what}"
+        return (
+            f"{device} has {format_bytes(dev.free_bytes)} free of {format_bytes(dev.capacity_bytes)}; cannot {action} "
+            f"for client {client_id}"
+        )
+
+    def _book(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
+        dev.used_bytes += size
+        dev.peak_bytes = max(dev.peak_bytes, dev.used_bytes)
+        acct.usage[dev.name] = acct.held(dev.name) + size
+
+    def _check_held(self, acct: ClientAccount, dev: DeviceAccount, size: int) -> None:
+        held = acct.held(dev.name)
+        if size > held:
+            raise ManagerError(
+                f"client {acct.client_id} removes {size} B from {dev.name} but holds only {held} B there; "
+                f"report exactly what was added",
+                code="over_remove",
+            )
 
     def snapshot(self) -> dict:
         return {

@@ -17,19 +17,19 @@ either booked exactly as before or refused with ``capacity`` and left unregister
 registered with less than it holds.
 
 [Note: atomic verbs]
-``place`` and ``move`` choose and book under the service's one lock, with the same code as
-the embedded manager (Ledger.place, Ledger.move): a placement is one request and cannot
-lose room it was offered, as schedule followed by add could.
+``place``, ``move`` and ``update`` choose and book under the service's one lock, with the
+same code as the embedded manager (Ledger.update, which every booking verb is): a placement
+is one request and cannot lose room it was offered, as schedule followed by add could, and
+``update`` carries a chunk's move and the client's pooled host buffers in one request.
 
 [Note: retries]
 A client that times out sends the same request again with the same request id, and the
 first copy may have been applied after all (the daemon was only slow). Add, remove and
-unregister are not idempotent, nor are place and move. Each client's last add, remove, place or
-move and its reply are kept, and
-a request with the same op and id is answered from them instead of being applied twice; a
-retried unregister finds the client gone and gets ``unknown_client``, which the client
-takes as done. One entry per client is enough because a client has one request in flight
-at a time.
+unregister are not idempotent, nor are place, move and update. Each client's last add,
+remove, place, move or update and its reply are kept, and a request with the same op and
+id is answered from them instead of being applied twice; a retried unregister finds the
+client gone and gets ``unknown_client``, which the client takes as done. One entry per
+client is enough because a client has one request in flight at a time.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class ManagerService:
             p.Schedule: self._schedule,
             p.Place: self._place,
             p.Move: self._move,
+            p.Update: self._update,
             p.Status: self._status,
             p.Unregister: self._unregister,
         }
@@ -228,6 +229,20 @@ class ManagerService:
                 exclude=req.exclude,
             )
             return self._scheduled(req, device)
+
+        return self._apply_once(req, apply)
+
+    def _update(self, req: p.Update) -> p.Reply:
+        def apply() -> p.Reply:
+            device = self.ledger.update(
+                req.client_id,
+                release=req.release,
+                book=req.book,
+                place_bytes=req.place_bytes,
+                refer_device=req.refer_device or None,
+                exclude=req.exclude,
+            )
+            return self._scheduled(req, device or "")
 
         return self._apply_once(req, apply)
 

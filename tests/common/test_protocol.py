@@ -15,6 +15,8 @@ REQUESTS = [
     p.Move(request_id=10, client_id="c", size_bytes=4096, src_device="cuda:0", dst_device="cpu"),
     p.Move(request_id=11, client_id="c", size_bytes=1, src_device="cuda:0", refer_device="cpu", exclude=("cuda:1",)),
     p.Register(request_id=12, client_id="c", devices=("cpu",), holdings={"cpu": 4096, "cuda:0": 1}),
+    p.Update(request_id=13, client_id="c", release={"cuda:0": 4096}, book={"cpu": 4096}),
+    p.Update(request_id=14, client_id="c", release={"cpu": 1}, place_bytes=4096, refer_device="cuda:0", exclude=("cuda:1",)),
     p.Status(request_id=2**64 - 1),
     p.Unregister(request_id=8, client_id="c"),
 ]
@@ -69,7 +71,7 @@ MALFORMED = {
     "a bare integer": (msgpack.packb(5), "bad_request"),
     "no version": (pack(op="ping", id=1), "bad_version"),
     "version 1 (the old protocol)": (pack(**{**ADD, "v": 1}), "bad_version"),
-    "version 3": (pack(**{**ADD, "v": 3}), "bad_version"),
+    "the next version": (pack(**{**ADD, "v": V + 1}), "bad_version"),
     "version true": (pack(**{**ADD, "v": True}), "bad_version"),
     "version as a string": (pack(**{**ADD, "v": str(V)}), "bad_version"),
     "no request id": (pack(v=V, op="ping"), "missing_field"),

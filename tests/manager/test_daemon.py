@@ -457,6 +457,24 @@ def malformed_messages(n, client_id, rng):
             v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20
         ),  # past capacity
         lambda: body(v=p.PROTOCOL_VERSION, id=1, op="unregister", client_id="someone-else"),
+        lambda: body(
+            v=p.PROTOCOL_VERSION,
+            id=1,
+            op="update",
+            client_id=client_id,
+            **rng.choice(
+                [
+                    {"release": rng.choice([5, "cpu", ["cpu", 1], None])},
+                    {"book": {"cpu": rng.choice([-1, 2**64 - 1, "1", 1.5, None, [1]])}},
+                    {"book": {rng.choice(["tpu", "cuda:9", ""]): 1}},
+                    {"book": {str(i): 1 for i in range(70)}},
+                    {"release": {"cuda:0": 10**9}},  # more than held
+                    {"release": {"cpu": 500}, "book": {"cuda:1": 65 << 20}},  # the release must not happen alone
+                    {"release": {"cpu": 500}, "place_bytes": 2 << 30, "refer_device": "cuda:0"},  # no device has room
+                    {"place_bytes": 1, "refer_device": rng.choice([5, "tpu"]), "exclude": rng.choice([3, [None]])},
+                ]
+            ),
+        ),
     ]
     for i in range(n):
         yield makers[i % len(makers)]() if i % 997 else [b"", b"x" * (p.MAX_REQUEST_BYTES + 1)]

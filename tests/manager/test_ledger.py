@@ -143,3 +143,51 @@ def test_register_with_holdings_books_them_all_or_nothing():
     assert [c.client_id for c in led.clients] == ["b"] and led.free_bytes() == {"cpu": 1000, "cuda:0": 30}
     led.register("a", ClientInfo(), {"cpu": 500, "cuda:0": 30})
     assert led.client("a").usage == {"cpu": 500, "cuda:0": 30} and led.free_bytes() == {"cpu": 500, "cuda:0": 0}
+
+
+# -- update: every booking verb is one of its cases ----------------------------------------
+
+
+def test_update_releases_first_then_books_and_chooses_in_one_step():
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.register("b", ClientInfo())
+    led.add("a", "cuda:0", 80)
+    led.add("b", "cuda:0", 20)
+    # cuda:0 is full, but the 80 B released there count as free for the booking and the choice
+    assert led.update(
+        "a", release={"cuda:0": 80, "cpu": 0}, book={"cuda:0": 30, "cpu": 10}, place_bytes=50, refer_device="cuda"
+    ) == ("cuda:0")
+    assert led.client("a").usage == {"cuda:0": 80, "cpu": 10}
+    assert led.device("cuda:0").used_bytes == 100 and led.device("cuda:0").peak_bytes == 100
+    # without a placement nothing is chosen; names of one device are summed
+    assert led.update("a", release={"cuda": 30, "cuda:0": 50}, book={"cpu": 5}) is None
+    assert led.client("a").usage == {"cuda:0": 0, "cpu": 15}
+    assert led.update("a") is None  # nothing at all: fine
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "text"),
+    [
+        ({"release": {"cpu": 10}, "book": {"cuda:0": 101}}, CapacityError, "cannot move"),
+        ({"book": {"cuda:0": 60, "cpu": 2000}}, CapacityError, "cannot book"),
+        ({"release": {"cpu": 10, "cuda:0": 51}}, ManagerError, "holds only 50 B"),
+        ({"release": {"cpu": 10}, "book": {"cuda:7": 1}}, ManagerError, "unknown device 'cuda:7'"),
+        ({"release": {"cpu": 10}, "book": {"cpu": -1}}, ManagerError, "negative"),
+        ({"release": {"cpu": 100}, "place_bytes": 1101, "refer_device": "cuda:0"}, CapacityError, "no device has room"),
+        (
+            {"release": {"cpu": 100}, "place_bytes": 10, "refer_device": "cpu", "exclude": ["cpu", "cuda:0"]},
+            CapacityError,
+            "no device has room",
+        ),
+    ],
+)
+def test_a_refused_update_changes_nothing(change, error, text):
+    led = make_ledger()
+    led.register("a", ClientInfo())
+    led.add("a", "cpu", 100)
+    led.add("a", "cuda:0", 50)
+    before = led.snapshot()
+    with pytest.raises(error, match=text):
+        led.update("a", **change)
+    assert led.snapshot() == before

@@ -1,6 +1,6 @@
 """Property: the ledger always equals what every live client holds.
 
-Random interleavings of several clients' place, move, add, remove, register and unregister,
+Random interleavings of several clients' place, move, update, add, remove, register and unregister,
 with clients paused past their lease (the service's injected clock is driven) and daemon
 restarts (a new service the clients register with again). The clients are the real client
 stub (``RemoteConnection``: its holdings, its recovery after a lost registration), talking
@@ -130,8 +130,8 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
     try:
         for _ in range(steps):
             op = rng.choices(
-                ["place", "add", "move", "remove", "remove0", "register", "unregister", "pause", "restart"],
-                weights=[30, 10, 20, 20, 3, 4, 3, 4, 2],
+                ["place", "add", "move", "update", "remove", "remove0", "register", "unregister", "pause", "restart"],
+                weights=[30, 10, 20, 20, 20, 3, 4, 3, 4, 2],
             )[0]
             if op == "register" or not clients:
                 if len(clients) < 5:
@@ -168,6 +168,23 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                             assert dst is None or got == dst
                             held[src] -= size
                             held[got] = held.get(got, 0) + size
+                elif op == "update":
+                    # a chunk's move together with its client's pooled buffers: releases on
+                    # some devices, bookings on others, maybe a placement, all or nothing
+                    release = {d: rng.randrange(0, s + 1) for d, s in held.items() if s and rng.random() < 0.6}
+                    book = {d: rng.randrange(1, 400) for d in rng.sample(NAMES, rng.randrange(0, 3))}
+                    place = rng.choice([0, rng.randrange(1, 900)])
+                    exclude = rng.sample(NAMES[1:], rng.randrange(0, 2))
+                    got = conn.update(
+                        release=release, book=book, place_bytes=place, refer_device=rng.choice(NAMES), exclude=exclude
+                    )
+                    assert (got is None) == (place == 0) and got not in exclude
+                    for d, s in release.items():
+                        held[d] -= s
+                    for d, s in book.items():
+                        held[d] = held.get(d, 0) + s
+                    if got is not None:
+                        held[got] = held.get(got, 0) + place
                 elif op == "remove0":
                     conn.remove(rng.choice(NAMES), 0)  # a device maybe never booked (item 11a)
                 elif op == "unregister":
@@ -211,7 +228,8 @@ def test_random_interleavings_keep_the_ledger_equal_to_what_every_live_client_ho
     counts = run_interleaving(seed, 600)
     # The runs do exercise the paths in question, refusals and lost leases included.
     assert counts.get("place", 0) > 50 and counts.get("move", 0) > 30 and counts.get("remove", 0) > 30
-    assert counts.get("place refused", 0) + counts.get("add refused", 0) > 0
+    assert counts.get("update", 0) > 30
+    assert counts.get("place refused", 0) + counts.get("add refused", 0) > 0 and counts.get("update refused", 0) > 0
 
 
 def test_across_seeds_a_paused_client_is_sometimes_refused_its_holdings_and_says_so():

@@ -231,3 +231,43 @@ def test_a_client_back_after_its_lease_is_booked_all_it_holds_or_refused_and_lef
     assert svc.status()["clients"][1]["usage"] == {"cuda:0": 700}
     assert isinstance(svc.handle(back), p.Registered)  # a retried register books nothing more
     assert used(svc) == {"cpu": 0, "cuda:0": 700}
+
+
+def test_an_update_is_one_request_through_the_codec_and_a_retry_is_applied_once():
+    svc, _ = make_service()
+    register(svc)
+    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)).ok
+    update = p.Update(
+        request_id=3, client_id="c0", release={"cuda:0": 600}, book={"cpu": 100}, place_bytes=500, refer_device="cpu"
+    )
+    decoded = p.decode_request(p.encode_request(update))
+    assert decoded == update
+    assert svc.handle(decoded) == p.Scheduled(request_id=3, instance_id="inst1", device="cpu")
+    assert svc.handle(decoded).device == "cpu"  # a retry: answered again, applied once
+    assert used(svc) == {"cpu": 600, "cuda:0": 0}
+    plain = svc.handle(p.Update(request_id=4, client_id="c0", release={"cpu": 100}, book={"cuda:0": 100}))
+    assert plain == p.Scheduled(request_id=4, instance_id="inst1", device="")  # no placement: no device
+    assert svc.status()["clients"][0]["usage"] == {"cpu": 500, "cuda:0": 100}
+    refused = svc.handle(p.Update(request_id=5, client_id="c0", release={"cpu": 500}, book={"cuda:0": 1000}))
+    assert refused.code == "capacity" and "cannot move" in refused.message
+    assert used(svc) == {"cpu": 500, "cuda:0": 100}
+    assert svc.metrics.requests["update"] == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"release": ["cpu"]}, "bad_field"),
+        ({"book": {"cpu": -5}}, "bad_size"),
+        ({"book": {"cpu": 2**64 - 1}}, "bad_size"),
+        ({"place_bytes": "5"}, "bad_size"),
+        ({"exclude": "cpu"}, "bad_field"),
+    ],
+)
+def test_a_malformed_update_is_refused_with_its_code(fields, code):
+    import msgpack
+
+    body = msgpack.packb({"v": p.PROTOCOL_VERSION, "op": "update", "id": 9, "client_id": "c0", **fields})
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(body)
+    assert e.value.code == code and e.value.request_id == 9

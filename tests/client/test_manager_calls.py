@@ -1,0 +1,225 @@
+"""Round trips to the node manager: how many requests each chunk operation costs.
+
+Counts, not timings: a placement, a move and an eviction are one request each; a pooled
+host buffer taken or given costs none of its own; a buffer the pool turns down after all
+costs one request that settles its booking. After every operation the manager books
+exactly the client's chunks plus its idle pooled buffers. A training step with a tight GPU
+makes at most one request per chunk move, and with room to spare none at all.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import hybridps
+from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.chunk_manager import ChunkManager
+from hybridps.client.layout import Slot
+from hybridps.common.devices import DeviceInventory
+from hybridps.common.errors import CapacityError
+from hybridps.common.protocol import ClientInfo
+from hybridps.manager.embedded import EmbeddedManager
+from hybridps.models import GPT, GPTConfig
+from hybridps.models.data import arithmetic_batch
+
+NUMEL = 2**16  # 256 KiB chunks of fp32
+CHUNK_BYTES = NUMEL * 4
+
+
+class CountingConnection:
+    """A manager connection that counts its requests by verb."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name in ("status", "close", "client_id") or not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> dict[str, int]:
+        """The requests since the last take."""
+        calls = dict(self.calls)
+        self.calls.clear()
+        return calls
+
+
+def make_manager(gpu_bytes: int = 2 * CHUNK_BYTES, cpu_bytes: int | None = None, pool_chunks: int = 4):
+    devices = {"cuda:0": gpu_bytes, **({"cpu": cpu_bytes} if cpu_bytes is not None else {})}
+    inventory = DeviceInventory.build(devices, simulate="always")
+    conn = CountingConnection(EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
+    return ChunkManager(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES), conn
+
+
+def new_chunk(i: int, slots: int = 0) -> Chunk:
+    chunk = Chunk(ChunkKind.PARAM, i, NUMEL, torch.float32, i)
+    for s in range(slots):
+        chunk.add_slot(Slot(index=s, chunk=i, offset=s * (NUMEL // slots), numel=NUMEL // slots))
+    return chunk
+
+
+def assert_exact(manager: ChunkManager, conn: CountingConnection) -> None:
+    """The manager books exactly the chunks, plus the idle pooled buffers on the CPU."""
+    usage = next(c["usage"] for c in conn.status()["clients"] if c["client_id"] == conn.client_id)
+    held = {d: s["used_bytes"] for d, s in manager.device_stats().items()}
+    held["cpu"] += manager.pool.held_bytes
+    assert usage == {d: s for d, s in held.items() if s}
+    assert {d: s["booked_bytes"] for d, s in manager.device_stats().items() if s["booked_bytes"]} == usage
+
+
+def test_a_placement_is_one_request_wherever_it_lands():
+    manager, conn = make_manager()
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks:
+        manager.place(c, "cuda:0")
+        assert conn.take() == {"update": 1}
+        assert_exact(manager, conn)
+    assert [c.device for c in chunks] == ["cuda:0", "cuda:0", "cpu"]  # the GPU's budget is two chunks
+
+
+def test_a_move_is_one_request_and_the_pooled_buffers_it_takes_and_gives_cost_none():
+    manager, conn = make_manager()
+    chunk = new_chunk(0)
+    manager.place(chunk, "cpu")
+    chunk.payload.fill_(7.0)
+    conn.take()
+    for _ in range(4):
+        for device in ("cuda:0", "cpu"):
+            manager.bring(chunk, device)
+            assert conn.take() == {"update": 1}, device
+            assert_exact(manager, conn)
+    assert manager.pool.stats()["hits"] >= 6, "the moves did take pooled buffers"
+    assert bool((chunk.payload == 7.0).all())
+
+
+def test_an_eviction_is_one_request_and_the_bring_that_needed_it_one_more():
+    manager, conn = make_manager()
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks:
+        manager.place(c, "cpu")
+    for c in chunks[:2]:
+        manager.bring(c, "cuda:0")
+    conn.take()
+    manager.bring(chunks[2], "cuda:0")  # the GPU holds two: one is evicted first
+    assert manager.evictions == 1
+    assert conn.take() == {"update": 2}
+    assert_exact(manager, conn)
+    manager.evict(chunks[2])
+    assert conn.take() == {"update": 1}
+    assert chunks[2].device == "cpu"
+    assert_exact(manager, conn)
+
+
+def test_a_freed_cpu_chunk_and_a_cpu_payload_from_the_pool_cost_no_request():
+    manager, conn = make_manager()
+    old, new = new_chunk(0), new_chunk(1)
+    manager.place(old, "cpu")
+    conn.take()
+    manager.free(old)  # its buffer joins the pool: still host memory the client holds, on the CPU
+    assert conn.take() == {} and manager.pool.held_bytes == CHUNK_BYTES
+    assert_exact(manager, conn)
+    manager.bring(new, "cpu")  # its payload is the pooled buffer
+    assert conn.take() == {} and manager.pool.held_bytes == 0
+    assert_exact(manager, conn)
+    manager.free(new)
+    manager.release_pool()
+    assert conn.take() == {"update": 1}
+    assert conn.status()["clients"][0]["usage"] == {}
+
+
+def test_a_freed_gpu_chunk_is_one_request_with_its_buffer_joining_the_pool():
+    manager, conn = make_manager()
+    chunk = new_chunk(0)
+    manager.place(chunk, "cuda:0")
+    conn.take()
+    manager.free(chunk)  # a simulated GPU's payload is host memory: it joins the pool
+    assert conn.take() == {"update": 1} and manager.pool.held_bytes == CHUNK_BYTES
+    assert_exact(manager, conn)
+
+
+def test_a_buffer_the_pool_turns_down_after_all_costs_one_settling_request():
+    manager, conn = make_manager()
+    chunk = new_chunk(0, slots=4)  # four slots: up to four cached views may go with the payload
+    manager.place(chunk, "cuda:0")
+    conn.take()
+    saved = chunk.payload[:10]  # e.g. saved by autograd for backward: the old payload must stay as it is
+    manager.bring(chunk, "cpu")
+    assert conn.take() == {"update": 2}, "the move, then the pool's booking settled"
+    assert manager.pool.held_bytes == 0
+    assert_exact(manager, conn)
+    del saved
+
+
+def test_with_the_cpu_short_pooled_buffers_go_first_and_the_ledger_stays_exact():
+    manager, conn = make_manager(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=3 * CHUNK_BYTES)
+    idle = Chunk(ChunkKind.PARAM, 9, 2 * NUMEL, torch.float16, 9)  # as many bytes, of a kind no chunk here takes
+    manager.place(idle, "cpu")
+    manager.free(idle)  # its buffer stays pooled, booked on the CPU
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks[:2]:
+        manager.place(c, "cpu")
+    manager.place(chunks[2], "cuda:0")
+    assert manager.pool.held_bytes == CHUNK_BYTES
+    conn.take()
+    manager.evict(chunks[2])  # the CPU has room for it only without the idle buffer
+    assert chunks[2].device == "cpu" and manager.pool.held_bytes == 0
+    assert conn.take() == {"update": 2}, "refused, then the pool's release rides with the retry"
+    assert_exact(manager, conn)
+
+
+def test_a_refused_request_leaves_the_pool_and_the_ledger_as_they_were():
+    manager, conn = make_manager()
+    other = manager.connection.inner._manager.connect(ClientInfo(devices=("cpu", "cuda:0")))
+    chunk = new_chunk(0)
+    manager.place(chunk, "cpu")
+    manager.free(chunk)
+    other.add("cuda:0", 2 * CHUNK_BYTES)  # another rank took the GPU's room
+    with pytest.raises(CapacityError):
+        manager.bring(chunk, "cuda:0")  # its payload would have been the pooled buffer
+    assert manager.pool.held_bytes == CHUNK_BYTES and chunk.payload is None
+    assert_exact(manager, conn)
+
+
+@pytest.mark.parametrize(("fraction", "most_per_step"), [(2.0, 0), (0.3, None)])
+def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most_per_step):
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=2, seq_len=16, vocab_size=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = hybridps.Config(
+        devices={"cuda:0": int(cfg.n_params * 16 * fraction)}, simulate="always", precision="fp32", chunk_size=8192
+    )
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    manager = engine.client.chunks
+    conn = CountingConnection(manager.connection)
+    manager.connection = conn
+    try:
+        for step in range(4):
+            if step == 2:  # the warm-up steps have placed what they place
+                conn.take()
+                moves = manager.moves
+            x, y = arithmetic_batch(step, 2, cfg.seq_len, cfg.vocab_size)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        calls = conn.take()
+        moved = manager.moves - moves
+        assert set(calls) <= {"update"}, calls
+        if most_per_step is not None:
+            assert sum(calls.values()) <= most_per_step * 2 and moved == 0
+        else:
+            assert moved > 0 and sum(calls.values()) <= moved, (calls, moved)
+        assert_exact(manager, conn)
+    finally:
+        manager.connection = conn.inner
+        engine.close()
