@@ -81,20 +81,20 @@ class Engine:
         except BaseException:
             self.client.close()
             raise
-        self.tracer = MemoryTracer(self.client.store, self.client.chunks, enabled=config.trace)
+        self.tracer = MemoryTracer(self.client.store, self.client.mover, enabled=config.trace)
         if config.eviction in ("opt", "auto"):
-            self.client.chunks.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
+            self.client.mover.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
         self.hooks.on_bare_backward = self._finish_bare_backward
         self.hooks.install()
         self.prefetcher = (
             Prefetcher(
-                self.client.store, self.client.chunks, self.tracer, groups=self.client.groups, window=config.prefetch_window
+                self.client.store, self.client.mover, self.tracer, groups=self.client.groups, window=config.prefetch_window
             )
             if config.prefetch_window
             else None
         )
-        self.events = EventRecorder(self.client.chunks, self.client.inventory, rank=self.client.rank)
+        self.events = EventRecorder(self.client.mover, self.client.inventory, rank=self.client.rank)
         self.events.enabled = config.record
         self.tracer.tick_listeners.append(self.events.on_moment)
         self.optimizer.step_listeners.append(self.events.on_step)

@@ -100,7 +100,7 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True) -
             chunk_s.append(t2 - t1)
             same_s.append(t3 - t2)
     p, c = statistics.median(plain_s), statistics.median(chunk_s)
-    n_chunks = len(client.lists[ChunkKind.PARAM])
+    n_chunks = len(client.rows[ChunkKind.PARAM])
     client.close()
     out = {
         "precision": precision,

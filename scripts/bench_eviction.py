@@ -80,7 +80,7 @@ def run(policy: str, args) -> dict:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             before = engine.memory_stats()
-            residency = {c.chunk_id for c in client.chunks.resident["cuda:0"].values()}
+            residency = {c.chunk_id for c in client.mover.resident["cuda:0"].values()}
         x, y = batch(step, args.batch, args.seq, args.vocab)
         _, loss = engine(x, y)
         engine.backward(loss)

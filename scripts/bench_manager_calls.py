@@ -68,16 +68,16 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
     config = hybridps.Config(devices={"cuda:0": capacity}, simulate="always", precision="fp32", manager=manager)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), config)
     client = engine.client
-    counting = CountingConnection(client.chunks.connection)
-    client.chunks.connection = counting
+    counting = CountingConnection(client.mover.connection)
+    client.mover.connection = counting
     start = None
     losses = []
     by_step = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             start = collections.Counter(counting.calls)
-            moves0 = client.chunks.moves
-            evictions0 = client.chunks.evictions
+            moves0 = client.mover.moves
+            evictions0 = client.mover.evictions
         before = sum(counting.calls.values())
         x, y = batch(step, args.batch, args.seq, args.vocab)
         _, loss = engine(x, y)
@@ -90,8 +90,8 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
     calls = counting.calls - start
     per_step = {verb: calls[verb] / args.steps for verb in sorted(calls)}
     # what the client holds: its chunks, and on the CPU its idle pooled buffers
-    held = dict(client.chunks.used_bytes)
-    held["cpu"] += client.chunks.pool.held_bytes
+    held = dict(client.mover.used_bytes)
+    held["cpu"] += client.mover.pool.held_bytes
     held = {d: s for d, s in held.items() if s}
     booked = _booked(counting.inner)
     result = {
@@ -99,13 +99,13 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
         "calls_per_step": per_step,
         "total_per_step": sum(calls.values()) / args.steps,
         "total_by_step": by_step,  # warm-up steps included
-        "moves_per_step": (client.chunks.moves - moves0) / args.steps,
-        "evictions_per_step": (client.chunks.evictions - evictions0) / args.steps,
-        "pool": client.chunks.pool.stats(),
+        "moves_per_step": (client.mover.moves - moves0) / args.steps,
+        "evictions_per_step": (client.mover.evictions - evictions0) / args.steps,
+        "pool": client.mover.pool.stats(),
         "ledger_matches": booked == held,
         "losses": losses,
     }
-    client.chunks.connection = counting.inner
+    client.mover.connection = counting.inner
     engine.close()
     return result
 

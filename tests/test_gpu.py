@@ -40,7 +40,7 @@ def test_training_on_a_real_gpu_at_30_percent_capacity_matches_plain_pytorch():
     engine = hybridps.initialize(
         model, adamw_groups(model, lr=1e-3, fused=True), hybridps.Config(devices={"cuda:0": capacity}, simulate=False)
     )
-    assert not engine.client.compute.simulated and engine.client.chunks.copy_stream is not None
+    assert not engine.client.compute.simulated and engine.client.mover.copy_stream is not None
     for step in range(12):
         x, y = tokens(step)
         _, loss = engine(x, y)
@@ -85,7 +85,7 @@ def test_values_survive_asynchronous_moves_bitwise():
     config = hybridps.Config(devices={"cuda:0": "3MiB"}, simulate=False, chunk_size=512 * 513)
     with hybridps.Client(config) as client:
         client.register_module(model)
-        manager = client.chunks
+        manager = client.mover
         params = list(model.parameters())
         for p, expected in zip(params + params[::-1], original + original[::-1], strict=True):
             # start a prefetch of the next chunk on the copy stream, then use this one

@@ -224,7 +224,7 @@ def test_state_dict_streams_without_extra_chunks():
         assert dev["peak_bytes"] == before["devices"][name]["peak_bytes"], name
         assert dev["used_bytes"] == before["devices"][name]["used_bytes"], name
     assert sum(v.numel() * v.element_size() for v in sd.values()) == n_bytes
-    assert engine.client.chunks.pool.stats() == before["pool"]
+    assert engine.client.mover.pool.stats() == before["pool"]
 
 
 def test_hf_save_pretrained_round_trips_bit_for_bit_with_tied_weights(tmp_path):
@@ -517,7 +517,7 @@ def test_managed_tensors_read_and_write_through():
         with torch.no_grad():
             managed.add_(1)
         assert torch.equal(managed.sum(), torch.tensor(21.0))
-        assert client.lists[ChunkKind.BUFFER][0].payload is not None
+        assert client.rows[ChunkKind.BUFFER][0].payload is not None
 
 
 # -- several ranks ------------------------------------------------------------------------

@@ -80,13 +80,14 @@ class Client:
         if connection is None:
             connection = self._connect(info)
         self.connection = connection
-        self.chunks = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
+        #: the mover: allocates, copies and books chunks (chunk_manager.py); the rows are the store's
+        self.mover = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
         pinned = self.config.pinned_bytes
-        self.chunks.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
+        self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
-        self.store = ChunkStore(self.config, self.compute, self.chunks, rank=rank, world_size=world_size)
+        self.store = ChunkStore(self.config, self.compute, self.mover, rank=rank, world_size=world_size)
         self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.optimizer: ChunkedAdam | None = None
@@ -107,11 +108,11 @@ class Client:
                 timeout_s=self.config.collective_timeout_s,
                 device=_backend_device(process_group, self.compute),
             )
-            self.groups = ChunkGroups(self.store, self.chunks, comm, placement=self.placement)
+            self.groups = ChunkGroups(self.store, self.mover, comm, placement=self.placement)
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
         #: grads that may not enter their slot yet (pending_grads.py)
-        self.pending = PendingGrads(self.store, self.chunks, self._write_grad)
+        self.pending = PendingGrads(self.store, self.mover, self._write_grad)
         #: a backward of the engine is running (for error messages)
         self.in_backward = False
         #: an optimizer will be registered (the engine's case): registration counts Adam states too
@@ -138,8 +139,8 @@ class Client:
         self.store.layout = value
 
     @property
-    def lists(self) -> dict[ChunkKind, list[Chunk]]:
-        """The store's chunk rows by kind."""
+    def rows(self) -> dict[ChunkKind, list[Chunk]]:
+        """The store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)."""
         return self.store.rows
 
     @property
@@ -260,7 +261,7 @@ class Client:
             )
             self.store.add(info)
             for kind in self.kinds:
-                self.lists[kind][slot.chunk].add_slot(slot)
+                self.rows[kind][slot.chunk].add_slot(slot)
             if info.meta_key is None:
                 values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)
@@ -274,10 +275,10 @@ class Client:
 
     def _size_pool(self) -> None:
         if self.config.pool_bytes is not None:
-            self.chunks.pool.cap_bytes = self.config.pool_bytes
+            self.mover.pool.cap_bytes = self.config.pool_bytes
         else:  # enough for a few moves in flight of the largest (fp32) chunks
             largest = max((self.layout.capacity(i) for i in range(self.layout.num_chunks)), default=0)
-            self.chunks.pool.cap_bytes = 4 * 4 * largest
+            self.mover.pool.cap_bytes = 4 * 4 * largest
 
     def _pick_chunk_size(self, numels: list[int]) -> int:
         size = auto_chunk_size(numels, self.config, self.compute, self.world_size)
@@ -316,7 +317,7 @@ class Client:
         kinds = self.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
         per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.world_size for k in kinds}
         total = sum(per_kind.values())
-        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.chunks.used_bytes.values())
+        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
         already = (
             self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.world_size if self.layout else 0
         )
@@ -329,13 +330,13 @@ class Client:
             )
 
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
-        while len(self.lists[ChunkKind.PARAM]) <= slot.chunk:
-            self._new_chunk_row(plan.capacity(len(self.lists[ChunkKind.PARAM])))
+        while len(self.rows[ChunkKind.PARAM]) <= slot.chunk:
+            self._new_chunk_row(plan.capacity(len(self.rows[ChunkKind.PARAM])))
         info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
         src = p.data.reshape(-1)
         with torch.no_grad():
             for kind in self.kinds:
-                chunk = self.lists[kind][slot.chunk]
+                chunk = self.rows[kind][slot.chunk]
                 chunk.add_slot(slot)
                 if kind is ChunkKind.GRAD:
                     continue  # grads arrive in backward
@@ -357,19 +358,19 @@ class Client:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
         now (a padding row, which only fills a chunk group, needs its param chunk alone: it
         takes part in the group's collectives)."""
-        index = len(self.lists[ChunkKind.PARAM])
+        index = len(self.rows[ChunkKind.PARAM])
         for kind in self.kinds:
             chunk = self.store.new_chunk(kind, index, capacity)
-            self.lists[kind].append(chunk)
+            self.rows[kind].append(chunk)
             if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
                 continue
             if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
-                self.chunks.place(chunk, self.placement.home(kind))
+                self.mover.place(chunk, self.placement.home(kind))
 
     def _rollback(self, done: list[ParamInfo]) -> None:
         """Give the params of a failed registration their data back (nothing is lost)."""
         for info in reversed(done):
-            source = self.lists[self.master_kind][info.chunk]
+            source = self.rows[self.master_kind][info.chunk]
             if source.payload is not None:
                 ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
             self.guard.forget(info)
@@ -382,16 +383,16 @@ class Client:
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
         chunked = ChunkedAdam(
-            self.store, self.chunks, optimizer, placement=self.placement, groups=self.groups, pending=self.pending
+            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, pending=self.pending
         )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
-            for i, param_chunk in enumerate(self.lists[ChunkKind.PARAM]):
+            for i, param_chunk in enumerate(self.rows[ChunkKind.PARAM]):
                 chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
                 for slot in param_chunk.slots:
                     chunk.add_slot(slot)
                 chunks.append(chunk)
-            self.lists[kind] = chunks
+            self.rows[kind] = chunks
         self._book_optimizer_states()
         self.optimizer = chunked
         # the one place the early step (Config.overlap_step) is wired: chunk groups call it
@@ -407,15 +408,15 @@ class Client:
         master chunks, now rather than at the first step: a model whose Adam states do not
         fit fails at registration with the true figure instead of at its first step."""
         rows = [
-            (self.lists[kind][i], self.lists[self.master_kind][i])
+            (self.rows[kind][i], self.rows[self.master_kind][i])
             for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-            for i in range(len(self.lists[kind]))
-            if self.lists[kind][i].owned and self.lists[kind][i].slots
+            for i in range(len(self.rows[kind]))
+            if self.rows[kind][i].owned and self.rows[kind][i].slots
         ]
         need = sum(chunk.nbytes for chunk, _ in rows)
         try:
             for chunk, master in rows:
-                self.chunks.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
+                self.mover.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
                 chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
         except CapacityError as exc:
             raise CapacityError(
@@ -447,13 +448,13 @@ class Client:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
         info = self.store.by_id.get(id(param)) or self.param_info(param)
         if info.refs == 0:
-            chunk = self.lists[info.kind][info.chunk]
+            chunk = self.rows[info.kind][info.chunk]
             if self.groups is not None and info.kind is ChunkKind.PARAM:
                 self.groups.ensure_gathered(info.chunk, who)
             previous = chunk.slot_state(info.slot)
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
             try:
-                self.chunks.bring(chunk, self.compute.name, who=who or info)
+                self.mover.bring(chunk, self.compute.name, who=who or info)
             except BaseException:
                 chunk.set_slot_state(info.slot, previous, info)
                 raise
@@ -464,7 +465,7 @@ class Client:
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
         info = self.store.by_id.get(id(param)) or self.param_info(param)
-        chunk = self.lists[info.kind][info.chunk]
+        chunk = self.rows[info.kind][info.chunk]
         if not isinstance(state, TensorState):
             raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
         if info.refs == 0:
@@ -484,7 +485,7 @@ class Client:
         if self.groups is not None and info.kind is ChunkKind.PARAM:
             self.groups.after_release(info, state)
         elif chunk.state is ChunkState.FREE:
-            self.chunks.free(chunk)
+            self.mover.free(chunk)
 
     def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
         """After warm-up: move the optimizer rows (master, momentum, variance of one chunk
@@ -493,13 +494,13 @@ class Client:
         A row on the GPU steps there, so its param chunk never leaves the GPU for the
         optimizer. How much room and which rows: ``placement.py``.
         """
-        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.lists.get(k, []))
+        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.rows.get(k, []))
         room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
         if room <= 0:
             return 0
-        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.lists]
+        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.rows]
         away = {
-            index: [self.lists[k][index] for k in kinds if self.lists[k][index].device != self.compute.name]
+            index: [self.rows[k][index] for k in kinds if self.rows[k][index].device != self.compute.name]
             for index in range(self.store.num_chunks)
             if self.owns(index)
         }
@@ -507,7 +508,7 @@ class Client:
         for index in chosen:
             for chunk in away[index]:
                 if chunk.payload is not None:
-                    self.chunks.bring(chunk, self.compute.name, who="optimizer state placement")
+                    self.mover.bring(chunk, self.compute.name, who="optimizer state placement")
         moved = sum(c.nbytes for i in chosen for c in away[i])
         logger.info("optimizer states on %s after warm-up: %d B of %d B of room", self.compute.name, moved, room)
         return moved
@@ -558,7 +559,7 @@ class Client:
     def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
         if self.config.grad_reuse:
-            chunk = self.lists[ChunkKind.PARAM][info.chunk]
+            chunk = self.rows[ChunkKind.PARAM][info.chunk]
             chunk.wait_ready()
             view = chunk.view(info.slot)
             if info.has_grad:
@@ -568,9 +569,9 @@ class Client:
             # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
             torch.autograd.graph.increment_version(info.param)
         else:
-            chunk = self.lists[ChunkKind.GRAD][info.chunk]
+            chunk = self.rows[ChunkKind.GRAD][info.chunk]
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
-            self.chunks.bring(chunk, self.compute.name, who=info.describe() + " grad")
+            self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
             view = chunk.view(info.slot)
             if info.has_grad:
                 view.add_(grad.reshape(-1))
@@ -628,14 +629,14 @@ class Client:
                 f"with engine.zero_grad()"
             )
         if self.config.grad_reuse:
-            chunk = self.lists[ChunkKind.PARAM][info.chunk]
-            chunk.view(info.slot).copy_(self.lists[self.master_kind][info.chunk].view(info.slot))
+            chunk = self.rows[ChunkKind.PARAM][info.chunk]
+            chunk.view(info.slot).copy_(self.rows[self.master_kind][info.chunk].view(info.slot))
         else:
-            chunk = self.lists[ChunkKind.GRAD][info.chunk]
+            chunk = self.rows[ChunkKind.GRAD][info.chunk]
             if chunk.slot_state(info.slot) is not TensorState.FREE:
                 chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
             if chunk.state is ChunkState.FREE:
-                self.chunks.free(chunk)
+                self.mover.free(chunk)
         info.has_grad = False
 
     @torch.no_grad()
@@ -646,7 +647,7 @@ class Client:
         if self.config.grad_reuse:
             if info.refs == 0:
                 raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
-            target = self.lists[ChunkKind.PARAM][info.chunk].view(info.slot)
+            target = self.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
         else:
             target = self.groups.grad_slot_view(info)
         if self.groups.local_flags[info.slot.index]:
@@ -695,11 +696,11 @@ class Client:
         if self._buffer_layout is None:
             size = self.layout.chunk_size if self.layout is not None else max(value.numel(), 1)
             self._buffer_layout = ChunkLayout(size, self.config.alignment)
-        chunks = self.lists.setdefault(ChunkKind.BUFFER, [])
+        chunks = self.rows.setdefault(ChunkKind.BUFFER, [])
         slot = self._buffer_layout.add(value.numel())
         while len(chunks) <= slot.chunk:
             chunk = self.store.new_chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype)
-            self.chunks.place(chunk, self.placement.home(ChunkKind.BUFFER))
+            self.mover.place(chunk, self.placement.home(ChunkKind.BUFFER))
             chunks.append(chunk)
         chunk = chunks[slot.chunk]
         if chunk.dtype != value.dtype:
@@ -745,7 +746,7 @@ class Client:
         info = self.param_info(param)
         if not self.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
-        chunk = self.lists[self.master_kind][info.chunk]
+        chunk = self.rows[self.master_kind][info.chunk]
         if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
             raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
         if chunk.payload is None:
@@ -767,9 +768,9 @@ class Client:
                 raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
             kinds = (self.master_kind,)  # the slot holds the grad; the step writes the new master back to it
         for kind in dict.fromkeys(kinds):
-            chunk = self.lists[kind][info.chunk]
+            chunk = self.rows[kind][info.chunk]
             if chunk.payload is None:
-                self.chunks.place(chunk, self.placement.home(kind))
+                self.mover.place(chunk, self.placement.home(kind))
             chunk.view(info.slot).copy_(value.reshape(-1))
 
     def read_value(self, param: nn.Parameter) -> torch.Tensor:
@@ -777,7 +778,7 @@ class Client:
         dtype it was registered with."""
         info = self.param_info(param)
         if info.kind is ChunkKind.BUFFER:
-            return self.lists[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
+            return self.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
         return self.read_param(param).to(info.orig_dtype)
 
     def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -787,7 +788,7 @@ class Client:
             if tuple(value.shape) != tuple(info.shape):
                 raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
             with torch.no_grad():
-                self.lists[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
+                self.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
             return
         self.write_param(param, value)
 
@@ -807,21 +808,21 @@ class Client:
                 "bytes": sum(c.nbytes for c in chunks if c.owned and (c.slots or c.payload is not None)),
                 "allocated_bytes": sum(c.nbytes for c in chunks if c.payload is not None),
             }
-            for kind, chunks in self.lists.items()
+            for kind, chunks in self.rows.items()
         }
         return {
-            "devices": self.chunks.device_stats(),
-            "moved_bytes": dict(self.chunks.moved_bytes),
-            "moves": self.chunks.moves,
-            "evictions": self.chunks.evictions,
-            "prefetches": self.chunks.prefetches,
-            "prefetch_hits": self.chunks.prefetch_hits,
-            "pool": self.chunks.pool.stats(),
-            "pinned_bytes": self.chunks.pinned_bytes,
+            "devices": self.mover.device_stats(),
+            "moved_bytes": dict(self.mover.moved_bytes),
+            "moves": self.mover.moves,
+            "evictions": self.mover.evictions,
+            "prefetches": self.mover.prefetches,
+            "prefetch_hits": self.mover.prefetch_hits,
+            "pool": self.mover.pool.stats(),
+            "pinned_bytes": self.mover.pinned_bytes,
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
-            "peak_model_data_bytes": self.chunks.peak_all_bytes,
+            "peak_model_data_bytes": self.mover.peak_all_bytes,
             "params": len(self.params),
             "param_elements": sum(i.slot.numel for i in self.params),
             "chunk_size": self.layout.chunk_size if self.layout else self.config.chunk_size,
@@ -843,13 +844,13 @@ class Client:
         simulated = [d.name for d in self.inventory if d.simulated]
         buffers = self.optimizer._buffers.values() if self.optimizer is not None else ()
         parts = {
-            "cpu_chunk_bytes": self.chunks.used_bytes["cpu"],
-            "simulated_gpu_chunk_bytes": sum(self.chunks.used_bytes[d] for d in simulated),
-            "pool_bytes": self.chunks.pool.held_bytes,
+            "cpu_chunk_bytes": self.mover.used_bytes["cpu"],
+            "simulated_gpu_chunk_bytes": sum(self.mover.used_bytes[d] for d in simulated),
+            "pool_bytes": self.mover.pool.held_bytes,
             "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
             "pending_grad_bytes": self.pending.waiting_bytes(),
             # pinned buffers are powers of two: the part beyond their chunks (real GPUs only)
-            "pinned_rounding_bytes": self.chunks.pinned_rounding_bytes,
+            "pinned_rounding_bytes": self.mover.pinned_rounding_bytes,
         }
         parts["accounted_bytes"] = sum(parts.values())
         parts["rss_bytes"] = _rss_bytes()
@@ -880,7 +881,7 @@ class Client:
         try:
             if restore:
                 self._restore_params()
-            self.chunks.release_all(self.all_chunks())
+            self.mover.release_all(self.all_chunks())
         finally:
             for info in [*self.params, *self.buffers]:
                 self.guard.forget(info)  # without restore a param stays a ChunkedParameter that refuses ops
@@ -900,7 +901,7 @@ class Client:
         for g in range(self.groups.num_groups):
             rows = self.groups.gather_rows(self.master_kind, g)
             for r, index in enumerate(self.groups.ranked(g)):
-                for slot in self.lists[ChunkKind.PARAM][index].slots:
+                for slot in self.rows[ChunkKind.PARAM][index].slots:
                     info = self.params[slot.index]
                     yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
 
@@ -911,7 +912,7 @@ class Client:
             self.guard.forget(info)
             info.refs = 0
         for info in self.buffers:
-            chunk = self.lists[ChunkKind.BUFFER][info.chunk]
+            chunk = self.rows[ChunkKind.BUFFER][info.chunk]
             assert chunk.payload is not None
             ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
             self.guard.forget(info)
@@ -926,7 +927,7 @@ class Client:
     def __repr__(self) -> str:
         return (
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
-            f"{sum(len(c) for c in self.lists.values())}, model_data={format_bytes(self.model_data_bytes)})"
+            f"{sum(len(c) for c in self.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
 
 

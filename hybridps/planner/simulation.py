@@ -147,13 +147,13 @@ def simulate(
         engine = initialize(module, optimizer, config)
         with meta_attention_as_flash():
             for _ in range(iterations):
-                moved_before = dict(engine.client.chunks.moved_bytes)
+                moved_before = dict(engine.client.mover.moved_bytes)
                 out = engine(*model.inputs(device))
                 engine.backward(model.loss(out))
                 engine.step()
                 engine.zero_grad()
                 done += 1
-        moved_after = dict(engine.client.chunks.moved_bytes)
+        moved_after = dict(engine.client.mover.moved_bytes)
     except (ConfigError, CapacityError) as exc:
         where = "initialize" if engine is None else f"iteration {done + 1}"
         failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
@@ -187,7 +187,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
     client = engine.client
     layout = client.layout
     stats = engine.memory_stats()
-    kinds = [k for k, chunks in client.lists.items() if chunks]
+    kinds = [k for k, chunks in client.rows.items() if chunks]
     capacities = tuple(layout.capacity(i) for i in range(layout.num_chunks))
     module_chunks = tuple(
         (name, tuple(sorted({client.param_info(p).slot.chunk for p in params if client.is_registered(p)})))

@@ -31,11 +31,11 @@ class TotalObserver(TorchDispatchMode):
         self.device = engine.client.compute.name
         self.peak_bytes = 0
         self.non_model_peak_bytes = 0
-        engine.client.chunks.move_listeners.append(lambda *args: self.sample())
+        engine.client.mover.move_listeners.append(lambda *args: self.sample())
 
     def sample(self) -> None:
         live = self.engine.tracer.live_non_model()
-        self.peak_bytes = max(self.peak_bytes, self.engine.client.chunks.used_bytes[self.device] + live)
+        self.peak_bytes = max(self.peak_bytes, self.engine.client.mover.used_bytes[self.device] + live)
         self.non_model_peak_bytes = max(self.non_model_peak_bytes, live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -176,7 +176,7 @@ def test_the_pack_hook_raises_without_evicting_when_nothing_could_make_room():
     """The error comes before any eviction: evicting cannot help, so no chunk is moved for it."""
     model, _ = gpt_pair()
     engine, capacity_bytes = _engine(model, 0.3)
-    chunks = engine.client.chunks
+    chunks = engine.client.mover
     evictions = chunks.evictions
     with pytest.raises(CapacityError, match="out of memory"):
         chunks.fit_non_model("cuda:0", capacity_bytes + 1)

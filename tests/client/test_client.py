@@ -93,7 +93,7 @@ def test_accesses_nest_and_the_last_release_decides_the_state():
         assert w.numel() == 64, "still accessed once"
         client.release(w, TensorState.HOLD_AFTER_BWD)
         assert isinstance(w, ChunkedParameter)
-        chunk = client.lists[ChunkKind.PARAM][client.param_info(w).chunk]
+        chunk = client.rows[ChunkKind.PARAM][client.param_info(w).chunk]
         assert chunk.slot_state(client.param_info(w).slot) is TensorState.HOLD_AFTER_BWD
 
 
@@ -105,8 +105,8 @@ def test_releasing_every_tensor_of_a_chunk_to_free_drops_its_payload():
         for p in model.parameters():
             client.access(p)
             client.release(p, TensorState.FREE)
-        assert client.memory_stats()["devices"]["cuda:0"]["used_bytes"] == used - client.lists[ChunkKind.PARAM][0].nbytes
-        assert client.lists[ChunkKind.PARAM][0].payload is None
+        assert client.memory_stats()["devices"]["cuda:0"]["used_bytes"] == used - client.rows[ChunkKind.PARAM][0].nbytes
+        assert client.rows[ChunkKind.PARAM][0].payload is None
 
 
 def test_low_precision_params_are_chunked_with_an_fp32_master_copy():
@@ -118,7 +118,7 @@ def test_low_precision_params_are_chunked_with_an_fp32_master_copy():
             assert torch.equal(client.access(p), o.to(torch.bfloat16))
             client.release(p)
         info = client.param_info(model[1].weight)
-        master = client.lists[ChunkKind.MASTER][info.chunk]
+        master = client.rows[ChunkKind.MASTER][info.chunk]
         assert torch.equal(master.view(info.slot).view(info.shape), original[2])
     # close() gives the params their full-precision values back
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original, strict=True))

@@ -62,7 +62,7 @@ def test_a_dead_rank_is_named_by_the_watchdog_before_its_timeout():
 def _swaps_two_groups(rank, world):
     engine = _engine()
     groups = engine.client.groups
-    rows = engine.client.lists[ChunkKind.PARAM]
+    rows = engine.client.rows[ChunkKind.PARAM]
 
     def capacities(g):  # in the order of their owners' ranks: the order of the gather's collectives
         return [rows[i].capacity for i in groups.ranked(g)]
@@ -92,8 +92,8 @@ def _diverges(rank, world):
     if rank == 1:  # rank 1 touches a param of the last chunk group before the forward
         client = engine.client
         last = client.groups.num_groups - 1
-        index = next(i for i in client.groups.members(last) if client.lists[ChunkKind.PARAM][i].slots)
-        param = client.params[client.lists[ChunkKind.PARAM][index].slots[0].index].param
+        index = next(i for i in client.groups.members(last) if client.rows[ChunkKind.PARAM][i].slots)
+        param = client.params[client.rows[ChunkKind.PARAM][index].slots[0].index].param
         client.access(param)
     _step(engine, rank, world, 0)
 

@@ -40,7 +40,7 @@ def _train_ranks(rank, world, steps, kw):
         "model_data_bytes": stats["model_data_bytes"],
         "peak_bytes": stats["peak_model_data_bytes"],
         "max_group_bytes": max(
-            sum(engine.client.lists[ChunkKind.PARAM][i].nbytes for i in engine.client.groups.members(g))
+            sum(engine.client.rows[ChunkKind.PARAM][i].nbytes for i in engine.client.groups.members(g))
             for g in range(engine.client.groups.num_groups)
         ),
         "gpu_peak": stats["devices"]["cuda:0"]["peak_bytes"],
@@ -183,7 +183,7 @@ def test_one_rank_owns_every_chunk_and_model_data_matches_the_layout():
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), _config())
     client = engine.client
     assert client.groups is None and all(c.owned for c in client.all_chunks())
-    assert len(client.lists[ChunkKind.MOMENTUM]) == len(client.lists[ChunkKind.PARAM])
+    assert len(client.rows[ChunkKind.MOMENTUM]) == len(client.rows[ChunkKind.PARAM])
 
 
 def test_plain_pytorch_agrees_with_the_single_rank_reference(single_rank):

@@ -199,7 +199,7 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
         devices={"cuda:0": int(cfg.n_params * 16 * fraction)}, simulate="always", precision="fp32", chunk_size=8192
     )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    manager = engine.client.chunks
+    manager = engine.client.mover
     conn = CountingConnection(manager.connection)
     manager.connection = conn
     try:

@@ -69,7 +69,7 @@ def _train(placement):
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
-    masters = {c.device for c in engine.client.lists[engine.client.master_kind] if c.payload is not None}
+    masters = {c.device for c in engine.client.rows[engine.client.master_kind] if c.payload is not None}
     engine.close()
     return losses, masters
 

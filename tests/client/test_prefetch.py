@@ -59,7 +59,7 @@ def test_stepping_during_backward_on_two_ranks_matches_stepping_after():
 def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.3)
-    manager = engine.client.chunks
+    manager = engine.client.mover
     # make the simulated GPU behave like a real one for the recovery path
     gpu = manager._specs["cuda:0"]
     monkeypatch.setitem(manager._specs, "cuda:0", type(gpu)(name="cuda:0", capacity_bytes=gpu.capacity_bytes, simulated=False))
