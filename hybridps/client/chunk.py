@@ -163,6 +163,16 @@ class Chunk:
         self._views.clear()
         return old
 
+    def rebind(self, device: DeviceSpec, buffer: torch.Tensor) -> torch.Tensor:
+        """Point the chunk at ``buffer`` on ``device`` before its data arrives (a copy engine
+        fills it; the chunk's ``ready_event`` says when); return the old payload, which the
+        copy still reads."""
+        assert self.payload is not None, f"{self} has no payload to move"
+        old, self.payload = self.payload, buffer
+        self.device = device.name
+        self._views.clear()
+        return old
+
     def drop(self) -> torch.Tensor | None:
         """Forget the payload; return it."""
         old, self.payload = self.payload, None

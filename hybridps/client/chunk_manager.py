@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -59,6 +60,7 @@ from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.eviction import EvictionPolicy, LRUPolicy
 from hybridps.client.layout import pinned_block_elems
 from hybridps.client.pool import PayloadPool
+from hybridps.client.sim_link import D2H, H2D, SimulatedLink
 from hybridps.client.states import ChunkState
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
@@ -109,8 +111,11 @@ class ChunkManager:
         margin_bytes: int = 0,
         eviction: EvictionPolicy | None = None,
         pool_bytes: int = 0,
+        link: SimulatedLink | None = None,
     ):
         self.inventory = inventory
+        #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
+        self.link = link
         self.connection = connection
         self.compute = inventory.compute_device
         self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
@@ -468,6 +473,16 @@ class ChunkManager:
     def _crosses_gpu(self, src: str, dst: str) -> bool:
         return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
 
+    def _link_direction(self, src: str, dst: str) -> str | None:
+        """The simulated link's engine a copy from ``src`` to ``dst`` takes, or None."""
+        if self.link is None:
+            return None
+        if self._specs[dst].is_gpu and self._specs[dst].simulated:
+            return H2D
+        if self._specs[src].is_gpu and self._specs[src].simulated:
+            return D2H
+        return None
+
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
         if src != dst:
@@ -523,6 +538,8 @@ class ChunkManager:
         """Wait for every copy in flight (copy stream) to finish."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+        if self.link is not None:
+            self.link.drain()
         self._collect(force=True)
         self._settle_pool()
 
@@ -573,7 +590,9 @@ class ChunkManager:
         self._collect()
         old = chunk.payload
         likely = device or self._likely_choice(refer or "cpu", exclude)
-        in_flight = asynchronous and self.copy_stream is not None and self._crosses_gpu(src, likely)
+        in_flight = asynchronous and (
+            (self.copy_stream is not None and self._crosses_gpu(src, likely)) or self._link_direction(src, likely) is not None
+        )
         plan = self._plan(chunk, likely, old, in_flight=in_flight)
         device = self._book_chunk(chunk.nbytes, src=src, dst=device, refer=refer, exclude=exclude, plan=plan)
         assert device is not None
@@ -582,9 +601,20 @@ class ChunkManager:
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
+        link_direction = self._link_direction(src, device)
         try:
             buf = self._new_buffer(chunk, device, protect or (chunk,), plan)
-            if stream is None:
+            if link_direction is not None:
+                # [Note: simulated link] as on the copy stream: the chunk points at its new
+                # buffer at once, the copy engine fills it, the next user waits for the event;
+                # a synchronous move waits for it here (all of it exposed)
+                old = chunk.rebind(self._specs[device], buf)
+                event = self.link.submit(link_direction, chunk.nbytes, functools.partial(buf.copy_, old))
+                if asynchronous:
+                    chunk.ready_event = event
+                else:
+                    event.synchronize()
+            elif stream is None:
                 old = chunk.move_to(self._specs[device], buffer=buf)
             else:
                 # [Note: copy stream] The copy waits for the compute stream's work so far (the
@@ -606,7 +636,7 @@ class ChunkManager:
             self._request(chunk.nbytes, src=device, dst=src)
             raise
         self._account(device, chunk, +1)
-        if stream is not None and old.is_cpu:
+        if (stream is not None or (link_direction is not None and asynchronous)) and old.is_cpu:
             # recycled once the copy is done; booked as the pool's from now if the plan said so
             self._in_flight.append((chunk.ready_event, old, plan.give_bytes > 0))
         else:
@@ -695,6 +725,7 @@ class ChunkManager:
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload and the pool (client shutdown)."""
+        self.sync()  # no copy may still read or fill a buffer given back below
         for chunk in chunks:
             self.free(chunk)
         self.release_pool()

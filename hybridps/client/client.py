@@ -38,10 +38,11 @@ from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.pending_grads import PendingGrads
 from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.client.placement import make_policy
+from hybridps.client.sim_link import SimulatedLink
 from hybridps.client.states import ChunkState, TensorState
 from hybridps.client.store import ChunkStore, ParamInfo
 from hybridps.common.config import Config
-from hybridps.common.devices import DeviceInventory, use_expandable_segments
+from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
@@ -81,7 +82,10 @@ class Client:
             connection = self._connect(info)
         self.connection = connection
         #: the mover: allocates, copies and books chunks (chunk_manager.py); the rows are the store's
-        self.mover = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin)
+        link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
+        #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
+        self.link = SimulatedLink(*link) if link is not None else None
+        self.mover = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin, link=self.link)
         pinned = self.config.pinned_bytes
         self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         #: where each kind of model data lives (placement.py)
@@ -818,6 +822,7 @@ class Client:
             "prefetches": self.mover.prefetches,
             "prefetch_hits": self.mover.prefetch_hits,
             "pool": self.mover.pool.stats(),
+            **({"link": self.link.stats()} if self.link is not None else {}),
             "pinned_bytes": self.mover.pinned_bytes,
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
@@ -889,6 +894,8 @@ class Client:
                 self.groups.comm.close()  # its heartbeat thread (dead-peer detection) stops
             self._closed = True
             self.connection.close()
+            if self.link is not None:
+                self.link.close()
 
     def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
         """Every param's full-precision value (CPU), in registration order. With several ranks

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridps.common.devices import SIMULATE_MODES, canonical_device_name, parse_capacity
+from hybridps.common.devices import SIMULATE_MODES, canonical_device_name, parse_capacity, parse_link
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
 
@@ -233,6 +233,17 @@ class Config:
             "quarter of the CPU capacity."
         ),
     )
+    simulate_link: str | float | None = _field(
+        None,
+        section="Memory and devices",
+        unit='`None`, `"pcie3"`, `"pcie4"`, `"pcie5"`, bytes/s',
+        doc=(
+            "Give simulated GPUs a host link that takes time: copies run on one copy engine per direction "
+            "(a worker thread each) at this bandwidth (12, 25 or 50 GB/s for the named ones, 10 us per copy), "
+            "and compute waits only for the chunk it needs, as on a real GPU's copy stream. `None`: simulated "
+            "copies are instant. No effect on real GPUs."
+        ),
+    )
     expandable_segments: bool = _field(
         True,
         section="Memory and devices",
@@ -318,6 +329,7 @@ class Config:
             raise ConfigError(f"alignment={self.alignment!r} must be a positive number of elements")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction={self.eviction!r}; use one of {', '.join(EVICTIONS)}")
+        parse_link(self.simulate_link)  # raises a ConfigError naming the value
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"placement={self.placement!r}; use one of {', '.join(PLACEMENTS)}")
         _positive("initial_loss_scale", self.initial_loss_scale)

@@ -66,6 +66,30 @@ def resolve_local(requested: Mapping[str, int | None], local_rank: int) -> dict[
 DEFAULT_GPU_FRACTION = 0.92
 
 
+#: named host<->GPU links a simulated GPU can be given (Config.simulate_link): the one-way
+#: bandwidth a x16 slot sustains in practice (bytes/s) and a per-copy latency (s)
+SIMULATED_LINKS: dict[str, tuple[float, float]] = {
+    "pcie3": (12e9, 10e-6),
+    "pcie4": (25e9, 10e-6),
+    "pcie5": (50e9, 10e-6),
+}
+
+
+def parse_link(value: str | int | float | None) -> tuple[float, float] | None:
+    """``Config.simulate_link`` -> (bandwidth bytes/s, latency s), or None for instant copies."""
+    if value is None:
+        return None
+    named = ", ".join(SIMULATED_LINKS)
+    if isinstance(value, str):
+        try:
+            return SIMULATED_LINKS[value.lower()]
+        except KeyError:
+            raise ConfigError(f"simulate_link={value!r}; use one of {named}, a bandwidth in bytes/s, or None") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"simulate_link={value!r}; use one of {named}, a bandwidth in bytes/s, or None")
+    return float(value), SIMULATED_LINKS["pcie4"][1]
+
+
 def canonical_device_name(name: str) -> str:
     """Return the canonical form of a device name: "cpu" or "cuda:N" ("cuda" is "cuda:0")."""
     if not isinstance(name, str):
