@@ -22,7 +22,6 @@ from torch import nn
 from hybridps import deferred_init
 from hybridps.client.client import Client
 from hybridps.client.events import EventRecorder
-from hybridps.client.eviction import BeladyPolicy
 from hybridps.client.hooks import ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
@@ -83,7 +82,7 @@ class Engine:
             raise
         self.tracer = MemoryTracer(self.client.store, self.client.mover, enabled=config.trace)
         if config.eviction in ("opt", "auto"):
-            self.client.mover.eviction = BeladyPolicy(self.tracer.next_use, self.tracer.replaying)
+            self.client.placement.use_trace(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer)
         self.hooks.on_bare_backward = self._finish_bare_backward
         self.hooks.install()

@@ -7,7 +7,7 @@ does not dictate (a new chunk, an evicted chunk) is chosen by the node manager, 
 atomic request per operation (see [Note: one request per chunk operation]); so a placement
 cannot lose room it was offered to another rank between a question and a booking.
 
-Does not own tensor states (chunk.py), which chunk to evict (eviction.py) or how much of the
+Does not own tensor states (chunk.py), which chunk to evict (placement.py) or how much of the
 compute device activations need right now (the tracer supplies ``reserve_fn``).
 
 [Note: budgets]
@@ -57,8 +57,8 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 
 from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.eviction import EvictionPolicy, LRUPolicy
 from hybridps.client.layout import pinned_block_elems
+from hybridps.client.placement import PlacementPolicy
 from hybridps.client.pool import PayloadPool
 from hybridps.client.sim_link import D2H, H2D, SimulatedLink
 from hybridps.client.states import ChunkState
@@ -109,7 +109,7 @@ class ChunkManager:
         connection: ManagerConnection,
         *,
         margin_bytes: int = 0,
-        eviction: EvictionPolicy | None = None,
+        placement: PlacementPolicy | None = None,
         pool_bytes: int = 0,
         link: SimulatedLink | None = None,
     ):
@@ -140,7 +140,8 @@ class ChunkManager:
         self.prefetches = 0
         self.prefetch_hits = 0
         self.margin_bytes = margin_bytes
-        self.eviction: EvictionPolicy = eviction or LRUPolicy()
+        #: decides which chunk leaves a full device (placement.py); the mover moves it
+        self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
         #: bytes of non-model memory to keep free on a device now; set by the tracer.
         self.reserve_fn: Callable[[str], int] = lambda device: 0
         #: called as on_compute_growth() after the chunk bytes on the compute device grew
@@ -459,7 +460,7 @@ class ChunkManager:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
         at most ``limit_bytes``, or no victim is left."""
         while victims and self.used_bytes[device] > limit_bytes:
-            victim = self.eviction.choose(victims, self)
+            victim = self.placement.victim(victims)
             victims.remove(victim)
             self.evict(victim)
 

@@ -85,11 +85,13 @@ class Client:
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
-        self.mover = ChunkManager(self.inventory, connection, margin_bytes=self.config.margin, link=self.link)
-        pinned = self.config.pinned_bytes
-        self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        self.mover = ChunkManager(
+            self.inventory, connection, margin_bytes=self.config.margin, link=self.link, placement=self.placement
+        )
+        pinned = self.config.pinned_bytes
+        self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(self.config, self.compute, self.mover, rank=rank, world_size=world_size)
         self._buffer_layout: ChunkLayout | None = None

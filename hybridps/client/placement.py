@@ -10,12 +10,15 @@ Owns the decisions, one method each:
   rows may take for good (the tidal formula: capacity - margin - the trace's non-model peak
   - the param and grad chunks every iteration brings);
 - ``optimizer_rows_for_gpu``: which rows (master, momentum, variance of one chunk index)
-  move there.
+  move there;
+- ``victim``: which chunk leaves a full device: the furthest next use in the warm-up trace
+  (Belady's OPT) once a trace is wired in (``use_trace``, ``Config.eviction`` "opt"/"auto"),
+  the least recently used before (and always with "lru").
 
-Does not own: the mechanics (allocating, copying, booking with the manager: the mover,
-``chunk_manager.py``), which chunk leaves a full device and to where (``eviction.py`` and the
-mover), what is prefetched (``prefetch.py``), or the node's arbitration between ranks (the
-manager's ``policy.py``).
+Does not own: the mechanics (allocating, copying, booking with the manager, choosing the
+candidates a victim is taken from: the mover, ``chunk_manager.py``), where an evicted chunk
+goes (the node manager's ``policy.py`` schedules it near the CPU), what is prefetched
+(``prefetch.py``), or the node's arbitration between ranks.
 
 ``Config.placement`` names the policy: ``"tidal"`` (default) or ``"cpu_optimizer"`` (the
 optimizer rows never leave the CPU, as in ZeRO-Offload). To change where optimizer states
@@ -24,7 +27,7 @@ live, edit or subclass this file (docs/CONCEPTS.md shows how).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.common.devices import DeviceSpec
@@ -42,6 +45,10 @@ class PlacementPolicy:
     def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0):
         self.compute = compute
         self.margin_bytes = margin_bytes
+        #: the trace's next use of a chunk (a moment; inf beyond the horizon), and whether the
+        #: trace is being replayed: wired by ``use_trace``, else None (LRU)
+        self._next_use: Callable[[Chunk], float] | None = None
+        self._replaying: Callable[[], bool] = lambda: False
 
     # -- where new chunks live -------------------------------------------------------------
 
@@ -78,6 +85,21 @@ class PlacementPolicy:
                 chosen.append(index)
                 used += row_bytes
         return chosen
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def use_trace(self, next_use: Callable[[Chunk], float], replaying: Callable[[], bool]) -> None:
+        """Choose victims by the trace from now on (the engine wires its tracer here once)."""
+        self._next_use, self._replaying = next_use, replaying
+
+    def victim(self, candidates: Sequence[Chunk]) -> Chunk:
+        """Which of ``candidates`` (on a full device, none in use or protected) leaves: the
+        furthest next use while a trace is replayed, else the least recently used; ties go to
+        the older use, then the lower chunk id, so every run chooses alike."""
+        if self._next_use is not None and self._replaying():
+            next_use = self._next_use
+            return max(candidates, key=lambda c: (next_use(c), -c.last_use, c.chunk_id))
+        return min(candidates, key=lambda c: (c.last_use, c.chunk_id))
 
 
 class CpuOptimizerPolicy(PlacementPolicy):

@@ -80,3 +80,26 @@ def test_the_policy_decides_where_optimizer_rows_live_and_not_the_numbers():
     assert tidal_masters == {"cuda:0"}  # a roomy GPU takes every row after warm-up
     assert cpu_masters == {"cpu"}
     assert tidal_losses == cpu_losses  # same bits wherever Adam steps
+
+
+def _chunks(last_uses):
+    out = []
+    for i, last in enumerate(last_uses):
+        c = Chunk(ChunkKind.PARAM, i, 4, torch.float32, i)
+        c.last_use = last
+        out.append(c)
+    return out
+
+
+def test_the_victim_is_the_least_recently_used_until_a_trace_is_replayed():
+    policy = PlacementPolicy(GPU)
+    a, b, c = _chunks([5, 2, 9])
+    assert policy.victim([a, b, c]) is b
+    next_use = {a.chunk_id: 30, b.chunk_id: 12, c.chunk_id: 40}
+    replaying = [False]
+    policy.use_trace(lambda ch: next_use[ch.chunk_id], lambda: replaying[0])
+    assert policy.victim([a, b, c]) is b  # no trace yet: still LRU
+    replaying[0] = True
+    assert policy.victim([a, b, c]) is c  # furthest next use (Belady)
+    next_use[a.chunk_id] = 40  # a tie: the older use leaves
+    assert policy.victim([a, b, c]) is a
