@@ -45,7 +45,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -55,7 +55,21 @@ from hybridps.client.chunk import ChunkKind
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hybridps.engine import Engine
+    from hybridps.client.client import Client
+    from hybridps.client.loss_scaler import LossScaler
+    from hybridps.client.optimizer import ChunkedAdam
+
+
+class EngineParts(Protocol):
+    """What a checkpoint reads and restores of an engine (``hybridps.engine.Engine``). A
+    protocol, so this module does not import the engine, whose save and load methods call it."""
+
+    module: torch.nn.Module
+    client: Client
+    optimizer: ChunkedAdam
+    scaler: LossScaler | None
+    global_step: int
+
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +92,7 @@ def _shard(prefix: str, rank: int, world: int) -> str:
     return f"{prefix}-{rank + 1:05d}-of-{world:05d}.safetensors"
 
 
-def _keys_by_param(engine: Engine) -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
+def _keys_by_param(engine: EngineParts) -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
     """state_dict keys of every registered param (a tied param has several), and the buffers."""
     keys: dict[int, list[str]] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -102,7 +116,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None, client_state: dict | None = None
+    engine: EngineParts, path: str | os.PathLike, *, lr_scheduler: Any = None, client_state: dict | None = None
 ) -> None:
     """Write a checkpoint of ``engine`` to directory ``path`` (every rank calls this)."""
     client = engine.client
@@ -324,7 +338,7 @@ def resolve(path: str | os.PathLike) -> Path:
     return src
 
 
-def load_checkpoint(engine: Engine, path: str | os.PathLike, *, lr_scheduler: Any = None) -> dict | None:
+def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_scheduler: Any = None) -> dict | None:
     """Load a checkpoint written by any number of ranks; return the saved ``client_state``.
 
     Every name, shape and dtype is checked before anything is written.

@@ -31,7 +31,7 @@ import logging
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,16 @@ from safetensors import safe_open
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hybridps.engine import Engine
+    from hybridps.client.client import Client
+
+
+class EngineParts(Protocol):
+    """What loading reads of an engine (``hybridps.engine.Engine``). A protocol, so this module
+    does not import the engine, whose ``load_pretrained`` calls it."""
+
+    module: torch.nn.Module
+    client: Client
+
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +120,7 @@ def _match(names: dict[str, str], model_keys: list[str], prefix: str) -> dict[st
     return out
 
 
-def load_pretrained(engine: Engine, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+def load_pretrained(engine: EngineParts, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
     """Load the weights at ``path`` into ``engine``'s model (every rank calls this)."""
     client = engine.client
     folder, names = weight_files(path)

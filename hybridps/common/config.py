@@ -406,21 +406,6 @@ class Config:
             raise ConfigError(f"config file {p}: use a .json or .toml file")
         return cls.from_dict(values, source=f"config file {p}")
 
-    @classmethod
-    def from_deepspeed(cls, ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
-        """The Config a DeepSpeed config (mapping or JSON file) means here; ``overrides`` win.
-        The loop's settings (clipping, batch sizes, optimizer) and the ignored fields with
-        their reasons: ``hybridps.common.deepspeed_config.translate``, whose ``describe()``
-        lists them; they are also logged here."""
-        from hybridps.common.deepspeed_config import translate
-
-        result = translate(ds, **overrides)
-        for key, why in result.ignored:
-            logger.info("DeepSpeed config: %s ignored (%s)", key, why)
-        if result.training:
-            logger.info("DeepSpeed config: for the training loop: %s", result.training)
-        return result.config
-
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (capacities in bytes), as ``from_dict`` takes them."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

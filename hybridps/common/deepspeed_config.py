@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: fields of the ZeRO block with no meaning here, and why
 _ZERO_IGNORED = {
@@ -163,3 +166,15 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> De
     return DeepSpeedTranslation(
         config=Config.from_dict(fields, source="the DeepSpeed config"), training=training, ignored=ignored
     )
+
+
+def config_from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> Config:
+    """The Config a DeepSpeed config (mapping or JSON file) means here; ``overrides`` win.
+    The loop's settings (clipping, batch sizes, optimizer) and the ignored fields with their
+    reasons are logged; ``translate(...)`` returns them, and its ``describe()`` lists them."""
+    result = translate(ds, **overrides)
+    for key, why in result.ignored:
+        logger.info("DeepSpeed config: %s ignored (%s)", key, why)
+    if result.training:
+        logger.info("DeepSpeed config: for the training loop: %s", result.training)
+    return result.config
