@@ -380,6 +380,22 @@ def _raw_pinned_bandwidth(chunk_mib: int) -> dict:
     return out
 
 
+def _shape_args(args) -> list[str]:
+    """The model shape and precision flags the planner and the workers share."""
+    return [
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--precision",
+        args.precision,
+    ]
+
+
 def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
     from hybridps.common.devices import DEFAULT_GPU_FRACTION
 
@@ -392,16 +408,7 @@ def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
         "plan",
         "--layers",
         "2",
-        "--hidden",
-        str(args.hidden),
-        "--heads",
-        str(args.heads),
-        "--seq-len",
-        str(args.seq_len),
-        "--batch",
-        str(args.batch),
-        "--precision",
-        args.precision,
+        *_shape_args(args),
         "--gpus",
         f"1x{gpu}",
         "--cpu",
@@ -429,16 +436,7 @@ def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int,
         system,
         "--layers",
         str(n_layer),
-        "--hidden",
-        str(args.hidden),
-        "--heads",
-        str(args.heads),
-        "--seq-len",
-        str(args.seq_len),
-        "--batch",
-        str(args.batch),
-        "--precision",
-        args.precision,
+        *_shape_args(args),
         "--steps",
         str(steps),
         "--warmup",

@@ -162,10 +162,6 @@ class Client:
         return self.store.kinds
 
     @property
-    def has_master(self) -> bool:
-        return self.store.has_master
-
-    @property
     def master_kind(self) -> ChunkKind:
         return self.store.master_kind
 
@@ -267,7 +263,7 @@ class Client:
             )
             self.store.add(info)
             for kind in self.kinds:
-                self.rows[kind][slot.chunk].add_slot(slot)
+                self.store.rows[kind][slot.chunk].add_slot(slot)
             if info.meta_key is None:
                 values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)
@@ -336,13 +332,13 @@ class Client:
             )
 
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
-        while len(self.rows[ChunkKind.PARAM]) <= slot.chunk:
-            self._new_chunk_row(plan.capacity(len(self.rows[ChunkKind.PARAM])))
+        while len(self.store.rows[ChunkKind.PARAM]) <= slot.chunk:
+            self._new_chunk_row(plan.capacity(len(self.store.rows[ChunkKind.PARAM])))
         info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
         src = p.data.reshape(-1)
         with torch.no_grad():
             for kind in self.kinds:
-                chunk = self.rows[kind][slot.chunk]
+                chunk = self.store.rows[kind][slot.chunk]
                 chunk.add_slot(slot)
                 if kind is ChunkKind.GRAD:
                     continue  # grads arrive in backward
@@ -364,10 +360,10 @@ class Client:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
         now (a padding row, which only fills a chunk group, needs its param chunk alone: it
         takes part in the group's collectives)."""
-        index = len(self.rows[ChunkKind.PARAM])
+        index = len(self.store.rows[ChunkKind.PARAM])
         for kind in self.kinds:
             chunk = self.store.new_chunk(kind, index, capacity)
-            self.rows[kind].append(chunk)
+            self.store.rows[kind].append(chunk)
             if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
                 continue
             if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
@@ -376,7 +372,7 @@ class Client:
     def _rollback(self, done: list[ParamInfo]) -> None:
         """Give the params of a failed registration their data back (nothing is lost)."""
         for info in reversed(done):
-            source = self.rows[self.master_kind][info.chunk]
+            source = self.store.rows[self.master_kind][info.chunk]
             if source.payload is not None:
                 ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
             self.guard.forget(info)
@@ -393,12 +389,12 @@ class Client:
         )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
-            for i, param_chunk in enumerate(self.rows[ChunkKind.PARAM]):
+            for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
                 chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
                 for slot in param_chunk.slots:
                     chunk.add_slot(slot)
                 chunks.append(chunk)
-            self.rows[kind] = chunks
+            self.store.rows[kind] = chunks
         self._book_optimizer_states()
         self.optimizer = chunked
         # the one place the early step (Config.overlap_step) is wired: chunk groups call it
@@ -414,10 +410,10 @@ class Client:
         master chunks, now rather than at the first step: a model whose Adam states do not
         fit fails at registration with the true figure instead of at its first step."""
         rows = [
-            (self.rows[kind][i], self.rows[self.master_kind][i])
+            (self.store.rows[kind][i], self.store.rows[self.master_kind][i])
             for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-            for i in range(len(self.rows[kind]))
-            if self.rows[kind][i].owned and self.rows[kind][i].slots
+            for i in range(len(self.store.rows[kind]))
+            if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
         ]
         need = sum(chunk.nbytes for chunk, _ in rows)
         try:
@@ -438,23 +434,14 @@ class Client:
     def is_registered(self, param: torch.Tensor) -> bool:
         return self.store.is_registered(param)
 
-    def chunk_params(self, index: int) -> list[ParamInfo]:
-        return self.store.chunk_params(index)
-
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         return self.store.grad_view(info)
-
-    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
-        return self.store.access_chunk(kind, index, device, who=who)
-
-    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
-        self.store.release_chunk(chunk, state)
 
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
         info = self.store.by_id.get(id(param)) or self.param_info(param)
         if info.refs == 0:
-            chunk = self.rows[info.kind][info.chunk]
+            chunk = self.store.rows[info.kind][info.chunk]
             if self.groups is not None and info.kind is ChunkKind.PARAM:
                 self.groups.ensure_gathered(info.chunk, who)
             previous = chunk.slot_state(info.slot)
@@ -471,7 +458,7 @@ class Client:
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
         info = self.store.by_id.get(id(param)) or self.param_info(param)
-        chunk = self.rows[info.kind][info.chunk]
+        chunk = self.store.rows[info.kind][info.chunk]
         if not isinstance(state, TensorState):
             raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
         if info.refs == 0:
@@ -500,13 +487,13 @@ class Client:
         A row on the GPU steps there, so its param chunk never leaves the GPU for the
         optimizer. How much room and which rows: ``placement.py``.
         """
-        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.rows.get(k, []))
+        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.store.rows.get(k, []))
         room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
         if room <= 0:
             return 0
-        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.rows]
+        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
         away = {
-            index: [self.rows[k][index] for k in kinds if self.rows[k][index].device != self.compute.name]
+            index: [self.store.rows[k][index] for k in kinds if self.store.rows[k][index].device != self.compute.name]
             for index in range(self.store.num_chunks)
             if self.owns(index)
         }
@@ -565,7 +552,7 @@ class Client:
     def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
         if self.config.grad_reuse:
-            chunk = self.rows[ChunkKind.PARAM][info.chunk]
+            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
             chunk.wait_ready()
             view = chunk.view(info.slot)
             if info.has_grad:
@@ -575,7 +562,7 @@ class Client:
             # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
             torch.autograd.graph.increment_version(info.param)
         else:
-            chunk = self.rows[ChunkKind.GRAD][info.chunk]
+            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
             self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
             view = chunk.view(info.slot)
@@ -635,10 +622,10 @@ class Client:
                 f"with engine.zero_grad()"
             )
         if self.config.grad_reuse:
-            chunk = self.rows[ChunkKind.PARAM][info.chunk]
-            chunk.view(info.slot).copy_(self.rows[self.master_kind][info.chunk].view(info.slot))
+            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
+            chunk.view(info.slot).copy_(self.store.rows[self.master_kind][info.chunk].view(info.slot))
         else:
-            chunk = self.rows[ChunkKind.GRAD][info.chunk]
+            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
             if chunk.slot_state(info.slot) is not TensorState.FREE:
                 chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
             if chunk.state is ChunkState.FREE:
@@ -653,7 +640,7 @@ class Client:
         if self.config.grad_reuse:
             if info.refs == 0:
                 raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
-            target = self.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
+            target = self.store.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
         else:
             target = self.groups.grad_slot_view(info)
         if self.groups.local_flags[info.slot.index]:
@@ -702,7 +689,7 @@ class Client:
         if self._buffer_layout is None:
             size = self.layout.chunk_size if self.layout is not None else max(value.numel(), 1)
             self._buffer_layout = ChunkLayout(size, self.config.alignment)
-        chunks = self.rows.setdefault(ChunkKind.BUFFER, [])
+        chunks = self.store.rows.setdefault(ChunkKind.BUFFER, [])
         slot = self._buffer_layout.add(value.numel())
         while len(chunks) <= slot.chunk:
             chunk = self.store.new_chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype)
@@ -752,7 +739,7 @@ class Client:
         info = self.param_info(param)
         if not self.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
-        chunk = self.rows[self.master_kind][info.chunk]
+        chunk = self.store.rows[self.master_kind][info.chunk]
         if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
             raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
         if chunk.payload is None:
@@ -774,7 +761,7 @@ class Client:
                 raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
             kinds = (self.master_kind,)  # the slot holds the grad; the step writes the new master back to it
         for kind in dict.fromkeys(kinds):
-            chunk = self.rows[kind][info.chunk]
+            chunk = self.store.rows[kind][info.chunk]
             if chunk.payload is None:
                 self.mover.place(chunk, self.placement.home(kind))
             chunk.view(info.slot).copy_(value.reshape(-1))
@@ -784,7 +771,7 @@ class Client:
         dtype it was registered with."""
         info = self.param_info(param)
         if info.kind is ChunkKind.BUFFER:
-            return self.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
+            return self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
         return self.read_param(param).to(info.orig_dtype)
 
     def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -794,7 +781,7 @@ class Client:
             if tuple(value.shape) != tuple(info.shape):
                 raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
             with torch.no_grad():
-                self.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
+                self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
             return
         self.write_param(param, value)
 
@@ -814,7 +801,7 @@ class Client:
                 "bytes": sum(c.nbytes for c in chunks if c.owned and (c.slots or c.payload is not None)),
                 "allocated_bytes": sum(c.nbytes for c in chunks if c.payload is not None),
             }
-            for kind, chunks in self.rows.items()
+            for kind, chunks in self.store.rows.items()
         }
         return {
             "devices": self.mover.device_stats(),
@@ -910,7 +897,7 @@ class Client:
         for g in range(self.groups.num_groups):
             rows = self.groups.gather_rows(self.master_kind, g)
             for r, index in enumerate(self.groups.ranked(g)):
-                for slot in self.rows[ChunkKind.PARAM][index].slots:
+                for slot in self.store.rows[ChunkKind.PARAM][index].slots:
                     info = self.params[slot.index]
                     yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
 
@@ -921,7 +908,7 @@ class Client:
             self.guard.forget(info)
             info.refs = 0
         for info in self.buffers:
-            chunk = self.rows[ChunkKind.BUFFER][info.chunk]
+            chunk = self.store.rows[ChunkKind.BUFFER][info.chunk]
             assert chunk.payload is not None
             ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
             self.guard.forget(info)
@@ -936,7 +923,7 @@ class Client:
     def __repr__(self) -> str:
         return (
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
-            f"{sum(len(c) for c in self.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
+            f"{sum(len(c) for c in self.store.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
 
 

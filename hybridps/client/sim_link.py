@@ -92,11 +92,6 @@ class SimulatedLink:
         self._queues[direction].put(_Copy(nbytes, run, event))
         return event
 
-    def copy_now(self, direction: str, nbytes: int, run: Callable[[], None]) -> None:
-        """A synchronous copy: wait for the engine's queue, then for the copy; all of it is
-        exposed (compute waits)."""
-        self.submit(direction, nbytes, run).synchronize()
-
     def _engine(self, direction: str) -> None:
         q = self._queues[direction]
         while True:
