@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -170,12 +171,15 @@ def _worker(args) -> dict:
         config = hybridps.Config(
             precision=args.precision, devices=devices, simulate=device.type != "cuda", overlap_step=args.overlap_step
         )
+        if args.prefetch_window is not None:
+            config = dataclasses.replace(config, prefetch_window=args.prefetch_window)
         engine = hybridps.initialize(model, optimizer, config)
 
         def train_step(x, y):
             _, loss = engine(x, y)
             engine.backward(loss)
-            engine.clip_grad_norm_(1.0)
+            if args.clip:
+                engine.clip_grad_norm_(1.0)
             engine.step()
             engine.zero_grad()
             return loss
@@ -198,7 +202,7 @@ def _worker(args) -> dict:
         ds_config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0,
+            "gradient_clipping": 1.0 if args.clip else 0.0,
             "bf16": {"enabled": args.precision == "bf16"},
             "fp16": {"enabled": args.precision == "fp16", "initial_scale_power": 16},
             "zero_optimization": zero,
@@ -537,6 +541,8 @@ def main(argv=None) -> int:
         "--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)"
     )
     ap.add_argument("--overlap-step", action="store_true")
+    ap.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True, help="clip the grad norm to 1.0")
+    ap.add_argument("--prefetch-window", type=int, default=None, help="moments to prefetch ahead (0: off; default: Config's)")
     args = ap.parse_args(argv)
 
     if args.worker:
