@@ -121,7 +121,11 @@ def save_checkpoint(
     """Write a checkpoint of ``engine`` to directory ``path`` (every rank calls this)."""
     client = engine.client
     groups = client.groups
-    rank, world = client.rank, client.world_size
+    rank = client.rank
+    # one shard file per rank of a shard group, written by the first replica: the other
+    # replicas own the same chunks with the same values (hybrid sharding, mesh.py)
+    shard, world = client.shard_layout.shard_rank, client.shard_size
+    writes = client.shard_layout.replica == 0
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
     if rank == 0:
@@ -131,14 +135,14 @@ def save_checkpoint(
         _fs_step(f"mkdir {partial}")
         partial.mkdir(parents=True)
     if groups is not None:
-        groups.comm.barrier(what="checkpoint directory")
+        groups.everyone.barrier(what="checkpoint directory")
     keys, buffers = _keys_by_param(engine)
     optimizer = engine.optimizer
     weights: dict[str, torch.Tensor] = {}
     states: dict[str, torch.Tensor] = {}
     steps: dict[str, int] = {}
     for info in client.params:
-        if not client.owns(info.chunk):
+        if not writes or not client.owns(info.chunk):
             continue
         value = client.read_param(info.param).contiguous()
         for key in keys.get(id(info.param), [info.name]):
@@ -151,13 +155,14 @@ def save_checkpoint(
     if rank == 0:
         for key, buf in buffers.items():
             weights[key] = buf.detach().to("cpu", copy=True).contiguous()
-    model_file = _shard("model", rank, world)
-    _fs_step(f"write {model_file}")
-    save_file(weights, str(partial / model_file), metadata={"format": "pt"})
-    _fs_step(f"write {_shard('optimizer', rank, world)}")
-    save_file(states, str(partial / _shard("optimizer", rank, world)), metadata={"format": "pt"})
+    model_file = _shard("model", shard, world)
+    if writes:
+        _fs_step(f"write {model_file}")
+        save_file(weights, str(partial / model_file), metadata={"format": "pt"})
+        _fs_step(f"write {_shard('optimizer', shard, world)}")
+        save_file(states, str(partial / _shard("optimizer", shard, world)), metadata={"format": "pt"})
     shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps)
-    everyone = groups.comm.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
+    everyone = groups.everyone.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
     if rank == 0:
         weight_map: dict[str, str] = {}
         all_steps: dict[str, int] = {}
@@ -198,11 +203,11 @@ def save_checkpoint(
         tmp.rename(partial / META)
         _fsync_dir(partial)
     if groups is not None:
-        groups.comm.barrier(what="checkpoint files written")
+        groups.everyone.barrier(what="checkpoint files written")
     if rank == 0:
         _swap_in(partial, final)
     if groups is not None:
-        groups.comm.barrier(what="checkpoint in place")
+        groups.everyone.barrier(what="checkpoint in place")
     logger.info("checkpoint written to %s", final)
 
 

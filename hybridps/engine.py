@@ -141,7 +141,7 @@ class Engine:
             return {id(i.param) for i in metas}
         if client.groups is not None:  # every rank draws rank 0's random stream, as sync_module_states would give
             state = record.rng_state.clone()
-            client.groups.comm.broadcast(state, 0, what="meta_init generator state")
+            client.groups.everyone.broadcast(state, 0, what="meta_init generator state")
             record.rng_state = state
         touched = deferred_init.replay(record, client, self.module)
         device = client.compute.torch_device
@@ -445,7 +445,7 @@ class Engine:
                     raise ConfigError(f"{info.describe()}: its .data was given shape {tuple(value.shape)} in gathered_parameters")
                 if groups is not None and modify:  # rank 0's edits are the ones kept
                     value = value.to("cpu", torch.float32, copy=True)
-                    groups.comm.broadcast(value, 0, what=f"gathered_parameters write-back of {info.name}")
+                    groups.everyone.broadcast(value, 0, what=f"gathered_parameters write-back of {info.name}")
                 if not client.owns(info.chunk):
                     continue
                 if modify:

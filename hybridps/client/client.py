@@ -34,6 +34,7 @@ from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.comm import Collectives
 from hybridps.client.groups import ChunkGroups
 from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.pending_grads import PendingGrads
 from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
@@ -68,6 +69,10 @@ class Client:
         self.config = config or Config()
         rank, local_rank, world_size = _topology(rank, local_rank, world_size, process_group)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        #: this rank's place among the replicas and shard groups (mesh.py)
+        self.shard_layout = ShardLayout(rank, world_size, resolve_shard_size(self.config.shard_group_size, world_size))
+        #: ranks that hold one copy of the model data between them: chunk groups are this wide
+        self.shard_size = self.shard_layout.shard_size
         self.inventory = inventory or DeviceInventory.build(
             self.config.devices, simulate=self.config.simulate, local_rank=local_rank, world_size=world_size
         )
@@ -87,13 +92,16 @@ class Client:
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        pinned = self.config.pinned_bytes
         self.mover = ChunkManager(
             self.inventory, connection, margin_bytes=self.config.margin, link=self.link, placement=self.placement
         )
         pinned = self.config.pinned_bytes
         self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
-        self.store = ChunkStore(self.config, self.compute, self.mover, rank=rank, world_size=world_size)
+        self.store = ChunkStore(
+            self.config, self.compute, self.mover, rank=self.shard_layout.shard_rank, world_size=self.shard_size
+        )
         self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.optimizer: ChunkedAdam | None = None
@@ -105,16 +113,7 @@ class Client:
         self.hook_handles: list = []
         self.groups: ChunkGroups | None = None
         if world_size > 1:
-            comm = Collectives(
-                rank=rank,
-                world_size=world_size,
-                group=process_group,
-                store=_store_of(process_group),
-                prefix=_collectives_prefix(process_group),
-                timeout_s=self.config.collective_timeout_s,
-                device=_backend_device(process_group, self.compute),
-            )
-            self.groups = ChunkGroups(self.store, self.mover, comm, placement=self.placement)
+            self.groups = self._chunk_groups(process_group)
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
         #: grads that may not enter their slot yet (pending_grads.py)
@@ -126,6 +125,48 @@ class Client:
         self._closed = False
         self._broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
+
+    def _chunk_groups(self, process_group: dist.ProcessGroup | None) -> ChunkGroups:
+        """The data-parallel side: collectives over the whole job and, with hybrid sharding,
+        over this rank's shard group and its replicas (a 2-D DeviceMesh, mesh.py)."""
+        layout = self.shard_layout
+        agree(layout, self.config.shard_group_size, process_group)
+        prefix = _collectives_prefix(process_group)
+        device = _backend_device(process_group, self.compute)
+
+        def collectives(rank: int, world: int, group, tag: str, label: str = "") -> Collectives:
+            return Collectives(
+                rank=rank,
+                world_size=world,
+                group=group,
+                store=_store_of(process_group),
+                prefix=prefix + tag,
+                timeout_s=self.config.collective_timeout_s,
+                device=device,
+                label=label,
+            )
+
+        everyone = collectives(self.rank, self.world_size, process_group, "")
+        if not layout.hybrid:
+            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement)
+        if process_group is not None and process_group != dist.group.WORLD:
+            raise ConfigError(
+                f"shard_group_size={self.config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
+                f"needs the default process group: the mesh of shard groups and replicas is built over the whole job. "
+                f'Pass no process_group, or shard_group_size="world"'
+            )
+        mesh = build_mesh(layout, device.type)
+        shard = collectives(
+            layout.shard_rank, layout.shard_size, mesh.get_group("shard"), f"/s{layout.replica}", f"shard group {layout.replica}"
+        )
+        replicas = collectives(
+            layout.replica,
+            layout.replicas,
+            mesh.get_group("replicate"),
+            f"/r{layout.shard_rank}",
+            f"replicas of shard {layout.shard_rank}",
+        )
+        return ChunkGroups(self.store, self.mover, shard, placement=self.placement, replicas=replicas, everyone=everyone)
 
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:
@@ -233,7 +274,7 @@ class Client:
         plan = self.layout.copy()
         slots = [plan.add(p.numel()) for _, p in named]
         if self.groups is not None:
-            plan.pad_to_multiple(self.world_size)
+            plan.pad_to_multiple(self.shard_size)
         self._check_fits(plan, slots, named, owners)
         if self.groups is not None:
             self._register_distributed(named, slots, plan)
@@ -283,7 +324,7 @@ class Client:
             self.mover.pool.cap_bytes = 4 * 4 * largest
 
     def _pick_chunk_size(self, numels: list[int]) -> int:
-        size = auto_chunk_size(numels, self.config, self.compute, self.world_size)
+        size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
         logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
         return size
 
@@ -317,18 +358,18 @@ class Client:
                 + (" or lower chunk_size." if not self._chunk_size_auto else ".")
             )
         kinds = self.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
-        per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.world_size for k in kinds}
+        per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.shard_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
         already = (
-            self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.world_size if self.layout else 0
+            self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.shard_size if self.layout else 0
         )
         if total - already > room:
             parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
             raise CapacityError(
                 f"model data of {format_bytes(total)} ({parts}{', this rank' + chr(39) + 's share' if self.world_size > 1 else ''}) "
                 f"does not fit the {format_bytes(room)} free on {', '.join(self.inventory.names)}; give HybridPS more "
-                f"memory (Config.devices), or use more ranks (each keeps 1/world_size)"
+                f"memory (Config.devices), or use more ranks per shard group (each keeps 1/shard_group_size)"
             )
 
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
@@ -660,7 +701,7 @@ class Client:
         flat = tensor.detach().reshape(-1).to("cpu", copy=True)
         if self.groups is not None:
             for piece in self._pieces(flat):
-                self.groups.comm.all_reduce(piece, what=f"allreduce of {name or 'a tensor'}")
+                self.groups.everyone.all_reduce(piece, what=f"allreduce of {name or 'a tensor'}")
                 if op == "avg":
                     piece.div_(self.world_size)
         return self._managed(flat.view(tensor.shape), name or "allreduce")
@@ -674,7 +715,7 @@ class Client:
         flat = tensor.detach().reshape(-1).to("cpu", copy=True)
         if self.groups is not None:
             for piece in self._pieces(flat):
-                self.groups.comm.broadcast(piece, src, what=f"broadcast of {name or 'a tensor'}")
+                self.groups.everyone.broadcast(piece, src, what=f"broadcast of {name or 'a tensor'}")
         return self._managed(flat.view(tensor.shape), name or "broadcast")
 
     def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -880,7 +921,7 @@ class Client:
             for info in [*self.params, *self.buffers]:
                 self.guard.forget(info)  # without restore a param stays a ChunkedParameter that refuses ops
             if self.groups is not None:
-                self.groups.comm.close()  # its heartbeat thread (dead-peer detection) stops
+                self.groups.close()  # the heartbeat threads (dead-peer detection) stop
             self._closed = True
             self.connection.close()
             if self.link is not None:

@@ -265,9 +265,12 @@ class PeerWatch:
         period_s: float,
         dead_after_s: float,
         clock=time.monotonic,
+        global_ranks: list[int] | None = None,
     ):
         self.store = store
         self.rank = rank
+        #: the job's rank of each rank of the watched group: what messages call them
+        self.global_ranks = global_ranks or list(range(world_size))
         self.world_size = world_size
         self.prefix = prefix
         self.position = position
@@ -292,6 +295,9 @@ class PeerWatch:
         self._thread = threading.Thread(target=self._run, name=f"hybridps-peerwatch-{rank}", daemon=True)
         self._thread.start()
         _WATCHES.add(self)
+
+    def _job(self, r: int) -> int:
+        return self.global_ranks[r]
 
     def stop(self, join_s: float = 0.0, *, post_closed: bool = False) -> None:
         """Stop the thread; with ``post_closed`` its last record says this rank closed its
@@ -344,17 +350,17 @@ class PeerWatch:
                 f_seq, f_op, f_what, f_cause = rec["failed"]
                 self._declare(
                     waiting,
-                    f"rank {peer} failed at {_position_text(f_op, f_what)} (collective #{f_seq}): {f_cause}; rank "
+                    f"rank {self._job(peer)} failed at {_position_text(f_op, f_what)} (collective #{f_seq}): {f_cause}; rank "
                     f"{self.rank} was waiting for it at {_position_text(op, what)} (collective #{seq}). The first error "
-                    f"is in rank {peer}'s log",
+                    f"is in rank {self._job(peer)}'s log",
                 )
                 return
             if rec.get("closed") and before:
                 c_seq, c_op, c_what, _ = _record_position(rec)
                 self._declare(
                     waiting,
-                    f"rank {peer} closed its collectives (its engine was closed) after {_position_text(c_op, c_what)} "
-                    f"(collective #{c_seq}) while rank {self.rank} waited for it at {_position_text(op, what)} "
+                    f"rank {self._job(peer)} closed its collectives (its engine was closed) after {_position_text(c_op, c_what)} "
+                    f"(collective #{c_seq}) while rank {self._job(self.rank)} waited for it at {_position_text(op, what)} "
                     f"(collective #{seq}). {_ADVICE_ORDER}",
                 )
                 return
@@ -366,7 +372,10 @@ class PeerWatch:
             if stalled_s < self.dead_after_s:
                 continue
             age_s = max(stalled_s, time.time() - float(rec["t"]))
-            self._declare(waiting, f"{dead_message(peer, rec, age_s, self.period_s, self.rank, op, what, seq)}. {_ADVICE_DEAD}")
+            self._declare(
+                waiting,
+                f"{dead_message(self._job(peer), rec, age_s, self.period_s, self._job(self.rank), op, what, seq)}. {_ADVICE_DEAD}",
+            )
             return
 
     def _declare(self, waiting: tuple, message: str) -> None:
@@ -434,8 +443,11 @@ class Collectives:
         heartbeat_period_s: float = 2.0,
         dead_after_s: float = 10.0,
         history_len: int = 4096,
+        label: str = "",
     ):
         self.rank = rank
+        #: what these ranks are when they are not the whole job ("shard group 1"), for messages
+        self.label = label
         #: where the backend wants tensors (CUDA for NCCL); small tensors are staged there
         self.device = device or torch.device("cpu")
         self.world_size = world_size
@@ -467,6 +479,10 @@ class Collectives:
             except Exception as exc:
                 logger.debug("rank %d could not post its first position: %s", rank, exc)
         self.group = self._own_group(group, timeout_s)
+        #: the job's rank of each rank of this group (torch.distributed's src/dst are those)
+        self.global_ranks: list[int] = list(range(world_size))
+        if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
+            self.global_ranks = dist.get_process_group_ranks(group)
         #: the heartbeat thread, when the store can give it a connection of its own
         self.watch: PeerWatch | None = None
         if watched and heartbeat_period_s > 0:
@@ -483,6 +499,7 @@ class Collectives:
                     position=self.position,
                     period_s=heartbeat_period_s,
                     dead_after_s=dead_after_s,
+                    global_ranks=self.global_ranks,
                 )
                 weakref.finalize(self, self.watch.stop)
         #: CPU collectives wait in slices and can be abandoned for a dead peer (NCCL's wait
@@ -562,7 +579,7 @@ class Collectives:
         if top_hi == -neg_hi and top_lo == -neg_lo:
             self.history.clear()  # every rank issued the same so far: only what follows can differ
             return
-        raise CollectiveError(self._order_message(what))
+        raise CollectiveError(f"{self._order_message(what)}{self._numbering()}")
 
     # -- running a collective --------------------------------------------------------------
 
@@ -605,7 +622,7 @@ class Collectives:
                     verdict = watch.verdict
                     if verdict is not None and verdict[0] is waiting:
                         self._post_failed(at, "a peer is dead or frozen")
-                        raise CollectiveError(verdict[1])
+                        raise CollectiveError(f"{verdict[1]}{self._numbering()}")
                     lost = self._store_lost()
                     if lost is not None:
                         raise lost
@@ -633,12 +650,33 @@ class Collectives:
 
     def _store_lost_message(self, seq: int, op: str, what: str, exc: BaseException) -> str:
         return (
-            f"{store_host_description(self.store_address)}. Rank {self.rank} lost it at {_position_text(op, what)} "
+            f"{store_host_description(self.store_address)}. Rank {self._job(self.rank)} lost it at {_position_text(op, what)} "
             f"(collective #{seq}): {_cause(exc)}. Check that rank's log and exit status and restart the job from the "
             f"last checkpoint"
         )
 
     def _failure(self, at: tuple[int, str, str], op: str, what: str, exc: BaseException, started: float) -> CollectiveError:
+        """The error of a failed collective, saying which ranks its rank numbers mean when
+        this group is not the whole job."""
+        error = self._failure_in_group(at, op, what, exc, started)
+        return (
+            CollectiveError(f"{error}{self._numbering()}")
+            if self._numbering() and not isinstance(exc, CollectiveError)
+            else error
+        )
+
+    def _numbering(self) -> str:
+        if not self.label or self.global_ranks == list(range(self.world_size)):
+            return ""
+        return f" [in {self.label}: job ranks {_rank_list(self.global_ranks)}]"
+
+    def _job(self, r: int) -> int:
+        """The job's number of rank ``r`` of this group: what messages call it."""
+        return self.global_ranks[r]
+
+    def _failure_in_group(
+        self, at: tuple[int, str, str], op: str, what: str, exc: BaseException, started: float
+    ) -> CollectiveError:
         """The error for a collective ``op`` of ``what`` that raised at position ``at``
         (its own, or the compound operation's it is part of): names the ranks that did not
         come, from the peers' records (see [Note: the watchdog])."""
@@ -654,7 +692,7 @@ class Collectives:
             here = f"{_position_text(op, what)}, part of {_position_text(at_op, at_what)} (collective #{seq})"
         self.position.failed = (*at, cause)
         if self.store is None or self.world_size == 1:
-            return CollectiveError(f"{here} {how} on rank {self.rank}; no store to ask the other ranks where they are")
+            return CollectiveError(f"{here} {how} on rank {self._job(self.rank)}; no store to ask the other ranks where they are")
         lost = exc if isinstance(exc, dist.DistNetworkError) else self._store_lost()
         if lost is not None:
             return CollectiveError(self._store_lost_message(seq, op, what, lost))
@@ -666,7 +704,9 @@ class Collectives:
         except dist.DistNetworkError as lost:
             return CollectiveError(self._store_lost_message(seq, op, what, lost))
         except Exception as err:
-            return CollectiveError(f"{here} {how} on rank {self.rank}; the store did not answer the post-mortem: {_cause(err)}")
+            return CollectiveError(
+                f"{here} {how} on rank {self._job(self.rank)}; the store did not answer the post-mortem: {_cause(err)}"
+            )
         # Watch the peers for up to two heartbeat periods: a live one beats (or has failed
         # too), a dead or frozen one does not.
         period_s = self.heartbeat_period_s if self.heartbeat_period_s > 0 else 0.5
@@ -699,17 +739,17 @@ class Collectives:
             rec = latest[i]
             if rec is None:
                 missing.append(peer)
-                notes.append(f"rank {peer} never posted where it is (it died early, or has not started)")
+                notes.append(f"rank {self._job(peer)} never posted where it is (it died early, or has not started)")
                 continue
             p_seq, p_op, p_what, blocked = _record_position(rec)
             age_s = max(observed_s, now_wall - float(rec["t"]))
             if not settled(i) and rec["beat"] > 0 and (observed_s >= period_s + 0.25 or age_s >= window_s):
-                dead.append(dead_message(peer, rec, age_s, period_s, self.rank, op, what, seq))
+                dead.append(dead_message(self._job(peer), rec, age_s, period_s, self._job(self.rank), op, what, seq))
                 missing.append(peer)
             elif p_seq == seq and (p_op, p_what) == (at_op, at_what):
                 arrived.append(peer)
                 if rec.get("failed"):
-                    gave_up.append(f"rank {peer} failed there too ({rec['failed'][3]})")
+                    gave_up.append(f"rank {self._job(peer)} failed there too ({rec['failed'][3]})")
             elif p_seq == seq:
                 diverged.append((peer, p_op, p_what))
             elif p_seq > seq and not blocked:
@@ -719,30 +759,30 @@ class Collectives:
                 state = "failed" if rec.get("failed") else "closed its collectives" if rec.get("closed") else "is"
                 doing = "blocked" if blocked else "last issued"
                 notes.append(
-                    f"rank {peer} {state} at {_position_text(p_op, p_what)} (collective #{p_seq}, {doing}; heartbeat "
+                    f"rank {self._job(peer)} {state} at {_position_text(p_op, p_what)} (collective #{p_seq}, {doing}; heartbeat "
                     f"{max(0.0, now_wall - float(rec['t'])):.1f} s old)"
                 )
         if dead:
             lost_peer = "closed" in cause.lower() or "reset" in cause.lower()
             return CollectiveError(
-                f"{here} failed on rank {self.rank}: ranks {missing} did not arrive: {'; '.join(dead)}. {_ADVICE_DEAD}."
+                f"{here} failed on rank {self._job(self.rank)}: ranks {[self._job(r) for r in missing]} did not arrive: {'; '.join(dead)}. {_ADVICE_DEAD}."
                 f"{_GLOO_MISMATCH if lost_peer else ''}{store_note}"
             )
         if diverged:
-            doing = "; ".join(f"rank {r} is at {_position_text(o, w)}" for r, o, w in diverged)
+            doing = "; ".join(f"rank {self._job(r)} is at {_position_text(o, w)}" for r, o, w in diverged)
             return CollectiveError(
-                f"ranks diverged at collective #{seq}: rank {self.rank} is at {_position_text(at_op, at_what)}; {doing}. "
-                f"{_ADVICE_ORDER}. On rank {self.rank} the collective {how}{store_note}"
+                f"ranks diverged at collective #{seq}: rank {self._job(self.rank)} is at {_position_text(at_op, at_what)}; {doing}. "
+                f"{_ADVICE_ORDER}. On rank {self._job(self.rank)} the collective {how}{store_note}"
             )
         if missing:
             return CollectiveError(
-                f"{here} {how} on rank {self.rank}: ranks {missing} did not arrive (arrived: {sorted(arrived)}); "
+                f"{here} {how} on rank {self._job(self.rank)}: ranks {[self._job(r) for r in missing]} did not arrive (arrived: {sorted(self._job(r) for r in arrived)}); "
                 f"{'; '.join(notes)}. A rank died, hangs, or runs a different order of chunk accesses"
                 f"{' (or computes longer than collective_timeout_s between two collectives)' if timed_out else ''}"
                 f"{store_note}"
             )
         return CollectiveError(
-            f"{here} {how} on rank {self.rank}, although every rank arrived at it (arrived: {sorted(arrived)})"
+            f"{here} {how} on rank {self._job(self.rank)}, although every rank arrived at it (arrived: {sorted(self._job(r) for r in arrived)})"
             f"{'; ' + '; '.join(gave_up) if gave_up else ''}"
             f"{_LATE_HINT if timed_out or gave_up else ''}{store_note}"
         )
@@ -780,7 +820,7 @@ class Collectives:
         found = [p for p in posts if p is not None]
         if not found:
             return (
-                f"{head}, before the last {len(ref)} collectives of rank 0 (which every rank issued alike; raise "
+                f"{head}, before the last {len(ref)} collectives of rank {self._job(0)} (which every rank issued alike; raise "
                 f"history_len to see further back). {_ADVICE_ORDER}"
             )
         index = min(p[0] for p in found)
@@ -801,7 +841,8 @@ class Collectives:
             by_entry.setdefault(tuple(e) if e else None, []).append(r)
         parts = []
         for entry, ranks in sorted(by_entry.items(), key=lambda kv: (self.rank not in kv[1], kv[1][0])):
-            who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {_rank_list(ranks)} are"
+            named = [self._job(r) for r in ranks]
+            who = f"rank {named[0]} is" if len(named) == 1 else f"ranks {_rank_list(named)} are"
             if entry is None:
                 parts.append(f"{who} at the order check already (fewer collectives)")
             else:
@@ -853,7 +894,7 @@ class Collectives:
                 "broadcast",
                 what,
                 nbytes,
-                lambda a: dist.broadcast(tensor, src, group=self.group, async_op=a),
+                lambda a: dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=a),
                 async_op=True,
                 checked=checked,
             )
@@ -861,7 +902,11 @@ class Collectives:
             return work
         staged = self._staged(tensor)
         self._collective(
-            "broadcast", what, nbytes, lambda a: dist.broadcast(staged, src, group=self.group, async_op=a), checked=checked
+            "broadcast",
+            what,
+            nbytes,
+            lambda a: dist.broadcast(staged, self.global_ranks[src], group=self.group, async_op=a),
+            checked=checked,
         )
         if staged is not tensor:
             tensor.copy_(staged)
@@ -875,7 +920,7 @@ class Collectives:
             "reduce",
             what,
             nbytes,
-            lambda a: dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a),
             checked=checked,
         )
         if self.rank == dst:
@@ -894,7 +939,12 @@ class Collectives:
         staged = self._staged(output)
         outgoing = [self._staged(t) for t in inputs] if self.rank == src and inputs is not None else None
         nbytes = output.numel() * output.element_size()
-        self._collective("scatter", what, nbytes, lambda a: dist.scatter(staged, outgoing, src=src, group=self.group, async_op=a))
+        self._collective(
+            "scatter",
+            what,
+            nbytes,
+            lambda a: dist.scatter(staged, outgoing, src=self.global_ranks[src], group=self.group, async_op=a),
+        )
         if staged is not output:
             output.copy_(staged)
         self._count("scatter", nbytes if self.rank != src else 0)

@@ -1,6 +1,7 @@
-"""Chunk groups: model data stored once across data-parallel ranks, in whole chunks.
+"""Chunk groups: model data stored once across the ranks of a shard group, in whole chunks.
 
-Chunks are grouped ``world_size`` at a time (the layout is padded with empty chunks to a
+Chunks are grouped ``shard_size`` at a time (the ranks of one shard group: every rank unless
+hybrid sharding is on, see ``mesh.py``) (the layout is padded with empty chunks to a
 whole number of groups); each rank owns one chunk of each group and is the only rank that
 keeps it, its fp32 master, momentum and variance. With equal chunks rank r owns chunk r of
 each group; a group holding an oversize chunk (a param larger than the chunk size) gives its
@@ -8,6 +9,9 @@ members to the ranks that own the fewest bytes so far, so shares stay balanced. 
 all-gathered; once every param of the group has been used by the forward (all slots
 HOLD_AFTER_FWD) the copies of other ranks' chunks are dropped; after backward the group's
 grads are reduce-scattered (averaged) to their owners; each owner steps its own chunks.
+With replicas (hybrid sharding), the owners of the same chunk in every shard group
+all-reduce (average) their reduced shard once per group and step alike; the initial
+weights go from shard group 0 to the others with one broadcast per group.
 Communication is the ZeRO-3 volume (params all-gathered twice, grads reduce-scattered once
 per step) in chunk-sized messages.
 
@@ -75,12 +79,26 @@ def assign_owners(weights: list[int], world: int) -> tuple[list[int], list[list[
 class ChunkGroups:
     """The data-parallel side of one client."""
 
-    def __init__(self, store: ChunkStore, mover: ChunkManager, comm: Collectives, *, placement: PlacementPolicy):
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkManager,
+        comm: Collectives,
+        *,
+        placement: PlacementPolicy,
+        replicas: Collectives | None = None,
+        everyone: Collectives | None = None,
+    ):
         self.store = store
         self.mover = mover
         self.placement = placement
         self.config = store.config
+        #: the collectives of this rank's shard group: gathers and reduce-scatters of chunk groups
         self.comm = comm
+        #: the owners of the same chunks in the other shard groups (hybrid sharding), else None
+        self.replicas = replicas
+        #: every rank of the job (barriers, user all-reduces): ``comm`` without replicas
+        self.everyone = everyone or comm
         self.rank = comm.rank
         self.world = comm.world_size
         self.gathered: set[int] = set()
@@ -156,7 +174,7 @@ class ChunkGroups:
         if wanted is None:
             wanted = store.compute.capacity_bytes // 10
         cap = torch.tensor([wanted], dtype=torch.int64)
-        self.comm.all_reduce(cap, op=dist.ReduceOp.MIN, what="bytes kept gathered")  # every rank keeps the same
+        self.everyone.all_reduce(cap, op=dist.ReduceOp.MIN, what="bytes kept gathered")  # every rank keeps the same
         self.live_cap_bytes = int(cap.item())
 
     def begin_forward(self) -> None:
@@ -184,9 +202,12 @@ class ChunkGroups:
             elif sync:
                 mine = torch.zeros(cap, dtype=torch.float32)
                 outgoing = None
-                if self.rank == 0:
+                if self.rank == 0 and (self.replicas is None or self.replicas.rank == 0):
                     outgoing = [self._row_values(i, values, cap) for i in members]
-                self.comm.scatter(mine, outgoing, src=0, what=f"initial weights of chunk group {g}")
+                if self.replicas is None or self.replicas.rank == 0:
+                    self.comm.scatter(mine, outgoing, src=0, what=f"initial weights of chunk group {g}")
+                if self.replicas is not None:  # the job's rank 0's values reach every replica
+                    self.replicas.broadcast(mine, 0, what=f"initial weights of chunk group {g}")
             else:
                 mine = self._row_values(own_index, values, cap)
             for kind in dict.fromkeys((ChunkKind.PARAM, store.master_kind)):
@@ -393,6 +414,9 @@ class ChunkGroups:
             for r, chunk in enumerate(sources):
                 self.comm.reduce_avg(chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})", checked=True)
             result.copy_(own_src.payload)
+        if self.replicas is not None:  # the same shard of every replica: their mean
+            self.replicas.all_reduce(result, what=f"grads of chunk {own_index} (group {g}) across replicas")
+            result.div_(self.replicas.world_size)
         if reuse:
             own = rows[self.rank]
             own.payload.copy_(result)
@@ -415,7 +439,7 @@ class ChunkGroups:
             # an early step applies what this backward computed: first make sure every rank
             # issued the same collectives so far (one small all-reduce; every rank takes this
             # branch, which depends on the config only)
-            self.comm.check_order(f"early step of chunk group {g}")
+            self.check_order(f"early step of chunk group {g}")
         if complete and reuse and self.early_step is not None:
             # every rank saw every grad of the group: the owned params all have grads now
             for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
@@ -440,12 +464,12 @@ class ChunkGroups:
 
     def end_backward(self) -> None:
         """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
-        self.comm.check_order("end of backward")
+        self.check_order("end of backward")
         for g in sorted(self.pending):
             self.reduce(g)
         self.settle_all()
         flags = self.local_flags.clone()
-        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
+        self.everyone.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
         for info in self.store.params:
             if self.owns(info.chunk):
                 if flags[info.slot.index] and info.chunk not in self.stepped_early:
@@ -471,11 +495,28 @@ class ChunkGroups:
         self.comm.all_gather(outputs, mine, what=f"{kind.value} values of chunk group {g}")
         return [o.cpu() for o in outputs]
 
+    def check_order(self, what: str) -> None:
+        """Every rank issued the same collectives so far: in its shard group, among its
+        replicas, and over the job (see comm.py's [Note: the watchdog])."""
+        for comm in self._comms():
+            comm.check_order(what)
+
+    def _comms(self) -> list[Collectives]:
+        return list({id(c): c for c in (self.comm, self.replicas, self.everyone) if c is not None}.values())
+
+    def close(self) -> None:
+        for comm in self._comms():
+            comm.close()
+
     def stats(self) -> dict:
-        return {
+        out = {
             "groups": self.num_groups,
             "gathers": self.gathers,
             "prefetched_gathers": self.prefetched_gathers,
             "reduces": self.reduces,
             **self.comm.stats(),
         }
+        if self.replicas is not None:  # what crossed between replicas, and the job-wide calls
+            out["replicas"] = self.replicas.stats()
+            out["everyone"] = self.everyone.stats()
+        return out

@@ -288,6 +288,19 @@ class Config:
             "again. `None`: 10% of the compute device's capacity. The ranks agree on the least of their values."
         ),
     )
+    shard_group_size: int | str = _field(
+        "node",
+        section="Several ranks and the node manager",
+        unit='ranks, `"node"` or `"world"`',
+        doc=(
+            "How many ranks share one copy of the model data (hybrid sharding on a 2-D DeviceMesh, replicate x "
+            "shard). Chunk groups are this many chunks wide; each group of ranks holds every chunk once and the "
+            'groups are replicas whose grads are all-reduced. `"node"`: the ranks of one node (torchrun\'s '
+            '`LOCAL_WORLD_SIZE`), so a node\'s memory holds each chunk once; `"world"`: every rank (pure sharding, '
+            "the most memory saved, gathered bytes growing with the world); an integer dividing the world size. "
+            "See [MULTI_RANK.md](MULTI_RANK.md#hybrid-sharding)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -341,6 +354,13 @@ class Config:
         if not (0.0 < self.loss_scale_backoff_factor < 1.0):
             raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
         _positive("collective_timeout_s", self.collective_timeout_s)
+        if self.shard_group_size not in ("node", "world") and (
+            isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
+        ):
+            raise ConfigError(
+                f'shard_group_size={self.shard_group_size!r}: use "node", "world" or a positive number of ranks '
+                f"that divides the world size"
+            )
         if self.overlap_step and not self.grad_reuse:
             raise ConfigError(
                 "overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step"
