@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hybridps.client import group_phase
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.comm import Collectives
+from hybridps.client.group_phase import GroupMove, GroupPhase
 from hybridps.client.states import Move, TensorState
 
 if TYPE_CHECKING:
@@ -101,7 +103,8 @@ class ChunkGroups:
         self.everyone = everyone or comm
         self.rank = comm.rank
         self.world = comm.world_size
-        self.gathered: set[int] = set()
+        #: the phase of each group's foreign copies (group_phase.py); absent: DROPPED
+        self.phase: dict[int, GroupPhase] = {}
         self.grad_slots: list[int] = []  # per group: slots whose param requires grad
         self.grads_seen: list[int] = []  # per group: local grads of this backward
         self.local_flags: torch.Tensor = torch.zeros(0, dtype=torch.uint8)
@@ -116,7 +119,7 @@ class ChunkGroups:
         #: bytes of chunk groups kept gathered after the forward used them (same on all ranks)
         self.live_cap_bytes = 0
         self.owner_of: list[int] = []
-        #: asynchronous gathers not waited for yet: group -> work handles
+        #: the work handles of ARRIVING groups' gathers
         self.in_flight: dict[int, list] = {}
         #: called with the group index after every gather (the prefetcher's trace)
         self.gather_listeners: list = []
@@ -229,20 +232,37 @@ class ChunkGroups:
 
     # -- forward: gather and drop ----------------------------------------------------------
 
+    def _move(self, g: int, move: GroupMove) -> GroupPhase:
+        after = group_phase.apply(self.phase.get(g, GroupPhase.DROPPED), move, g)
+        if after is GroupPhase.DROPPED:
+            self.phase.pop(g, None)
+        else:
+            self.phase[g] = after
+        return after
+
+    def is_here(self, g: int) -> bool:
+        return g in self.phase
+
+    @property
+    def gathered(self) -> list[int]:
+        """Groups whose foreign copies are here (or landing), in order."""
+        return sorted(self.phase)
+
     def ensure_gathered(self, index: int, who: object = "") -> None:
         """All-gather the group of chunk ``index`` unless it is here already (waiting for a
         prefetched gather to land)."""
         g = self.group_of(index)
-        if g in self.gathered:
+        if self.is_here(g):
             self._settle(g)
-            self.retained.pop(g, None)  # in use again
+            self.retained.pop(g, None)
+            self._move(g, GroupMove.USED_AGAIN)
             return
         self._gather(g, who)
 
     def prefetch(self, g: int) -> None:
         """Start gathering group ``g`` without waiting (its first use waits). Every rank
         calls this at the same moment (the trace's), so the collective stays in step."""
-        if g not in self.gathered:
+        if not self.is_here(g):
             self._gather(g, f"prefetch of chunk group {g}", asynchronous=True)
             self.prefetched_gathers += 1
 
@@ -274,7 +294,7 @@ class ChunkGroups:
             for chunk in members:
                 chunk.in_flight = True
             self.in_flight[g] = works
-        self.gathered.add(g)
+        self._move(g, GroupMove.PREFETCH_ISSUED if asynchronous else GroupMove.GATHER_ISSUED)
         self.gathers += 1
         for listener in self.gather_listeners:
             listener(g)
@@ -288,6 +308,7 @@ class ChunkGroups:
             work.wait()
         for chunk in self._members(g):
             chunk.in_flight = False
+        self._move(g, GroupMove.LANDED)
 
     def settle_all(self) -> None:
         for g in list(self.in_flight):
@@ -304,7 +325,7 @@ class ChunkGroups:
             if self.grads_seen[g] == self.grad_slots[g] and self._idle(g):
                 self.reduce(g)
             return
-        if g in self.gathered and self._forward_done(g):
+        if self.is_here(g) and self._forward_done(g):
             self._retire(g)
 
     def _retire(self, g: int) -> None:
@@ -313,6 +334,8 @@ class ChunkGroups:
         dropping the oldest beyond it. The cap and the order are the same on every rank."""
         # whole-group bytes, not this rank's foreign share: the share depends on which member
         # a rank owns, and every rank must keep the same groups
+        self._settle(g)
+        self._move(g, GroupMove.FORWARD_DONE)
         self.retained[g] = sum(c.nbytes for c in self._members(g))
         self.retained.move_to_end(g)
         while self.retained and sum(self.retained.values()) > self.live_cap_bytes:
@@ -343,13 +366,13 @@ class ChunkGroups:
                 if state is not _S.FREE:
                     chunk.set_slot_state(slot, _S.FREE, f"dropping {chunk}")
             self.mover.free(chunk)
-        self.gathered.discard(g)
+        self._move(g, GroupMove.DROPPED)
         self.retained.pop(g, None)
 
     def end_forward(self, *, keep_retained: bool = True) -> None:
         """Drop every gathered group that holds no grads and is not in use (but the groups
         kept for backward)."""
-        for g in sorted(self.gathered):
+        for g in self.gathered:
             if keep_retained and g in self.retained:
                 continue
             members = self._members(g)
