@@ -1,9 +1,27 @@
 """Chunk: one contiguous buffer of one dtype holding several tensors at fixed offsets.
 
-Owns the payload (allocated lazily, dropped when every slot is FREE), the per-slot tensor
-states and the chunk state derived from them, and the single copy that moves a chunk
-between devices. Does not decide *where* a chunk goes or account for memory: the chunk
-manager does both and is the only caller of ``allocate``, ``move_to`` and ``drop``.
+Owns the payload (allocated lazily, dropped when every slot is FREE) and its state
+(``PayloadState``), the per-slot tensor states and the chunk state derived from them, and the
+single copy that moves a chunk between devices. Does not decide *where* a chunk goes or
+account for memory: the chunk manager does both and is the only caller of ``allocate``,
+``move_to``, ``rebind``, ``copy_started``, ``brought_ahead``, ``first_use`` and ``drop``.
+
+[Note: payload states]
+A chunk's payload is in one ``PayloadState`` at a time, changed only by a named
+``PayloadMove`` (``PAYLOAD_MOVES`` lists the states each starts from and where it leads;
+``Chunk.move_payload`` raises a StateError on any other):
+
+    ABSENT --ALLOCATE--> RESIDENT --DROP--> ABSENT
+    RESIDENT --COPY_STARTS--> ARRIVING --COPY_LANDS--> RESIDENT      (copy stream, simulated link)
+    RESIDENT / ARRIVING --BROUGHT_AHEAD--> PREFETCHED / PREFETCHING  (the prefetcher's copy)
+    PREFETCHED / PREFETCHING --FIRST_USE--> RESIDENT / ARRIVING      (a prefetch hit)
+    PREFETCHING --COPY_LANDS--> PREFETCHED
+    PREFETCHED --LEAVES--> RESIDENT                                  (moved before its use)
+    RESIDENT --COLLECTIVE_STARTS--> IN_COLLECTIVE --COLLECTIVE_ENDS--> RESIDENT
+
+ARRIVING and PREFETCHING carry the event of the copy still filling the payload
+(``ready_event``); ``wait_ready`` waits for it. A chunk IN_COLLECTIVE is read or written by an
+asynchronous collective (groups.py) and must not move or be dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +33,7 @@ import torch
 from hybridps.client.layout import Slot
 from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, Move, TensorState, named_move, transition
 from hybridps.common.devices import DeviceSpec
+from hybridps.common.errors import StateError
 
 
 class ChunkKind(enum.Enum):
@@ -26,6 +45,65 @@ class ChunkKind(enum.Enum):
     MOMENTUM = "momentum"  # Adam exp_avg, fp32
     VARIANCE = "variance"  # Adam exp_avg_sq, fp32
     BUFFER = "buffer"  # results of client.allreduce/broadcast: a layout of their own, replicated
+
+
+class PayloadState(enum.Enum):
+    """Where a chunk's payload stands (see [Note: payload states])."""
+
+    ABSENT = "absent"  # no payload
+    RESIDENT = "resident"  # a payload on its device, safe to use
+    ARRIVING = "arriving"  # bound to a buffer that a copy still fills (ready_event)
+    PREFETCHING = "prefetching"  # brought ahead of its use by the prefetcher; its copy still runs
+    PREFETCHED = "prefetched"  # brought ahead of its use, copy done, not used there yet
+    IN_COLLECTIVE = "in collective"  # an asynchronous collective reads or writes it: it must not move
+
+    __hash__ = object.__hash__
+
+
+class PayloadMove(enum.Enum):
+    """The named moves of a payload (see [Note: payload states])."""
+
+    ALLOCATE = "allocate"
+    COPY_STARTS = "a copy into a new buffer starts"
+    COPY_LANDS = "the copy lands"
+    BROUGHT_AHEAD = "brought ahead by the prefetcher"
+    FIRST_USE = "first use after a prefetch"
+    LEAVES = "a move starts"
+    COLLECTIVE_STARTS = "an asynchronous collective starts"
+    COLLECTIVE_ENDS = "the asynchronous collective ends"
+    DROP = "drop"
+
+    __hash__ = object.__hash__
+
+
+_P = PayloadState
+
+#: move -> {the state it starts from: the state it leads to}
+PAYLOAD_MOVES: dict[PayloadMove, dict[PayloadState, PayloadState]] = {
+    PayloadMove.ALLOCATE: {_P.ABSENT: _P.RESIDENT},
+    PayloadMove.COPY_STARTS: {_P.RESIDENT: _P.ARRIVING},
+    PayloadMove.COPY_LANDS: {_P.ARRIVING: _P.RESIDENT, _P.PREFETCHING: _P.PREFETCHED},
+    PayloadMove.BROUGHT_AHEAD: {_P.RESIDENT: _P.PREFETCHED, _P.ARRIVING: _P.PREFETCHING},
+    PayloadMove.FIRST_USE: {_P.PREFETCHED: _P.RESIDENT, _P.PREFETCHING: _P.ARRIVING},
+    # a move waits for any copy into the payload first; a prefetch not used yet is wasted
+    PayloadMove.LEAVES: {_P.RESIDENT: _P.RESIDENT, _P.PREFETCHED: _P.RESIDENT},
+    PayloadMove.COLLECTIVE_STARTS: {_P.RESIDENT: _P.IN_COLLECTIVE},
+    PayloadMove.COLLECTIVE_ENDS: {_P.IN_COLLECTIVE: _P.RESIDENT},
+    # dropped after any copy into it landed
+    PayloadMove.DROP: {_P.RESIDENT: _P.ABSENT, _P.PREFETCHED: _P.ABSENT},
+}
+
+
+def payload_move(current: PayloadState, move: PayloadMove, what: object) -> PayloadState:
+    """The state ``move`` leads to from ``current``, or a StateError naming ``what``."""
+    end = PAYLOAD_MOVES[move].get(current)
+    if end is None:
+        allowed = ", ".join(s.name for s in PAYLOAD_MOVES[move])
+        raise StateError(
+            f"{what}: illegal payload move {move.name} ({move.value}) while {current.name}; it starts only from "
+            f"{allowed}. A chunk under an asynchronous collective must be settled before it moves or is dropped"
+        )
+    return end
 
 
 class Chunk:
@@ -49,12 +127,10 @@ class Chunk:
         #: this rank keeps the chunk (always, on one rank); other ranks' chunks are gathered
         #: for use and dropped after
         self.owned = True
-        #: CUDA event of a copy into the payload still running on the copy stream
-        self.ready_event = None
-        #: brought ahead of use by the prefetcher and not used yet
-        self.prefetched = False
-        #: an asynchronous collective reads or writes the payload: it must not move
-        self.in_flight = False
+        #: where the payload stands (see [Note: payload states]); changed by ``move_payload`` only
+        self.payload_state = PayloadState.ABSENT
+        #: event of a copy into the payload still running (ARRIVING, PREFETCHING), else None
+        self._ready_event = None
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -100,6 +176,50 @@ class Chunk:
             return ChunkState.FREE
         return ChunkState.HOLD
 
+    # -- payload state ---------------------------------------------------------------------
+
+    def move_payload(self, move: PayloadMove) -> PayloadState:
+        """Change the payload state by a named move; a StateError for one that the table
+        (``PAYLOAD_MOVES``) does not allow from the state it is in."""
+        self.payload_state = new = payload_move(self.payload_state, move, self)
+        return new
+
+    @property
+    def ready_event(self):
+        """The event of a copy into the payload still running, or None."""
+        return self._ready_event
+
+    @property
+    def prefetched(self) -> bool:
+        """Brought ahead of its use by the prefetcher and not used there yet."""
+        return self.payload_state is PayloadState.PREFETCHED or self.payload_state is PayloadState.PREFETCHING
+
+    @property
+    def in_flight(self) -> bool:
+        """An asynchronous collective reads or writes the payload: it must not move."""
+        return self.payload_state is PayloadState.IN_COLLECTIVE
+
+    @in_flight.setter
+    def in_flight(self, value: bool) -> None:
+        # groups.py marks the members of an asynchronous gather, and settles them
+        self.move_payload(PayloadMove.COLLECTIVE_STARTS if value else PayloadMove.COLLECTIVE_ENDS)
+
+    def copy_started(self, event) -> None:
+        """A copy fills the payload until ``event``; the next user waits for it (``wait_ready``)."""
+        self.move_payload(PayloadMove.COPY_STARTS)
+        self._ready_event = event
+
+    def brought_ahead(self) -> None:
+        """The prefetcher brought the chunk ahead of its use."""
+        self.move_payload(PayloadMove.BROUGHT_AHEAD)
+
+    def first_use(self) -> bool:
+        """The chunk is used where it lies; returns whether a prefetch brought it there."""
+        if self.prefetched:
+            self.move_payload(PayloadMove.FIRST_USE)
+            return True
+        return False
+
     # -- payload ---------------------------------------------------------------------------
 
     @property
@@ -125,14 +245,15 @@ class Chunk:
     def wait_ready(self) -> None:
         """Make the payload safe to use: wait for a copy into it still in flight (the compute
         stream waits on the GPU; the host waits for a copy to host memory)."""
-        event = self.ready_event
+        event = self._ready_event
         if event is None:
             return
         if self.payload is not None and self.payload.is_cuda:
             torch.cuda.current_stream(self.payload.device).wait_event(event)
         else:
             event.synchronize()
-        self.ready_event = None
+        self._ready_event = None
+        self.move_payload(PayloadMove.COPY_LANDS)
 
     def new_buffer(self, device: DeviceSpec, *, pin: bool = False) -> torch.Tensor:
         """An uninitialised buffer the size of this chunk on ``device`` (pinned host memory
@@ -148,6 +269,7 @@ class Chunk:
         payload = buffer if buffer is not None else self.new_buffer(device)
         if zero:
             payload.zero_()
+        self.move_payload(PayloadMove.ALLOCATE)
         self.payload = payload
         self.device = device.name
         self._views.clear()
@@ -174,7 +296,9 @@ class Chunk:
         return old
 
     def drop(self) -> torch.Tensor | None:
-        """Forget the payload; return it."""
+        """Forget the payload (after any copy into it landed); return it."""
+        if self.payload is not None:
+            self.move_payload(PayloadMove.DROP)
         old, self.payload = self.payload, None
         self.device = None
         self._views.clear()

@@ -7,8 +7,9 @@ does not dictate (a new chunk, an evicted chunk) is chosen by the node manager, 
 atomic request per operation (see [Note: one request per chunk operation]); so a placement
 cannot lose room it was offered to another rank between a question and a booking.
 
-Does not own tensor states (chunk.py), which chunk to evict (placement.py) or how much of the
-compute device activations need right now (the tracer supplies ``reserve_fn``).
+Does not own tensor or payload states (chunk.py), the budget formula or which chunk to evict
+(the placement policy, placement.py), or how much of the compute device activations need
+right now (the trace it is built with, memory_trace.py, ``reserve_bytes``).
 
 [Note: budgets]
 A device's budget is the room chunks may take on it. For a GPU it is
@@ -16,7 +17,8 @@ A device's budget is the room chunks may take on it. For a GPU it is
 temporaries) the warm-up trace expects at this moment and the next, so chunks shrink while
 activations grow during forward and backward and expand again for the optimizer step (the
 "tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
-word because the CPU is shared by every rank of the node.
+word because the CPU is shared by every rank of the node. The mover asks its trace for the
+reserve and its placement policy for the formula (``PlacementPolicy.budget_bytes``).
 
 [Note: the capacity is a hard limit]
 Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
@@ -56,8 +58,9 @@ from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.chunk import Chunk, ChunkKind, PayloadMove
 from hybridps.client.layout import pinned_block_elems
+from hybridps.client.memory_trace import MemoryTrace, MomentTrace
 from hybridps.client.placement import PlacementPolicy
 from hybridps.client.pool import PayloadPool
 from hybridps.client.sim_link import D2H, H2D, SimulatedLink
@@ -112,6 +115,8 @@ class ChunkManager:
         placement: PlacementPolicy | None = None,
         pool_bytes: int = 0,
         link: SimulatedLink | None = None,
+        trace: MemoryTrace | None = None,
+        pinned_cap_bytes: int = 0,
     ):
         self.inventory = inventory
         #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
@@ -132,7 +137,7 @@ class ChunkManager:
         #: pinned host memory in use, and its cap (set from the config by the client)
         self.pinned_bytes = 0
         self.pinned_rounding_bytes = 0  # of pinned_bytes, beyond the chunks' own bytes
-        self.pinned_cap_bytes = 0
+        self.pinned_cap_bytes = pinned_cap_bytes
         #: prefetches and evictions copy on this stream (real GPUs only)
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
         #: (event, host buffer, joins the pool) of copies still reading the buffer
@@ -142,11 +147,11 @@ class ChunkManager:
         self.margin_bytes = margin_bytes
         #: decides which chunk leaves a full device (placement.py); the mover moves it
         self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
-        #: bytes of non-model memory to keep free on a device now; set by the tracer.
-        self.reserve_fn: Callable[[str], int] = lambda device: 0
-        #: called as on_compute_growth() after the chunk bytes on the compute device grew
-        #: (tracer: the exact peak of chunks + non-model there); None for no one.
-        self.on_compute_growth: Callable[[], None] | None = None
+        #: the non-model bytes to keep free on a device now (``reserve_bytes``), told when the
+        #: chunk bytes on the compute device grew (``chunks_grew``: the exact peak of chunks +
+        #: non-model there); the tracer drives it (memory_trace.py, [Note: who holds the
+        #: trace]). Without one: an idle MomentTrace, a reserve of 0 until a tracer starts it.
+        self.trace: MemoryTrace = trace if trace is not None else MomentTrace(self.compute, margin_bytes=margin_bytes)
         self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         #: peak of this client's chunk bytes on all devices together
@@ -167,10 +172,13 @@ class ChunkManager:
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
+        """The room chunks may take on ``device`` now (see [Note: budgets])."""
         spec = self._specs.get(device) or self.inventory[device]
-        if not spec.is_gpu:
-            return spec.capacity_bytes
-        return spec.capacity_bytes - self.reserve_fn(device) - self.margin_bytes
+        return self.placement.budget_bytes(spec, self.reserve_bytes(device))
+
+    def reserve_bytes(self, device: str) -> int:
+        """The non-model bytes the trace keeps free on ``device`` now."""
+        return self.trace.reserve_bytes(device, self.used_bytes.get(device, 0))
 
     def _over_budget_gpus(self, size: int) -> list[str]:
         return [d.name for d in self.inventory.gpus if self.used_bytes[d.name] + size > self.budget(d.name)]
@@ -197,9 +205,8 @@ class ChunkManager:
         for listener in self.access_listeners:
             listener(chunk, device)
         if chunk.device == device:
-            if chunk.prefetched:
+            if chunk.first_use():
                 self.prefetch_hits += 1
-                chunk.prefetched = False
             chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
         protect = (chunk, *protect)
@@ -221,7 +228,7 @@ class ChunkManager:
         if self.used_bytes[device] + chunk.nbytes > self.budget(device):
             return False
         self._move(chunk, device, asynchronous=True)
-        chunk.prefetched = True
+        chunk.brought_ahead()
         self.prefetches += 1
         return True
 
@@ -588,6 +595,7 @@ class ChunkManager:
         src = chunk.device
         assert src is not None and src != device
         chunk.wait_ready()
+        chunk.move_payload(PayloadMove.LEAVES)
         self._collect()
         old = chunk.payload
         likely = device or self._likely_choice(refer or "cpu", exclude)
@@ -612,7 +620,7 @@ class ChunkManager:
                 old = chunk.rebind(self._specs[device], buf)
                 event = self.link.submit(link_direction, chunk.nbytes, functools.partial(buf.copy_, old))
                 if asynchronous:
-                    chunk.ready_event = event
+                    chunk.copy_started(event)
                 else:
                     event.synchronize()
             elif stream is None:
@@ -625,8 +633,9 @@ class ChunkManager:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     old = chunk.move_to(self._specs[device], buffer=buf, non_blocking=True)
-                    chunk.ready_event = torch.cuda.Event()
-                    chunk.ready_event.record(stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    chunk.copy_started(event)
                 for t in (old, buf):
                     if t.is_cuda:
                         t.record_stream(stream)
@@ -661,8 +670,8 @@ class ChunkManager:
             self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
             self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
             self.payload_ptrs.add(ptr)
-            if device == self.compute.name and self.on_compute_growth is not None:
-                self.on_compute_growth()
+            if device == self.compute.name:
+                self.trace.chunks_grew(self.used_bytes[device])
         else:
             del self.resident[device][chunk.chunk_id]
             self.payload_ptrs.discard(ptr)
@@ -676,7 +685,7 @@ class ChunkManager:
             f"{device} has no room{where}: needs {format_bytes(size)} ({size} B) more, chunks in use there hold "
             f"{format_bytes(self.used_bytes[device])} ({len(pinned)} in COMPUTE, "
             f"{format_bytes(sum(c.nbytes for c in pinned))}), budget now {format_bytes(budget)} = capacity "
-            f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_fn(device))}"
+            f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_bytes(device))}"
             f" - margin {format_bytes(self.margin_bytes)}. Raise the capacity of {device}, lower chunk_size, or "
             f"reduce activations (smaller batch, activation checkpointing).\n{self.memory_report()}"
         )
@@ -704,7 +713,7 @@ class ChunkManager:
             lines.append(
                 f"  {d.name:8s} capacity {format_bytes(d.capacity_bytes):>11s}  chunks {len(chunks):4d} "
                 f"({computing} COMPUTE) {format_bytes(self.used_bytes[d.name]):>11s}  non-model "
-                f"{format_bytes(self.reserve_fn(d.name)):>11s}"
+                f"{format_bytes(self.reserve_bytes(d.name)):>11s}"
             )
         return "\n".join(lines)
 

@@ -34,6 +34,7 @@ from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.comm import Collectives
 from hybridps.client.groups import ChunkGroups
 from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.memory_trace import MomentTrace
 from hybridps.client.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.pending_grads import PendingGrads
@@ -93,11 +94,18 @@ class Client:
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
         pinned = self.config.pinned_bytes
-        self.mover = ChunkManager(
-            self.inventory, connection, margin_bytes=self.config.margin, link=self.link, placement=self.placement
-        )
         pinned = self.config.pinned_bytes
-        self.mover.pinned_cap_bytes = self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned
+        self.mover = ChunkManager(
+            self.inventory,
+            connection,
+            margin_bytes=self.config.margin,
+            link=self.link,
+            placement=self.placement,
+            #: the non-model memory of the compute device, driven by the engine's tracer
+            #: (memory_trace.py, [Note: who holds the trace])
+            trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
+            pinned_cap_bytes=self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned,
+        )
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(
             self.config, self.compute, self.mover, rank=self.shard_layout.shard_rank, world_size=self.shard_size

@@ -96,7 +96,14 @@ class _ModelHook:
 class ModuleHooks:
     """The hooks of one model on one client."""
 
-    def __init__(self, client: Client, module: nn.Module, tracer: MemoryTracer):
+    def __init__(
+        self,
+        client: Client,
+        module: nn.Module,
+        tracer: MemoryTracer,
+        *,
+        on_bare_backward: Callable[[], None] | None = None,
+    ):
         self.client = client
         self.module = module
         self.tracer = tracer
@@ -114,7 +121,7 @@ class ModuleHooks:
         self._held_for_backward: dict[int, nn.Parameter] = {}
         #: called once at the end of a backward pass that engine.backward did not start (a bare
         #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
-        self.on_bare_backward: Callable[[], None] | None = None
+        self.on_bare_backward = on_bare_backward
         self._bare_queued = False
         #: the early step on one rank (several ranks: chunk groups call it after a reduction)
         self.early_step = client.early_step if client.groups is None else None

@@ -6,6 +6,9 @@ Owns the decisions, one method each:
 - ``home``: the device a new chunk of each kind is allocated on (params and grads where
   they compute, fp32 master on the CPU, momentum and variance beside their master);
 - ``step_device``: where a chunk's optimizer step runs (where its master lies);
+- ``budget_bytes``: the room chunks may take on a device at a moment (the tidal budget:
+  a GPU's capacity - the non-model bytes the trace reserves now - margin; the CPU's
+  capacity), see [Note: budgets] in chunk_manager.py;
 - ``optimizer_room_bytes``: after the warm-up trace, how much of the compute GPU optimizer
   rows may take for good (the tidal formula: capacity - margin - the trace's non-model peak
   - the param and grad chunks every iteration brings);
@@ -13,12 +16,17 @@ Owns the decisions, one method each:
   move there;
 - ``victim``: which chunk leaves a full device: the furthest next use in the warm-up trace
   (Belady's OPT) once a trace is wired in (``use_trace``, ``Config.eviction`` "opt"/"auto"),
-  the least recently used before (and always with "lru").
+  the least recently used before (and always with "lru");
+- ``prefetch_candidates``, ``prefetch_gathers``: which chunks the trace says to bring to
+  the compute device ahead of their use, in which order and how many moments ahead, and
+  which chunk groups to gather ahead.
 
 Does not own: the mechanics (allocating, copying, booking with the manager, choosing the
-candidates a victim is taken from: the mover, ``chunk_manager.py``), where an evicted chunk
-goes (the node manager's ``policy.py`` schedules it near the CPU), what is prefetched
-(``prefetch.py``), or the node's arbitration between ranks.
+candidates a victim is taken from, whether a prefetch fits the budget: the mover,
+``chunk_manager.py``; starting the copies and gathers at each moment: ``prefetch.py``),
+where an evicted chunk goes (the node manager's ``policy.py`` schedules it near the CPU),
+the reserve of a moment (the trace, memory_trace.py), or the node's arbitration between
+ranks.
 
 ``Config.placement`` names the policy: ``"tidal"`` (default) or ``"cpu_optimizer"`` (the
 optimizer rows never leave the CPU, as in ZeRO-Offload). To change where optimizer states
@@ -27,7 +35,7 @@ live, edit or subclass this file (docs/CONCEPTS.md shows how).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.common.devices import DeviceSpec
@@ -60,6 +68,17 @@ class PlacementPolicy:
         if kind is ChunkKind.MASTER:
             return CPU
         return master_device or CPU  # momentum, variance: beside the master they step with
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def budget_bytes(self, device: DeviceSpec, reserve_bytes: int) -> int:
+        """The room chunks may take on ``device`` now: for a GPU its capacity less
+        ``reserve_bytes`` (the non-model memory the trace expects now and at the next moment)
+        and the margin, so chunks ebb while activations flow in and back (the tidal budget);
+        for the CPU its capacity (the node manager shares it between ranks)."""
+        if not device.is_gpu:
+            return device.capacity_bytes
+        return device.capacity_bytes - reserve_bytes - self.margin_bytes
 
     # -- the optimizer ---------------------------------------------------------------------
 
@@ -100,6 +119,38 @@ class PlacementPolicy:
             next_use = self._next_use
             return max(candidates, key=lambda c: (next_use(c), -c.last_use, c.chunk_id))
         return min(candidates, key=lambda c: (c.last_use, c.chunk_id))
+
+    # -- prefetch --------------------------------------------------------------------------
+
+    def prefetch_candidates(
+        self,
+        uses: Mapping[int, Sequence[tuple[int, str]]],
+        *,
+        now: int,
+        window: int,
+        chunk_of: Callable[[int], Chunk | None],
+    ) -> Iterator[Chunk]:
+        """The chunks to bring to the compute device ahead of their use, best first: those
+        the trace ``uses`` (moment -> (chunk id, device) accessed then) uses there in the
+        ``window`` moments after ``now`` (accesses right after the tick of ``now`` carry
+        ``now``: nothing is gained in bringing them ahead), in the order of use, each that
+        has a payload elsewhere. Lazy: each is judged when it is asked for, so a chunk an
+        earlier candidate's copy brought already is not offered again; the caller stops at the
+        first that does not fit."""
+        compute = self.compute.name
+        for moment in range(now + 1, now + 1 + window):
+            for chunk_id, device in uses.get(moment, ()):
+                if device != compute:
+                    continue
+                chunk = chunk_of(chunk_id)
+                if chunk is None or chunk.payload is None or chunk.device == compute:
+                    continue
+                yield chunk
+
+    def prefetch_gathers(self, gathers_at: Mapping[int, Sequence[int]], *, now: int) -> Sequence[int]:
+        """The chunk groups to gather ahead at moment ``now`` (several ranks): those the
+        warm-up gathered at the next moment (``gathers_at``: moment -> groups)."""
+        return gathers_at.get(now + 1, ())
 
 
 class CpuOptimizerPolicy(PlacementPolicy):

@@ -1,10 +1,11 @@
 """Prefetch: bring the chunks the warm-up trace says come next to the compute device ahead
 of their use, so their copies overlap the compute of the current module.
 
-At each moment the prefetcher looks ``window`` moments ahead in the trace and starts moves
-for the chunks used there that are not on the compute device, in the order they will be
-used, as long as they fit the budget without evicting anything (a prefetch must never push
-out a chunk needed sooner). On a real GPU the copies run on the copy stream and the
+At each moment the prefetcher asks the placement policy which chunks to bring ahead
+(``PlacementPolicy.prefetch_candidates``: by default those the trace uses in the next
+``window`` moments that are not on the compute device, in the order they will be used) and
+starts their moves as long as they fit the budget without evicting anything (a prefetch
+must never push out a chunk needed sooner). On a real GPU the copies run on the copy stream and the
 chunk's first use waits for its event; on a simulated GPU they are plain copies made
 earlier, which keeps the logic testable on CPU.
 
@@ -12,7 +13,13 @@ With several ranks the prefetcher also starts the gathers of the chunk groups th
 moment needs, asynchronously, so they overlap the current module's compute. Which groups a
 moment gathers is recorded during warm-up from the gathers themselves, which are the same
 on every rank (the collective watchdog checks it); the chunks a rank brings for itself are
-not, since they depend on its memory pressure, so only the gathers decide.
+not, since they depend on its memory pressure, so only the gathers decide
+(``PlacementPolicy.prefetch_gathers`` chooses which of them to start).
+
+Owns the mechanics: when (at each moment of a replayed trace), the lookup of chunks by id,
+the record of the warm-up's gathers, starting the copies (``ChunkManager.prefetch``) and the
+gathers (``ChunkGroups.prefetch``). Does not own which chunks or groups go ahead
+(placement.py) nor the copies themselves (chunk_manager.py).
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hybridps.client.chunk import Chunk
     from hybridps.client.chunk_manager import ChunkManager
     from hybridps.client.groups import ChunkGroups
+    from hybridps.client.placement import PlacementPolicy
     from hybridps.client.store import ChunkStore
     from hybridps.client.tracer import MemoryTracer
 
@@ -36,12 +45,15 @@ class Prefetcher:
         *,
         groups: ChunkGroups | None = None,
         window: int = 2,
+        placement: PlacementPolicy | None = None,
     ):
         self.store = store
         self.mover = mover
         self.tracer = tracer
         self.window = window
-        self._by_id: dict[int, object] | None = None
+        #: decides what goes ahead (placement.py); the mover's policy unless given
+        self.placement = placement if placement is not None else mover.placement
+        self._by_id: dict[int, Chunk] | None = None
         tracer.tick_listeners.append(self.on_tick)
         self.groups = groups
         self._gathers_at: dict[int, list[int]] = {}  # moment -> chunk groups gathered then (warm-up)
@@ -56,7 +68,7 @@ class Prefetcher:
             self._gathers_at, self._trace_id = {}, self.tracer.trace_id
         self._gathers_at.setdefault(self.tracer.moment, []).append(g)
 
-    def _chunk(self, chunk_id: int):
+    def _chunk(self, chunk_id: int) -> Chunk | None:
         if self._by_id is None:
             self._by_id = {c.chunk_id: c for c in self.store.all_chunks()}
         return self._by_id.get(chunk_id)
@@ -65,17 +77,12 @@ class Prefetcher:
         if not self.tracer.replaying():
             return
         now = self.tracer.moment  # accesses right after this tick carry this moment: no gain in prefetching them
+        placement = self.placement
         if self.groups is not None and self._trace_id == self.tracer.trace_id:
-            for g in self._gathers_at.get(now + 1, ()):
+            for g in placement.prefetch_gathers(self._gathers_at, now=now):
                 self.groups.prefetch(g)
         compute = self.store.compute.name
-        chunks = self.mover
-        for moment in range(now + 1, now + 1 + self.window):
-            for chunk_id, device in self.tracer.by_moment.get(moment, ()):
-                if device != compute:
-                    continue
-                chunk = self._chunk(chunk_id)
-                if chunk is None or chunk.payload is None or chunk.device == compute:
-                    continue
-                if not chunks.prefetch(chunk, compute):
-                    return  # the budget is full: later chunks would not fit either
+        mover = self.mover
+        for chunk in placement.prefetch_candidates(self.tracer.by_moment, now=now, window=self.window, chunk_of=self._chunk):
+            if not mover.prefetch(chunk, compute):
+                return  # the budget is full: later chunks would not fit either

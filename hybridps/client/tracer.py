@@ -5,8 +5,15 @@ A *moment* is one module hook (forward pre/post, backward pre) or an engine even
 (end of backward, optimizer step); the hooks call ``tick`` at each. During the warm-up
 iteration the tracer records, per moment, the non-model bytes on the compute device and
 every chunk access. Afterwards it replays: the chunk budget of the compute device at each
-moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (the chunk
-manager reads ``reserve``), and the eviction policy reads the access order.
+moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (the mover reads
+the reserve from the trace it holds, memory_trace.py, and the formula from the placement
+policy), and the eviction policy reads the access order.
+
+Owns the driving of the trace: the moments (``tick``), the saved-activation counting of a
+simulated GPU, the chunk accesses and next uses, fitting the chunks of the compute device to
+each moment. The figures themselves (non-model bytes per moment, where the iteration stands,
+the reserve, the peaks) live in the ``MomentTrace`` the mover was built with
+(memory_trace.py, [Note: who holds the trace]); this tracer is their only writer.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
@@ -33,7 +40,7 @@ also keeps the peak). The peak of the non-model bytes alone is kept where they f
 ``total_peak_warmup`` (the first iteration and any re-tracing one) and ``total_peak`` (every
 other moment) are the peaks of chunks + non-model on the compute device. On a simulated GPU
 they are exact: updated wherever either term grows (a saved storage in the pack hook, chunk
-bytes through the chunk manager's ``on_compute_growth``). On a real GPU non-model memory
+bytes through the mover's ``trace.chunks_grew``). On a real GPU non-model memory
 grows with every allocation, so they are sampled at moments and chunk moves.
 
 [Note: re-tracing]
@@ -48,7 +55,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import enum
 import logging
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -57,6 +63,8 @@ import torch
 
 from hybridps.client.chunk import Chunk
 from hybridps.client.chunk_manager import storage_key
+from hybridps.client.memory_trace import MomentTrace, TraceMode
+from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.chunk_manager import ChunkManager
@@ -65,10 +73,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TraceMode(enum.Enum):
-    OFF = "off"  # no training iteration under way: live measurement only
-    RECORD = "record"  # warm-up: recording moments and accesses
-    REPLAY = "replay"  # following a trace
+__all__ = ["MemoryTracer", "TraceMode"]
 
 
 class _SavedTensor:
@@ -102,23 +107,21 @@ class MemoryTracer:
         self.mover = mover
         self.device = store.compute
         self.enabled = enabled
-        self.mode = TraceMode.OFF
-        self.moment = 0
+        trace = mover.trace
+        if not isinstance(trace, MomentTrace):
+            raise ConfigError(
+                f"the mover holds a {type(trace).__name__} as its trace, which a MemoryTracer cannot drive: build the "
+                f"ChunkManager with trace=MomentTrace(compute) (or no trace) to trace its memory"
+            )
+        #: the figures this tracer writes and the mover reads (memory_trace.py)
+        self.trace = trace
         self.label: Hashable = None  # of the last moment
-        self.iterations = 0
-        # the trace (valid once the warm-up iteration ended)
-        self.labels: list[Hashable] = []
-        self.non_model: list[int] = []
         self.accesses: list[tuple[int, int, str]] = []  # (moment, chunk_id, device) in order
         self._next_use: dict[int, list[int]] = {}  # chunk_id -> sorted moments of use
         self.by_moment: dict[int, list[tuple[int, str]]] = {}  # moment -> (chunk_id, device) used then
-        self.has_trace = False
-        self.retraces = 0
-        self.trace_id = 0  # which warm-up the trace comes from
         # live measurement on a simulated GPU
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
-        self._live_saved = 0
         #: the largest single storage saved for backward (simulated GPUs): the planner's
         #: allowance for what a real GPU holds beyond the saved bytes (see planner.simulate)
         self.largest_saved_bytes = 0
@@ -126,37 +129,65 @@ class MemoryTracer:
         self._chunk_bytes = mover.used_bytes  # device name -> chunk bytes there
         self._payload_ptrs = mover.payload_ptrs
         self._name = self.device.name
-        #: chunks + non-model may reach this on the compute device; beyond it idle chunks go
-        self._limit_bytes = self.device.capacity_bytes - mover.margin_bytes
-        #: a new saved storage that brings chunks + non-model above this takes the slow path
-        #: (evict, raise or new peak): min(_limit_bytes, the peak being kept now)
-        self._watch_bytes = 0
-        # peaks
         self._non_model_peak = 0  # see the property
-        self.total_peak = 0  # chunks + non-model on the compute device, after warm-up
-        self.total_peak_warmup = 0  # the same in the warm-up (and any re-tracing) iteration
         #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
         self.tick_listeners: list = []
         #: GPU memory this process held before HybridPS started (other models, an EMA copy,
         #: a reference): not the training's, and not counted against the capacity, which is
         #: what HybridPS may use beyond it (the default capacity is read from the free memory)
-        self._external_bytes = 0
+        external_bytes = 0
         if self.device.is_gpu and not self.device.simulated:
             held = torch.cuda.memory_allocated(self.device.torch_device)
-            self._external_bytes = max(0, held - mover.used_bytes[self.device.name])
-        mover.reserve_fn = self.reserve
-        mover.on_compute_growth = self._chunks_grew
+            external_bytes = max(0, held - mover.used_bytes[self.device.name])
+        trace.start(external_bytes=external_bytes)
         self.observe()
+
+    # -- the trace's figures ---------------------------------------------------------------
+
+    @property
+    def mode(self) -> TraceMode:
+        return self.trace.mode
+
+    @property
+    def moment(self) -> int:
+        return self.trace.moment
+
+    @property
+    def iterations(self) -> int:
+        return self.trace.iterations
+
+    @property
+    def labels(self) -> list[Hashable]:
+        return self.trace.labels
+
+    @property
+    def non_model(self) -> list[int]:
+        return self.trace.non_model
+
+    @property
+    def has_trace(self) -> bool:
+        return self.trace.has_trace
+
+    @property
+    def retraces(self) -> int:
+        return self.trace.retraces
+
+    @property
+    def trace_id(self) -> int:
+        return self.trace.trace_id
+
+    @property
+    def total_peak(self) -> int:
+        return self.trace.total_peak
+
+    @property
+    def total_peak_warmup(self) -> int:
+        return self.trace.total_peak_warmup
 
     # -- live non-model measurement --------------------------------------------------------
 
     def live_non_model(self) -> int:
-        if not self.device.is_gpu:
-            return 0
-        if self.device.simulated:
-            return self._live_saved
-        allocated = torch.cuda.memory_allocated(self.device.torch_device)
-        return max(0, allocated - self.mover.used_bytes[self.device.name] - self._external_bytes)
+        return self.trace.live_non_model(self._chunk_bytes[self._name])
 
     def saved_tensors(self) -> contextlib.AbstractContextManager:
         """Context for a forward pass that counts saved activations against a simulated GPU."""
@@ -175,20 +206,21 @@ class MemoryTracer:
             nbytes = t.untyped_storage().nbytes()
             if nbytes > self.largest_saved_bytes:
                 self.largest_saved_bytes = nbytes
-            live = self._live_saved + nbytes
-            if self._chunk_bytes[self._name] + live > self._watch_bytes:
+            trace = self.trace
+            live = trace.live_saved_bytes + nbytes
+            if self._chunk_bytes[self._name] + live > trace.watch_bytes:
                 self._grow(live)  # may evict, or raise CapacityError: then nothing is counted
             self._saved_bytes[key] = nbytes
-            self._live_saved = live
+            trace.live_saved_bytes = live
         self._saved_refs[key] = refs + 1
         return _SavedTensor(t.data, key, self)  # .data: detach() without a dispatcher round trip
 
     def _grow(self, live: int) -> None:
         """The non-model bytes are about to become ``live``: keep chunks + non-model within
         the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""
-        if self._chunk_bytes[self._name] + live > self._limit_bytes:
+        if self._chunk_bytes[self._name] + live > self.trace.limit_bytes:
             self.mover.fit_non_model(self._name, live, who=self._where())
-        self._note_total(self._chunk_bytes[self._name] + live)
+        self.trace.note_total(self._chunk_bytes[self._name] + live)
 
     @staticmethod
     def _unpack(handle):
@@ -200,10 +232,11 @@ class MemoryTracer:
             self._saved_refs[key] = refs
         else:
             del self._saved_refs[key]
-            live = self._live_saved
+            trace = self.trace
+            live = trace.live_saved_bytes
             if live > self._non_model_peak:  # a peak ends where the non-model bytes fall
                 self._non_model_peak = live
-            self._live_saved = live - self._saved_bytes.pop(key)
+            trace.live_saved_bytes = live - self._saved_bytes.pop(key)
 
     def _where(self) -> str:
         """What the activations being saved now belong to, from the last moment (errors)."""
@@ -217,17 +250,9 @@ class MemoryTracer:
     # -- iterations and moments ------------------------------------------------------------
 
     def start_iteration(self) -> None:
-        self.moment = 0
-        if not self.enabled:
-            self.mode = TraceMode.OFF
-        elif self.has_trace:
-            self.mode = TraceMode.REPLAY
-        else:
-            self.mode = TraceMode.RECORD
-            self.trace_id += 1
-            self.labels, self.non_model, self.accesses = [], [], []
+        if self.trace.begin_iteration(enabled=self.enabled) is TraceMode.RECORD:
+            self.accesses = []
             self._listen(True)  # chunk accesses are recorded during warm-up only
-        self._rewatch()
 
     def _listen(self, on: bool) -> None:
         listeners = self.mover.access_listeners
@@ -238,11 +263,8 @@ class MemoryTracer:
 
     def end_iteration(self) -> None:
         self._listen(False)
-        if self.mode is TraceMode.RECORD:
+        if self.trace.end_iteration():
             self._finish_trace()
-        self.mode = TraceMode.OFF
-        self.iterations += 1
-        self._rewatch()
 
     def _finish_trace(self) -> None:
         self._next_use = {}
@@ -250,7 +272,6 @@ class MemoryTracer:
         for moment, chunk_id, device in self.accesses:
             self._next_use.setdefault(chunk_id, []).append(moment)
             self.by_moment.setdefault(moment, []).append((chunk_id, device))
-        self.has_trace = True
         logger.info(
             "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
             len(self.labels),
@@ -262,41 +283,20 @@ class MemoryTracer:
         """Mark a moment; keep the chunks of the compute device within this moment's budget."""
         self.label = label
         live = self.live_non_model()
-        if self.mode is TraceMode.RECORD:
-            self.labels.append(label)
-            self.non_model.append(live)
-        elif self.mode is TraceMode.REPLAY:
-            if self.moment >= len(self.labels) or self.labels[self.moment] != label:
-                self._lose_trace(label)
-            elif live > self.non_model[self.moment]:
-                self.non_model[self.moment] = live  # more than in the warm-up: reserve it from now on
-        self.moment += 1
+        if self.trace.mark(label, live):  # departed from the trace: it is dropped
+            self._listen(False)
         self.observe(live)
         for listener in self.tick_listeners:
             listener(label, live)
         if self.device.is_gpu:
             self.mover.fit_budget(self.device.name)
 
-    def _lose_trace(self, label: Hashable) -> None:
-        expected = self.labels[self.moment] if self.moment < len(self.labels) else "end of iteration"
-        logger.warning(
-            "iteration departs from the warm-up trace at moment %d (%r, expected %r); re-tracing next iteration",
-            self.moment,
-            label,
-            expected,
-        )
-        self.has_trace = False
-        self.retraces += 1
-        self.mode = TraceMode.OFF
-        self._listen(False)
-        self._rewatch()
-
     def observe(self, live: int | None = None) -> None:
         """Record the peaks of non-model and of chunks + non-model on the compute device."""
         if live is None:
             live = self.live_non_model()
         self._non_model_peak = max(self._non_model_peak, live)
-        self._note_total(self._chunk_bytes[self._name] + live)
+        self.trace.note_total(self._chunk_bytes[self._name] + live)
 
     @property
     def non_model_peak(self) -> int:
@@ -304,63 +304,34 @@ class MemoryTracer:
         saved bytes only grow in the pack hook and every fall goes through ``_unref``, which
         keeps the figure just before it; the rising edge so far is the live figure."""
         if self.device.is_gpu and self.device.simulated:
-            return max(self._non_model_peak, self._live_saved)
+            return max(self._non_model_peak, self.trace.live_saved_bytes)
         return self._non_model_peak
 
-    def _chunks_grew(self) -> None:
-        """The chunk manager put more chunk bytes on the compute device (exact peak)."""
-        self._note_total(self._chunk_bytes[self._name] + self.live_non_model())
-
-    def _warming_up(self) -> bool:
-        return self.iterations == 0 or self.mode is TraceMode.RECORD
-
-    def _note_total(self, total_bytes: int) -> None:
-        """Chunks + non-model on the compute device are ``total_bytes`` now: keep the peak."""
-        if self._warming_up():
-            if total_bytes > self.total_peak_warmup:
-                self.total_peak_warmup = total_bytes
-                self._rewatch()
-        elif total_bytes > self.total_peak:
-            self.total_peak = total_bytes
-            self._rewatch()
-
-    def _rewatch(self) -> None:
-        """The pack hook's threshold: the capacity limit, or below it the peak being kept."""
-        peak = self.total_peak_warmup if self._warming_up() else self.total_peak
-        self._watch_bytes = min(self._limit_bytes, peak)
-
     def _on_access(self, chunk: Chunk, device: str) -> None:
-        if self.mode is TraceMode.RECORD:
-            self.accesses.append((self.moment, chunk.chunk_id, device))
+        if self.trace.mode is TraceMode.RECORD:
+            self.accesses.append((self.trace.moment, chunk.chunk_id, device))
 
-    # -- what the chunk manager asks -------------------------------------------------------
+    # -- what the mover and the eviction policy ask ----------------------------------------
 
     def reserve(self, device: str) -> int:
         """Non-model bytes to keep free on ``device`` from now to the next moment."""
-        if device != self.device.name:
-            return 0
-        live = self.live_non_model()
-        if self.mode is TraceMode.REPLAY:
-            t = self.moment
-            ahead = self.non_model[t - 1 : t + 1]
-            if ahead:
-                return max(live, *ahead)
-        return live
+        return self.trace.reserve_bytes(device, self._chunk_bytes.get(device, 0))
 
     def replaying(self) -> bool:
-        return self.mode is TraceMode.REPLAY
+        return self.trace.mode is TraceMode.REPLAY
 
     def next_use(self, chunk: Chunk) -> float:
         """Moment of the next use of ``chunk`` after now (inf if never in this iteration)."""
-        if self.mode is not TraceMode.REPLAY:
+        trace = self.trace
+        if trace.mode is not TraceMode.REPLAY:
             return float("inf")
         uses = self._next_use.get(chunk.chunk_id)
         if not uses:
             return float("inf")
-        i = bisect.bisect_left(uses, self.moment)
+        i = bisect.bisect_left(uses, trace.moment)
         if i < len(uses):
             return uses[i]
-        return len(self.labels) + uses[0]  # first use in the next iteration
+        return len(trace.labels) + uses[0]  # first use in the next iteration
 
     def stats(self) -> dict:
         return {

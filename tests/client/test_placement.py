@@ -103,3 +103,61 @@ def test_the_victim_is_the_least_recently_used_until_a_trace_is_replayed():
     assert policy.victim([a, b, c]) is c  # furthest next use (Belady)
     next_use[a.chunk_id] = 40  # a tie: the older use leaves
     assert policy.victim([a, b, c]) is a
+
+
+def test_the_budget_of_a_gpu_is_its_capacity_less_the_reserve_and_the_margin():
+    policy = PlacementPolicy(GPU, margin_bytes=50)
+    assert policy.budget_bytes(GPU, 300) == 1000 - 300 - 50
+    assert policy.budget_bytes(GPU, 0) == 950
+    assert policy.budget_bytes(GPU, 2000) == -1050  # activations beyond the GPU: no room, a deficit
+    assert policy.budget_bytes(CPU, 300) == 10_000  # the CPU's is its capacity, whatever the reserve
+    assert CpuOptimizerPolicy(GPU, margin_bytes=50).budget_bytes(GPU, 300) == 650
+
+
+class _FakeStore:
+    """Chunks by id, some with a payload on the CPU or the GPU, one without."""
+
+    def __init__(self):
+        self.chunks = {}
+        for i, device in enumerate(["cpu", "cuda:0", "cpu", None, "cpu", "cpu"]):
+            c = Chunk(ChunkKind.PARAM, i, 4, torch.float32, i)
+            if device is not None:
+                c.payload, c.device = torch.zeros(4), device
+            self.chunks[i] = c
+
+    def chunk(self, chunk_id):
+        return self.chunks.get(chunk_id)
+
+
+def test_prefetch_candidates_are_the_traced_uses_of_the_next_moments_not_on_the_gpu_in_order():
+    store = _FakeStore()
+    uses = {
+        3: [(0, "cuda:0")],  # the moment now: too late to bring ahead
+        4: [(2, "cuda:0"), (1, "cuda:0"), (5, "cpu")],  # 1 is there already; 5 is used on the CPU
+        5: [(3, "cuda:0"), (99, "cuda:0"), (4, "cuda:0")],  # 3 has no payload, 99 is no chunk
+        6: [(0, "cuda:0")],  # beyond a window of 2
+    }
+    policy = PlacementPolicy(GPU)
+    got = [c.chunk_id for c in policy.prefetch_candidates(uses, now=3, window=2, chunk_of=store.chunk)]
+    assert got == [2, 4]
+    got = [c.chunk_id for c in policy.prefetch_candidates(uses, now=3, window=3, chunk_of=store.chunk)]
+    assert got == [2, 4, 0]
+    assert list(policy.prefetch_candidates(uses, now=3, window=0, chunk_of=store.chunk)) == []
+
+
+def test_prefetch_candidates_are_judged_as_they_are_taken():
+    store = _FakeStore()
+    uses = {1: [(2, "cuda:0")], 2: [(2, "cuda:0"), (4, "cuda:0")]}
+    taken = []
+    for chunk in PlacementPolicy(GPU).prefetch_candidates(uses, now=0, window=2, chunk_of=store.chunk):
+        taken.append(chunk.chunk_id)
+        chunk.device = "cuda:0"  # as the prefetch copy does
+    assert taken == [2, 4]  # chunk 2, used twice, is brought once
+
+
+def test_the_groups_gathered_ahead_are_those_the_warm_up_gathered_at_the_next_moment():
+    policy = PlacementPolicy(GPU)
+    gathers_at = {4: [1, 2], 5: [3]}
+    assert list(policy.prefetch_gathers(gathers_at, now=3)) == [1, 2]
+    assert list(policy.prefetch_gathers(gathers_at, now=4)) == [3]
+    assert list(policy.prefetch_gathers(gathers_at, now=5)) == []
