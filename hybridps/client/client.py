@@ -94,7 +94,6 @@ class Client:
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
         pinned = self.config.pinned_bytes
-        pinned = self.config.pinned_bytes
         self.mover = ChunkManager(
             self.inventory,
             connection,
@@ -448,7 +447,7 @@ class Client:
         self.optimizer = chunked
         # the one place the early step (Config.overlap_step) is wired: chunk groups call it
         # when a group's grads are reduced, the engine's grad hooks on one rank
-        self.early_step = chunked.step_chunk_early if self.config.overlap_step else None
+        self.early_step = chunked.step_chunk_early if chunked.overlap_step else None
         if self.groups is not None:
             self.groups.early_step = self.early_step
         chunked.attach_state()

@@ -8,9 +8,10 @@ torch kernels a plain optimizer would use, applied to whole runs of params at on
 chunk steps, its low-precision params are written back into the param chunk in one copy.
 
 Owns: step counts per param, gradient clipping by global norm (folded into the step),
-overflow checks for fp16 (one reduction per chunk), and the torch-compatible
-``state_dict``. Does not own chunk placement (the chunk manager) or the loss scale value
-(loss_scaler.py).
+overflow checks for fp16 (one reduction per chunk), the torch-compatible ``state_dict``, and
+early steps during backward (``Config.overlap_step``): which chunk steps when, on which thread
+(step_worker.py), and their validation (speculation.py). Does not own chunk placement (the
+chunk manager) or the loss scale value (loss_scaler.py).
 
 [Note: exactness]
 Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
@@ -19,6 +20,20 @@ With ``fused=True`` (or left at None, the default here) the fused kernel is used
 ``torch.optim.AdamW(fused=True)`` bit for bit; with ``fused=False`` the for-loop kernel
 matches torch's default CPU path bit for bit. The global norm for clipping is computed as
 ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the norm of those).
+
+[Note: early steps]
+With ``Config.overlap_step`` a chunk steps during backward once every grad of it is final
+(``step_chunk_early``; the backward hooks call it on one rank, the chunk groups after a
+group's grads were reduced on several). Where that step runs on the CPU while a real GPU
+computes, the calling thread only takes the chunks and chooses the runs; the Adam and the
+write-back run on the step worker (step_worker.py), at most two chunks in flight, and the
+chunks stay taken until this thread sees the compute done. Every entry point that reads
+optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,
+``load_state_dict``) first waits for the worker, and an access of a chunk in flight (the
+mover's access listeners) waits for its compute. Clipping and fp16 are kept exact by
+speculation and validation (speculation.py, [Note: speculation then validation]): an early
+step assumes a clip coefficient of 1 and no overflow and keeps a backup; ``step_chunks``
+restores and steps again the chunks whose speculation failed.
 """
 
 from __future__ import annotations
@@ -32,7 +47,9 @@ import torch.optim.adam as torch_adam
 
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.loss_scaler import LossScaler
+from hybridps.client.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
 from hybridps.client.states import TensorState
+from hybridps.client.step_worker import StepWorker
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
 
 if TYPE_CHECKING:
@@ -41,10 +58,22 @@ if TYPE_CHECKING:
     from hybridps.client.pending_grads import PendingGrads
     from hybridps.client.placement import PlacementPolicy
     from hybridps.client.store import ChunkStore, ParamInfo
+    from hybridps.common.config import Config
+    from hybridps.common.devices import DeviceSpec
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
+#: early CPU steps in flight on the step worker at most (each holds its four chunks taken)
+STEP_WORKER_WINDOW = 2
+
+
+def overlap_step_on(config: Config, compute: DeviceSpec) -> bool:
+    """``Config.overlap_step`` resolved for this client: ``"auto"`` is on where grads reuse
+    their param slots and a real CUDA GPU computes (not a simulated or meta one)."""
+    if config.overlap_step == "auto":
+        return config.grad_reuse and compute.is_gpu and not compute.simulated and not compute.meta
+    return bool(config.overlap_step)
 
 
 def _validate(optimizer: object) -> None:
@@ -106,6 +135,20 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._buffers: dict[str, torch.Tensor] = {}
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
+        #: the compute of early steps on the CPU, beside backward (see [Note: early steps])
+        self.worker = StepWorker(window=STEP_WORKER_WINDOW)
+        #: whether early steps on the CPU run on the worker: where a real GPU computes, so the
+        #: CPU's Adam does not hold back the launch of backward's kernels (tests force it)
+        compute = store.compute
+        self.cpu_steps_beside_backward = compute.is_gpu and not compute.simulated and not compute.meta
+        #: fp32 grad buffers of the steps in flight on the worker (one each, reused)
+        self._worker_buffers: list[torch.Tensor] = []
+        #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
+        self.overlap_step = overlap_step_on(store.config, compute)
+        #: backups of speculative early steps and whether to speculate (speculation.py)
+        self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
+        if self.overlap_step:
+            mover.access_listeners.append(self._on_access)
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = []
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
@@ -160,8 +203,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         Returns the total norm (of the unscaled grads under fp16). The scaling is applied
         during the next step, not by an extra pass over the grads. A second call before the
         step clips nothing more and returns the first norm (the grads are already within it);
-        one with another ``max_norm`` or ``norm_type`` raises.
+        one with another ``max_norm`` or ``norm_type`` raises. Chunks stepped early in this
+        backward contribute the norms of their backed-up grads (speculation.py); whether
+        their speculation holds is decided at the step.
         """
+        self.worker.drain()
         if self._clipped is not None:
             first_max, first_type, first_total = self._clipped
             if (float(max_norm), float(norm_type)) != (first_max, first_type):
@@ -171,24 +217,30 @@ class ChunkedAdam(torch.optim.Optimizer):
                     f"once. Clip once per step with the bound you want"
                 )
             return first_total
-        if self.store.config.overlap_step:
+        final = sorted(self._stepped_early - set(self.speculation.backups))
+        if final:
             raise StateError(
-                "clip_grad_norm_ with Config(overlap_step=True): chunks were stepped during backward, before the global "
-                "norm was known; set overlap_step=False to clip"
+                f"clip_grad_norm_ after {len(final)} chunks (first: {final[0]}) were stepped for good during backward "
+                f"(Config.overlap_step): the previous iteration did not clip, so this backward did not keep their grads. "
+                f"Clip in every iteration (from the iteration after a clip, early steps speculate and can be undone), "
+                f"or set Config(overlap_step=False)"
             )
-        grads = self._grad_infos()
+        sources = self._norm_sources()
         groups = self.groups
-        if not grads and groups is None:
+        if not sources and groups is None:
             return torch.tensor(0.0)
         low = self.store.param_dtype != torch.float32
         norms: list[torch.Tensor] = []
         first_device = None
-        for infos in grads.values():
-            views = [self.store.grad_view(i) for i in infos]
-            first_device = first_device or views[0].device
-            norms.extend(
-                torch._foreach_norm(views, norm_type, dtype=torch.float32) if low else torch._foreach_norm(views, norm_type)
-            )
+        for infos, backup in sources:
+            if backup is None:
+                views = [self.store.grad_view(i) for i in infos]
+                first_device = first_device or views[0].device
+                norms.extend(chunk_norms(views, norm_type, low))
+            else:
+                ahead = backup.norms.get(float(norm_type))
+                first_device = first_device or (ahead[0].device if ahead else backup.grad.device)
+                norms.extend(ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low))
         if groups is None:
             total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
         else:
@@ -206,6 +258,21 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clip_coef = coef
         self._clipped = (float(max_norm), float(norm_type), total)
         return total
+
+    def _norm_sources(self) -> list[tuple[list[ParamInfo], Backup | None]]:
+        """The grads of this step by chunk, in the order ``_grad_infos`` gives them without
+        early steps: a chunk's live grads, or the backup of its speculative early step."""
+        backups = self.speculation.backups
+        stepped = {i.slot.index: b for b in backups.values() for i in b.infos}
+        out: dict[int, tuple[list[ParamInfo], Backup | None]] = {}
+        for info in self.store.params:
+            if self.param_group_of[info.slot.index] is None:
+                continue
+            if info.has_grad:
+                out.setdefault(info.chunk, ([], None))[0].append(info)
+            elif info.slot.index in stepped:
+                out.setdefault(info.chunk, ([], stepped[info.slot.index]))
+        return list(out.values())
 
     def as_user_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """An fp32 grad as stored -> as ``param.grad`` would show it: unscaled under fp16, times
@@ -230,7 +297,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         return (local ** (1.0 / norm_type)).to(torch.float32)
 
     def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
-        """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk."""
+        """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk (taken
+        before the step for chunks stepped early)."""
         if self.store.compute.meta:
             return False  # no values to overflow (capacity planning)
         extremes = [torch.zeros(2)]
@@ -241,6 +309,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             # an fp32-accumulating sum
             lo, hi = torch.aminmax(chunk.payload[: self.store.layout.used(index)])
             extremes.append(torch.stack([lo, hi]).float().cpu())
+        # chunks stepped early in this backward: their grads' extremes, taken before the step
+        extremes.extend(b.extremes.cpu() for b in self.speculation.backups.values() if b.extremes is not None)
         found = torch.tensor(0 if bool(torch.isfinite(torch.cat(extremes)).all()) else 1, dtype=torch.uint8)
         if self.groups is not None:
             self.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
@@ -261,32 +331,40 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_chunks(self, closure=None):
-        """The step itself: Adam over every chunk that holds grads."""
+        """The step itself: validate the early steps of this backward (rolling back those
+        whose speculation failed), then Adam over every chunk that holds grads."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = self._grad_infos()
-        groups = self.groups
-        if not grads and groups is None:
-            self._stepped_early.clear()
-            return loss
         try:
+            self.worker.drain()
+            grads = self._grad_infos()
+            groups = self.groups
+            if not grads and groups is None and not self._stepped_early:
+                return loss
+            found_inf = False
             if self.scaler is not None:
                 found_inf = self._found_inf if self._found_inf is not None else self._overflow(grads)
-                if found_inf:
-                    logger.info(
-                        "fp16 overflow: step skipped, loss scale %g -> %g",
-                        self.scaler.scale,
-                        self.scaler.scale * self.scaler.backoff_factor,
-                    )
-                    self.scaler.update(True)
-                    if self.store.config.grad_reuse:
-                        self._restore_params(grads)
-                    return loss
+            if self.speculation.backups:
+                if found_inf or not self._clip_is_one():
+                    self._roll_back()
+                    grads = self._grad_infos()
+                # else the speculation held: the backups go at the end of the iteration
+            if found_inf:
+                assert self.scaler is not None
+                logger.info(
+                    "fp16 overflow: step skipped, loss scale %g -> %g",
+                    self.scaler.scale,
+                    self.scaler.scale * self.scaler.backoff_factor,
+                )
+                self.scaler.update(True)
+                if self.store.config.grad_reuse:
+                    self._restore_params(grads)
+                return loss
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
             for index, infos in grads.items():
-                self._step_chunk(index, infos, inv_scale)
+                self._step_chunk(index, infos, inv_scale, self._clip_coef)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(groups.write_back - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
@@ -299,13 +377,75 @@ class ChunkedAdam(torch.optim.Optimizer):
             if self.scaler is not None:
                 self.scaler.update(False)
         finally:
-            self._clip_coef = None
-            self._clipped = None
-            self._found_inf = None
-            self._stepped_early.clear()
+            self._end_iteration()
         return loss
 
-    def _step_chunk(self, index: int, infos: list[ParamInfo], inv_scale: float | None) -> None:
+    def _clip_is_one(self) -> bool:
+        """Whether this step's clip coefficient is exactly 1 (or there is no clip): what a
+        speculative early step assumed."""
+        coef = self._clip_coef
+        return coef is None or coef.is_meta or bool(coef == 1.0)
+
+    def _end_iteration(self, *, stepped: bool = True) -> None:
+        clipped = self._clipped
+        self.speculation.end_iteration(
+            clipped=(clipped is not None) if stepped else None,
+            norm_type=None if clipped is None else clipped[1],
+            loss_scaled=self.scaler is not None,
+        )
+        self._clip_coef = None
+        self._clipped = None
+        self._found_inf = None
+        self._stepped_early.clear()
+
+    def _roll_back(self) -> None:
+        """Undo every speculative early step of this backward: master, momentum, variance,
+        grads and step counts as they were before it (speculation.py). The chunks then hold
+        grads again and step (or are skipped) with the others."""
+        store = self.store
+        spec = self.speculation
+        for index in sorted(spec.backups):
+            backup = spec.backups[index]
+            who = f"the roll-back of chunk {index}'s early step"
+            taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
+            try:
+                for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
+                    chunk = store.rows[kind][index]
+                    store.access_chunk(kind, index, chunk.device or BACKUP_DEVICE, who=who)
+                    taken.append((chunk, backup.param_states if kind is store.grad_kind else TensorState.HOLD))
+                payloads = [
+                    store.rows[kind][index].payload for kind in (store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+                ]
+                grad = store.rows[store.grad_kind][index].payload
+                assert grad is not None and all(p is not None for p in payloads)
+                backup.restore(*payloads, grad)
+                for chunk, _ in taken:
+                    assert chunk.device is not None
+                    self.mover.count_transfer(BACKUP_DEVICE, chunk.device, backup.used * chunk.dtype.itemsize)
+            finally:
+                for chunk, after in reversed(taken):
+                    store.release_chunk(chunk, after)
+            for info, step in zip(backup.infos, backup.steps_before, strict=True):
+                self.steps[info.slot.index] = step
+                info.has_grad = True
+            self._stepped_early.discard(index)
+            spec.drop(index)
+            spec.rolled_back += 1
+
+    def _step_chunk(
+        self,
+        index: int,
+        infos: list[ParamInfo],
+        inv_scale: float | None,
+        clip_coef: torch.Tensor | None,
+        *,
+        backup: Backup | None = None,
+        beside_backward: bool = False,
+    ) -> None:
+        """Adam over the params ``infos`` of chunk ``index``, grads divided by the loss scale
+        and multiplied by ``clip_coef``; with ``backup``, its values before are copied there
+        first; ``beside_backward``: the compute runs on the step worker, and the chunks stay
+        taken until it is done."""
         store = self.store
         master_kind, grad_kind = store.master_kind, store.grad_kind
         master_chunk = store.rows[master_kind][index]
@@ -315,58 +455,168 @@ class ChunkedAdam(torch.optim.Optimizer):
         for listener in self.step_listeners:
             listener("start", index)
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
+        handed_over = False
         try:
             for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
                 previous = store.access_chunk(kind, index, device, who=f"optimizer step of chunk {index}")
                 after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
                 taken.append((store.rows[kind][index], after))
+                if kind is grad_kind and backup is not None:
+                    backup.param_states = previous
             used = store.layout.used(index)
-            master = master_chunk.payload
             grad_chunk = store.rows[grad_kind][index]
-            m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
-            assert master is not None and grad_chunk.payload is not None and m is not None and v is not None
-            runs = self._runs(infos)
+            buffer = None
+            if not (grad_chunk.dtype == torch.float32 and inv_scale is None):
+                buffer = (
+                    self._worker_buffer(grad_chunk.capacity, index)
+                    if beside_backward
+                    else self._buffer(device, grad_chunk.capacity, index)
+                )
+            compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer)
+            if beside_backward:
+                chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
+                self.worker.submit(
+                    compute,
+                    lambda: self._finish_step(index, taken, buffer),
+                    chunk_ids,
+                    what=f"the optimizer step of chunk {index}",
+                )
+                handed_over = True
+                return
+            compute()
+            if master_kind is not ChunkKind.PARAM:
+                self._count_write_back(index, used)
+        finally:
+            if not handed_over:
+                self._release_step(index, taken)
+
+    def _step_compute(
+        self,
+        index: int,
+        infos: list[ParamInfo],
+        inv_scale: float | None,
+        clip_coef: torch.Tensor | None,
+        backup: Backup | None,
+        buffer: torch.Tensor | None,
+    ) -> Callable[[], None]:
+        """The arithmetic of one chunk's step over its taken chunks, as a call that touches
+        nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker."""
+        store = self.store
+        master_kind = store.master_kind
+        used = store.layout.used(index)
+        master = store.rows[master_kind][index].payload
+        grad_payload = store.rows[store.grad_kind][index].payload
+        m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
+        param = store.rows[ChunkKind.PARAM][index].payload if master_kind is not ChunkKind.PARAM else None
+        assert master is not None and grad_payload is not None and m is not None and v is not None
+        runs = self._runs(infos)
+        by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for group, step, start, end in runs:
+            by_key.setdefault((group, step), []).append((start, end))
+        groups = [(self.param_groups[g], step, spans) for (g, step), spans in by_key.items()]
+        low = store.param_dtype != torch.float32
+        norm_type = self.speculation.norm_type
+        overflow_check = self.scaler is not None
+
+        def compute() -> None:
+            if backup is not None:
+                backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
             divisor = None  # what the fused kernel divides the grads by (unscale and clip, folded)
-            if grad_chunk.dtype == torch.float32 and inv_scale is None:
-                grads = grad_chunk.payload
-                if self._clip_coef is not None:
+            if buffer is None:
+                grads = grad_payload
+                if clip_coef is not None:
                     # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
-                    coef = self._clip_coef.to(grads.device)
+                    coef = clip_coef.to(grads.device)
                     for _, _, start, end in runs:
                         grads[start:end].mul_(coef)
             else:
-                grads = self._buffer(device, grad_chunk.capacity, index)
-                grads[:used].copy_(grad_chunk.payload[:used])  # to fp32, one pass
+                grads = buffer
+                grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
                 factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
-                if self._clip_coef is not None:
-                    factor = factor * self._clip_coef.cpu()
-                if inv_scale is not None or self._clip_coef is not None:
+                if clip_coef is not None:
+                    factor = factor * clip_coef.cpu()
+                if inv_scale is not None or clip_coef is not None:
                     divisor = (1.0 / factor).to(grads.device)
-            by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for group, step, start, end in runs:
-                by_key.setdefault((group, step), []).append((start, end))
-            for (g, step), spans in by_key.items():
-                self._adam(self.param_groups[g], step, [(master, grads, m, v, s, e) for s, e in spans], divisor)
-            if master_kind is not ChunkKind.PARAM:
-                self._write_back(index, used)
+            for group, step, spans in groups:
+                self._adam(group, step, [(master, grads, m, v, s, e) for s, e in spans], divisor)
+            if param is not None:
+                param[:used].copy_(master[:used])  # the write-back, booked by the caller
+
+        return compute
+
+    def _finish_step(self, index: int, taken: list, buffer: torch.Tensor | None) -> None:
+        """The end of a step computed on the worker, on the calling thread."""
+        try:
+            if self.store.master_kind is not ChunkKind.PARAM:
+                self._count_write_back(index, self.store.layout.used(index))
         finally:
+            if buffer is not None:
+                self._worker_buffers.append(buffer)
+            self._release_step(index, taken)
+
+    def _release_step(self, index: int, taken: list) -> None:
+        try:
             for chunk, after in reversed(taken):
-                store.release_chunk(chunk, after)
+                self.store.release_chunk(chunk, after)
+        finally:
             for listener in self.step_listeners:
                 listener("end", index)
 
     @torch.no_grad()
     def step_chunk_early(self, index: int) -> bool:
         """Step chunk ``index`` now if every param of it that this optimizer trains holds its
-        final grad and none is in use (Config.overlap_step); returns whether it stepped."""
+        final grad and none is in use (Config.overlap_step); returns whether it stepped.
+
+        Speculative when this backward must be validated (fp16, or clipping expected): the
+        chunk's values before go to a backup first, and a chunk that steps on a real GPU, or
+        any chunk once there is no room for backups, is left to the step after backward."""
+        self.worker.reap()
         store = self.store
-        infos = [i for i in store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
-        if not infos or not all(i.has_grad for i in infos if i.param.requires_grad):
+        all_infos = [i for i in store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
+        if not all_infos or not all(i.has_grad for i in all_infos if i.param.requires_grad):
             return False
         if store.rows[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
             return False  # a frozen param of it is still needed by backward: step it with the rest
-        infos = [i for i in infos if i.has_grad]
-        self._step_chunk(index, infos, None)
+        mode = self.speculation.begin(loss_scaled=self.scaler is not None)
+        if mode is SpeculationMode.STOPPED:
+            return False
+        infos = [i for i in all_infos if i.has_grad]
+        device = self.placement.step_device(store.rows[store.master_kind][index])
+        backup = None
+        if mode is SpeculationMode.SPECULATING:
+            if not self._host_memory(device):
+                return False  # see speculation.py: no backup of a real GPU's chunk
+            ordered = sorted(infos, key=lambda i: i.slot.index)
+            backup = self.speculation.new_backup(
+                index,
+                ordered,
+                [self.steps[i.slot.index] for i in ordered],
+                store.layout.used(index),
+                store.kind_dtype(store.grad_kind),
+                [],
+            )
+            if backup is None:
+                return False  # no room: this chunk and the rest step after backward
+            grad_chunk = store.rows[store.grad_kind][index]
+            assert grad_chunk.payload is not None
+            if not self._host_memory(grad_chunk.device):
+                # the norms where the grads lie, as clip_grad_norm_ would take them there
+                grad_chunk.wait_ready()
+                views = [grad_chunk.view(i.slot) for i in ordered]
+                low = store.param_dtype != torch.float32
+                backup.norms[self.speculation.norm_type] = chunk_norms(views, self.speculation.norm_type, low)
+        # on the worker only a chunk whose every param is stepped now: no frozen param of it
+        # can be accessed again by this backward while its compute runs
+        beside = (
+            self.cpu_steps_beside_backward and device == "cpu" and len(infos) == len(store.rows[ChunkKind.PARAM][index].slots)
+        )
+        inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
+        try:
+            self._step_chunk(index, infos, inv_scale, None, backup=backup, beside_backward=beside)
+        except BaseException:
+            if backup is not None:
+                self.speculation.drop(index)
+            raise
         for info in infos:
             self.steps[info.slot.index] += 1
             info.has_grad = False
@@ -374,6 +624,24 @@ class ChunkedAdam(torch.optim.Optimizer):
         if self.groups is not None:
             self.groups.write_back.discard(index)
         return True
+
+    def _host_memory(self, device: str) -> bool:
+        """Whether payloads on ``device`` are host memory (the CPU, a simulated GPU)."""
+        return self.mover.inventory[device].torch_device.type == "cpu"
+
+    def _on_access(self, chunk: Chunk, device: str) -> None:
+        """A chunk is about to be accessed: if a step on the worker still computes on it,
+        wait for that compute (the chunk stays taken until the step is finished)."""
+        if self.worker.in_flight and self.worker.holds(chunk.chunk_id):
+            self.worker.wait_for(chunk.chunk_id)
+
+    def _worker_buffer(self, numel: int, index: int) -> torch.Tensor:
+        """An fp32 grad buffer for a step in flight on the worker (one per step, reused)."""
+        for i, buf in enumerate(self._worker_buffers):
+            if buf.numel() >= numel:
+                return self._worker_buffers.pop(i)
+        who = f"the fp32 grads of the optimizer step of chunk {index} (on the step worker)"
+        return self.mover.scratch(numel, torch.float32, "cpu", who)
 
     def _runs(self, infos: list[ParamInfo]) -> list[tuple[int, int, int, int]]:
         """Maximal runs of neighbouring params (same group, same step count) with grads, as
@@ -449,6 +717,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         master_chunk = store.rows[store.master_kind][index]
         assert param_chunk.payload is not None and master_chunk.payload is not None
         param_chunk.payload[:used].copy_(master_chunk.payload[:used])
+        self._count_write_back(index, used)
+
+    def _count_write_back(self, index: int, used: int) -> None:
+        param_chunk = self.store.rows[ChunkKind.PARAM][index]
+        master_chunk = self.store.rows[self.store.master_kind][index]
+        assert master_chunk.device is not None and param_chunk.device is not None
         self.mover.count_transfer(master_chunk.device, param_chunk.device, used * param_chunk.dtype.itemsize)
 
     def _restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
@@ -468,8 +742,12 @@ class ChunkedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all grads. Under grad reuse, grads not consumed by a step are replaced by the
-        params' values from the master copy (nothing is lost)."""
+        params' values from the master copy (nothing is lost). Speculative early steps of a
+        backward that no step followed are undone, as if they had waited for the step."""
+        self.worker.drain()
         store = self.store
+        if self.speculation.backups:
+            self._roll_back()
         grads = {i: infos for i, infos in self._grad_infos().items()}
         if store.config.grad_reuse:
             if grads or (self.groups is not None and self.groups.write_back):
@@ -486,6 +764,8 @@ class ChunkedAdam(torch.optim.Optimizer):
             info.has_grad = False
         if self.pending is not None:
             self.pending.drop()
+        if self.speculation.mode is not SpeculationMode.IDLE:
+            self._end_iteration(stepped=False)
         self._clip_coef = None
         self._clipped = None
         self._found_inf = None
@@ -497,6 +777,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """A ``torch.optim.Adam``-compatible state dict (per-param exp_avg, exp_avg_sq, step),
         plus the fp32 ``master`` param where the model computes in lower precision."""
+        self.worker.drain()
         store = self.store
         index_of: dict[int, int] = {}
         groups = []
@@ -530,6 +811,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
         same params). Everything is checked before anything is written."""
+        self.worker.drain()
         store = self.store
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):

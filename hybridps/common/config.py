@@ -201,14 +201,23 @@ class Config:
         unit="moments",
         doc=("How far ahead in the trace to look for chunks to bring early (0: no prefetch). Prefetch never evicts."),
     )
-    overlap_step: bool = _field(
-        False,
+    overlap_step: bool | str = _field(
+        "auto",
         section="Placement and movement",
-        unit="bool",
+        unit='`"auto"`, `True`, `False`',
         doc=(
-            "Step a chunk's Adam as soon as all its grads are final, during backward. Same results. Needs "
-            "`grad_reuse=True`, not fp16 (skipping a step for an overflow is decided only when every grad is in) "
-            "and no `clip_grad_norm_` (the global norm too). `engine.step()` steps what is left."
+            "Step a chunk's Adam as soon as all its grads are final, during backward; `engine.step()` steps what is "
+            "left. Same results, bit for bit. Where the step runs on the CPU while a real GPU computes, the Adam runs "
+            "on a worker thread beside backward. Clipping and fp16 are kept exact by speculation: an early step "
+            "assumes a clip coefficient of 1 and no overflow, keeps a host-memory backup of the chunk's master, "
+            "momentum, variance and grads (about 14-16 B/param of the early-stepped chunks, held until the step), and "
+            "is undone and redone in `engine.step()` when the clip triggers or a grad overflows. Backups are kept "
+            "under fp16, and otherwise when the previous iteration called `clip_grad_norm_` (and in the first); "
+            "without room for one, the rest of that backward steps after it. See *early steps* in "
+            '[CONCEPTS.md](CONCEPTS.md). Needs `grad_reuse=True`. `"auto"`: on with `grad_reuse=True` on a real '
+            "CUDA GPU (off on simulated GPUs and the CPU), without speculation: a backward that would need it (fp16, "
+            "or a clip in the previous iteration) steps after backward, since on a measured H100 host the backups "
+            "of a clipping loop cost more than the early steps hid. `True` speculates."
         ),
     )
     pool_bytes: int | str | None = _field(
@@ -361,14 +370,12 @@ class Config:
                 f'shard_group_size={self.shard_group_size!r}: use "node", "world" or a positive number of ranks '
                 f"that divides the world size"
             )
-        if self.overlap_step and not self.grad_reuse:
+        if not (isinstance(self.overlap_step, bool) or self.overlap_step == "auto"):
+            raise ConfigError(f"overlap_step={self.overlap_step!r}; use 'auto', True or False")
+        if self.overlap_step is True and not self.grad_reuse:
             raise ConfigError(
-                "overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step"
-            )
-        if self.overlap_step and self.precision == "fp16":
-            raise ConfigError(
-                "overlap_step=True cannot be used with precision='fp16': whether to skip a step for an overflow is known "
-                "only when every grad is in; use bf16 or fp32, or overlap_step=False"
+                "overlap_step=True needs grad_reuse=True: with accumulation a chunk's grads are final only at the step; "
+                "set overlap_step='auto' or False"
             )
         if isinstance(self.prefetch_window, bool) or not isinstance(self.prefetch_window, int) or self.prefetch_window < 0:
             raise ConfigError(f"prefetch_window={self.prefetch_window!r} must be a number of moments >= 0 (0 turns prefetch off)")

@@ -1,0 +1,156 @@
+"""StepWorker: the arithmetic of CPU early steps, run on one thread beside backward.
+
+With ``Config.overlap_step`` a chunk's Adam runs as soon as its grads are final, during
+backward. Where that chunk steps on the CPU while a GPU computes, running its Adam on the
+thread that launches backward's kernels leaves the GPU idle for as long as the CPU steps.
+The optimizer therefore does the bookkeeping of such a step on the calling thread (taking
+the chunks, choosing the runs of params, counting) and hands the pure compute (the fused
+Adam over CPU tensors and the master -> param copy; torch's CPU kernels release the GIL) to
+the one thread this class owns.
+
+Owns: the thread, the tasks in flight (in submission order), the bound on how many are in
+flight (``window``: submitting one more first finishes the oldest), and the rule that every
+task is *finished* on the calling thread: its ``finish`` callback (release the chunks, book
+the transfer, tell the step listeners) runs there, after the compute is done, whether the
+compute succeeded or raised. An exception raised on the worker is raised again on the
+calling thread when its task is finished (never swallowed), once every other task in
+flight was finished too, so no chunk stays taken.
+
+Does not own what a task computes or which chunks it holds (optimizer.py decides both).
+
+[Note: a task's life]
+``submit`` -> RUNNING (on the worker) -> DONE (the future completed) -> FINISHED (``finish``
+ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
+waiting; ``drain`` waits for and finishes all; ``wait_for`` only waits until the tasks
+holding a chunk are DONE (a chunk about to be accessed must not be written any more) and
+leaves the finishing to the next ``reap`` or ``drain``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import time
+from collections.abc import Callable
+
+import torch
+
+from hybridps.common.errors import ConfigError
+
+
+class TaskState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class _Task:
+    future: concurrent.futures.Future
+    finish: Callable[[], None]
+    #: ids of the chunks the task reads or writes (``Chunk.chunk_id``)
+    chunk_ids: frozenset[int]
+    what: str
+    state: TaskState = TaskState.RUNNING
+
+
+class StepWorker:
+    """One thread for the compute of CPU optimizer steps, at most ``window`` tasks in flight."""
+
+    def __init__(self, window: int = 2):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"StepWorker window={window!r} must be a positive number of tasks in flight")
+        self.window = window
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tasks: collections.deque[_Task] = collections.deque()
+        self._busy_ids: collections.Counter[int] = collections.Counter()
+        #: tasks submitted and finished since the start (benchmarks, tests)
+        self.submitted = 0
+        self.finished = 0
+        #: seconds the calling thread waited for the worker (a full window, a drain)
+        self.wait_s = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def holds(self, chunk_id: int) -> bool:
+        """Whether a task not yet finished reads or writes chunk ``chunk_id``."""
+        return self._busy_ids[chunk_id] > 0
+
+    def submit(self, compute: Callable[[], None], finish: Callable[[], None], chunk_ids: frozenset[int], what: str) -> None:
+        """Run ``compute()`` on the worker; ``finish()`` runs on this thread once it is done.
+        With ``window`` tasks in flight the oldest is finished first (waiting for it)."""
+        self.reap()
+        while len(self._tasks) >= self.window:
+            self._finish_next()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridps-step")
+        task = _Task(self._executor.submit(_no_grad, compute), finish, chunk_ids, what)
+        self._tasks.append(task)
+        self._busy_ids.update(chunk_ids)
+        self.submitted += 1
+
+    def reap(self) -> None:
+        """Finish the tasks at the head of the queue whose compute is done, without waiting."""
+        while self._tasks and self._tasks[0].future.done():
+            self._finish_next()
+
+    def drain(self) -> None:
+        """Wait for every task and finish it. Raises the first error a task raised, after all
+        of them were finished."""
+        error: BaseException | None = None
+        while self._tasks:
+            try:
+                self._finish_next()
+            except BaseException as exc:  # finish the others first: their chunks must be released
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def wait_for(self, chunk_id: int) -> None:
+        """Wait until no task still computes on chunk ``chunk_id`` (it stays taken until the
+        task is finished)."""
+        futures = [t.future for t in self._tasks if chunk_id in t.chunk_ids]
+        if futures:
+            self._timed_wait(futures)
+
+    def close(self) -> None:
+        """Finish every task and stop the thread."""
+        try:
+            self.drain()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _finish_next(self) -> None:
+        task = self._tasks[0]
+        if not task.future.done():
+            self._timed_wait([task.future])
+        self._tasks.popleft()
+        task.state = TaskState.DONE
+        self._busy_ids.subtract(task.chunk_ids)
+        self._busy_ids += collections.Counter()  # drop the zero counts
+        try:
+            error = task.future.exception()
+        finally:
+            task.finish()
+            task.state = TaskState.FINISHED
+            self.finished += 1
+        if error is not None:
+            error.add_note(f"raised by {task.what}, computed on the step worker beside backward (Config.overlap_step)")
+            raise error
+
+    def _timed_wait(self, futures: list[concurrent.futures.Future]) -> None:
+        started = time.perf_counter()
+        concurrent.futures.wait(futures)
+        self.wait_s += time.perf_counter() - started
+
+
+def _no_grad(compute: Callable[[], None]) -> None:
+    # grad mode is per thread: the worker's own is on
+    with torch.no_grad():
+        compute()
