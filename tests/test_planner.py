@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import resource
 import subprocess
@@ -19,16 +21,20 @@ import hybridps
 from hybridps import CapacityError, ConfigError
 from hybridps.models import GPT
 from hybridps.planner import (
+    Communication,
     GPTShape,
     ModelFactory,
     NodeSpec,
     Planner,
     PlanRequest,
+    ShardGroupTooLargeError,
+    Sharding,
     add_subcommand,
     deepspeed_zero2_offload_bytes,
     deepspeed_zero3_offload_bytes,
     derive_rank_share,
     main,
+    owners_by_bytes,
     parse_gpus,
 )
 from tests.dist import run_ranks
@@ -191,7 +197,8 @@ def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     # a real GPU holds more than autograd saves: one more largest saved tensor is planned
     assert planner.transient_bytes == sim.largest_saved_bytes > 0
     assert share.gpu_need_bytes == sim.non_model_peak_bytes + share.gathered_bytes + planner.transient_bytes
-    assert share.cpu_node_bytes == 4 * share.cpu_bytes
+    # the node's 4 ranks keep on its CPU what their own shares leave beside their GPUs
+    assert share.cpu_bytes < share.cpu_node_bytes <= 4 * share.cpu_bytes
     report = hybridps.plan(shape, node, precision="fp32", search_largest=False)
     assert report.hybridps.derived and report.hybridps.gpu.derived and report.hybridps.cpu.derived
     assert report.to_dict()["node"]["world_size"] == 4
@@ -323,3 +330,202 @@ def test_simulated_gpus_are_planned_without_the_real_gpu_transient_allowance():
     assert real.to_dict()["training"]["transient_allowance_bytes"] == real.transient_allowance_bytes
     assert simulated.transient_allowance_bytes == 0
     assert "real-GPU transients" in real.format_table() and "real-GPU transients" not in simulated.format_table()
+
+
+# -- hybrid sharding: several nodes ---------------------------------------------------------
+
+# 16 checkpointed blocks: every block's matrices are larger than a chunk of a wide shard
+# group, so at 256 ranks one chunk group holds the whole model (3.1 MiB of fp32 params)
+SHARDED_GPT = GPTShape(n_layer=16, d_model=64, n_head=4, vocab_size=256, seq_len=16, batch_size=1, checkpoint=True)
+
+
+@pytest.fixture(scope="module")
+def sharded_sim():
+    planner = Planner(
+        PlanRequest(model=SHARDED_GPT, node=NodeSpec.parse("4x2MiB", "64MiB"), precision="fp32", search_largest=False)
+    )
+    sim = planner.evaluate(SHARDED_GPT.n_layer).sim
+    assert sim.completed
+    return sim, planner.margin_bytes
+
+
+def _layout_model_data_bytes(sim, chunk_size: int, shard_size: int) -> int:
+    """Model data of the padded layout the clients build (the client's ChunkLayout): every
+    kind of a chunk holding params, the param chunk alone of a padding chunk."""
+    from hybridps.client.layout import ChunkLayout
+
+    layout = ChunkLayout(chunk_size, sim.alignment)
+    for n in sim.param_numels:
+        layout.add(n)
+    layout.pad_to_multiple(shard_size)
+    return sum(layout.capacity(i) * (sim.bytes_per_element if layout.members(i) else 4) for i in range(layout.num_chunks))
+
+
+def test_the_per_rank_share_follows_the_shard_group_not_the_world(sharded_sim):
+    sim, margin = sharded_sim
+
+    def share(nodes, size):
+        node = NodeSpec.parse("4x2MiB", "64MiB", nodes=nodes)
+        return derive_rank_share(sim, node, shard_group_size=size, margin_bytes=margin)
+
+    # "node": four-wide chunk groups at any number of nodes, so a rank's and a node's bytes stay put
+    by_nodes = [share(n, "node") for n in (1, 4, 16, 64)]
+    figures = {(s.sharding.shard_size, s.owned_bytes, s.even_share_bytes, s.node_owned_bytes, s.group_bytes) for s in by_nodes}
+    assert len(figures) == 1, figures
+    assert [s.sharding.replicas for s in by_nodes] == [1, 4, 16, 64]
+    node4 = by_nodes[0]
+    total = _layout_model_data_bytes(sim, node4.chunk_size_elements, 4)
+    assert node4.node_owned_bytes == total  # each chunk once per node
+    assert node4.even_share_bytes == math.ceil(total / 4)
+    assert node4.group_bytes == 4 * node4.chunk_size_elements * 4  # 4 fp32 param chunks
+    # "world": 1/world per rank
+    for nodes in (4, 16):
+        w = share(nodes, "world")
+        assert (w.sharding.shard_size, w.sharding.replicas) == (4 * nodes, 1)
+        total_w = _layout_model_data_bytes(sim, w.chunk_size_elements, 4 * nodes)
+        assert w.even_share_bytes == math.ceil(total_w / (4 * nodes))
+        assert w.even_share_bytes < node4.even_share_bytes // (nodes // 2)
+    # shard groups of half a node: the node's ranks own the model twice
+    half = share(4, 2)
+    assert (half.sharding.replicas, half.sharding.node_model_copies) == (8, 2.0)
+    total_2 = _layout_model_data_bytes(sim, half.chunk_size_elements, 2)
+    assert half.node_owned_bytes == 2 * total_2
+    assert half.even_share_bytes == math.ceil(total_2 / 2)
+
+
+def test_a_world_shard_group_whose_chunk_groups_cannot_fit_the_gpu_is_refused_and_node_is_accepted():
+    node = NodeSpec.parse("4x2MiB", "64MiB", nodes=64)
+    with pytest.raises(ShardGroupTooLargeError) as refused:
+        hybridps.plan(SHARDED_GPT, node, precision="fp32", search_largest=False, shard_group_size="world")
+    message = str(refused.value)
+    assert message.startswith('shard group "world" = 256 ranks, 1 replica over 64 nodes x 4 ranks: a chunk group gathers')
+    assert re.search(r"\(256 x [\d.]+ \w?B param chunks", message), message
+    assert "above the 2.00 MiB GPU: the client refuses this layout at registration" in message
+    assert "Use a smaller shard group (--shard-group-size 32: the largest module gathers" in message
+    accepted = hybridps.plan(SHARDED_GPT, node, precision="fp32", search_largest=False)  # "node"
+    h = accepted.hybridps
+    assert accepted.fits and h.refused is None
+    assert (h.sharding.shard_size, h.sharding.replicas) == (4, 64)
+    assert h.rank_share.gathered_bytes <= 2 * 2**20 < refused_gathered_bytes(message)
+
+
+def refused_gathered_bytes(message: str) -> int:
+    amount, unit = re.search(r"computes with ([\d.]+) (\w+) of gathered", message).groups()
+    return int(float(amount) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+
+
+def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating(capsys):
+    node = NodeSpec.parse("4x2MiB", "64MiB", nodes=64)
+    start = time.perf_counter()
+    with pytest.raises(
+        ShardGroupTooLargeError,
+        match=r'"world" = 256 ranks, .*: one chunk group gathers 4.00 MiB \(256 x 16.00 KiB chunks of 4096 elements\), '
+        r"above the 2.00 MiB GPU: .* Use a smaller shard group \(--shard-group-size 128 or less\) or smaller chunks "
+        r"\(--chunk-size 512 leaves room for four groups\)",
+    ):
+        hybridps.plan(SHARDED_GPT, node, precision="fp32", chunk_size=4096, shard_group_size="world")
+    assert time.perf_counter() - start < 1.0  # nothing simulated
+    argv = ["--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "256", "--gpus", "4x2MiB", "--cpu", "64MiB",
+            "--precision", "fp32", "--chunk-size", "4096", "--nodes", "64", "--shard-group-size", "world"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('hybridps plan: error: shard group "world" = 256 ranks') and "--shard-group-size 128" in err
+
+
+@pytest.mark.parametrize(
+    "nodes, size, shard, replicas, shard_crosses, replicas_cross",
+    [
+        (4, "node", 8, 4, False, True),
+        (4, "world", 32, 1, True, False),
+        (4, 4, 4, 8, False, True),  # half a node: two replicas on every node
+        (4, 16, 16, 2, True, True),
+        (1, "node", 8, 1, False, False),
+        (2, 1, 1, 16, False, True),  # pure replication
+    ],
+)
+def test_communication_per_rank_per_step_follows_the_collectives_formulas(
+    nodes, size, shard, replicas, shard_crosses, replicas_cross
+):
+    sh = Sharding.resolve(size, NodeSpec.parse("8x80GiB", "1TiB", nodes=nodes))
+    assert (sh.shard_size, sh.replicas, sh.world_size) == (shard, replicas, 8 * nodes)
+    assert (sh.shard_group_crosses_nodes, sh.replicas_cross_nodes) == (shard_crosses, replicas_cross)
+    params = 3 * 2**30 + 7
+    c = Communication.of(params, sh)
+    s, r, w = shard, replicas, 8 * nodes
+    assert c.shard_group_bytes == math.ceil(3 * params * (s - 1) / s)
+    assert c.replica_bytes == -(-2 * params * (r - 1) // (s * r))
+    assert c.zero3_world_bytes == math.ceil(3 * params * (w - 1) / w)
+    assert c.total_bytes == c.shard_group_bytes + c.replica_bytes
+    assert c.inter_node_bytes == shard_crosses * c.shard_group_bytes + replicas_cross * c.replica_bytes
+
+
+def test_communication_figures_of_one_node_layout_and_of_the_world_at_four_nodes():
+    # 1200 B of params, 4 nodes x 8 ranks: "node" all-gathers inside the node, all-reduces 1/8 across
+    node = Communication.of(1200, Sharding.resolve("node", NodeSpec.parse("8x80GiB", "1TiB", nodes=4)))
+    assert (node.shard_group_bytes, node.replica_bytes, node.zero3_world_bytes, node.inter_node_bytes) == (3150, 225, 3488, 225)
+    world = Communication.of(1200, Sharding.resolve("world", NodeSpec.parse("8x80GiB", "1TiB", nodes=4)))
+    assert (world.shard_group_bytes, world.replica_bytes, world.inter_node_bytes) == (3488, 0, 3488)
+
+
+def test_a_shard_group_size_that_does_not_divide_the_world_names_the_divisors():
+    with pytest.raises(ConfigError, match=r"--shard-group-size 3 \(3 ranks\) does not divide the world size 8 \(1 node x 8 "
+                       r"ranks\); use a divisor of 8 \(1, 2, 4, 8\)"):  # fmt: skip
+        Sharding.resolve(3, NodeSpec.parse("8x80GiB", "1TiB"))
+    with pytest.raises(ConfigError, match=r"--shard-group-size 'half' cannot be read"):
+        Sharding.resolve("half", NodeSpec.parse("8x80GiB", "1TiB"))
+
+
+def test_owners_are_assigned_exactly_as_the_client_assigns_them():
+    from hybridps.client.groups import assign_owners
+
+    rng = random.Random(0)
+    for world in (1, 2, 3, 8, 64):
+        for _ in range(5):
+            groups = rng.randint(1, 6)
+            weights = [rng.choice([0, 512, 512, 512, rng.randint(1, 10**5)]) for _ in range(groups * world)]
+            assert owners_by_bytes(weights, world) == assign_owners(weights, world)[0]
+
+
+def test_the_json_carries_the_shard_group_its_gathered_groups_and_its_communication(capsys, sharded_sim):
+    sim, _ = sharded_sim
+    argv = ["--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "16", "--batch", "1",
+            "--checkpoint", "--gpus", "4x2MiB", "--cpu", "64MiB", "--precision", "fp32", "--no-search", "--json"]  # fmt: skip
+    assert main([*argv, "--nodes", "2", "--shard-group-size", "world"]) == 0
+    h = json.loads(capsys.readouterr().out)["hybridps"]
+    assert h["sharding"] == {
+        "requested": "world",
+        "shard_size": 8,
+        "replicas": 1,
+        "world_size": 8,
+        "nodes": 2,
+        "ranks_per_node": 4,
+        "node_model_copies": 0.5,
+        "shard_group_crosses_nodes": True,
+        "replicas_cross_nodes": False,
+    }
+    share = h["rank_share"]
+    assert h["group_bytes"] == share["group_bytes"] == 8 * share["chunk_size_elements"] * 4
+    c = h["communication"]
+    layout_elements = sum(sim.param_numels) / (1 - share["padding_fraction"])
+    assert abs(c["params_bytes"] - 4 * layout_elements) < 64
+    assert c["shard_group_bytes"] == -(-3 * c["params_bytes"] * 7 // 8) == c["zero3_world_bytes"] == c["total_bytes"]
+    assert c["replica_bytes"] == 0 and c["inter_node_bytes"] == c["shard_group_bytes"]
+
+    # several node counts and shard groups: one row each, the refused one says why
+    assert main([*argv, "--nodes", "1,64", "--shard-group-size", "node,world"]) == 0
+    out = json.loads(capsys.readouterr().out)["comparison"]
+    rows = {(r["sharding"]["nodes"], r["sharding"]["requested"]): r for r in out["layouts"]}
+    assert list(rows) == [(1, "node"), (1, "world"), (64, "node"), (64, "world")]
+    # one layout's simulations, shared by all four: the first, and again with the real-GPU transient allowance
+    assert out["simulations"] == 2
+    assert rows[(64, "world")]["refused"].startswith('shard group "world" = 256 ranks')
+    assert not rows[(64, "world")]["fits"] and rows[(64, "node")]["fits"] and rows[(64, "node")]["refused"] is None
+    for r in rows.values():
+        s = r["sharding"]["shard_size"]
+        assert r["group_bytes"] > 0 and set(r["communication"]) >= {"shard_group_bytes", "replica_bytes", "total_bytes"}
+        assert r["communication"]["shard_group_bytes"] == -(-3 * r["communication"]["params_bytes"] * (s - 1) // s)
+    assert rows[(1, "node")]["owned_bytes"] == rows[(64, "node")]["owned_bytes"] > rows[(64, "world")]["owned_bytes"]
+    assert main([a for a in argv if a != "--json"] + ["--nodes", "1,64", "--shard-group-size", "node,world"]) == 0
+    table = capsys.readouterr().out
+    assert "planned, not measured" in table and "gathered/group" in table and "comm/rank/step" in table
+    assert 'refused: shard group "world" = 256 ranks, 1 replica over 64 nodes x 4 ranks: a chunk group gathers' in table

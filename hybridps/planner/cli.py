@@ -1,11 +1,13 @@
 """The command line of the planner: ``hybridps plan`` and ``python -m hybridps.planner``.
 
-Owns the arguments (model shape or ``--factory``, training, node, output), turning them into
-a model and a node, running ``plan()`` and printing the table or the JSON, and the exit
-status (2 with a message for a ``ConfigError``).
+Owns the arguments (model shape or ``--factory``, training, node and shard group, output),
+turning them into a model and a node, running ``plan()`` (one layout) or
+``compare_layouts()`` (several node counts or shard group sizes, given as comma lists) and
+printing the table or the JSON, and the exit status (2 with a message for a ``ConfigError``,
+a refused layout included).
 
-Does not own planning (``search``) or the report's text (``report``); the ``hybridps``
-command adds ``plan`` to its subcommands through ``add_subcommand``.
+Does not own planning (``search``, ``compare``) or the report's text (``report``); the
+``hybridps`` command adds ``plan`` to its subcommands through ``add_subcommand``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from typing import Any
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import parse_bytes
+from hybridps.planner.compare import compare_layouts
 from hybridps.planner.model import GPTShape, PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR
 from hybridps.planner.search import DEFAULT_MAX_LAYERS, plan
+from hybridps.planner.sharding import parse_shard_group_size
 
 
 def _positive_int(text: str) -> int:
@@ -34,6 +38,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
     return value
+
+
+def _node_counts(text: str) -> list[int]:
+    return [_positive_int(part.strip()) for part in text.split(",")]
+
+
+def _shard_sizes(text: str) -> list[int | str]:
+    try:
+        return [parse_shard_group_size(part) for part in text.split(",")]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bytes_arg(text: str) -> int:
@@ -81,7 +96,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--gpus", default="1x80GiB", help="GPUs per node as COUNTxSIZE, e.g. 8x80GiB (default 1x80GiB)")
     n.add_argument("--cpu", default="128GiB", help="CPU memory per node, e.g. 1TiB (default 128GiB)")
     n.add_argument("--ranks-per-node", type=_positive_int, default=None, help="ranks per node (default: one per GPU)")
-    n.add_argument("--nodes", type=_positive_int, default=1)
+    n.add_argument(
+        "--nodes",
+        type=_node_counts,
+        default=[1],
+        help="nodes alike (default 1); a comma list such as 1,8,64,512 compares the layouts at each count",
+    )
+    n.add_argument(
+        "--shard-group-size",
+        type=_shard_sizes,
+        default=["node"],
+        help='ranks sharing one copy of the model data: "node" (default: the ranks of a node), "world" or a number '
+        "dividing the world; a comma list such as node,world compares them",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
@@ -144,13 +171,10 @@ def run_command(args: argparse.Namespace) -> int:
     logging.getLogger("hybridps.planner").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         model = _model_from_args(args)
-        node = NodeSpec.parse(args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes)
-        report = plan(
-            model,
-            node,
+        node = NodeSpec.parse(args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes[0])
+        training = dict(
             precision=args.precision,
             grad_reuse=args.grad_reuse,
-            margin=args.margin,
             chunk_size=args.chunk_size,
             simulated_gpus=args.simulated_gpus,
             iterations=args.iterations,
@@ -158,6 +182,17 @@ def run_command(args: argparse.Namespace) -> int:
             max_layers=args.max_layers,
             deepspeed_buffer_factor=args.deepspeed_buffer_factor,
         )
+        if len(args.nodes) > 1 or len(args.shard_group_size) > 1:
+            report = compare_layouts(
+                model,
+                node,
+                nodes=args.nodes,
+                shard_group_sizes=args.shard_group_size,
+                margin_bytes=args.margin,
+                **training,
+            )
+        else:
+            report = plan(model, node, margin=args.margin, shard_group_size=args.shard_group_size[0], **training)
     except ConfigError as exc:
         print(f"hybridps plan: error: {exc}", file=sys.stderr)
         return 2

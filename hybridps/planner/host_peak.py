@@ -58,7 +58,8 @@ class InitPeak:
 
 def init_peak(sim: Simulation, share: RankShare | None, node: NodeSpec, *, simulated_gpus: bool) -> InitPeak:
     """One rank's host peak during meta init and streamed loading (see [Note: the init peak])."""
-    world = node.world_size
+    # each rank reads the tensors of the chunks it owns: 1/shard_size of the checkpoint
+    readers = share.sharding.shard_size if share is not None else node.world_size
     largest = max(sim.param_numels, default=0)
     if share is not None:
         host = share.owned_bytes if simulated_gpus else share.cpu_bytes
@@ -67,6 +68,6 @@ def init_peak(sim: Simulation, share: RankShare | None, node: NodeSpec, *, simul
     return InitPeak(
         host_model_data_bytes=host,
         replay_transient_bytes=largest * 4,
-        load_transient_bytes=-(-sim.n_params * CHECKPOINT_BYTES_PER_PARAM // world) + largest * 4,
+        load_transient_bytes=-(-sim.n_params * CHECKPOINT_BYTES_PER_PARAM // readers) + largest * 4,
         process_overhead_bytes=PROCESS_OVERHEAD_BYTES["simulated" if simulated_gpus else "gpu"],
     )

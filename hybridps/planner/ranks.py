@@ -1,22 +1,24 @@
 """One rank's share of a multi-rank job, derived from the single-rank simulation.
 
-Owns ``RankShare`` and ``derive_rank_share``: the multi-rank chunk layout and owner
-assignment (the client's own functions, applied to the simulated model's param sizes), the
-bytes a rank owns, the chunks it gathers while a module computes, and what that leaves of
-its GPU and of its node's CPU.
+Owns ``RankShare`` and ``derive_rank_share``: the multi-rank chunk layout of a shard-group
+layout (``sharding.Sharding``) and its owner assignment (the client's own rules, applied to
+the simulated model's param sizes), the bytes a rank owns, what a node's ranks own together,
+the chunk groups a module gathers while it computes, what that leaves of a rank's GPU and of
+its node's CPU, and the communication per rank per step of that layout.
 
 Does not own any multi-rank code: no ranks are started and nothing is simulated here; the
 figures are derived and the report marks them so. Does not own whether they fit the node
-(``search``).
+(``search``) or the collectives' formulas (``sharding.Communication``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hybridps.planner.node import NodeSpec
+from hybridps.planner.sharding import Communication, Sharding
 from hybridps.planner.simulation import Simulation
 from hybridps.planner.validation import check_bytes, check_positive_int
 
@@ -26,12 +28,27 @@ class RankShare:
     """One rank's share of a multi-rank job, derived from the single-rank layout."""
 
     world_size: int
+    #: the shard-group layout: chunk groups are ``sharding.shard_size`` chunks wide
+    sharding: Sharding
     chunk_groups: int
+    #: chunks of one kind (chunk_groups x shard size) and the share of their elements that is padding
+    chunks: int
+    padding_fraction: float
+    #: the chunk size the client picks for this shard size (elements) and its param chunk's bytes
+    chunk_size_elements: int
+    param_chunk_bytes: int
+    #: gathered bytes per chunk group: shard_size x param chunk bytes (the compute
+    #: precision's param chunks of one group on the GPU)
+    group_bytes: int
+    #: the largest group's param chunks (oversize chunks, of params larger than a chunk, included)
+    largest_group_bytes: int
     #: the largest model data one rank owns, with the multi-rank layout and the owner
     #: assignment the client uses (hybridps.client.groups.assign_owners)
     owned_bytes: int
-    #: the layout's model data over the world size (what perfectly even shares would be)
+    #: the layout's model data over the shard size (what perfectly even shares would be)
     even_share_bytes: int
+    #: model data the ranks of one node own together (the node holding the most)
+    node_owned_bytes: int
     #: the param (+ grad) chunks of the groups one module computes with, all gathered on the
     #: GPU (the largest such set over modules)
     gathered_bytes: int
@@ -39,16 +56,22 @@ class RankShare:
     #: activations + gathered chunks + margin: what the GPU of every rank must hold at once
     gpu_need_bytes: int
     gpu_peak_bytes: int
-    #: CPU bytes of one rank, and of the ranks of one node together
+    #: CPU bytes of one rank (the largest share), and of the ranks of one node together
+    #: (the node whose ranks keep the most on its CPU)
     cpu_bytes: int
     cpu_node_bytes: int
     moved_bytes_per_step: Mapping[str, int]
+    communication: Communication
 
     def __post_init__(self) -> None:
         check_positive_int("world_size", self.world_size)
         for f in (
+            "param_chunk_bytes",
+            "group_bytes",
+            "largest_group_bytes",
             "owned_bytes",
             "even_share_bytes",
+            "node_owned_bytes",
             "gathered_bytes",
             "gpu_need_bytes",
             "gpu_peak_bytes",
@@ -63,86 +86,207 @@ class RankShare:
         return self.owned_bytes / self.even_share_bytes if self.even_share_bytes else 1.0
 
 
-def derive_rank_share(sim: Simulation, node: NodeSpec, *, margin_bytes: int = 0, simulated_gpus: bool = False) -> RankShare:
-    """Per-rank model data of a ``node.world_size``-rank job, laid out as its clients would.
+@dataclasses.dataclass(frozen=True)
+class _GroupLayout:
+    """The client's chunk layout of a model for one shard size."""
 
-    The multi-rank client (chunk groups of ``world_size`` chunks; each rank owns one chunk
-    of each group; only the owner keeps fp32 master, momentum and variance, and its param
-    chunk; param chunks of a group are all-gathered before use and the foreign ones dropped
-    after) chooses its chunk size for the world size and assigns owners by bytes; both are
-    the client's own functions, applied here to the model's param sizes:
+    chunk_size: int
+    capacities: tuple[int, ...]
+    has_slots: tuple[bool, ...]
+    #: chunk index of every param, in registration order
+    chunk_of_param: tuple[int, ...]
+    shard_size: int
 
-    - owned: the largest share over the ranks, every kind of chunk it owns (padding chunks
-      carry only a param chunk);
-    - gathered: while a module computes, every chunk of each group holding its params sits
-      on the GPU in compute precision (with its grad slot, or a grad chunk without grad
-      reuse); the largest such set over modules;
-    - GPU need: the single-rank simulation's activation peak + the gathered set + margin, as
-      if both peaked at the same moment (an upper bound);
-    - CPU: what of a rank's share does not fit beside that on its GPU (the single-rank
-      engine fits model data up to CPU + GPU minus activations and working set: the same
-      rule); the ranks of a node share its CPU, so their CPU bytes add up;
-    - GPU peak: the single-rank simulation's GPU peak (the GPU budget is the same), at most
-      the rank's share plus the gathered set;
-    - bytes moved per step: the single-rank simulation's, scaled by the rank's fraction of
-      the model, and none when the rank's share lives on its GPU.
+    @property
+    def groups(self) -> int:
+        return len(self.capacities) // self.shard_size
 
-    These are derived figures until the multi-rank client can be simulated itself; this
-    function is the one place to switch to it.
-    """
+    def group_elements(self) -> list[int]:
+        s = self.shard_size
+        return [sum(self.capacities[g * s : (g + 1) * s]) for g in range(self.groups)]
+
+
+def _group_layout(
+    sim: Simulation,
+    shard_size: int,
+    node: NodeSpec,
+    *,
+    margin_bytes: int,
+    simulated_gpus: bool,
+    chunk_size: int | None = None,
+) -> _GroupLayout:
+    """The client's layout for ``shard_size``: ``chunk_size`` if given, else the simulation's
+    requested chunk size, else the one the client picks."""
     from hybridps.client.client import auto_chunk_size
-    from hybridps.client.groups import assign_owners
     from hybridps.client.layout import ChunkLayout
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 
-    w = node.world_size
     compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True, meta=True)
-    config = Config(precision=_precision_of(sim), alignment=sim.alignment, pinned_bytes=0 if simulated_gpus else None)
-    size = auto_chunk_size(list(sim.param_numels), config, compute, w) if sim.param_numels else (sim.chunk_size_elements or 1)
+    config = Config(
+        precision=sim.precision,
+        alignment=sim.alignment,
+        margin=margin_bytes,
+        chunk_size=chunk_size or sim.requested_chunk_size,
+        pinned_bytes=0 if simulated_gpus else None,
+    )
+    if sim.param_numels:
+        size = auto_chunk_size(list(sim.param_numels), config, compute, shard_size)
+    else:
+        size = sim.chunk_size_elements or 1
     layout = ChunkLayout(size, sim.alignment)
-    slots = [layout.add(n) for n in sim.param_numels]
-    layout.pad_to_multiple(w)
-    caps = [layout.capacity(i) for i in range(layout.num_chunks)]
-    has_slots = [bool(layout.members(i)) for i in range(layout.num_chunks)]
-    owner_of, _ = assign_owners([c if h else 0 for c, h in zip(caps, has_slots, strict=True)], w)
-    shares = [0] * w
-    for i, (cap, filled) in enumerate(zip(caps, has_slots, strict=True)):
-        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else _param_elem_bytes(sim))
-    owned = max(shares, default=0)
-    even = math.ceil(sum(shares) / w)
-    groups = layout.num_chunks // w
-    gathered, gathered_module = 0, ""
+    chunk_of = tuple(layout.add(n).chunk for n in sim.param_numels)
+    layout.pad_to_multiple(shard_size)
+    return _GroupLayout(
+        chunk_size=size,
+        capacities=tuple(layout.capacity(i) for i in range(layout.num_chunks)),
+        has_slots=tuple(bool(layout.members(i)) for i in range(layout.num_chunks)),
+        chunk_of_param=chunk_of,
+        shard_size=shard_size,
+    )
+
+
+def _gathered(sim: Simulation, lay: _GroupLayout) -> tuple[int, str]:
+    """The largest set of gathered param (+ grad) chunks over modules, and its module."""
+    s = lay.shard_size
+    group_elems = lay.group_elements()
+    gathered, module = 0, ""
     for name, params in sim.module_params:
-        chunks = {slots[i].chunk for i in params}
-        need = sum(caps[g * w + r] for g in {c // w for c in chunks} for r in range(w)) * sim.compute_bytes_per_element
+        groups = {lay.chunk_of_param[i] // s for i in params}
+        need = sum(group_elems[g] for g in groups) * sim.compute_bytes_per_element
         if need > gathered:
-            gathered, gathered_module = need, name
+            gathered, module = need, name
+    return gathered, module
+
+
+def gathered_at(
+    sim: Simulation,
+    node: NodeSpec,
+    shard_size: int,
+    *,
+    margin_bytes: int = 0,
+    simulated_gpus: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[int, str]:
+    """The largest gathered working set over modules (bytes, module) with chunk groups of
+    ``shard_size`` chunks (of ``chunk_size`` elements if given): what the client checks at
+    registration."""
+    lay = _group_layout(sim, shard_size, node, margin_bytes=margin_bytes, simulated_gpus=simulated_gpus, chunk_size=chunk_size)
+    return _gathered(sim, lay)
+
+
+def owners_by_bytes(weights: Sequence[int], world: int) -> list[int]:
+    """The owner of each chunk, exactly as ``hybridps.client.groups.assign_owners`` assigns
+    them (groups most uneven first; within a group the heaviest member to the least loaded
+    rank), in O(world log world) per group: while a group is assigned, the loads of the
+    ranks still free do not change, so its i-th heaviest member goes to the i-th least
+    loaded rank. The client's version takes O(world^2) per group, minutes for thousands of
+    ranks."""
+    assert len(weights) % world == 0
+    n_groups = len(weights) // world
+    load = [0] * world
+    owner_of = [0] * len(weights)
+
+    def spread(g: int) -> int:
+        w = weights[g * world : (g + 1) * world]
+        return max(w) - min(w)
+
+    for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
+        members = sorted(range(g * world, (g + 1) * world), key=lambda i: (-weights[i], i))
+        ranks = sorted(range(world), key=lambda q: (load[q], q))
+        for index, r in zip(members, ranks, strict=True):
+            owner_of[index] = r
+            load[r] += weights[index]
+    return owner_of
+
+
+def derive_rank_share(
+    sim: Simulation,
+    node: NodeSpec,
+    *,
+    shard_group_size: int | str = "node",
+    margin_bytes: int = 0,
+    simulated_gpus: bool = False,
+) -> RankShare:
+    """Per-rank model data of a ``node.world_size``-rank job with hybrid sharding, laid out
+    as its clients would.
+
+    The multi-rank client (chunk groups of ``shard_size`` chunks; each rank of a shard group
+    owns one chunk of each group, and the rank at the same place in every shard group owns
+    the same chunks; only owners keep fp32 master, momentum and variance, and their param
+    chunk; param chunks of a group are all-gathered inside the shard group before use and the
+    foreign ones dropped after) chooses its chunk size for the shard size and assigns owners
+    by bytes; both follow the client's own rules, applied here to the model's param sizes:
+
+    - owned: the largest share over the places of a shard group, every kind of chunk it owns
+      (padding chunks carry only a param chunk); a replica owns the same;
+    - node: a node's ranks are consecutive, so they own the shard places ``offset ..
+      offset + ranks_per_node - 1`` (modulo the shard size) of one or more shard groups: with
+      "node" every chunk once, with "world" 1/world per rank, with shard groups of half a
+      node every chunk twice; the node owning the most is planned;
+    - gathered: while a module computes, every chunk of each group holding its params sits
+      on the GPU in compute precision (with its grad slot, or a grad chunk without grad
+      reuse); the largest such set over modules; the group's bytes grow with the shard size;
+    - GPU need: the single-rank simulation's activation peak + the gathered set + margin, as
+      if both peaked at the same moment (an upper bound);
+    - CPU: what of a rank's share does not fit beside that on its GPU (the single-rank
+      engine fits model data up to CPU + GPU minus activations and working set: the same
+      rule); a node's ranks share its CPU, so their CPU bytes add up;
+    - GPU peak: the single-rank simulation's GPU peak (the GPU budget is the same), at most
+      the rank's share plus the gathered set;
+    - bytes moved per step between CPU and GPU: the single-rank simulation's, scaled by the
+      rank's fraction of the model, and none when the rank's share lives on its GPU;
+    - communication: ``sharding.Communication`` of the layout's param chunks.
+
+    These are derived figures until the multi-rank client can be simulated itself; this
+    function is the one place to switch to it.
+    """
+    sharding = Sharding.resolve(shard_group_size, node)
+    s = sharding.shard_size
+    lay = _group_layout(sim, s, node, margin_bytes=margin_bytes, simulated_gpus=simulated_gpus)
+    param_elem = _param_elem_bytes(sim)
+    weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
+    owner_of = owners_by_bytes(weights, s)
+    shares = [0] * s
+    for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
+        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else param_elem)
+    owned = max(shares, default=0)
+    even = math.ceil(sum(shares) / s)
+    gathered, gathered_module = _gathered(sim, lay)
     gpu_need = sim.non_model_peak_bytes + gathered + margin_bytes
     gpu_room = max(0, node.gpu_bytes - gpu_need)  # GPU bytes left for owned chunks at the tightest moment
-    cpu = max(0, owned - gpu_room)
+    cpu_of_place = [max(0, share - gpu_room) for share in shares]
+    cpu = max(cpu_of_place, default=0)
+    rpn = node.ranks_per_node
+    offsets = sharding.node_offsets()
+    node_owned = max(sum(shares[(o + i) % s] for i in range(rpn)) for o in offsets)
+    cpu_node = max(sum(cpu_of_place[(o + i) % s] for i in range(rpn)) for o in offsets)
     fraction = owned / sim.model_data_bytes if sim.model_data_bytes and cpu else 0.0
     sim_gpu_peak = sim.gpu.peak_bytes if sim.gpu else 0
     return RankShare(
-        world_size=w,
-        chunk_groups=groups,
+        world_size=node.world_size,
+        sharding=sharding,
+        chunk_groups=lay.groups,
+        chunks=len(lay.capacities),
+        padding_fraction=1 - sum(sim.param_numels) / sum(lay.capacities) if lay.capacities else 0.0,
+        chunk_size_elements=lay.chunk_size,
+        param_chunk_bytes=lay.chunk_size * param_elem,
+        group_bytes=s * lay.chunk_size * param_elem,
+        largest_group_bytes=max(lay.group_elements(), default=0) * param_elem,
         owned_bytes=owned,
         even_share_bytes=even,
+        node_owned_bytes=node_owned,
         gathered_bytes=gathered,
         gathered_module=gathered_module,
         gpu_need_bytes=gpu_need,
         gpu_peak_bytes=min(max(sim_gpu_peak, gathered), owned + gathered),
         cpu_bytes=cpu,
-        cpu_node_bytes=cpu * node.ranks_per_node,
+        cpu_node_bytes=cpu_node,
         moved_bytes_per_step={k: math.ceil(v * fraction) for k, v in sim.moved_bytes_per_step.items() if fraction},
+        communication=Communication.of(sum(lay.capacities) * param_elem, sharding),
     )
 
 
 def _param_elem_bytes(sim: Simulation) -> int:
     """Bytes per element of a param chunk alone (what an empty padding chunk costs its owner)."""
-    return {"fp32": 4}.get(_precision_of(sim), 2)
-
-
-def _precision_of(sim: Simulation) -> str:
-    # 14 or 16 B/elem with a 2-byte param chunk: fp16/bf16 (the layout is the same for both)
-    return "fp32" if sim.compute_bytes_per_element in (4, 8) else "bf16"
+    return 4 if sim.precision == "fp32" else 2

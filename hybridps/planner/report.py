@@ -21,6 +21,7 @@ from hybridps.common.units import format_bytes
 from hybridps.planner.host_peak import InitPeak
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.ranks import RankShare
+from hybridps.planner.sharding import Communication, Sharding
 from hybridps.planner.simulation import DeviceFigures
 from hybridps.planner.validation import check_bytes, check_count
 
@@ -96,9 +97,19 @@ class HybridPSPlan:
     warnings: tuple[str, ...] = ()
     #: one rank's host peak while the model is built on meta and loaded (per rank)
     init: InitPeak | None = None
+    #: the shard-group layout planned (one rank: a group of one)
+    sharding: Sharding | None = None
+    #: gathered bytes per chunk group: shard_size x param chunk bytes
+    group_bytes: int = 0
+    #: bytes per rank per step of the layout's collectives, and of ZeRO-3 over the world
+    communication: Communication | None = None
+    #: why the client would refuse this layout for the model at registration (the plan went
+    #: on because it was asked to: a comparison of layouts); None: not refused
+    refused: str | None = None
 
     def __post_init__(self) -> None:
         for f in (
+            "group_bytes",
             "chunk_bytes",
             "model_data_bytes",
             "min_compute_bytes",
@@ -172,7 +183,7 @@ class PlanReport:
 
 def _plain(obj: Any) -> Any:
     """Dataclasses to dicts, mappings to dicts, tuples to lists (JSON-ready)."""
-    if isinstance(obj, InitPeak):
+    if isinstance(obj, (InitPeak, Sharding, Communication)):
         return obj.to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -242,7 +253,8 @@ def _format_report(r: PlanReport) -> str:
             f"HybridPS layout: chunk size {h.chunk_size_elements} elements ({format_bytes(h.chunk_bytes)} per "
             f"{r.precision} chunk), {h.chunks} chunk rows, padding {100 * h.padding_fraction:.1f}%, model data "
             f"{format_bytes(h.model_data_bytes)}{' per rank' if h.derived else ''}; smallest GPU working set "
-            f"{format_bytes(h.min_compute_bytes)} ({h.min_compute_module})"
+            f"{format_bytes(h.min_compute_bytes)} ({h.min_compute_module}"
+            f"{', its chunk groups gathered' if h.derived else ''})"
         )
     dev_rows = [("device", "capacity", "model data after step", "peak model data", "activations peak", "peak total")]
     for d in (h.gpu, h.cpu):
@@ -267,6 +279,7 @@ def _format_report(r: PlanReport) -> str:
         )
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.moved_bytes_per_step.items()) or "none"
     lines.append(f"  moved per step{' (derived)' if h.derived else ''}: {moved}")
+    lines += _layout_lines(h)
     if not h.fits:
         lines.append(f"  does not fit: {h.reason}")
     for w in h.warnings:
@@ -278,6 +291,26 @@ def _format_report(r: PlanReport) -> str:
     s = r.seconds
     lines.append(f"\nPlanned in {s['total']:.1f} s (first simulation {s['simulation']:.1f} s, search {s['search']:.1f} s).")
     return "\n".join(lines)
+
+
+def _layout_lines(h: HybridPSPlan) -> list[str]:
+    """The shard-group layout, its gathered groups and its communication per rank per step."""
+    sh, c, share = h.sharding, h.communication, h.rank_share
+    if sh is None or c is None or share is None:
+        return []
+    where = {True: "crosses nodes", False: "inside a node"}
+    return [
+        f"  layout: {sh.describe()}; a node's ranks own {sh.node_model_copies:g} cop"
+        f"{'y' if sh.node_model_copies == 1 else 'ies'} of the model data ({format_bytes(share.node_owned_bytes)})",
+        f"  gathered per chunk group: {format_bytes(h.group_bytes)} ({sh.shard_size} x "
+        f"{format_bytes(share.param_chunk_bytes)} param chunks of {share.chunk_size_elements} elements; largest group "
+        f"{format_bytes(share.largest_group_bytes)}), {share.chunk_groups} groups",
+        f"  communication per rank per step: shard group {format_bytes(c.shard_group_bytes)} (2 all-gathers + "
+        f"reduce-scatter, {where[sh.shard_group_crosses_nodes]}), replicas {format_bytes(c.replica_bytes)} "
+        f"(all-reduce of the owned shard, {where[sh.replicas_cross_nodes]}), total {format_bytes(c.total_bytes)}, "
+        f"across nodes {format_bytes(c.inter_node_bytes)}; ZeRO-3 over the world: {format_bytes(c.zero3_world_bytes)} "
+        f"(params {format_bytes(c.params_bytes)})",
+    ] + ([f"  refused: {h.refused}"] if h.refused else [])
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -3,13 +3,15 @@ family that does, for HybridPS and for the peers.
 
 Owns the planner's inputs (``PlanRequest``, and ``plan()`` which builds one), the verdict on
 one member of the family (``Planner.evaluate``: simulated, and for multi-rank jobs its
-derived share checked against the node), the transient allowance for real GPUs, the search
-for the largest ``n_layer`` (simulated for HybridPS, by the published rules for the peers)
-and putting the report together (``Planner.run``).
+derived share checked against the node), the refusal of a shard-group layout whose gathered
+chunk groups cannot fit the GPU (``Planner.refusal``, the client's registration rule), the
+transient allowance for real GPUs, the search for the largest ``n_layer`` (simulated for
+HybridPS, by the published rules for the peers) and putting the report together
+(``Planner.run``).
 
 Does not own the simulation itself (``simulation``), the multi-rank derivation (``ranks``),
-the peers' formulas (``peers``), the host peak at init (``host_peak``) or how the report
-prints (``report``).
+the shard-group layout and its communication (``sharding``), the peers' formulas
+(``peers``), the host peak at init (``host_peak``) or how the report prints (``report``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from hybridps.planner.host_peak import init_peak
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR, peer_bytes, peer_plans
-from hybridps.planner.ranks import RankShare, derive_rank_share
+from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
 from hybridps.planner.report import HybridPSPlan, LargestModel, PlanReport
+from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, Sharding, smaller_shard_sizes
 from hybridps.planner.simulation import DeviceFigures, Simulation, simulate
 from hybridps.planner.validation import check_positive_int
 
@@ -62,6 +65,12 @@ class PlanRequest:
     max_layers: int = DEFAULT_MAX_LAYERS
     max_probes: int = DEFAULT_MAX_PROBES
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR
+    #: ranks sharing one copy of the model data (``Config.shard_group_size``): "node", "world"
+    #: or a number of ranks dividing the world
+    shard_group_size: int | str = "node"
+    #: raise ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
+    #: GPU (as the client does at registration); False: report it and plan on (comparisons)
+    refuse_unfit_layout: bool = True
 
     def __post_init__(self) -> None:
         for attr in ("n_layer", "with_layers", "build", "inputs", "loss", "describe"):
@@ -94,6 +103,11 @@ class PlanRequest:
         check_positive_int("max_probes", self.max_probes)
         if not (isinstance(self.deepspeed_buffer_factor, (int, float)) and self.deepspeed_buffer_factor > 0):
             raise ConfigError(f"deepspeed_buffer_factor={self.deepspeed_buffer_factor!r} must be a positive number")
+        object.__setattr__(self, "shard_group_size", self.sharding.requested)  # validated against the node
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding.resolve(self.shard_group_size, self.node)
 
 
 def plan(
@@ -114,10 +128,16 @@ def plan(
     max_layers: int = DEFAULT_MAX_LAYERS,
     max_probes: int = DEFAULT_MAX_PROBES,
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR,
+    shard_group_size: int | str = "node",
 ) -> PlanReport:
     """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the
     node described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"),
-    ``ranks_per_node`` (default: one per GPU) and ``nodes`` (default 1).
+    ``ranks_per_node`` (default: one per GPU) and ``nodes`` (default 1), with
+    ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a
+    number of ranks dividing the world; see ``Config.shard_group_size``).
+
+    Raises ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
+    GPU with that shard group (the client would refuse it at registration).
 
     Runs ``iterations`` training iterations of the real engine under ``simulate="meta"``
     (nothing is allocated), derives per-rank figures for multi-rank jobs, applies the peers'
@@ -145,6 +165,7 @@ def plan(
         max_layers=max_layers,
         max_probes=max_probes,
         deepspeed_buffer_factor=deepspeed_buffer_factor,
+        shard_group_size=shard_group_size,
     )
     return Planner(request).run()
 
@@ -160,11 +181,18 @@ class Evaluation:
 
 
 class Planner:
-    """Runs the simulations of one request, caching one per layer count."""
+    """Runs the simulations of one request, caching one per layer count.
 
-    def __init__(self, request: PlanRequest):
+    ``simulations``, when given, is a cache shared with other planners of the same model:
+    a simulation depends on the GPU, the CPU it was given, the margin and the training
+    settings, not on the number of nodes or the shard group (the multi-rank share is derived
+    from it), so a comparison of layouts simulates each size once."""
+
+    def __init__(self, request: PlanRequest, simulations: dict[tuple, Simulation] | None = None):
         self.request = request
         self.node = request.node
+        self.sharding = request.sharding
+        self.simulations = {} if simulations is None else simulations
         self.evals: dict[int, Evaluation] = {}
         self.sim_seconds = 0.0
         #: GPU bytes a real GPU holds beyond what autograd saves: see ``transient_allowance``
@@ -200,10 +228,15 @@ class Planner:
         multi = node.world_size > 1
 
         def run() -> Simulation:
+            cpu_bytes = UNBOUNDED_CPU_BYTES if multi else node.cpu_bytes
+            key = (n_layer, node.gpu_bytes, cpu_bytes, self.margin_bytes, req.precision, req.grad_reuse, req.chunk_size,
+                   req.simulated_gpus, req.iterations)  # fmt: skip
+            if key in self.simulations:
+                return self.simulations[key]
             sim = simulate(
                 req.model.with_layers(n_layer),
                 gpu_bytes=node.gpu_bytes,
-                cpu_bytes=UNBOUNDED_CPU_BYTES if multi else node.cpu_bytes,
+                cpu_bytes=cpu_bytes,
                 precision=req.precision,
                 grad_reuse=req.grad_reuse,
                 margin_bytes=self.margin_bytes,
@@ -212,6 +245,7 @@ class Planner:
                 iterations=req.iterations,
             )
             self.sim_seconds += sim.seconds
+            self.simulations[key] = sim
             return sim
 
         sim = run()
@@ -225,13 +259,19 @@ class Planner:
         share = None
         reasons = [] if sim.completed else [sim.failure or "the simulation failed"]
         if multi and sim.completed:
-            share = derive_rank_share(sim, node, margin_bytes=self.margin_bytes, simulated_gpus=req.simulated_gpus)
+            share = derive_rank_share(
+                sim,
+                node,
+                shard_group_size=req.shard_group_size,
+                margin_bytes=self.margin_bytes,
+                simulated_gpus=req.simulated_gpus,
+            )
             if share.gpu_need_bytes > node.gpu_bytes:
                 reasons.append(
                     f"GPU per rank needs {format_bytes(share.gpu_need_bytes)} (activations "
-                    f"{format_bytes(sim.non_model_peak_bytes)} + gathered chunks of {share.gathered_module!r} "
-                    f"{format_bytes(share.gathered_bytes)}{' + margin' if self.margin_bytes else ''}) of "
-                    f"{format_bytes(node.gpu_bytes)} (derived)"
+                    f"{format_bytes(sim.non_model_peak_bytes)} + gathered chunk groups of {share.gathered_module!r} "
+                    f"{format_bytes(share.gathered_bytes)}, {share.sharding.shard_size} chunks per group"
+                    f"{' + margin' if self.margin_bytes else ''}) of {format_bytes(node.gpu_bytes)} (derived)"
                 )
             if share.cpu_node_bytes > node.cpu_bytes:
                 reasons.append(
@@ -239,17 +279,90 @@ class Planner:
                     f"leave beside their GPUs) of {format_bytes(node.cpu_bytes)} (derived)"
                 )
         ev = Evaluation(sim=sim, share=share, fits=not reasons, reason="; ".join(reasons))
-        logger.info("%d layers simulated in %.1f s: %s", n_layer, sim.seconds, "fits" if ev.fits else ev.reason)
+        # a simulation shared by several layouts (compare) ran once; its seconds are that run's
+        logger.info("%d layers (simulation %.1f s): %s", n_layer, sim.seconds, "fits" if ev.fits else ev.reason)
         self.evals[n_layer] = ev
         return ev
 
     # -- the whole plan ------------------------------------------------------------------
 
+    def refusal(self, ev: Evaluation) -> str | None:
+        """Why the client would refuse this model with this shard group at registration
+        (``Client._check_fits``: a module computes with its whole chunk groups gathered, and
+        they must fit the GPU's capacity minus the margin), with the fix; None when it would not."""
+        share, node, req = ev.share, self.node, self.request
+        budget = node.gpu_bytes - req.margin_bytes
+        if share is None or share.gathered_bytes <= budget:
+            return None
+        sh = share.sharding
+        what = "param chunks" if req.grad_reuse else "param + grad chunks"
+        fixes = []
+        for size in smaller_shard_sizes(sh):
+            gathered, _ = gathered_at(ev.sim, node, size, margin_bytes=self.margin_bytes, simulated_gpus=req.simulated_gpus)
+            if gathered <= budget:
+                named = ' ("node")' if size == node.ranks_per_node else ""
+                fixes.append(
+                    f"a smaller shard group (--shard-group-size {size}{named}: the largest module gathers "
+                    f"{format_bytes(gathered)})"
+                )
+                break
+        size = share.chunk_size_elements // 2
+        for _ in range(8):  # halving the chunk: more, narrower groups (oversize params stay whole)
+            size -= size % ev.sim.alignment
+            if size < ev.sim.alignment:
+                break
+            gathered, _ = gathered_at(
+                ev.sim, node, sh.shard_size, margin_bytes=self.margin_bytes, simulated_gpus=req.simulated_gpus, chunk_size=size
+            )
+            if gathered <= budget:
+                fixes.append(f"smaller chunks (--chunk-size {size}: the largest module gathers {format_bytes(gathered)})")
+                break
+            size //= 2
+        if not fixes:
+            fix = "No smaller shard group fits, and smaller chunks do not help; plan on GPUs with more memory."
+        else:
+            fix = "Use " + ", or ".join(fixes) + "."
+            if len(fixes) == 1 and fixes[0].startswith("a smaller"):
+                fix += (
+                    " Smaller chunks do not help: the params of those groups are larger than a chunk and each is gathered whole."
+                )
+        return (
+            f"{sh.describe()}: a chunk group gathers {format_bytes(share.group_bytes)} ({sh.shard_size} x "
+            f"{format_bytes(share.param_chunk_bytes)} param chunks; the largest group, with chunks of params larger "
+            f"than a chunk, {format_bytes(share.largest_group_bytes)}), and module {share.gathered_module!r} computes "
+            f"with {format_bytes(share.gathered_bytes)} of gathered {what}, above the {format_bytes(node.gpu_bytes)} "
+            f"GPU{f' minus the {format_bytes(req.margin_bytes)} margin' if req.margin_bytes else ''}: the client "
+            f"refuses this layout at registration. {fix}"
+        )
+
+    def _refuse_chunk_groups_up_front(self) -> None:
+        """With a chunk size given, one chunk group's bytes are known before any simulation."""
+        req, node, sh = self.request, self.node, self.sharding
+        if req.chunk_size is None or sh.shard_size == 1:
+            return
+        per_elem = PRECISIONS[req.precision].itemsize * (1 if req.grad_reuse else 2)
+        group = sh.shard_size * req.chunk_size * per_elem
+        if group > node.gpu_bytes - req.margin_bytes and req.refuse_unfit_layout:
+            fits = [s for s in smaller_shard_sizes(sh) if s * req.chunk_size * per_elem <= node.gpu_bytes - req.margin_bytes]
+            raise ShardGroupTooLargeError(
+                f"{sh.describe()}: one chunk group gathers {format_bytes(group)} ({sh.shard_size} x "
+                f"{format_bytes(req.chunk_size * per_elem)} chunks of {req.chunk_size} elements), above the "
+                f"{format_bytes(node.gpu_bytes)} GPU{f' minus the {format_bytes(req.margin_bytes)} margin' if req.margin_bytes else ''}: "
+                f"the client refuses this layout at registration. Use a smaller shard group"
+                + (f" (--shard-group-size {fits[0]} or less)" if fits else "")
+                + f" or smaller chunks (--chunk-size {max(1, (node.gpu_bytes - req.margin_bytes) // (4 * sh.shard_size * per_elem))} "
+                f"leaves room for four groups)"
+            )
+
     def run(self) -> PlanReport:
         req, node = self.request, self.node
         start = time.perf_counter()
+        self._refuse_chunk_groups_up_front()
         n0 = req.model.n_layer
         ev = self.evaluate(n0)
+        refused = self.refusal(ev)
+        if refused is not None and req.refuse_unfit_layout:
+            raise ShardGroupTooLargeError(refused)
         first_sim_seconds = self.sim_seconds
         search_start = time.perf_counter()
         largest: LargestModel | None = None
@@ -262,7 +375,7 @@ class Planner:
         )
         if req.search_largest:
             peers = [dataclasses.replace(p, largest=self.peer_largest(p.name)) for p in peers]
-        hybrid = self._hybridps_plan(ev, largest)
+        hybrid = self._hybridps_plan(ev, largest, refused)
         notes = list(self._notes(ev, activation))
         method = None
         if req.search_largest:
@@ -292,12 +405,18 @@ class Planner:
             notes=tuple(notes),
         )
 
-    def _hybridps_plan(self, ev: Evaluation, largest: LargestModel | None) -> HybridPSPlan:
+    def _hybridps_plan(self, ev: Evaluation, largest: LargestModel | None, refused: str | None) -> HybridPSPlan:
         sim, share, node = ev.sim, ev.share, self.node
-        chunk_elems = sim.chunk_size_elements
-        chunk_bytes = (chunk_elems or 0) * PRECISIONS[self.request.precision].itemsize
+        itemsize = PRECISIONS[self.request.precision].itemsize
         total_elems = sum(sim.chunk_capacities)
-        padding = sim.padding_elements / total_elems if total_elems else 0.0
+        if share is None:
+            chunk_elems, chunks = sim.chunk_size_elements, len(sim.chunk_capacities)
+            padding = sim.padding_elements / total_elems if total_elems else 0.0
+            working_set, working_module = sim.min_compute_bytes, sim.min_compute_module
+        else:  # the layout the clients use for the shard group
+            chunk_elems, chunks, padding = share.chunk_size_elements, share.chunks, share.padding_fraction
+            working_set, working_module = share.gathered_bytes, share.gathered_module
+        chunk_bytes = (chunk_elems or 0) * itemsize
         warnings = []
         if sim.gpu and sim.peak_total_warmup_bytes > node.gpu_bytes:
             warnings.append(
@@ -325,10 +444,10 @@ class Planner:
             reason=ev.reason,
             chunk_size_elements=chunk_elems,
             chunk_bytes=chunk_bytes,
-            chunks=len(sim.chunk_capacities),
+            chunks=chunks,
             padding_fraction=padding,
-            min_compute_bytes=sim.min_compute_bytes,
-            min_compute_module=sim.min_compute_module,
+            min_compute_bytes=working_set,
+            min_compute_module=working_module,
             non_model_peak_bytes=sim.non_model_peak_bytes,
             gpu_need_bytes=share.gpu_need_bytes
             if share
@@ -337,10 +456,14 @@ class Planner:
             largest=largest,
             warnings=tuple(warnings),
             init=init,
+            sharding=self.sharding,
+            refused=refused,
         )
         if share is None:
             return HybridPSPlan(
                 derived=False,
+                group_bytes=chunk_bytes,
+                communication=Communication.of(total_elems * itemsize, self.sharding),
                 model_data_bytes=sim.model_data_bytes,
                 gpu=sim.gpu,
                 cpu=sim.cpu,
@@ -375,6 +498,8 @@ class Planner:
         )
         return HybridPSPlan(
             derived=True,
+            group_bytes=share.group_bytes,
+            communication=share.communication,
             model_data_bytes=share.owned_bytes,
             gpu=gpu,
             cpu=cpu,
@@ -405,7 +530,12 @@ class Planner:
         if self.node.world_size > 1:
             notes.append(
                 "multi-rank figures are derived (derive_rank_share), not simulated: the multi-rank layout and owner "
-                "assignment of the client, plus the gathered param chunks of the largest module's groups on the GPU"
+                "assignment of the client for the shard group, plus the gathered param chunks of the largest module's "
+                "groups on the GPU"
+            )
+            notes.append(
+                "communication is per rank per step, ring collectives, upper bounds (groups kept gathered from forward "
+                "to backward save part of the second all-gather); CPU-GPU moves are not included"
             )
         if not ev.sim.completed and activation:
             notes.append("the simulation did not finish, so the peers' activations are extrapolated from smaller sizes")
@@ -517,7 +647,7 @@ class Planner:
             out.append((share.gpu_need_bytes, node.gpu_bytes))
             # the node's ranks keep on the CPU what of their shares their GPUs cannot hold; kept
             # unclipped (shares + GPU needs against CPU + GPUs) so the line stays a line
-            out.append((rpn * (share.owned_bytes + share.gpu_need_bytes), node.cpu_bytes + rpn * node.gpu_bytes))
+            out.append((share.node_owned_bytes + rpn * share.gpu_need_bytes, node.cpu_bytes + rpn * node.gpu_bytes))
         return out
 
     def activation_bytes(self, n_layer: int) -> int:

@@ -88,6 +88,10 @@ class Simulation:
     seconds: float
     #: the largest single storage autograd saved (the real-GPU transient allowance's measure)
     largest_saved_bytes: int = 0
+    #: the training precision simulated (``Config.precision``)
+    precision: str = "fp16"
+    #: the chunk size asked for (``Config.chunk_size``); None: chosen as the client would
+    requested_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -182,7 +186,8 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
             compute_bytes_per_element=compute_per_elem, module_chunks=(), param_numels=(), module_params=(),
             alignment=config.alignment, model_data_bytes=0, padding_elements=0,
             gpu=None, cpu=None, peak_total_warmup_bytes=0, moved_bytes_per_step={}, min_compute_bytes=0,
-            min_compute_module="", seconds=time.perf_counter() - start,
+            min_compute_module="", seconds=time.perf_counter() - start, precision=config.precision,
+            requested_chunk_size=config.chunk_size,
         )  # fmt: skip
     client = engine.client
     layout = client.layout
@@ -211,6 +216,8 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in after} if failure is None else {}
     return Simulation(
         largest_saved_bytes=stats["trace"]["largest_saved_bytes"],
+        precision=config.precision,
+        requested_chunk_size=config.chunk_size,
         n_layer=model.n_layer,
         n_params=n_params,
         largest_layer_params=largest_layer,
