@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import transformers
@@ -104,7 +105,17 @@ def main() -> None:
     t.train()
     t.save_model(os.path.join(args.outdir, "final"))
     if int(os.environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps(logged(t)))
+        print("RESULT " + json.dumps(logged(t)), flush=True)
+    # Leave without the interpreter's finalisers, where gloo's threads can race static
+    # destructors ("terminate called without an active exception", seen with plain DDP too)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
