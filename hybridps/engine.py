@@ -83,8 +83,7 @@ class Engine:
         self.tracer = MemoryTracer(self.client.store, self.client.mover, enabled=config.trace)
         if config.eviction in ("opt", "auto"):
             self.client.placement.use_trace(self.tracer.next_use, self.tracer.replaying)
-        self.hooks = ModuleHooks(self.client, model, self.tracer)
-        self.hooks.on_bare_backward = self._finish_bare_backward
+        self.hooks = ModuleHooks(self.client, model, self.tracer, on_bare_backward=self._finish_bare_backward)
         self.hooks.install()
         self.prefetcher = (
             Prefetcher(
