@@ -144,6 +144,8 @@ class ChunkManager:
         self._in_flight: list[tuple] = []
         self.prefetches = 0
         self.prefetch_hits = 0
+        #: chunks a prefetch evicted (the trace used them after the chunk it brought)
+        self.prefetch_evictions = 0
         self.margin_bytes = margin_bytes
         #: decides which chunk leaves a full device (placement.py); the mover moves it
         self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
@@ -220,13 +222,26 @@ class ChunkManager:
             self._move(chunk, device, protect=protect)
 
     def prefetch(self, chunk: Chunk, device: str) -> bool:
-        """Start bringing ``chunk`` to ``device`` ahead of its use, if it fits the budget
-        without evicting anything; returns whether a copy was started. With a CUDA copy
+        """Start bringing ``chunk`` to ``device`` ahead of its use, if it fits the budget or
+        the policy names chunks the trace uses after it to evict for it
+        (``PlacementPolicy.prefetch_victims``); returns whether a copy was started. With a CUDA copy
         stream the copy overlaps compute; the chunk's first use waits for it."""
         if chunk.payload is None or chunk.device == device:
             return False
-        if self.used_bytes[device] + chunk.nbytes > self.budget(device):
-            return False
+        need = self.used_bytes[device] + chunk.nbytes - self.budget(device)
+        if need > 0:
+            # room only by pushing out chunks the trace uses after this one (the policy's call)
+            victims = self.placement.prefetch_victims(self._evictable(device, protect=(chunk,)), chunk, need)
+            if not victims:
+                return False
+            try:
+                for victim in victims:
+                    self.evict(victim)
+            except CapacityError:  # nowhere to put them: the prefetch waits for the on-demand bring
+                return False
+            self.prefetch_evictions += len(victims)
+            if self.used_bytes[device] + chunk.nbytes > self.budget(device):
+                return False
         self._move(chunk, device, asynchronous=True)
         chunk.brought_ahead()
         self.prefetches += 1
@@ -476,7 +491,8 @@ class ChunkManager:
         src = chunk.device
         assert src is not None
         exclude = list(dict.fromkeys([src, *self._over_budget_gpus(chunk.nbytes)]))
-        self._move(chunk, None, evicted=True, asynchronous=True, refer="cpu", exclude=exclude)
+        refer = self.placement.eviction_refer(chunk)
+        self._move(chunk, None, evicted=True, asynchronous=True, refer=refer, exclude=exclude)
 
     def _crosses_gpu(self, src: str, dst: str) -> bool:
         return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))

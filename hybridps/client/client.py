@@ -858,6 +858,7 @@ class Client:
             "evictions": self.mover.evictions,
             "prefetches": self.mover.prefetches,
             "prefetch_hits": self.mover.prefetch_hits,
+            "prefetch_evictions": self.mover.prefetch_evictions,
             "pool": self.mover.pool.stats(),
             **({"link": self.link.stats()} if self.link is not None else {}),
             "pinned_bytes": self.mover.pinned_bytes,

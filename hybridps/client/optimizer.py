@@ -363,7 +363,10 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self._restore_params(grads)
                 return loss
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
-            for index, infos in grads.items():
+            order = list(grads.items())
+            for n, (index, infos) in enumerate(order):
+                if n + 1 < len(order):
+                    self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
                 self._step_chunk(index, infos, inv_scale, self._clip_coef)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(groups.write_back - set(grads)):
@@ -431,6 +434,19 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._stepped_early.discard(index)
             spec.drop(index)
             spec.rolled_back += 1
+
+    def _bring_ahead(self, index: int) -> None:
+        """Start moving chunk ``index``'s rows (master, momentum, variance, grads) to where it
+        will step, asynchronously, while the chunk before it steps (``Config.prefetch_window``
+        > 0). A row that does not fit the budget is brought when its step takes it."""
+        if self.store.config.prefetch_window == 0:
+            return
+        store = self.store
+        device = self.placement.step_device(store.rows[store.master_kind][index])
+        for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
+            chunk = store.rows[kind][index]
+            if chunk.payload is not None and chunk.device != device:
+                self.mover.prefetch(chunk, device)
 
     def _step_chunk(
         self,

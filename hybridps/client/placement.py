@@ -14,6 +14,8 @@ Owns the decisions, one method each:
   - the param and grad chunks every iteration brings);
 - ``optimizer_rows_for_gpu``: which rows (master, momentum, variance of one chunk index)
   move there;
+- ``eviction_refer``: where an evicted chunk should go (the device the node manager's
+  ``schedule`` is asked to prefer: the CPU);
 - ``victim``: which chunk leaves a full device: the furthest next use in the warm-up trace
   (Belady's OPT) once a trace is wired in (``use_trace``, ``Config.eviction`` "opt"/"auto"),
   the least recently used before (and always with "lru");
@@ -24,7 +26,8 @@ Owns the decisions, one method each:
 Does not own: the mechanics (allocating, copying, booking with the manager, choosing the
 candidates a victim is taken from, whether a prefetch fits the budget: the mover,
 ``chunk_manager.py``; starting the copies and gathers at each moment: ``prefetch.py``),
-where an evicted chunk goes (the node manager's ``policy.py`` schedules it near the CPU),
+the device an evicted chunk finally lands on (the node manager's ``policy.py`` schedules it
+near the one ``eviction_refer`` names),
 the reserve of a moment (the trace, memory_trace.py), or the node's arbitration between
 ranks.
 
@@ -146,6 +149,35 @@ class PlacementPolicy:
                 if chunk is None or chunk.payload is None or chunk.device == compute:
                     continue
                 yield chunk
+
+    def eviction_refer(self, chunk: Chunk) -> str:
+        """The device an evicted chunk should land near: the node manager's ``schedule``
+        picks a device with room, preferring this one (the CPU, whose memory the node's
+        ranks share), never the device it leaves or a GPU over its budget."""
+        return CPU
+
+    #: whether a prefetch may evict chunks the trace uses after the one it brings
+    prefetch_may_evict: bool = True
+
+    def prefetch_victims(self, candidates: Sequence[Chunk], incoming: Chunk, need_bytes: int) -> list[Chunk]:
+        """Chunks to evict so that ``incoming`` can be brought ahead: only ones the replayed
+        trace uses *after* ``incoming`` (furthest first), so a prefetch never pushes out a
+        chunk needed sooner; Belady's rule would evict them for ``incoming`` at its use anyway,
+        and doing it now lets both copies overlap compute. Empty unless they free
+        ``need_bytes`` (then nothing is evicted and the prefetch waits)."""
+        if not self.prefetch_may_evict or self._next_use is None or not self._replaying():
+            return []
+        next_use = self._next_use
+        mine = next_use(incoming)
+        later = [c for c in candidates if c is not incoming and next_use(c) > mine]
+        later.sort(key=lambda c: (-next_use(c), c.last_use, c.chunk_id))
+        chosen, freed = [], 0
+        for chunk in later:
+            if freed >= need_bytes:
+                break
+            chosen.append(chunk)
+            freed += chunk.nbytes
+        return chosen if freed >= need_bytes else []
 
     def prefetch_gathers(self, gathers_at: Mapping[int, Sequence[int]], *, now: int) -> Sequence[int]:
         """The chunk groups to gather ahead at moment ``now`` (several ranks): those the

@@ -4,8 +4,9 @@ of their use, so their copies overlap the compute of the current module.
 At each moment the prefetcher asks the placement policy which chunks to bring ahead
 (``PlacementPolicy.prefetch_candidates``: by default those the trace uses in the next
 ``window`` moments that are not on the compute device, in the order they will be used) and
-starts their moves as long as they fit the budget without evicting anything (a prefetch
-must never push out a chunk needed sooner). On a real GPU the copies run on the copy stream and the
+starts their moves as long as they fit the budget, evicting for them only chunks the trace
+uses later than the chunk brought (``PlacementPolicy.prefetch_victims``: a prefetch never
+pushes out a chunk needed sooner). On a real GPU the copies run on the copy stream and the
 chunk's first use waits for its event; on a simulated GPU they are plain copies made
 earlier, which keeps the logic testable on CPU.
 
@@ -44,7 +45,7 @@ class Prefetcher:
         tracer: MemoryTracer,
         *,
         groups: ChunkGroups | None = None,
-        window: int = 2,
+        window: int = 4,
         placement: PlacementPolicy | None = None,
     ):
         self.store = store

@@ -196,10 +196,13 @@ class Config:
         ),
     )
     prefetch_window: int = _field(
-        2,
+        4,
         section="Placement and movement",
         unit="moments",
-        doc=("How far ahead in the trace to look for chunks to bring early (0: no prefetch). Prefetch never evicts."),
+        doc=(
+            "How far ahead in the trace to look for chunks to bring early (0: no prefetch). A prefetch evicts only "
+            "chunks the trace uses after the one it brings, never one needed sooner."
+        ),
     )
     overlap_step: bool | str = _field(
         "auto",

@@ -161,3 +161,20 @@ def test_the_groups_gathered_ahead_are_those_the_warm_up_gathered_at_the_next_mo
     assert list(policy.prefetch_gathers(gathers_at, now=3)) == [1, 2]
     assert list(policy.prefetch_gathers(gathers_at, now=4)) == [3]
     assert list(policy.prefetch_gathers(gathers_at, now=5)) == []
+
+
+def test_a_prefetch_evicts_only_chunks_used_after_the_one_it_brings_furthest_first():
+    policy = PlacementPolicy(GPU)
+    a, b, c, incoming = _chunks([1, 2, 3, 4])  # 16 bytes each
+    next_use = {a.chunk_id: 5, b.chunk_id: 30, c.chunk_id: 20, incoming.chunk_id: 10}
+    replaying = [False]
+    policy.use_trace(lambda ch: next_use[ch.chunk_id], lambda: replaying[0])
+    assert policy.prefetch_victims([a, b, c], incoming, 16) == []  # no replayed trace: never
+    replaying[0] = True
+    assert policy.prefetch_victims([a, b, c], incoming, 16) == [b]  # the furthest
+    assert policy.prefetch_victims([a, b, c], incoming, 17) == [b, c]
+    # a is needed before the incoming chunk: room that only a could give is not taken
+    assert policy.prefetch_victims([a, b, c], incoming, 33) == []
+    policy.prefetch_may_evict = False
+    assert policy.prefetch_victims([a, b, c], incoming, 16) == []
+    assert policy.eviction_refer(a) == "cpu"
