@@ -101,14 +101,8 @@ class StepWorker:
     def drain(self) -> None:
         """Wait for every task and finish it. Raises the first error a task raised, after all
         of them were finished."""
-        error: BaseException | None = None
         while self._tasks:
-            try:
-                self._finish_next()
-            except BaseException as exc:  # finish the others first: their chunks must be released
-                error = error or exc
-        if error is not None:
-            raise error
+            self._finish_next()
 
     def wait_for(self, chunk_id: int) -> None:
         """Wait until no task still computes on chunk ``chunk_id`` (it stays taken until the
@@ -127,6 +121,19 @@ class StepWorker:
                 self._executor = None
 
     def _finish_next(self) -> None:
+        """Finish the oldest task; if its compute raised, finish every other task in flight
+        too (their chunks must be released whichever path met the error: ``reap``, ``submit``
+        or ``drain``), then raise the first error, later ones attached as notes."""
+        error = self._finish_head()
+        if error is None:
+            return
+        while self._tasks:
+            later = self._finish_head()
+            if later is not None:
+                error.add_note(f"a later task also raised: {later!r}")
+        raise error
+
+    def _finish_head(self) -> BaseException | None:
         task = self._tasks[0]
         if not task.future.done():
             self._timed_wait([task.future])
@@ -142,7 +149,7 @@ class StepWorker:
             self.finished += 1
         if error is not None:
             error.add_note(f"raised by {task.what}, computed on the step worker beside backward (Config.overlap_step)")
-            raise error
+        return error
 
     def _timed_wait(self, futures: list[concurrent.futures.Future]) -> None:
         started = time.perf_counter()

@@ -2,6 +2,7 @@
 under clipping and fp16, every outcome bit-equal to stepping after backward."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -248,6 +249,25 @@ def test_the_step_worker_bounds_its_window_and_raises_after_finishing_every_task
         assert [n for n, _ in finished] == [1, 2, 3, 4]  # the failure did not keep task 4 taken
         assert all(t is threading.current_thread() for _, t in finished)
         assert worker.in_flight == 0 and not worker.holds(3)
+    finally:
+        worker.close()
+
+
+def test_an_error_met_by_submit_finishes_every_task_in_flight_before_it_surfaces():
+    worker = StepWorker(window=3)
+    first, second = threading.Event(), threading.Event()
+    finished = []
+    try:
+        worker.submit(lambda: (first.wait(), _raise()), lambda: finished.append(1), frozenset({1}), "task 1")
+        worker.submit(second.wait, lambda: finished.append(2), frozenset({2}), "task 2")
+        first.set()
+        while not worker._tasks[0].future.done():
+            time.sleep(0.001)
+        second.set()
+        with pytest.raises(ValueError, match="task failure"):
+            # submit reaps the failed head: the task still running must be finished too
+            worker.submit(lambda: None, lambda: finished.append(3), frozenset({3}), "task 3")
+        assert finished == [1, 2] and worker.in_flight == 0 and not worker.holds(2)
     finally:
         worker.close()
 
