@@ -27,6 +27,7 @@ asynchronous collective (groups.py) and must not move or be dropped.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -131,6 +132,9 @@ class Chunk:
         self.payload_state = PayloadState.ABSENT
         #: event of a copy into the payload still running (ARRIVING, PREFETCHING), else None
         self._ready_event = None
+        #: while IN_COLLECTIVE: waits for the collective to finish here (local, no new
+        #: collective), so the mover can free room under pressure (see ``land_collective``)
+        self._lander: Callable[[], None] | None = None
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -199,10 +203,22 @@ class Chunk:
         """An asynchronous collective reads or writes the payload: it must not move."""
         return self.payload_state is PayloadState.IN_COLLECTIVE
 
-    @in_flight.setter
-    def in_flight(self, value: bool) -> None:
-        # groups.py marks the members of an asynchronous gather, and settles them
-        self.move_payload(PayloadMove.COLLECTIVE_STARTS if value else PayloadMove.COLLECTIVE_ENDS)
+    def collective_started(self, lander: Callable[[], None]) -> None:
+        """An asynchronous collective reads or writes the payload from now on. ``lander``
+        waits for it to finish and ends it on every chunk it holds (``collective_ended``);
+        it must only wait, never issue a collective, since any rank may call it alone."""
+        self.move_payload(PayloadMove.COLLECTIVE_STARTS)
+        self._lander = lander
+
+    def collective_ended(self) -> None:
+        """The collective on the payload finished: the chunk may move again."""
+        self.move_payload(PayloadMove.COLLECTIVE_ENDS)
+        self._lander = None
+
+    def land_collective(self) -> None:
+        """Wait for the collective on the payload (the mover needs the room now)."""
+        if self.in_flight and self._lander is not None:
+            self._lander()
 
     def copy_started(self, event) -> None:
         """A copy fills the payload until ``event``; the next user waits for it (``wait_ready``)."""

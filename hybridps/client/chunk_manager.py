@@ -439,8 +439,8 @@ class ChunkManager:
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
             return
-        victims = self._evictable(device, protect)
         need = self.used_bytes[device] + size - budget
+        victims = self._evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(self._no_room_message(device, size, budget, who))
         self._shrink(device, budget - size, victims)
@@ -467,16 +467,32 @@ class ChunkManager:
         limit_bytes = capacity_bytes - self.margin_bytes - non_model_bytes
         if self.used_bytes[device] <= limit_bytes:
             return
-        victims = self._evictable(device)
+        victims = self._evictable(device, need_bytes=self.used_bytes[device] - limit_bytes)
         staying_bytes = self.used_bytes[device] - sum(c.nbytes for c in victims)
         if staying_bytes + non_model_bytes > capacity_bytes:
             raise CapacityError(self._out_of_memory_message(device, staying_bytes, non_model_bytes, who))
         self._shrink(device, limit_bytes, victims)
 
-    def _evictable(self, device: str, protect: Collection[Chunk] = ()) -> list[Chunk]:
-        """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective."""
-        resident = self.resident[device].values()
-        return [c for c in resident if c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight]
+    def _evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
+        """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective.
+
+        When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
+        of ``device`` (a prefetched gather, a reduction of grads) are waited for first: they
+        finish anyway, and a chunk they release can leave (see [Note: reductions in flight]
+        in groups.py)."""
+
+        def free_to_go(c: Chunk) -> bool:
+            return c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight
+
+        victims = [c for c in self.resident[device].values() if free_to_go(c)]
+        if sum(c.nbytes for c in victims) >= need_bytes:
+            return victims
+        held = [c for c in self.resident[device].values() if c.in_flight and c not in protect]
+        if not held:
+            return victims
+        for chunk in held:
+            chunk.land_collective()
+        return [c for c in self.resident[device].values() if free_to_go(c)]
 
     def _shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold

@@ -411,16 +411,23 @@ def _rank_list(ranks: list[int]) -> str:
 
 class _Pending:
     """The handle of an asynchronous collective: ``wait()`` waits as a blocking call would,
-    watched (see [Note: dead peers]), and raises CollectiveError naming the ranks."""
+    watched (see [Note: dead peers]), and raises CollectiveError naming the ranks; then runs
+    ``then`` (the averaging of a reduction), once."""
 
-    __slots__ = ("_comm", "_work", "_at", "_op", "_what")
+    __slots__ = ("_comm", "_work", "_at", "_op", "_what", "_then")
 
-    def __init__(self, comm: Collectives, work, at: tuple[int, str, str], op: str, what: str):
-        self._comm, self._work, self._at, self._op, self._what = comm, work, at, op, what
+    def __init__(
+        self, comm: Collectives, work, at: tuple[int, str, str], op: str, what: str, then: Callable[[], object] | None = None
+    ):
+        self._comm, self._work, self._at, self._op, self._what, self._then = comm, work, at, op, what, then
 
     def wait(self) -> bool:
         if self._work is not None:
             self._comm._finish(self._work, self._at, self._op, self._what)
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
         return True
 
     def is_completed(self) -> bool:
@@ -584,18 +591,29 @@ class Collectives:
     # -- running a collective --------------------------------------------------------------
 
     def _collective(
-        self, op: str, what: str, nbytes: int, call: Callable[[bool], object], *, async_op: bool = False, checked: bool = False
+        self,
+        op: str,
+        what: str,
+        nbytes: int,
+        call: Callable[[bool], object],
+        *,
+        async_op: bool = False,
+        checked: bool = False,
+        then: Callable[[], object] | None = None,
     ):
-        """Issue ``call(async_op)``; wait (watched) unless ``async_op``, then return a handle."""
+        """Issue ``call(async_op)``; wait (watched) unless ``async_op``, then run ``then``;
+        with ``async_op`` return a handle whose ``wait()`` does both."""
         at = self._enter(op, what, nbytes, checked=checked)
         try:
             work = call(async_op or self._sliced)
         except Exception as exc:
             raise self._failure(at, op, what, exc, time.monotonic()) from None
         if async_op:
-            return _Pending(self, work, at, op, what)
+            return _Pending(self, work, at, op, what, then)
         if work is not None:
             self._finish(work, at, op, what)
+        if then is not None:
+            then()
         return None
 
     def _finish(self, work, at: tuple[int, str, str], op: str, what: str) -> None:
@@ -870,18 +888,22 @@ class Collectives:
         self._count("all_gather", nbytes * (self.world_size - 1))
         return work
 
-    def reduce_scatter_avg(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], *, what: str) -> None:
-        """``output`` <- the average over ranks of their ``inputs[self.rank]``."""
+    def reduce_scatter_avg(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], *, what: str, async_op: bool = False):
+        """``output`` <- the average over ranks of their ``inputs[self.rank]``. With
+        ``async_op`` it returns a handle to ``wait()`` (which also averages): nothing may
+        touch the tensors until then."""
         ins = list(inputs)
         nbytes = output.numel() * output.element_size()
-        self._collective(
+        work = self._collective(
             "reduce_scatter",
             what,
             nbytes,
             lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            async_op=async_op,
+            then=lambda: output.div_(self.world_size),
         )
-        output.div_(self.world_size)
         self._count("reduce_scatter", nbytes * (self.world_size - 1))
+        return work
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.device == self.device else tensor.to(self.device)
@@ -913,19 +935,21 @@ class Collectives:
         self._count("broadcast", nbytes if self.rank != src else 0)
         return None
 
-    def reduce_avg(self, tensor: torch.Tensor, dst: int, *, what: str, checked: bool = False) -> None:
-        """Average of every rank's ``tensor`` into ``dst``'s (others' are left undefined)."""
+    def reduce_avg(self, tensor: torch.Tensor, dst: int, *, what: str, checked: bool = False, async_op: bool = False):
+        """Average of every rank's ``tensor`` into ``dst``'s (others' are left undefined).
+        With ``async_op`` it returns a handle to ``wait()`` (which also averages)."""
         nbytes = tensor.numel() * tensor.element_size()
-        self._collective(
+        work = self._collective(
             "reduce",
             what,
             nbytes,
             lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a),
             checked=checked,
+            async_op=async_op,
+            then=(lambda: tensor.div_(self.world_size)) if self.rank == dst else None,
         )
-        if self.rank == dst:
-            tensor.div_(self.world_size)
         self._count("reduce", nbytes * (self.world_size - 1) if self.rank == dst else 0)
+        return work
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, what: str) -> None:
         staged = self._staged(tensor)

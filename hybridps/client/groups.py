@@ -25,6 +25,7 @@ never on memory pressure, so all ranks issue the same collectives in the same or
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -44,6 +45,24 @@ if TYPE_CHECKING:
     from hybridps.client.store import ChunkStore, ParamInfo
 
 logger = logging.getLogger(__name__)
+
+#: reductions of chunk groups in flight at once before the oldest is waited for
+REDUCE_WINDOW = 1
+
+# [Note: reductions in flight]
+# A group's grads are complete in the middle of backward, while the modules before it still
+# compute. Its reduction (a reduce-scatter, or one reduce per member) is therefore started
+# asynchronously and backward goes on; the reduction *lands* (wait, average across replicas,
+# the owner's shard put in place, foreign copies dropped, an early step) when a later
+# reduction would exceed ``REDUCE_WINDOW``, when a chunk of the group is touched again (an
+# access, a grad), or at the end of backward, whichever comes first. Each of those points
+# follows from the access order alone, so every rank lands the same reductions at the same
+# point and any collective landing issues (replicas' all-reduce, the order check of an early
+# step) stays in step. Until it lands, the group's source chunks are IN_COLLECTIVE: the mover
+# neither evicts nor drops them. A mover short of room on one rank may only *wait* for the
+# collectives (``Chunk.land_collective``; waiting is local and issues nothing), after which the
+# chunks may move, all but the one an in-place reduce filled; the landing proper stays where
+# the access order puts it. ``stats()["reductions_landed"]`` counts what landed them.
 
 _S = TensorState
 
@@ -78,6 +97,25 @@ def assign_owners(weights: list[int], world: int) -> tuple[list[int], list[list[
     return owner_of, by_rank
 
 
+@dataclasses.dataclass(eq=False)
+class _Reduction:
+    """A chunk group's grads being reduced: the collectives in flight and what they fill."""
+
+    group: int
+    #: handles of the collectives (each ``wait()`` also averages what it filled)
+    works: list
+    #: this rank's averaged shard once the works are done (the own chunk itself, or a buffer)
+    result: torch.Tensor
+    #: the chunks the collectives read and write: they must not move until then
+    sources: list[Chunk]
+    #: every rank saw every grad of the group (the owned params all have grads)
+    complete: bool
+    #: the source chunk whose payload is ``result`` (reduced in place), or None
+    kept: Chunk | None
+    #: the collectives finished here (``_wait``)
+    waited: bool = False
+
+
 class ChunkGroups:
     """The data-parallel side of one client."""
 
@@ -109,6 +147,12 @@ class ChunkGroups:
         self.grads_seen: list[int] = []  # per group: local grads of this backward
         self.local_flags: torch.Tensor = torch.zeros(0, dtype=torch.uint8)
         self.pending: set[int] = set()  # groups holding local grads not yet reduced
+        #: groups whose reduction is in flight, oldest first (see [Note: reductions in flight])
+        self.reducing: collections.OrderedDict[int, _Reduction] = collections.OrderedDict()
+        #: how many reductions may be in flight before the oldest is waited for
+        self.reduce_window = REDUCE_WINDOW
+        #: reductions landed, by what landed them (and those waited for early, for room)
+        self.reductions_landed: collections.Counter[str] = collections.Counter()
         self.write_back: set[int] = set()  # owned chunks whose param slots need the master copy
         self.staging: dict[int, Chunk] = {}  # local grads when grad reuse is off
         self._next_staging_id = -1
@@ -252,6 +296,7 @@ class ChunkGroups:
         """All-gather the group of chunk ``index`` unless it is here already (waiting for a
         prefetched gather to land)."""
         g = self.group_of(index)
+        self.finish_reductions(through=g, why="params used again")  # after its grads left: they must have landed
         if self.is_here(g):
             self._settle(g)
             self.retained.pop(g, None)
@@ -291,9 +336,9 @@ class ChunkGroups:
             if not chunk.owned:
                 chunk.set_all_states(_S.HOLD, f"gathered {chunk}")
         if asynchronous:
-            for chunk in members:
-                chunk.in_flight = True
             self.in_flight[g] = works
+            for chunk in members:
+                chunk.collective_started(lambda g=g: self._settle(g))
         self._move(g, GroupMove.PREFETCH_ISSUED if asynchronous else GroupMove.GATHER_ISSUED)
         self.gathers += 1
         for listener in self.gather_listeners:
@@ -304,10 +349,12 @@ class ChunkGroups:
         works = self.in_flight.pop(g, None)
         if works is None:
             return
-        for work in works:
-            work.wait()
-        for chunk in self._members(g):
-            chunk.in_flight = False
+        try:
+            for work in works:
+                work.wait()
+        finally:
+            for chunk in self._members(g):
+                chunk.collective_ended()
         self._move(g, GroupMove.LANDED)
 
     def settle_all(self) -> None:
@@ -318,6 +365,8 @@ class ChunkGroups:
         """Drop a group's foreign chunks once the forward is done with every param of it,
         or reduce its grads once backward is done with them."""
         g = self.group_of(info.chunk)
+        if g in self.reducing:
+            return  # a param used again after its grads left (its access landed the reduction)
         if state is _S.HOLD_AFTER_FWD and self.param_pass[info.slot.index] != self.pass_id:
             self.param_pass[info.slot.index] = self.pass_id
             self.used_in_pass[g] += 1
@@ -384,6 +433,8 @@ class ChunkGroups:
     def grad_slot_view(self, info: ParamInfo) -> torch.Tensor:
         """Where the local grad of ``info`` goes when grad reuse is off (a staging chunk)."""
         compute = self.store.compute.name
+        # its staging chunk may be under a reduce
+        self.finish_reductions(through=self.group_of(info.chunk), why="grad again")
         chunk = self.staging.get(info.chunk)
         if chunk is None:
             chunk = self._new_staging(info.chunk)
@@ -403,6 +454,7 @@ class ChunkGroups:
 
     def note_grad(self, info: ParamInfo) -> None:
         g = self.group_of(info.chunk)
+        self.finish_reductions(through=g, why="grad again")  # a grad for a group whose reduction is in flight
         if not self.local_flags[info.slot.index]:
             self.local_flags[info.slot.index] = 1
             self.grads_seen[g] += 1
@@ -410,12 +462,13 @@ class ChunkGroups:
 
     @torch.no_grad()
     def reduce(self, g: int) -> None:
-        """Average the group's local grads into their owners' chunks; drop foreign copies."""
+        """Start averaging the group's local grads into their owners' chunks, without waiting:
+        backward goes on while the collectives run (see [Note: reductions in flight])."""
         compute = self.store.compute.name
         self._settle(g)
+        self.pending.discard(g)
         rows = [self.store.rows[ChunkKind.PARAM][i] for i in self.ranked(g)]
-        reuse = self.config.grad_reuse
-        if reuse:
+        if self.config.grad_reuse:
             sources = rows
             for chunk in sources:  # the group may have been gathered for backward only in part of it
                 self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
@@ -427,43 +480,119 @@ class ChunkGroups:
             sources = [self.staging.get(i) or self._new_staging(i) for i in self.ranked(g)]
             for chunk in sources:
                 self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
-        own_index = self.ranked(g)[self.rank]
         own_src = sources[self.rank]
-        result = torch.empty(own_src.capacity, dtype=own_src.dtype, device=own_src.payload.device)
         if all(c.capacity == own_src.capacity for c in sources):
-            self.comm.reduce_scatter_avg(result, [c.payload for c in sources], what=f"grads of chunk group {g}")
-        else:
+            result = torch.empty(own_src.capacity, dtype=own_src.dtype, device=own_src.payload.device)
+            works = [
+                self.comm.reduce_scatter_avg(
+                    result, [c.payload for c in sources], what=f"grads of chunk group {g}", async_op=True
+                )
+            ]
+        else:  # an oversize chunk in the group: one reduce per member, checked in once
             self.comm.arrive("reduce", f"grads of chunk group {g}")
-            for r, chunk in enumerate(sources):
-                self.comm.reduce_avg(chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})", checked=True)
-            result.copy_(own_src.payload)
+            works = [
+                self.comm.reduce_avg(
+                    chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})", checked=True, async_op=True
+                )
+                for r, chunk in enumerate(sources)
+            ]
+            result = own_src.payload  # averaged in place once the reduce lands
+        complete = self.grads_seen[g] == self.grad_slots[g]
+        self.grads_seen[g] = 0
+        # the chunk that holds the result stays put until the result is used; the others may
+        # move as soon as the collective finished here
+        kept = own_src if result is own_src.payload else None
+        self.reducing[g] = _Reduction(g, works, result, sources, complete, kept)
+        for chunk in sources:
+            chunk.collective_started(lambda g=g: self._wait_for_room(g))
+        while len(self.reducing) > self.reduce_window:
+            self._finish_reduction(next(iter(self.reducing)), why="window")
+
+    def finish_reductions(self, through: int | None = None, *, why: str) -> None:
+        """Land the reductions in flight, oldest first: all of them, or up to group
+        ``through``'s (a no-op when that group is not being reduced)."""
+        if through is not None and through not in self.reducing:
+            return
+        while self.reducing:
+            g = next(iter(self.reducing))
+            self._finish_reduction(g, why=why)
+            if g == through:
+                return
+
+    def _wait_for_room(self, g: int) -> None:
+        """The mover needs room (``Chunk.land_collective``): wait for group ``g``'s
+        collectives here, so that its chunks may move (but the one holding the result). Local
+        only, since the mover may call it on one rank alone; the rest of the landing stays at
+        its point in the access order (``_finish_reduction``)."""
+        red = self.reducing.get(g)
+        if red is not None and not red.waited:
+            self.reductions_landed["waited for room"] += 1
+            self._wait(red)
+
+    @staticmethod
+    def _wait(red: _Reduction) -> None:
+        """Wait for a reduction's collectives; every source but the kept one may move after."""
+        red.waited = True
+        try:
+            for work in red.works:
+                work.wait()
+        finally:
+            for chunk in red.sources:
+                if chunk is not red.kept:
+                    chunk.collective_ended()
+
+    @torch.no_grad()
+    def _finish_reduction(self, g: int, *, why: str) -> None:
+        """Wait for group ``g``'s reduction, then put the owned shard's averaged grads in
+        place (across replicas first), drop the foreign copies and step early if asked."""
+        red = self.reducing[g]
+        self.reductions_landed[why] += 1
+        try:
+            if not red.waited:
+                self._wait(red)
+            self._land_result(g, red)
+        finally:  # on an error too: no chunk is left held by a collective that is over
+            del self.reducing[g]
+            if red.kept is not None and red.kept.in_flight:
+                red.kept.collective_ended()
+        self._after_reduction(g, red)
+
+    def _land_result(self, g: int, red: _Reduction) -> None:
+        """The owned shard's averaged grads (mean across replicas too) into their chunk."""
+        own_index = self.ranked(g)[self.rank]
+        result = red.result
         if self.replicas is not None:  # the same shard of every replica: their mean
             self.replicas.all_reduce(result, what=f"grads of chunk {own_index} (group {g}) across replicas")
             result.div_(self.replicas.world_size)
+        reuse = self.config.grad_reuse
         if reuse:
-            own = rows[self.rank]
-            own.payload.copy_(result)
+            own = self.store.rows[ChunkKind.PARAM][own_index]
+            if own.payload is not result:
+                own.payload.copy_(result)
             if own.slots:  # a padding row has no params to write back
                 self.write_back.add(own_index)
             for slot in own.slots:
                 own.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
         else:
             self._accumulate(own_index, result)
+
+    def _after_reduction(self, g: int, red: _Reduction) -> None:
+        """Free the group's staging chunks and foreign copies; step early if asked."""
+        own_index = self.ranked(g)[self.rank]
+        reuse = self.config.grad_reuse
+        if not reuse:
             for i in self.members(g):
                 chunk = self.staging.pop(i, None)
                 if chunk is not None:
                     self.mover.free(chunk)
-        complete = self.grads_seen[g] == self.grad_slots[g]
         self._drop(g)
-        self.grads_seen[g] = 0
-        self.pending.discard(g)
         self.reduces += 1
         if reuse and self.early_step is not None:
             # an early step applies what this backward computed: first make sure every rank
             # issued the same collectives so far (one small all-reduce; every rank takes this
             # branch, which depends on the config only)
             self.check_order(f"early step of chunk group {g}")
-        if complete and reuse and self.early_step is not None:
+        if red.complete and reuse and self.early_step is not None:
             # every rank saw every grad of the group: the owned params all have grads now
             for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
                 info = self.store.params[slot.index]
@@ -490,6 +619,7 @@ class ChunkGroups:
         self.check_order("end of backward")
         for g in sorted(self.pending):
             self.reduce(g)
+        self.finish_reductions(why="end of backward")
         self.settle_all()
         flags = self.local_flags.clone()
         self.everyone.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
@@ -537,6 +667,7 @@ class ChunkGroups:
             "gathers": self.gathers,
             "prefetched_gathers": self.prefetched_gathers,
             "reduces": self.reduces,
+            "reductions_landed": dict(self.reductions_landed),
             **self.comm.stats(),
         }
         if self.replicas is not None:  # what crossed between replicas, and the job-wide calls

@@ -166,15 +166,37 @@ def test_a_chunk_under_a_collective_is_not_evicted_nor_moved():
     mover = _mover(gpu_chunks=1)
     a, b = _placed(mover, 2)
     mover.bring(a, GPU)
-    a.in_flight = True  # as groups.py marks an asynchronous gather
+    a.collective_started(lambda: None)  # as groups.py marks an asynchronous gather (a lander that cannot help)
     assert a.payload_state is PayloadState.IN_COLLECTIVE
     with pytest.raises(CapacityError, match="no room"):
         mover.bring(b, GPU)
     with pytest.raises(StateError, match="illegal payload move LEAVES .* while IN_COLLECTIVE"):
         mover.evict(a)
-    a.in_flight = False
+    a.collective_ended()
     mover.bring(b, GPU)
     assert a.device == "cpu" and b.device == GPU
+
+
+def test_short_of_room_the_mover_waits_for_the_collectives_holding_chunks_then_evicts():
+    mover = _mover(gpu_chunks=2)
+    a, b, c = _placed(mover, 3)
+    mover.bring(a, GPU)
+    mover.bring(b, GPU)
+    landed = []
+
+    def land_a_and_b():  # one collective over both, as a chunk group's reduction
+        landed.append(True)
+        for chunk in (a, b):
+            chunk.collective_ended()
+
+    a.collective_started(land_a_and_b)
+    b.collective_started(land_a_and_b)
+    mover.prefetch(c, GPU)  # a prefetch never waits on a collective
+    assert landed == [] and c.device == "cpu"
+    mover.bring(c, GPU)  # no room but under the collective: it is waited for, once
+    assert landed == [True]
+    assert c.device == GPU and not a.in_flight and not b.in_flight
+    assert mover.used_bytes[GPU] <= 2 * c.nbytes
 
 
 def _as_real_gpu(mover: ChunkManager, monkeypatch) -> None:
@@ -256,7 +278,7 @@ def test_payload_moves_follow_their_table_and_refuse_the_rest():
         payload_move(PayloadState.RESIDENT, PayloadMove.ALLOCATE, "c")
     c = _chunk(0)
     with pytest.raises(StateError, match="COLLECTIVE_ENDS .* while ABSENT"):
-        c.in_flight = False  # no collective to end
+        c.collective_ended()  # no collective to end
     assert c.payload_state is PayloadState.ABSENT and not c.in_flight and not c.prefetched
 
 

@@ -242,3 +242,55 @@ def test_early_steps_on_two_ranks_train_like_the_step_after_backward():
     assert all(n == 0 for r in plain for n in r[2]) and all(n > 0 for r in early for n in r[2])
     assert [r[0] for r in early] == [r[0] for r in plain]  # every rank's losses, bit for bit
     assert all(torch.equal(early[0][1][k], plain[0][1][k]) for k in plain[0][1])
+
+
+class _ReusedBlock(torch.nn.Module):
+    """A block used first and last in forward, with other blocks between: its grads (summed
+    over both uses by autograd) arrive late in backward, while the groups after it in
+    backward have their reductions in flight."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(48, 48)
+        self.head = torch.nn.Linear(48, 8)
+        self.middle = torch.nn.ModuleList(torch.nn.Linear(48, 48) for _ in range(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        for block in self.middle:
+            h = torch.tanh(block(h))
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def _reused_block_losses(rank, world, grad_reuse):
+    torch.manual_seed(0)
+    model = _ReusedBlock()
+    config = hybridps.Config(devices={"cuda:0": "64KiB"}, chunk_size=2400, grad_reuse=grad_reuse, collective_timeout_s=60.0)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), config)
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, target = torch.randn(8, 48, generator=g), torch.randn(8, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x[rank::world]), target[rank::world])
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    landed = engine.memory_stats()["dist"]["reductions_landed"] if world > 1 else {}
+    return losses, landed
+
+
+@pytest.mark.parametrize("grad_reuse", [True, False])
+def test_reductions_run_beside_backward_and_train_like_one_rank(grad_reuse):
+    (one, _), *_ = run_ranks(_reused_block_losses, 1, grad_reuse, timeout_s=60)
+    results = run_ranks(_reused_block_losses, 2, grad_reuse, timeout_s=90)
+    for losses, landed in results:
+        for got, want in zip(losses, one, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (losses, one)
+        # backward went on while reductions ran: a later group's reduction landed the earlier
+        assert landed.get("window", 0) > 0, landed
+        assert landed == results[0][1], "every rank lands the same reductions at the same points"
