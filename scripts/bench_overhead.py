@@ -38,7 +38,9 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
     plain_opt = make_optimizer(plain)
     model_bytes = cfg.n_params * 16
     config = hybridps.Config(
-        devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)}, precision="fp32"
+        devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)},
+        precision="fp32",
+        grad_reuse=args.grad_reuse == "on",
     )
     engine = hybridps.initialize(model, make_optimizer(model), config)
     plain_ms, hps_ms, losses = [], [], []
@@ -110,6 +112,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tight", type=float, default=0.3, help="capacity fraction of the tight case")
+    ap.add_argument(
+        "--grad-reuse", choices=("on", "off"), default="on", help="off: fp32 param chunks are the master copy (Config.grad_reuse)"
+    )
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -124,6 +129,7 @@ def main() -> None:
             "torch": torch.__version__,
         },
         "model": {"params": cfg.n_params, "d_model": args.d_model, "layers": args.layers, "seq": args.seq, "batch": args.batch},
+        "grad_reuse": args.grad_reuse,
         "fits": _safe(run_case, args, 2.0, args.device),
         "tight": _safe(run_case, args, args.tight, args.device),
     }
