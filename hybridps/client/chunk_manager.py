@@ -442,7 +442,7 @@ class ChunkManager:
         need = self.used_bytes[device] + size - budget
         victims = self._evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
-            raise CapacityError(self._no_room_message(device, size, budget, who))
+            raise CapacityError(self._no_room_message(device, size, budget, who, protect))
         self._shrink(device, budget - size, victims)
 
     def fit_budget(self, device: str) -> None:
@@ -710,13 +710,20 @@ class ChunkManager:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def _no_room_message(self, device: str, size: int, budget: int, who: object) -> str:
-        pinned = [c for c in self.resident[device].values() if c.state is ChunkState.COMPUTE]
+    def _no_room_message(self, device: str, size: int, budget: int, who: object, protect: Collection[Chunk] = ()) -> str:
+        resident = list(self.resident[device].values())
+        pinned = [c for c in resident if c.state is ChunkState.COMPUTE]
+        held = [c for c in resident if c.in_flight and c not in pinned]
+        needed = [c for c in resident if c in protect and c not in pinned and c not in held]
+
+        def part(chunks: list[Chunk], what: str) -> str:
+            return f"{len(chunks)} {what}, {format_bytes(sum(c.nbytes for c in chunks))}"
+
         where = f" for {who}" if who else ""
         return (
             f"{device} has no room{where}: needs {format_bytes(size)} ({size} B) more, chunks in use there hold "
-            f"{format_bytes(self.used_bytes[device])} ({len(pinned)} in COMPUTE, "
-            f"{format_bytes(sum(c.nbytes for c in pinned))}), budget now {format_bytes(budget)} = capacity "
+            f"{format_bytes(self.used_bytes[device])} ({part(pinned, 'in COMPUTE')}; {part(held, 'under a collective')}; "
+            f"{part(needed, 'needed by the same operation')}), budget now {format_bytes(budget)} = capacity "
             f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_bytes(device))}"
             f" - margin {format_bytes(self.margin_bytes)}. Raise the capacity of {device}, lower chunk_size, or "
             f"reduce activations (smaller batch, activation checkpointing).\n{self.memory_report()}"

@@ -168,7 +168,7 @@ def test_a_chunk_under_a_collective_is_not_evicted_nor_moved():
     mover.bring(a, GPU)
     a.collective_started(lambda: None)  # as groups.py marks an asynchronous gather (a lander that cannot help)
     assert a.payload_state is PayloadState.IN_COLLECTIVE
-    with pytest.raises(CapacityError, match="no room"):
+    with pytest.raises(CapacityError, match=r"no room.*1 under a collective, 4\.00 KiB"):
         mover.bring(b, GPU)
     with pytest.raises(StateError, match="illegal payload move LEAVES .* while IN_COLLECTIVE"):
         mover.evict(a)
