@@ -731,12 +731,14 @@ class ChunkManager:
 
     def _out_of_memory_message(self, device: str, staying_bytes: int, non_model_bytes: int, who: str) -> str:
         spec = self._specs[device]
-        staying = [c for c in self.resident[device].values() if c.state is ChunkState.COMPUTE or c.in_flight]
+        resident = list(self.resident[device].values())
+        computing = sum(1 for c in resident if c.state is ChunkState.COMPUTE)
+        held = sum(1 for c in resident if c.in_flight and c.state is not ChunkState.COMPUTE)
         total_bytes = staying_bytes + non_model_bytes
         return (
             f"{device} is out of memory: no room for {who}. The activations saved for backward (non-model memory) "
             f"would hold {format_bytes(non_model_bytes)} ({non_model_bytes} B) while the chunks that must stay there "
-            f"({len(staying)} in COMPUTE) hold {format_bytes(staying_bytes)} ({staying_bytes} B): "
+            f"({computing} in COMPUTE, {held} under a collective) hold {format_bytes(staying_bytes)} ({staying_bytes} B): "
             f"{format_bytes(total_bytes)} ({total_bytes} B) in all, over the capacity of {device}, "
             f"{format_bytes(spec.capacity_bytes)} ({spec.capacity_bytes} B), even with every other chunk evicted; on a "
             f"GPU of that size this is a CUDA out-of-memory error. Give {device} more capacity, use a smaller batch or "
