@@ -14,9 +14,9 @@ from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens, train_
 GLOBAL_BATCH = 4
 
 
-def _config(**kw):
+def _config(gpu_fraction: float = 0.3, **kw):
     kw.setdefault("collective_timeout_s", 60.0)
-    return hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, **kw)
+    return hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * gpu_fraction)}, **kw)
 
 
 def _train_ranks(rank, world, steps, kw):
@@ -296,30 +296,12 @@ def test_reductions_run_beside_backward_and_train_like_one_rank(grad_reuse):
         assert landed == results[0][1], "every rank lands the same reductions at the same points"
 
 
-def _tight(rank, world, fraction):
-    model, _ = gpt_pair()
-    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * fraction)}, collective_timeout_s=60.0)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
-    losses = []
-    for step in range(3):
-        x, y = tokens(step, batch=GLOBAL_BATCH)
-        _, loss = engine(x[rank::world], y[rank::world])
-        engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses, engine.memory_stats()["dist"]["reductions_landed"]
-
-
 def test_short_of_gpu_room_a_rank_waits_for_the_collectives_holding_chunks_instead_of_failing(single_rank):
     # At 12% of the model data the chunks that asynchronous collectives held (prefetched
     # gathers, reductions in flight) were all that could leave: the mover raised a
     # CapacityError in backward. It now waits for those collectives and evicts.
-    results = run_ranks(_tight, 2, 0.12, timeout_s=90)
-    for losses, landed in results:
-        for got, want in zip(losses, single_rank["losses"][: len(losses)], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (losses, single_rank["losses"])
-        assert landed.get("waited for room", 0) > 0, landed
+    results = run_ranks(_train_ranks, 2, 3, {"gpu_fraction": 0.12}, timeout_s=90)
+    for r in results:
+        for got, want in zip(r["losses"], single_rank["losses"][:3], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], single_rank["losses"])
+        assert r["dist"]["reductions_landed"].get("waited for room", 0) > 0, r["dist"]
