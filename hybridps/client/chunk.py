@@ -217,7 +217,7 @@ class Chunk:
 
     def land_collective(self) -> None:
         """Wait for the collective on the payload (the mover needs the room now)."""
-        if self.in_flight and self._lander is not None:
+        if self._lander is not None:  # set only while IN_COLLECTIVE
             self._lander()
 
     def copy_started(self, event) -> None:

@@ -149,8 +149,6 @@ class ChunkGroups:
         self.pending: set[int] = set()  # groups holding local grads not yet reduced
         #: groups whose reduction is in flight, oldest first (see [Note: reductions in flight])
         self.reducing: collections.OrderedDict[int, _Reduction] = collections.OrderedDict()
-        #: how many reductions may be in flight before the oldest is waited for
-        self.reduce_window = REDUCE_WINDOW
         #: reductions landed, by what landed them (and those waited for early, for room)
         self.reductions_landed: collections.Counter[str] = collections.Counter()
         self.write_back: set[int] = set()  # owned chunks whose param slots need the master copy
@@ -366,7 +364,9 @@ class ChunkGroups:
         or reduce its grads once backward is done with them."""
         g = self.group_of(info.chunk)
         if g in self.reducing:
-            return  # a param used again after its grads left (its access landed the reduction)
+            # released while its group's grads are being reduced (a frozen param, after its
+            # module's backward): the landing drops the group
+            return
         if state is _S.HOLD_AFTER_FWD and self.param_pass[info.slot.index] != self.pass_id:
             self.param_pass[info.slot.index] = self.pass_id
             self.used_in_pass[g] += 1
@@ -505,7 +505,7 @@ class ChunkGroups:
         self.reducing[g] = _Reduction(g, works, result, sources, complete, kept)
         for chunk in sources:
             chunk.collective_started(lambda g=g: self._wait_for_room(g))
-        while len(self.reducing) > self.reduce_window:
+        while len(self.reducing) > REDUCE_WINDOW:
             self._finish_reduction(next(iter(self.reducing)), why="window")
 
     def finish_reductions(self, through: int | None = None, *, why: str) -> None:
@@ -550,15 +550,16 @@ class ChunkGroups:
         try:
             if not red.waited:
                 self._wait(red)
-            self._land_result(g, red)
+            self._land_result(red)
         finally:  # on an error too: no chunk is left held by a collective that is over
             del self.reducing[g]
             if red.kept is not None and red.kept.in_flight:
                 red.kept.collective_ended()
-        self._after_reduction(g, red)
+        self._after_reduction(red)
 
-    def _land_result(self, g: int, red: _Reduction) -> None:
+    def _land_result(self, red: _Reduction) -> None:
         """The owned shard's averaged grads (mean across replicas too) into their chunk."""
+        g = red.group
         own_index = self.ranked(g)[self.rank]
         result = red.result
         if self.replicas is not None:  # the same shard of every replica: their mean
@@ -576,8 +577,9 @@ class ChunkGroups:
         else:
             self._accumulate(own_index, result)
 
-    def _after_reduction(self, g: int, red: _Reduction) -> None:
+    def _after_reduction(self, red: _Reduction) -> None:
         """Free the group's staging chunks and foreign copies; step early if asked."""
+        g = red.group
         own_index = self.ranked(g)[self.rank]
         reuse = self.config.grad_reuse
         if not reuse:
