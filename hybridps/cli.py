@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from hybridps.common.devices import (
     GPU_SOURCE,
@@ -25,7 +26,7 @@ from hybridps.common.devices import (
     available_cpu_memory,
     canonical_device_name,
 )
-from hybridps.common.endpoints import TOKEN_ENV, resolve_endpoint, token_from_env
+from hybridps.common.endpoints import TOKEN_ENV, parse_endpoint, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
 from hybridps.common.units import format_bytes, parse_bytes
 
@@ -114,6 +115,13 @@ def _manager_parser() -> argparse.ArgumentParser:
         help="address of the metrics server (default 127.0.0.1). Without a token: loopback only, and client ids and "
         "pids are left out; with one, scrapes send 'Authorization: Bearer TOKEN'",
     )
+    parser.add_argument(
+        "--roster-file",
+        default=None,
+        metavar="PATH",
+        help="where the registered clients are listed, so that a restarted daemon awaits them before booking new "
+        "room (default: beside the ipc socket, or in the runtime directory for tcp; 'none' keeps no roster)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -124,6 +132,7 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.log_level)
     # Imported here so that `hybridps status` does not load the daemon's modules.
     from hybridps.manager.metrics import Metrics, MetricsHTTPServer, metrics_access
+    from hybridps.manager.recovery import RosterFile, roster_path
     from hybridps.manager.server import ManagerServer, serve_until_signalled
     from hybridps.manager.service import ManagerService
 
@@ -133,7 +142,11 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
         devices = manager_devices(args.device, simulate=simulate, cpu_reserve=args.cpu_reserve)
         endpoint = resolve_endpoint(args.endpoint)
         metrics = Metrics()
-        service = ManagerService(devices, lease_s=args.lease_s, metrics=metrics, info={"endpoint": endpoint})
+        if args.roster_file == "none":
+            roster = None
+        else:
+            roster = RosterFile(Path(args.roster_file) if args.roster_file else roster_path(parse_endpoint(endpoint)))
+        service = ManagerService(devices, lease_s=args.lease_s, metrics=metrics, info={"endpoint": endpoint}, roster=roster)
         token = token_from_env(args.token)
         server = ManagerServer(service, endpoint, token=token, insecure_local_tcp=args.insecure_local_tcp)
         if args.metrics_port is not None:
@@ -141,6 +154,8 @@ def manager_main(argv: Sequence[str] | None = None) -> int:
 
         def ready() -> None:
             nonlocal http
+            # The endpoint is ours now: an earlier instance's roster is no live daemon's.
+            service.resume_from_roster()
             if args.metrics_port is not None:
                 http = MetricsHTTPServer(
                     args.metrics_host,
@@ -344,6 +359,13 @@ def format_status(status: dict) -> str:
     ]
     if isinstance(status, dict) and status.get("metrics_url"):
         lines.append(f"metrics: {status['metrics_url']}")
+    recovery = status.get("recovery") if isinstance(status, dict) else None
+    if isinstance(recovery, dict) and recovery.get("state") == "awaiting":
+        awaiting = recovery.get("awaiting") or []
+        lines.append(
+            f"recovering: new bookings wait up to {float(recovery.get('left_s', 0)):.1f} s for {len(awaiting)} client(s) "
+            f"of the earlier instance: {', '.join(map(str, awaiting))}"
+        )
     devices = section("devices", dict)
     rows = [("DEVICE", "KIND", "CAPACITY", "USED", "FREE", "PEAK")]
     for name, d in devices.items():

@@ -129,6 +129,13 @@ def test_the_text_report_of_an_idle_daemon_says_no_client_is_registered():
     }
     text = cli.format_status(status)
     assert "up 1h02m" in text and "CLIENTS: none registered" in text and "1.00 KiB" in text
+    assert "recovering" not in text
+    status["recovery"] = {"state": "awaiting", "awaiting": ["r0-p1-a", "r1-p2-b"], "left_s": 7.25}
+    assert "recovering: new bookings wait up to 7.2 s for 2 client(s) of the earlier instance: r0-p1-a, r1-p2-b" in (
+        cli.format_status(status)
+    )
+    status["recovery"] = {"state": "open", "awaiting": [], "left_s": 0.0}
+    assert "recovering" not in cli.format_status(status)
 
 
 def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_what_is_missing():

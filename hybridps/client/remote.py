@@ -15,7 +15,10 @@ stopped) or comes from a new daemon instance, the stub registers again under the
 client id with its holdings in the register request, which the daemon books all or nothing,
 and then sends the request it was making, so the caller sees one ordinary reply. All of
 this happens under the one lock that serializes the socket, so the heartbeat thread and the
-caller never interleave a re-registration with an add or a remove.
+caller never interleave a re-registration with an add or a remove. A restarted daemon
+answers a booking ``recovering`` while it still awaits other clients of its earlier
+instance (see [Note: recovery window] in manager/recovery.py); the stub sleeps
+RECOVERING_RETRY_S and sends it again, for at most RECOVERING_WAIT_LEASES leases.
 
 If the daemon refuses the holdings (another client took the room while this one was away),
 the stub is not registered and says so: it keeps the refusal, and every later request first
@@ -68,6 +71,11 @@ DEFAULT_CONNECT_TIMEOUT_S = 2.0
 HEARTBEATS_PER_LEASE = 3
 #: How many times one request may find its registration lost before giving up.
 _MAX_RECOVERIES = 3
+#: Between two tries of a booking the restarted daemon answered ``recovering``.
+RECOVERING_RETRY_S = 0.05
+#: How long a booking waits out a restarted daemon's recovery window, in leases (the
+#: daemon closes the window one lease after its start at the latest).
+RECOVERING_WAIT_LEASES = 2.0
 
 #: Connections to close at interpreter exit (see [Note: exit hook]).
 _OPEN: weakref.WeakSet[RemoteConnection] = weakref.WeakSet()
@@ -352,11 +360,23 @@ class RemoteConnection:
             raise ManagerError(f"the connection of {self.client_id} to {self.endpoint} is closed", code="closed")
         if self._lost is not None:
             self._reregister_locked()  # raises while the daemon still refuses our holdings
-        for _ in range(_MAX_RECOVERIES):
+        recoveries = 0
+        wait_until_s: float | None = None
+        while recoveries < _MAX_RECOVERIES:
             reply = self._send_locked(build, retries)
-            if not self._registration_lost(reply):
+            if self._registration_lost(reply):
+                recoveries += 1
+                self._recover_locked(reply)
+                continue
+            if reply.ok or reply.code != "recovering":  # type: ignore[attr-defined]
                 return reply
-            self._recover_locked(reply)
+            # Not applied: the daemon awaits other clients of its earlier instance.
+            now_s = time.monotonic()
+            if wait_until_s is None:
+                wait_until_s = now_s + RECOVERING_WAIT_LEASES * self.lease_s
+            if now_s >= wait_until_s:
+                return reply
+            time.sleep(RECOVERING_RETRY_S)
         raise ManagerError(
             f"the manager at {self.endpoint} kept losing the registration of {self.client_id} "
             f"({_MAX_RECOVERIES} times in one request); is it restarting in a loop? See its log",

@@ -96,6 +96,7 @@ ERROR_CODES: Mapping[str, str] = {
     "unknown_device": "the device is not one this node's daemon manages",
     "over_remove": "the client removes more bytes from a device than it holds there",
     "capacity": "no device has room for the requested bytes",
+    "recovering": "the daemon restarted and new bookings wait for its earlier clients to register again (retry soon)",
     "internal": "the daemon failed while handling a valid request (a bug; see its log)",
 }
 

@@ -5,7 +5,8 @@ injected clock so tests can drive it), the replay of a retried request, and the 
 counters. Every request gets a reply; a failing request leaves the ledger unchanged (the
 ledger guarantees it) and becomes an ``ErrorReply`` with a code from ``ERROR_CODES``.
 
-Does not own framing, tokens or the event loop (server.py) nor placement rules (policy.py).
+Does not own framing, tokens or the event loop (server.py), placement rules (policy.py), nor
+the roster file and the recovery window after a restart (recovery.py), which it consults.
 
 [Note: leases]
 A client's lease runs ``lease_s`` from its latest request of any kind (heartbeats are only
@@ -49,6 +50,7 @@ from hybridps.common.units import format_bytes
 from hybridps.manager import policy
 from hybridps.manager.ledger import Ledger
 from hybridps.manager.metrics import Metrics
+from hybridps.manager.recovery import Recovery, RosterEntry, RosterFile
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,11 @@ class ManagerService:
         instance_id: str | None = None,
         metrics: Metrics | None = None,
         info: dict | None = None,
+        roster: RosterFile | None = None,
+        recovery: Recovery | None = None,
     ):
+        """``roster``: where the registered clients are written for a restarted daemon to
+        await (see [Note: recovery window] in recovery.py); None keeps no roster."""
         if not lease_s > 0:
             raise ConfigError(f"lease_s={lease_s!r} must be a positive number of seconds")
         self.ledger = Ledger(devices)
@@ -85,6 +91,8 @@ class ManagerService:
         #: Extra facts shown by status (endpoint, metrics url); set by whoever serves this.
         self.info: dict = dict(info or {})
         self.started_s = clock()
+        self.roster = roster
+        self.recovery = recovery or Recovery(clock)
         self._leases: dict[str, _Lease] = {}
         # The poll loop calls handle(); the metrics thread calls status(). One lock keeps
         # the snapshot consistent.
@@ -102,6 +110,26 @@ class ManagerService:
             p.Status: self._status,
             p.Unregister: self._unregister,
         }
+
+    def resume_from_roster(self) -> list[RosterEntry]:
+        """Await the clients an earlier instance's roster lists (see [Note: recovery window]
+        in recovery.py). Call once the endpoint is ours and before serving; returns them."""
+        if self.roster is None:
+            return []
+        with self._lock:
+            awaited = self.recovery.await_clients(self.roster.load(), window_s=self.lease_s)
+            self._save_roster()
+        return awaited
+
+    def _save_roster(self) -> None:
+        """Write who is registered, and who is still awaited, for a daemon started after us."""
+        if self.roster is None:
+            return
+        entries = {e.client_id: e for e in self.recovery.awaiting}
+        for client_id in self._leases:
+            info = self.ledger.client(client_id).info
+            entries[client_id] = RosterEntry(client_id=client_id, rank=info.rank, pid=info.pid, host=info.host)
+        self.roster.save(entries.values(), self.instance_id)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -171,8 +199,13 @@ class ManagerService:
                 )
             lease.last_seen_s = self.clock()  # a retried register: answer it again
         else:
-            self.ledger.register(req.client_id, info, req.holdings)  # all or nothing
+            try:
+                self.ledger.register(req.client_id, info, req.holdings)  # all or nothing
+            finally:
+                # Booked or refused, it came back: the window does not wait for it any more.
+                self.recovery.came_back(req.client_id)
             self._leases[req.client_id] = _Lease(req.client_id, self.clock())
+            self._save_roster()
             logger.info(
                 "registered %s (rank %d, local rank %d, pid %d, host %s, devices %s)%s",
                 req.client_id,
@@ -192,17 +225,22 @@ class ManagerService:
         return self._ok(req)
 
     def _add(self, req: p.Add) -> p.Reply:
-        return self._apply_once(req, lambda: self.ledger.add(req.client_id, req.device, req.size_bytes))
+        return self._apply_once(req, lambda: self.ledger.add(req.client_id, req.device, req.size_bytes), books=req.size_bytes > 0)
 
     def _remove(self, req: p.Remove) -> p.Reply:
-        return self._apply_once(req, lambda: self.ledger.remove(req.client_id, req.device, req.size_bytes))
+        return self._apply_once(req, lambda: self.ledger.remove(req.client_id, req.device, req.size_bytes), books=False)
 
-    def _apply_once(self, req: p.Request, apply: Callable[[], p.Reply | None]) -> p.Reply:
-        """Apply a change of the ledger unless it is a retry of the last one (see [Note: retries])."""
+    def _apply_once(self, req: p.Request, apply: Callable[[], p.Reply | None], *, books: bool) -> p.Reply:
+        """Apply a change of the ledger unless it is a retry of the last one (see [Note: retries]).
+
+        ``books``: the change may book new bytes, so it waits out a recovery window (answered
+        ``recovering``, not applied, not remembered as applied)."""
         lease = self._touch(req.client_id)  # type: ignore[attr-defined]
         if lease.last_request == (req.OP, req.request_id):
             assert lease.last_reply is not None
             return lease.last_reply
+        if books and self.recovery.defers_bookings():
+            return self._error(req, "recovering", self.recovery.message())
         try:
             reply: p.Reply = apply() or self._ok(req)
         except CapacityError as exc:
@@ -215,7 +253,9 @@ class ManagerService:
 
     def _place(self, req: p.Place) -> p.Reply:
         return self._apply_once(
-            req, lambda: self._scheduled(req, self.ledger.place(req.client_id, req.size_bytes, req.refer_device, req.exclude))
+            req,
+            lambda: self._scheduled(req, self.ledger.place(req.client_id, req.size_bytes, req.refer_device, req.exclude)),
+            books=req.size_bytes > 0,
         )
 
     def _move(self, req: p.Move) -> p.Reply:
@@ -230,7 +270,7 @@ class ManagerService:
             )
             return self._scheduled(req, device)
 
-        return self._apply_once(req, apply)
+        return self._apply_once(req, apply, books=req.size_bytes > 0)
 
     def _update(self, req: p.Update) -> p.Reply:
         def apply() -> p.Reply:
@@ -244,7 +284,7 @@ class ManagerService:
             )
             return self._scheduled(req, device or "")
 
-        return self._apply_once(req, apply)
+        return self._apply_once(req, apply, books=req.place_bytes > 0 or any(v > 0 for v in req.book.values()))
 
     def _scheduled(self, req: p.Request, device: str) -> p.Scheduled:
         return p.Scheduled(request_id=req.request_id, instance_id=self.instance_id, device=device)
@@ -261,8 +301,12 @@ class ManagerService:
         return p.StatusReport(request_id=req.request_id, instance_id=self.instance_id, status=self._snapshot())
 
     def _unregister(self, req: p.Unregister) -> p.Reply:
+        if req.client_id not in self._leases:
+            self.recovery.came_back(req.client_id)  # an awaited client that is closing: gone
+            self._save_roster()
         reclaimed = self.ledger.unregister(req.client_id)
         del self._leases[req.client_id]
+        self._save_roster()
         logger.info("unregistered %s%s", req.client_id, f"; reclaimed {_describe(reclaimed)}" if reclaimed else "")
         return self._ok(req)
 
@@ -273,6 +317,8 @@ class ManagerService:
         now = self.clock()
         dropped = []
         with self._lock:
+            if self.recovery.close_if_due():
+                self._save_roster()
             for lease in list(self._leases.values()):
                 silent_s = now - lease.last_seen_s
                 if silent_s <= self.lease_s:
@@ -292,6 +338,8 @@ class ManagerService:
                     self.lease_s,
                     f", reclaimed {_describe(reclaimed)}" if reclaimed else "",
                 )
+            if dropped:
+                self._save_roster()
         return dropped
 
     # -- status ----------------------------------------------------------------------------
@@ -316,6 +364,7 @@ class ManagerService:
             "protocol_version": p.PROTOCOL_VERSION,
             "uptime_s": round(now - self.started_s, 3),
             "lease_s": self.lease_s,
+            "recovery": self.recovery.snapshot(),
             **self.info,
             "devices": snap["devices"],
             "clients": snap["clients"],
