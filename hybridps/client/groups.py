@@ -38,6 +38,7 @@ from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.comm import Collectives
 from hybridps.client.group_phase import GroupMove, GroupPhase
 from hybridps.client.states import Move, TensorState
+from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunk_manager import ChunkManager
@@ -63,6 +64,18 @@ REDUCE_WINDOW = 1
 # collectives (``Chunk.land_collective``; waiting is local and issues nothing), after which the
 # chunks may move, all but the one an in-place reduce filled; the landing proper stays where
 # the access order puts it. ``stats()["reductions_landed"]`` counts what landed them.
+
+# [Note: a backward that raised]
+# An exception inside backward (a user's hook, an out-of-memory error) skips its end: local
+# grads sit in the param chunks (grad reuse) or staging chunks, some reductions are in flight
+# and the per-group counters are half way. Nothing of it may reach the next iteration: a
+# reduction landing later would write averaged grads into a param chunk, and counters left
+# over would reduce a group of the next backward before its grads are all there; both train
+# silently wrong. So ``zero_grad`` (which every rank calls after a failed backward, as with
+# DDP) abandons the backward: it waits for the reductions in flight without landing them, has
+# the optimizer give every touched owned chunk its params back from the master copy, drops
+# every gathered group (foreign copies may hold grads) and resets the counters. A forward or
+# a step before that is refused with a StateError naming the fix.
 
 _S = TensorState
 
@@ -224,6 +237,7 @@ class ChunkGroups:
 
     def begin_forward(self) -> None:
         """A new forward pass: no param of any group has been used in it yet."""
+        self.refuse_unfinished_backward("a forward")
         self.pass_id += 1
         self.used_in_pass = [0] * self.num_groups
 
@@ -634,6 +648,64 @@ class ChunkGroups:
         self.stepped_early.clear()
         self.local_flags.zero_()
         self.end_forward(keep_retained=False)
+
+    # -- a backward that raised (see [Note: a backward that raised]) -----------------------
+
+    def backward_unfinished(self) -> bool:
+        """Grads arrived or reductions started in a backward whose end never ran."""
+        return bool(self.reducing or self.pending or bool(self.local_flags.any()))
+
+    def refuse_unfinished_backward(self, what: str) -> None:
+        if self.backward_unfinished():
+            raise StateError(
+                f"{what} after a backward that raised partway: its grads are partial and "
+                f"{len(self.reducing)} chunk group(s) of them are still being averaged across the ranks. Call "
+                f"engine.zero_grad() first, on every rank, to drop them (as after any failed backward)"
+            )
+
+    @torch.no_grad()
+    def abandon_backward(self) -> None:
+        """Drop what a backward that raised partway left (a no-op after a complete one); the
+        caller (zero_grad) then restores the params of ``write_back`` from the master copy."""
+        if not self.backward_unfinished():
+            return
+        touched = set(self.pending) | set(self.reducing)
+        for index in self.local_flags.nonzero().flatten().tolist():
+            touched.add(self.group_of(self.store.params[index].chunk))
+        while self.reducing:
+            g, red = next(iter(self.reducing.items()))
+            try:
+                if not red.waited:
+                    self._wait(red)  # the peers issued it too: it completes; its result is dropped
+            finally:
+                del self.reducing[g]
+                if red.kept is not None and red.kept.in_flight:
+                    red.kept.collective_ended()
+            self.reductions_landed["abandoned"] += 1
+        for chunk in self.staging.values():
+            self.mover.free(chunk)
+        self.staging.clear()
+        rows = self.store.rows[ChunkKind.PARAM]
+        for g in sorted(touched):
+            own = rows[self.ranked(g)[self.rank]]
+            if not own.slots:
+                continue
+            if self.config.grad_reuse:
+                self.write_back.add(own.index)  # its slots may hold local grads
+            for slot, state in zip(own.slots, list(own.states), strict=True):
+                if state is _S.HOLD_AFTER_BWD:
+                    own.set_slot_state(slot, _S.HOLD, "grads of a backward that raised, dropped")
+        for g in self.gathered:
+            self._drop(g)
+        self.pending.clear()
+        self.grads_seen = [0] * self.num_groups
+        self.local_flags.zero_()
+        self.stepped_early.clear()
+        logger.warning(
+            "dropped the grads of a backward that raised partway: %d chunk group(s) touched; their params are "
+            "restored from the master copy",
+            len(touched),
+        )
 
     @torch.no_grad()
     def gather_rows(self, kind: ChunkKind, g: int) -> list[torch.Tensor]:

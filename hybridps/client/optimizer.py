@@ -339,6 +339,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                 loss = closure()
         try:
             self.worker.drain()
+            if self.groups is not None:
+                self.groups.refuse_unfinished_backward("the optimizer step")
             grads = self._grad_infos()
             groups = self.groups
             if not grads and groups is None and not self._stepped_early:
@@ -762,6 +764,10 @@ class ChunkedAdam(torch.optim.Optimizer):
         backward that no step followed are undone, as if they had waited for the step."""
         self.worker.drain()
         store = self.store
+        # Early steps without a backup cannot be undone: the skipped step is not skipped for them.
+        final = sorted(self._stepped_early - set(self.speculation.backups))
+        if self.groups is not None:
+            self.groups.abandon_backward()  # a no-op unless a backward raised partway
         if self.speculation.backups:
             self._roll_back()
         grads = {i: infos for i, infos in self._grad_infos().items()}
@@ -787,6 +793,16 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._found_inf = None
         for listener in self.zero_grad_listeners:
             listener()
+        if final:
+            # Raised once everything else is dropped: a caller that goes on finds a clean iteration.
+            slots = store.rows[ChunkKind.PARAM][final[0]].slots
+            holding = f", holding {store.params[slots[0].index].name}" if slots else ""
+            raise StateError(
+                f"zero_grad() without a step after {len(final)} chunks (first: {final[0]}{holding}) were stepped for good "
+                f"during backward (Config.overlap_step): their update of this iteration stays applied, so skipping the "
+                f"step (or a backward that raised) does not skip it for them. To skip steps, clip in every iteration "
+                f"(early steps then keep backups and zero_grad undoes them) or set Config(overlap_step=False)"
+            )
 
     # -- state dict ------------------------------------------------------------------------
 

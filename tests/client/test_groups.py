@@ -305,3 +305,58 @@ def test_short_of_gpu_room_a_rank_waits_for_the_collectives_holding_chunks_inste
         for got, want in zip(r["losses"], single_rank["losses"][:3], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], single_rank["losses"])
         assert r["dist"]["reductions_landed"].get("waited for room", 0) > 0, r["dist"]
+
+
+def _losses_around_a_failed_backward(rank, world, fail_at, grad_reuse):
+    """Train 5 steps; at ``fail_at`` a hook raises inside backward (on every rank) and the loop
+    drops that iteration with zero_grad, as a loop that skips bad batches would. ``fail_at``
+    -1: that batch is skipped before its forward instead (the reference)."""
+    model, _ = gpt_pair()
+    engine = hybridps.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), _config(grad_reuse=grad_reuse)
+    )
+    failing = {"now": False}
+
+    def raise_in_backward(module, args, out):
+        if failing["now"]:
+            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("bad batch")))
+
+    model.blocks[0].register_forward_hook(raise_in_backward)  # its grad comes late in backward
+    losses, refused = [], []
+    for step in range(5):
+        if step == 2 and fail_at == -1:
+            continue
+        failing["now"] = step == fail_at
+        x, y = tokens(step, batch=GLOBAL_BATCH)
+        _, loss = engine(x[rank::world], y[rank::world])
+        try:
+            engine.backward(loss)
+        except RuntimeError as exc:
+            assert "bad batch" in str(exc)
+            with pytest.raises(hybridps.StateError, match=r"zero_grad\(\)"):
+                engine(x[rank::world], y[rank::world])
+            refused.append(True)
+            with pytest.raises(hybridps.StateError, match=r"zero_grad\(\)"):
+                engine.step()
+            refused.append(True)
+            engine.zero_grad()
+            continue
+        engine.step()
+        engine.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    landed = engine.memory_stats()["dist"]["reductions_landed"]
+    return losses, refused, landed
+
+
+@pytest.mark.parametrize("grad_reuse", [True, False])
+def test_a_backward_that_raised_partway_on_every_rank_is_dropped_by_zero_grad_and_training_goes_on_exactly(grad_reuse):
+    # Before, a reduction still in flight landed in the next iteration (into a param chunk)
+    # and the half-counted groups were reduced early: the losses after drifted silently.
+    want = run_ranks(_losses_around_a_failed_backward, 2, -1, grad_reuse, timeout_s=90)
+    got = run_ranks(_losses_around_a_failed_backward, 2, 2, grad_reuse, timeout_s=90)
+    for (losses, refused, landed), (ref_losses, *_) in zip(got, want, strict=True):
+        assert losses == ref_losses, (losses, ref_losses)
+        assert refused == [True, True], "a forward and a step before zero_grad are refused"
+        assert landed.get("abandoned", 0) >= 1, landed

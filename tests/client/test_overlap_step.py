@@ -155,6 +155,27 @@ def test_a_clip_after_early_steps_for_good_is_refused():
         engine.close()
 
 
+def test_zero_grad_without_a_step_after_early_steps_for_good_is_refused_and_leaves_a_clean_iteration():
+    # The update of chunks stepped for good stays applied: skipping the step would silently
+    # not skip it for them. zero_grad says so, after dropping everything else.
+    engine = _engine(True)
+    try:
+        _train(engine, 1, clip=0)
+        x, y = tokens(1, batch=4)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        stepped = sorted(engine.optimizer._stepped_early)
+        assert stepped and not engine.optimizer.speculation.backups
+        with pytest.raises(StateError, match=rf"zero_grad\(\) without a step after {len(stepped)} chunks .*stepped for good"):
+            engine.zero_grad()
+        assert not engine.optimizer._stepped_early
+        assert not any(info.has_grad for info in engine.client.params)
+        engine.zero_grad()  # said once
+        _train(engine, 1, clip=0)  # and the next iteration trains
+    finally:
+        engine.close()
+
+
 def test_zero_grad_without_a_step_undoes_speculative_early_steps():
     results = []
     for overlap in (False, True):
