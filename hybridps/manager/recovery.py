@@ -177,11 +177,6 @@ class Recovery:
         if self._awaiting.pop(client_id, None) is not None and not self._awaiting:
             self._close("every client of the earlier instance is back")
 
-    def defers_bookings(self) -> bool:
-        """Whether a request that books new bytes must wait now (closes a window that ran out)."""
-        self.close_if_due()
-        return self.state is RecoveryState.AWAITING
-
     def close_if_due(self) -> bool:
         """Close a window whose time ran out; True when this call closed it."""
         if self.state is RecoveryState.AWAITING and self.clock() >= self._until_s:

@@ -50,7 +50,7 @@ from hybridps.common.units import format_bytes
 from hybridps.manager import policy
 from hybridps.manager.ledger import Ledger
 from hybridps.manager.metrics import Metrics
-from hybridps.manager.recovery import Recovery, RosterEntry, RosterFile
+from hybridps.manager.recovery import Recovery, RecoveryState, RosterEntry, RosterFile
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ class ManagerService:
             awaited = self.recovery.await_clients(self.roster.load(), window_s=self.lease_s)
             self._save_roster()
         return awaited
+
+    def _bookings_wait(self) -> bool:
+        """Whether a booking waits for the recovery window; one that ran out closes here, and
+        the roster then no longer lists the clients that did not come back."""
+        if self.recovery.close_if_due():
+            self._save_roster()
+        return self.recovery.state is RecoveryState.AWAITING
 
     def _save_roster(self) -> None:
         """Write who is registered, and who is still awaited, for a daemon started after us."""
@@ -239,7 +246,7 @@ class ManagerService:
         if lease.last_request == (req.OP, req.request_id):
             assert lease.last_reply is not None
             return lease.last_reply
-        if books and self.recovery.defers_bookings():
+        if books and self._bookings_wait():
             return self._error(req, "recovering", self.recovery.message())
         try:
             reply: p.Reply = apply() or self._ok(req)
