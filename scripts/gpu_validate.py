@@ -164,7 +164,7 @@ def _worker(args) -> dict:
 
         with hybridps.meta_init():
             model = GPT(cfg)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         devices = {"cuda:0": args.gpu_bytes} if device.type == "cuda" else {"cuda:0": args.gpu_bytes or "1GiB"}
         if args.cpu_bytes:
             devices["cpu"] = args.cpu_bytes

@@ -174,36 +174,61 @@ class ChunkedParameter(nn.Parameter):
         )
 
 
-class ReadOnlyGrad(torch.Tensor):
-    """What ``param.grad`` shows for a grad kept in a chunk: a copy of the (unscaled) grad that
-    every read works on and every in-place op refuses, since an edit of a copy would be lost
-    (``torch.nn.utils.clip_grad_norm_`` would compute the right norm and clip nothing)."""
+GRAD_SCALER_MESSAGE = (
+    "an enabled torch GradScaler steps an optimizer under HybridPS: it unscales param.grad in place and hands "
+    "its scale to the step, while HybridPS keeps grads in chunks and scales the loss itself. Build the GradScaler "
+    "with enabled=False (or drop it) and, for fp16, give hybridps.Config(precision='fp16') and call "
+    "engine.backward(loss) instead of scaler.scale(loss).backward()"
+)
 
-    _hybridps_name = "a param"
-    _hybridps_drop: Callable[[], None] | None = None  # drops the grad it copies
+
+class ReadOnlyCopy(torch.Tensor):
+    """A copy of a value HybridPS keeps in a chunk, shown where PyTorch shows a live tensor:
+    every read works on it and every in-place op refuses, since an edit of a copy would be
+    lost. ``_hybridps_what`` names the value, ``_hybridps_fix`` says what to call instead."""
+
+    _hybridps_what = "a value"
+    _hybridps_fix = ""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (
-            getattr(func, "__name__", "") == "zero_"
-            and len(args) == 1
-            and type(args[0]) is ReadOnlyGrad
-            and args[0]._hybridps_drop
-        ):
-            # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
-            args[0]._hybridps_drop()
-            with torch._C.DisableTorchFunctionSubclass():
-                return args[0].zero_()
-        if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyGrad)):
-            names = sorted({t._hybridps_name for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyGrad)})
-            raise HybridPSError(
-                f"{_name(func)} would edit the grad of {', '.join(names)}, which HybridPS keeps in a chunk; "
-                f"param.grad is a read-only copy. Clip with engine.clip_grad_norm_(max_norm) (not "
-                f"torch.nn.utils.clip_grad_norm_), drop grads with engine.zero_grad()"
-            )
+        if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyCopy)):
+            copies = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyCopy)]
+            refused = cls._refusal(func, copies)
+            if refused is not None:
+                raise refused
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    @classmethod
+    def _refusal(cls, func, copies: list[ReadOnlyCopy]) -> HybridPSError | None:
+        names = sorted({t._hybridps_what for t in copies})
+        return HybridPSError(
+            f"{_name(func)} would edit {', '.join(names)}, which HybridPS keeps in a chunk; what PyTorch shows here is a "
+            f"read-only copy. {copies[0]._hybridps_fix}"
+        )
+
+
+class ReadOnlyGrad(ReadOnlyCopy):
+    """What ``param.grad`` shows for a grad kept in a chunk: a copy of the (unscaled) grad
+    (``torch.nn.utils.clip_grad_norm_`` on it would compute the right norm and clip nothing)."""
+
+    _hybridps_what = "the grad of a param"
+    _hybridps_fix = (
+        "Clip with engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_), drop grads with engine.zero_grad()"
+    )
+    _hybridps_drop: Callable[[], None] | None = None  # drops the grad it copies
+
+    @classmethod
+    def _refusal(cls, func, copies: list[ReadOnlyCopy]) -> HybridPSError | None:
+        if getattr(func, "__name__", "") == "zero_" and len(copies) == 1 and copies[0]._hybridps_drop:
+            # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
+            copies[0]._hybridps_drop()
+            return None
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return HybridPSError(GRAD_SCALER_MESSAGE)
+        return super()._refusal(func, copies)
 
 
 def _name(func) -> str:
@@ -356,7 +381,7 @@ class ParamGuard:
         if value is None:
             return None
         grad = value.as_subclass(ReadOnlyGrad)
-        grad._hybridps_name = self.describe(param)
+        grad._hybridps_what = f"the grad of {self.describe(param)}"
         grad._hybridps_drop = lambda: self.client.drop_grad(param)
         return grad
 
