@@ -55,6 +55,7 @@ def dataset(n: int = 64):
 
 
 def arguments(outdir: str, **kw) -> transformers.TrainingArguments:
+    kw.setdefault("optim", "adamw_torch_fused")
     return transformers.TrainingArguments(
         output_dir=outdir,
         per_device_train_batch_size=4,
@@ -62,7 +63,6 @@ def arguments(outdir: str, **kw) -> transformers.TrainingArguments:
         learning_rate=1e-3,
         logging_steps=1,
         report_to=[],
-        optim="adamw_torch_fused",
         max_grad_norm=1.0,
         seed=0,
         use_cpu=True,
