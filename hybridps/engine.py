@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridps import deferred_init
 from hybridps.client import optimizer_view
@@ -135,6 +136,9 @@ class Engine:
         self.global_step = 0
         # the script's own optimizer object steps, saves and loads the engine's (optimizer_view.py)
         optimizer_view.adopt(optimizer, self.optimizer)
+        # an optimizer built later over these params would step them beside the engine (torch's
+        # in-place kernels write through to the chunks): refused at its first step
+        self.client.hook_handles.append(register_optimizer_step_pre_hook(self._refuse_other_optimizer))
 
     def _initialize_meta(self, record) -> set[int]:
         """Give params built on the meta device their values: replay their recorded init (see
@@ -323,6 +327,24 @@ class Engine:
         """Optimizer step over every chunk that holds grads; ends the iteration.
         ``engine.optimizer.step()`` (as Trainer-style loops call it) is the same call."""
         self.optimizer.step()  # through torch's step wrapper (LR schedulers count it), to _step
+
+    def _refuse_other_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """A global step pre-hook: a torch optimizer other than the engine's that holds params
+        of this engine must not step them (it would run its own Adam on the chunks' values)."""
+        if optimizer is self.optimizer:
+            return
+        by_id = self.client.store.by_id
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                info = by_id.get(id(p))
+                if info is not None and info.param is p:
+                    raise StateError(
+                        f"{type(optimizer).__name__}.step() over {info.describe()}, a param HybridPS holds, by an optimizer "
+                        f"that was not passed to hybridps.initialize: it would run its own update on the chunks beside "
+                        f"the engine's Adam. Keep stepping the optimizer passed to initialize (or engine.optimizer): change "
+                        f"the lr in its param_groups, restart Adam with load_state_dict; build the optimizer over every "
+                        f"param to train before initialize"
+                    )
 
     def _driven_step(self, closure=None):
         loss = None

@@ -325,3 +325,27 @@ class TestDirectCalls:
         sa, sb = a.memory_stats(), b.memory_stats()
         assert sa["moves"] == sb["moves"] > 0
         assert sa["devices"]["cuda:0"]["non_model_peak_bytes"] == sb["devices"]["cuda:0"]["non_model_peak_bytes"] > 0
+
+
+def test_an_optimizer_re_created_after_initialize_is_refused_before_it_changes_a_weight():
+    """A script that builds a new optimizer mid-run over model.parameters() would run a second
+    Adam on the chunks beside the engine's; its step is refused, naming the fix."""
+    model, optimizer, _, _ = _pair(fused=True)
+    engine = hybridps.initialize(model, optimizer, _config())
+    x, y = tokens(0, seq=16)
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    again = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    _, loss = model(x, y)
+    loss.backward()
+    before = engine.state_dict()
+    with pytest.raises(StateError, match="not passed to hybridps.initialize.*param_groups"):
+        again.step()
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    optimizer.step()  # the script's own optimizer goes on
+    assert engine.global_step == 2
+    engine.close()
+    again.step()  # after close the params are plain tensors again: nothing is refused
