@@ -117,7 +117,7 @@ def test_an_unfused_adamw_is_run_with_the_kernel_trainer_asked_for(tmp_path):
     assert logged(ours) == logged(plain)
 
 
-def _torchrun(kind: str, outdir) -> dict:
+def _torchrun(kind: str, outdir, *extra: str) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
@@ -131,6 +131,7 @@ def _torchrun(kind: str, outdir) -> dict:
             "tests.trainer_job",
             kind,
             str(outdir),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -150,3 +151,19 @@ def test_two_ranks_under_torchrun_train_like_plain_ddp(tmp_path):
     assert ours["grad_norm"][0] > 0  # grads reached the clip reduced across the ranks
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "b" / "final")  # rank 0 wrote it, every rank gathered
     assert sum(p.numel() for p in loaded.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_as_the_uninterrupted_run_and_loads_on_one(tmp_path):
+    """Every rank's share of the Adam states goes into the engine's checkpoint inside the
+    Trainer checkpoint: resuming on the same two ranks continues bit for bit; one rank loads it
+    too (the engine's checkpoints load on any number of ranks)."""
+    whole = _torchrun("hybridps", tmp_path / "run", "--eval-save")
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    assert (ckpt / "hybridps" / "hybridps.json").exists() and not (ckpt / "optimizer.pt").exists()
+    resumed = _torchrun("hybridps", tmp_path / "run", "--eval-save", "--resume", str(ckpt))
+    assert len(resumed["loss"]) == 6  # the 3 steps of the checkpoint's log history, then 3 new ones
+    assert resumed["loss"][3:] == whole["loss"][3:] and resumed["grad_norm"][3:] == whole["grad_norm"][3:]
+    one = trainer("hybridps", str(tmp_path / "one"), eval_save=True)
+    one.train(resume_from_checkpoint=str(ckpt))
+    assert one.engine.global_step == 6 and len(logged(one)["loss"]) == 6

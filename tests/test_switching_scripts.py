@@ -349,3 +349,22 @@ def test_an_optimizer_re_created_after_initialize_is_refused_before_it_changes_a
     assert engine.global_step == 2
     engine.close()
     again.step()  # after close the params are plain tensors again: nothing is refused
+
+
+def test_under_fp16_the_optimizers_state_dict_carries_the_loss_scale():
+    """A script that saves only optimizer.state_dict() resumes an fp16 run with its loss scale,
+    not the initial one (whose first steps would overflow and be skipped again)."""
+    model, optimizer, _, _ = _pair(fused=True)
+    engine = hybridps.initialize(model, optimizer, _config(precision="fp16"))
+    for step in range(3):
+        x, y = tokens(step, seq=16)
+        _, loss = model(x, y)
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = optimizer.state_dict()
+    fresh, fresh_opt, _, _ = _pair(fused=True)
+    other = hybridps.initialize(fresh, fresh_opt, _config(precision="fp16"))
+    assert other.scaler.state_dict() != engine.scaler.state_dict(), "three steps were meant to move the scaler"
+    fresh_opt.load_state_dict(state)
+    assert other.scaler.state_dict() == engine.scaler.state_dict()

@@ -27,6 +27,18 @@ step); the fused one is several times faster on the CPU, so an offloaded run wan
 clipping is computed as ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the
 norm of those).
 
+[Note: a rank's share of the state]
+With several ranks a rank keeps the Adam states of its own chunks only, so ``state_dict()``
+(what a script saves from rank 0, what Trainer saves) cannot be the whole state without a
+collective every rank would have to join. It is the rank's share, and says so: its param
+groups list only the params it covers, so a plain torch optimizer refuses to load it (the
+group sizes differ) instead of loading part of a state and starting the rest from zero, and
+``SHARD_KEY`` names the rank. ``load_state_dict`` takes a whole state dict on any rank (each
+keeps its own entries) or a share that covers every param the loading rank keeps (the
+writing rank's, on the same layout); anything else is refused with the fix:
+``engine.save_checkpoint`` / ``load_checkpoint`` write every rank's share and load on any
+number of ranks.
+
 [Note: early steps]
 With ``Config.overlap_step`` a chunk steps during backward once every grad of it is final
 (``step_chunk_early``; the backward hooks call it on one rank, the chunk groups after a
@@ -106,6 +118,12 @@ def _validate(optimizer: object) -> None:
                 raise ConfigError(
                     f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
                 )
+
+
+#: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
+SHARD_KEY = "hybridps_shard"
+#: key of the fp16 loss scaler's state in a state dict
+LOSS_SCALER_KEY = "hybridps_loss_scaler"
 
 
 class ReadOnlyState(ReadOnlyCopy):
@@ -900,26 +918,44 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """A ``torch.optim.Adam``-compatible state dict (per-param exp_avg, exp_avg_sq, step),
-        plus the fp32 ``master`` param where the model computes in lower precision."""
+        plus the fp32 ``master`` param where the model computes in lower precision and the
+        loss scaler under fp16 (``LOSS_SCALER_KEY``; plain torch ignores it).
+
+        With several ranks each rank holds the states of its own chunks only, and this is that
+        share (see [Note: a rank's share of the state]): its param groups list only the
+        params it covers, and ``SHARD_KEY`` says so."""
         self.worker.drain()
         store = self.store
         index_of: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index_of.setdefault(id(p), len(index_of))
+        covered = self._covered()
         groups = []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = []
-            for p in group["params"]:
-                index_of[id(p)] = len(index_of)
-                packed["params"].append(index_of[id(p)])
+            packed["params"] = [index_of[id(p)] for p in group["params"] if covered is None or id(p) in covered]
             groups.append(packed)
         state: dict[int, dict] = {}
         with torch.no_grad():
             for info in store.params:
                 idx = index_of.get(id(info.param))
-                entry = None if idx is None else self.state_of(info)
+                entry = None if idx is None or (covered is not None and id(info.param) not in covered) else self.state_of(info)
                 if entry is not None:
                     state[idx] = entry
-        return {"state": state, "param_groups": groups}
+        out: dict = {"state": state, "param_groups": groups}
+        if covered is not None:
+            assert self.groups is not None
+            out[SHARD_KEY] = {"rank": self.groups.rank, "world_size": self.groups.world}
+        if self.scaler is not None:
+            out[LOSS_SCALER_KEY] = self.scaler.state_dict()
+        return out
+
+    def _covered(self) -> set[int] | None:
+        """ids of the params whose states this rank holds, or None where it holds them all."""
+        if self.groups is None:
+            return None
+        return {id(i.param) for i in self.store.params if self.groups.owns(i.chunk)}
 
     def state_of(self, info: ParamInfo) -> dict[str, torch.Tensor] | None:
         """The torch-style state entry of one param (CPU copies), or None before its first
@@ -942,20 +978,32 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
-        same params). Everything is checked before anything is written."""
+        same params). Everything is checked before anything is written. With several ranks
+        each rank keeps the entries of its own chunks from a whole state dict, or loads its
+        own share (see [Note: a rank's share of the state])."""
         self.worker.drain()
         store = self.store
         groups = state_dict["param_groups"]
+        shard = state_dict.get(SHARD_KEY)
         if len(groups) != len(self.param_groups):
             raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        index_of: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index_of.setdefault(id(p), len(index_of))
+        by_index = {i: store.param_info(p) for group in self.param_groups for p in group["params"] for i in [index_of[id(p)]]}
         params: dict[int, ParamInfo] = {}
         for g, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
-            if len(saved["params"]) != len(group["params"]):
+            if shard is None and len(saved["params"]) != len(group["params"]):
                 raise ConfigError(
                     f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}"
                 )
-            for idx, p in zip(saved["params"], group["params"], strict=True):
-                params[idx] = store.param_info(p)
+            if shard is None:
+                params.update({idx: store.param_info(p) for idx, p in zip(saved["params"], group["params"], strict=True)})
+            else:
+                params.update({int(idx): by_index[int(idx)] for idx in saved["params"] if int(idx) in by_index})
+        if shard is not None:
+            self._check_share(shard, params)
         for idx, entry in state_dict["state"].items():
             info = params.get(int(idx))
             if info is None:
@@ -963,6 +1011,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 if key in entry and tuple(entry[key].shape) != tuple(info.shape):
                     raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
+        mine = self._covered()
         with torch.no_grad():
             for saved, group in zip(groups, self.param_groups, strict=True):
                 for k, v in saved.items():
@@ -972,6 +1021,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self.steps[info.slot.index] = 0
             for idx, entry in state_dict["state"].items():
                 info = params[int(idx)]
+                if mine is not None and id(info.param) not in mine:
+                    continue  # another rank's chunk: that rank keeps it
                 self.steps[info.slot.index] = int(entry["step"])
                 for key, kind in (
                     ("exp_avg", ChunkKind.MOMENTUM),
@@ -982,6 +1033,24 @@ class ChunkedAdam(torch.optim.Optimizer):
                         self._write(kind, info, entry[key])
                 if "master" in entry and store.param_dtype != torch.float32:
                     self._write(ChunkKind.PARAM, info, entry["master"])
+            if self.scaler is not None and state_dict.get(LOSS_SCALER_KEY) is not None:
+                self.scaler.load_state_dict(state_dict[LOSS_SCALER_KEY])
+
+    def _check_share(self, shard: dict, params: dict[int, ParamInfo]) -> None:
+        """A rank's share loads only where it covers every param this rank keeps."""
+        mine = self._covered()
+        held = {id(i.param) for i in params.values()}
+        missing = [i for i in self.store.params if (mine is None or id(i.param) in mine) and id(i.param) not in held]
+        missing = [i for i in missing if self.param_group_of[i.slot.index] is not None]
+        if missing:
+            here = "one rank" if self.groups is None else f"rank {self.groups.rank} of {self.groups.world}"
+            raise ConfigError(
+                f"this optimizer state is the share of rank {shard.get('rank')} of {shard.get('world_size')} (each rank "
+                f"holds the Adam states of its own chunks), and it lacks {len(missing)} params that {here} keeps "
+                f"({', '.join(i.name for i in missing[:3])}{', ...' if len(missing) > 3 else ''}). Load each rank's own "
+                f"share on the same layout, or save with engine.save_checkpoint(dir) and load with "
+                f"engine.load_checkpoint(dir), which loads on any number of ranks"
+            )
 
     def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
         store = self.store

@@ -18,9 +18,9 @@ ranks under torchrun, and ``--optim adamw_torch`` (torch's default kernel, repro
 bit) beside ``adamw_torch_fused``. The ``bf16``/``fp16`` flags become the engine's precision
 (16-bit chunks, fp32 masters, its own loss scaler; losses within 2% of plain Trainer's
 autocast run), and Trainer's backward is the engine's (it applies that loss scale);
-``torch_compile`` and ``*_full_eval`` are refused with the reason. With several ranks the
-optimizer state in a Trainer checkpoint is rank 0's share only, so resuming such a
-checkpoint is refused.
+``torch_compile`` and ``*_full_eval`` are refused with the reason. With several ranks a
+Trainer checkpoint holds the engine's own checkpoint, every rank's share of the optimizer
+(see [Note: Trainer checkpoints of several ranks]), and resumes on any number of ranks.
 
     trainer = HybridPSTrainer(model=model, args=args, train_dataset=ds,
                               hybridps_config=hybridps.Config(devices={"cuda:0": "8GiB"}))
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -44,6 +46,12 @@ except ImportError as exc:  # pragma: no cover - the hf extra is missing
     raise ImportError("hybridps.integrations.transformers needs transformers: pip install 'hybridps[hf]'") from exc
 
 logger = logging.getLogger(__name__)
+
+#: the engine's own checkpoint inside a Trainer checkpoint of several ranks (see
+#: [Note: Trainer checkpoints of several ranks])
+ENGINE_CHECKPOINT = "hybridps"
+#: Trainer's file name of the LR scheduler's state (transformers.trainer.SCHEDULER_NAME)
+SCHEDULER_NAME = "scheduler.pt"
 
 
 def _mapped_arguments(args: transformers.TrainingArguments, config: Config) -> tuple[transformers.TrainingArguments, Config]:
@@ -172,11 +180,33 @@ class HybridPSTrainer(transformers.Trainer):
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
 
+    # [Note: Trainer checkpoints of several ranks]
+    # Trainer saves optimizer.state_dict() from rank 0 alone; with several ranks that is rank 0's
+    # share of the Adam states (optimizer.py, [Note: a rank's share of the state]). So with
+    # several ranks the optimizer goes, on every rank, into the engine's own checkpoint in the
+    # Trainer checkpoint's folder (ENGINE_CHECKPOINT: every rank's share, the loss scaler, keyed by
+    # param name) and the LR scheduler beside it as Trainer writes it; resuming loads that folder
+    # on every rank, on any number of ranks. A checkpoint of one rank keeps Trainer's
+    # optimizer.pt, a whole state dict, which every rank of a larger job loads its share of.
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None or self.args.world_size == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT))  # every rank: a collective
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            for w in caught:  # torch warns that saving the scheduler saves the optimizer too: it does not here
+                if "optimizer" not in str(w.message):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is not None and self.args.world_size > 1:
-            raise HybridPSError(
-                f"resume_from_checkpoint={checkpoint!r} with {self.args.world_size} ranks: each rank holds its own share of "
-                f"the Adam states and a Trainer checkpoint keeps rank 0's only. Resume on one rank, or save with "
-                f"trainer.engine.save_checkpoint(dir) and load with trainer.engine.load_checkpoint(dir)"
-            )
-        return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.engine is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        engine_dir = os.path.join(checkpoint, ENGINE_CHECKPOINT)
+        if not os.path.isdir(engine_dir):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # one rank's checkpoint: optimizer.pt is whole
+        self.engine.load_checkpoint(engine_dir)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
