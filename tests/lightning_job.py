@@ -99,3 +99,29 @@ def small_gpu() -> hybridps.Config:
 
 def is_rank_zero() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def fit_on_ranks(rank: int, world: int, root: str) -> dict:
+    """On each of ``world`` spawned ranks (tests/dist.py): plain Lightning DDP, HybridPS over
+    two epochs with a checkpoint after the first, and HybridPS resumed from that checkpoint.
+    Returns this rank's losses of each run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    common = dict(devices=world, max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
+    out = {}
+    plain = TinyGPT()
+    trainer("plain", f"{root}/plain", **common).fit(plain, loader(32), loader(16))
+    out["plain"] = (plain.losses, plain.val_losses)
+    ours = TinyGPT()
+    saves = ModelCheckpoint(dirpath=f"{root}/ck", every_n_epochs=1, save_top_k=-1)
+    trainer("hybridps", f"{root}/ours", config=small_gpu(), enable_checkpointing=True, callbacks=[saves], **common).fit(
+        ours, loader(32), loader(16)
+    )
+    out["hybridps"] = (ours.losses, ours.val_losses)
+    resumed = TinyGPT()
+    trainer("hybridps", f"{root}/resumed", config=small_gpu(), **common).fit(
+        resumed, loader(32), loader(16), ckpt_path=f"{root}/ck/epoch=0-step=2.ckpt"
+    )
+    out["resumed"] = (resumed.losses, resumed.val_losses)
+    out["weights"] = resumed.state_dict()  # the ranks' trained weights, given back at the end of fit
+    return out

@@ -371,6 +371,16 @@ class HybridPSStrategy(ParallelStrategy):
 
             self._step_hook = self.engine.optimizer.register_step_post_hook(stepped)
 
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None and self.engine.client.groups is not None:
+            # With several ranks a grad lives, reduced, on the rank owning its chunk only, and
+            # reading p.grad raises; Lightning's on_validation_model_zero_grad reads every p.grad
+            # (nn.Module.zero_grad) after a step. The step has used the grads: drop them now, as
+            # Lightning's next zero_grad would.
+            self.engine.zero_grad()
+        return out
+
     def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ConfigError(f"Trainer(gradient_clip_algorithm='value'): {_VALUE_CLIPPING}")
