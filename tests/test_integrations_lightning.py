@@ -34,6 +34,7 @@ def _fit(kind: str, root, *, schedule: str = "dict", val: bool = False, **kw):
     return model, moves.moves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, kw",
     [
