@@ -96,6 +96,25 @@ def test_two_ranks_train_like_lightning_ddp_and_resume_their_sharded_checkpoint(
     assert all(torch.equal(v, ranks[0]["weights"][k]) for k, v in one.state_dict().items())
 
 
+def test_a_module_built_without_memory_under_init_module_trains_as_one_built_on_the_cpu(tmp_path):
+    plain = TinyGPT()
+    trainer("plain", str(tmp_path / "a"), max_steps=3).fit(plain, loader())
+    t = trainer("hybridps", str(tmp_path / "b"), config=small_gpu(), max_steps=3)
+    torch.manual_seed(0)  # meta_init replays the random stream as it was when the block began
+    with t.init_module(empty_init=True):
+        ours = TinyGPT()
+    assert all(p.is_meta for p in ours.parameters())
+    t.fit(ours, loader())
+    assert len(ours.losses) == 3 and ours.losses == plain.losses
+
+
+def test_a_fabric_loop_with_the_engine_owning_model_and_optimizer_is_bit_equal_to_plain_fabric():
+    from tests.fabric_job import train
+
+    ours = train("hybridps")
+    assert len(ours) == 4 and ours == train("plain")
+
+
 _REGISTERED_ON_IMPORT = """
 import sys
 import hybridps
