@@ -96,6 +96,24 @@ def test_two_ranks_train_like_lightning_ddp_and_resume_their_sharded_checkpoint(
     assert all(torch.equal(v, ranks[0]["weights"][k]) for k, v in one.state_dict().items())
 
 
+def test_sixteen_true_trains_in_fp16_chunks_with_the_engines_loss_scaler(tmp_path):
+    class Seen(pl.Callback):
+        def on_train_end(self, trainer, module):
+            engine = trainer.strategy.engine
+            self.dtype, self.scale = engine.client.param_dtype, engine.scaler.scale
+
+    seen = Seen()
+    ours = TinyGPT()
+    t = trainer("hybridps", str(tmp_path), config=small_gpu(), precision="16-true", max_steps=3, callbacks=[seen])
+    t.fit(ours, loader())
+    plain = TinyGPT()
+    trainer("plain", str(tmp_path / "plain"), max_steps=3).fit(plain, loader())
+    assert seen.dtype == torch.float16 and seen.scale > 1
+    assert len(ours.losses) == 3 and ours.losses != plain.losses
+    assert all(abs(a - b) < 1e-2 for a, b in zip(ours.losses, plain.losses, strict=True))
+    assert all(p.dtype == torch.float32 for p in ours.parameters())  # fp32 masters given back
+
+
 def test_a_module_built_without_memory_under_init_module_trains_as_one_built_on_the_cpu(tmp_path):
     plain = TinyGPT()
     trainer("plain", str(tmp_path / "a"), max_steps=3).fit(plain, loader())
@@ -169,6 +187,18 @@ def test_an_optimizer_hybridps_cannot_step_is_refused(tmp_path):
 
     with pytest.raises(hybridps.HybridPSError, match="Adam"):
         trainer("hybridps", str(tmp_path), config=small_gpu(), max_steps=1).fit(WithSGD(), loader())
+
+
+def test_resuming_a_checkpoint_this_strategy_did_not_write_is_refused_with_the_fix(tmp_path):
+    donor = TinyGPT()
+    engine = hybridps.initialize(donor, donor.configure_optimizers()["optimizer"], small_gpu())
+    engine.save_checkpoint(tmp_path / "engine")  # no Lightning state in it
+    engine.close()
+    torch.save({"state_dict": donor.state_dict()}, tmp_path / "plain.ckpt")  # a plain Lightning checkpoint file
+    for path, fix in ((tmp_path / "engine", "engine.load_checkpoint"), (tmp_path / "plain.ckpt", "load_state_dict")):
+        t = trainer("hybridps", str(tmp_path), config=small_gpu(), max_steps=1)
+        with pytest.raises(hybridps.HybridPSError, match=fix):
+            t.fit(TinyGPT(), loader(), ckpt_path=str(path))
 
 
 def test_the_strategy_takes_a_hybridps_config_only():

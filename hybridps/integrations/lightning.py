@@ -462,17 +462,16 @@ class HybridPSStrategy(ParallelStrategy):
                     f"(model.load_state_dict(torch.load(path)['state_dict'])) and fit without ckpt_path"
                 ) from None
             raise
-        if self.engine is not None:
-            client_state = self.engine.load_checkpoint(src)
-        else:
-            client_state = json.loads((src / hybridps_checkpoint.META).read_text()).get("client_state")
+        client_state = json.loads((src / hybridps_checkpoint.META).read_text()).get("client_state")
         if not isinstance(client_state, dict) or _CLIENT_STATE_KEY not in client_state:
             raise ConfigError(
                 f"checkpoint {src} was written by engine.save_checkpoint, not by HybridPSStrategy, so it has no "
                 f"Lightning state (loops, callbacks, schedulers): load it with engine.load_checkpoint in your own loop"
             )
-        state = _decode(client_state[_CLIENT_STATE_KEY], weights_only)
-        if self.engine is None:
+        state = _decode(client_state[_CLIENT_STATE_KEY], weights_only)  # before anything is loaded: it may raise
+        if self.engine is not None:
+            self.engine.load_checkpoint(src)
+        else:
             state["state_dict"] = _read_weights(src)
         return state
 
