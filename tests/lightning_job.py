@@ -21,10 +21,10 @@ VOCAB, SEQ = 64, 16
 
 
 class TinyGPT(pl.LightningModule):
-    def __init__(self, *, schedule: str = "dict", fused: bool = True):
+    def __init__(self, *, schedule: str = "dict", fused: bool = True, n_layer: int = 2, d_model: int = 32):
         super().__init__()
         torch.manual_seed(0)
-        self.model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=SEQ, vocab_size=VOCAB, dropout=0.0))
+        self.model = GPT(GPTConfig(n_layer=n_layer, d_model=d_model, n_head=2, seq_len=SEQ, vocab_size=VOCAB, dropout=0.0))
         self.schedule = schedule
         self.fused = fused
         self.losses: list[float] = []
@@ -93,8 +93,9 @@ def trainer(kind: str, root: str, *, devices: int = 1, config: hybridps.Config |
 
 
 def small_gpu() -> hybridps.Config:
-    """A simulated GPU smaller than the model data, so chunks move."""
-    return hybridps.Config(devices={"cuda:0": "512KiB"})
+    """A simulated GPU smaller than the model data, so chunks move (simulated on a GPU machine
+    too: these runs compare with Lightning on the CPU)."""
+    return hybridps.Config(devices={"cuda:0": "512KiB"}, simulate="always")
 
 
 def is_rank_zero() -> bool:

@@ -126,6 +126,37 @@ def test_a_module_built_without_memory_under_init_module_trains_as_one_built_on_
     assert len(ours.losses) == 3 and ours.losses == plain.losses
 
 
+@pytest.mark.gpu
+def test_on_a_real_gpu_at_30_percent_capacity_it_trains_as_plain_lightning_and_resumes(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    size = dict(n_layer=8, d_model=768)  # model data (0.9 GB) well above the CUDA workspaces
+    kw = dict(accelerator="cuda", max_epochs=2, limit_train_batches=6, gradient_clip_val=0.5, accumulate_grad_batches=2)
+    plain = TinyGPT(**size)
+    trainer("plain", str(tmp_path / "plain"), **kw).fit(plain, loader(), loader(8))
+    n_params = sum(p.numel() for p in plain.parameters())
+    del plain.model
+    torch.cuda.empty_cache()
+    config = hybridps.Config(devices={"cuda:0": int(n_params * 16 * 0.3) + 128 * 2**20}, simulate=False)
+    moves, saves = _Moves(), ModelCheckpoint(dirpath=tmp_path / "ck", every_n_epochs=1, save_top_k=-1)
+    ours = TinyGPT(**size)
+    t = trainer("hybridps", str(tmp_path), config=config, enable_checkpointing=True, callbacks=[moves, saves], **kw)
+    t.fit(ours, loader(), loader(8))
+    assert moves.moves > 0 and len(ours.losses) == len(plain.losses) == 12
+    # GPU kernels may reorder reductions between runs, and the CPU chunks step on the CPU: a tolerance
+    for got, want in zip(ours.losses + ours.val_losses, plain.losses + plain.val_losses, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (ours.losses, plain.losses)
+    resumed = TinyGPT(**size)
+    trainer("hybridps", str(tmp_path), config=config, **kw).fit(
+        resumed, loader(), loader(8), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt")
+    )
+    for got, want in zip(resumed.losses, ours.losses[6:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed.losses, ours.losses)
+    half = TinyGPT(**size)
+    trainer("hybridps", str(tmp_path), config=config, precision="bf16-true", **kw).fit(half, loader())
+    assert all(abs(got - want) <= 0.05 * abs(want) for got, want in zip(half.losses, plain.losses, strict=True))
+
+
 def test_a_fabric_loop_with_the_engine_owning_model_and_optimizer_is_bit_equal_to_plain_fabric():
     from tests.fabric_job import train
 
