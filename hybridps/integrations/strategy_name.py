@@ -16,8 +16,9 @@ command), with or without Lightning in use. So ``register()``:
 - registers now when ``lightning.pytorch.strategies`` is already imported;
 - otherwise puts a finder first on ``sys.meta_path`` that answers for that one module only: it
   lets the other finders find it, and wraps its loader so that, once the module has run, the
-  name is registered. The finder removes itself at that import; every other import passes
-  through it untouched.
+  name is registered. The finder removes itself once the name is registered (a lookup of the
+  module without an import leaves it in place); every other import passes through it
+  untouched.
 
 What is registered is a factory, not the class: the registry calls it with the Trainer's
 arguments, and only then is ``hybridps.integrations.lightning`` (and with it the rest of
@@ -71,10 +72,10 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != REGISTRY_MODULE:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
         spec = None
         for finder in sys.meta_path:  # the finders that would have answered without this one
+            if finder is self:
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
@@ -97,6 +98,10 @@ class _RegisteringLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
         add_to(module.StrategyRegistry)
+        # registered: the finder leaves now, not when the module was only looked up (a
+        # find_spec without an import, as availability checks make, must not disarm it)
+        for finder in [f for f in sys.meta_path if isinstance(f, _RegisterAfterImport)]:
+            sys.meta_path.remove(finder)
 
     def __getattr__(self, name: str):  # get_source, get_filename, ... as the module's own loader answers them
         return getattr(self.inner, name)
