@@ -69,12 +69,10 @@ class Engine:
         self.config = config
         self.client = client or Client(config)
         self.module = model
-        device = self.client.compute.torch_device
         record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
+        self._conversions_seen = 0
         try:
-            for buf in model.buffers():
-                if not buf.is_meta:
-                    buf.data = buf.data.to(device)
+            self._buffers_to_compute_device()
             self.client.expect_optimizer = True  # registration counts the Adam states it will need
             self.client.register_module(model)
             self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
@@ -139,6 +137,12 @@ class Engine:
         # an optimizer built later over these params would step them beside the engine (torch's
         # in-place kernels write through to the chunks): refused at its first step
         self.client.hook_handles.append(register_optimizer_step_pre_hook(self._refuse_other_optimizer))
+
+    def _buffers_to_compute_device(self) -> None:
+        device = self.client.compute.torch_device
+        for buf in self.module.buffers():
+            if not buf.is_meta and buf.device != device:
+                buf.data = buf.data.to(device)
 
     def _initialize_meta(self, record) -> set[int]:
         """Give params built on the meta device their values: replay their recorded init (see
@@ -224,7 +228,11 @@ class Engine:
                 "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
                 "replace with their chunks; leave the with-block first"
             )
-        self.client.guard.read_cache = None  # a state_dict cut short by an error leaves none behind
+        guard = self.client.guard
+        guard.read_cache = None  # a state_dict cut short by an error leaves none behind
+        if guard.conversions != self._conversions_seen:  # model.to(...)/cpu() moved the buffers, not the params
+            self._conversions_seen = guard.conversions
+            self._buffers_to_compute_device()
         if self.unset_params:
             names = [i.name for i in self.client.params if id(i.param) in self.unset_params]
             raise StateError(

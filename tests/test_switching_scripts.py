@@ -368,3 +368,56 @@ def test_under_fp16_the_optimizers_state_dict_carries_the_loss_scale():
     assert other.scaler.state_dict() != engine.scaler.state_dict(), "three steps were meant to move the scaler"
     fresh_opt.load_state_dict(state)
     assert other.scaler.state_dict() == engine.scaler.state_dict()
+
+
+class TestModelConversions:
+    """``model.to(device)``, ``.cpu()``, ``.float()`` after initialize leave the model data where
+    HybridPS placed it (a script's ``model.to(device)`` keeps working); a dtype change or a
+    move to the meta device is refused, naming the fix; a param keeps its identity."""
+
+    def _engine(self):
+        model, optimizer, reference, _ = _pair(fused=True)
+        model.register_buffer("scale", torch.ones(()))
+        reference.register_buffer("scale", torch.ones(()))
+        return model, reference, hybridps.initialize(model, optimizer, _config())
+
+    def test_device_moves_and_float_keep_the_params_and_their_values(self):
+        model, reference, engine = self._engine()
+        params = list(model.parameters())
+        before = engine.state_dict()
+        assert model.to("cpu") is model and model.cpu() is model and model.float() is model
+        assert model.to(torch.device("cpu"), torch.float32) is model
+        assert [id(p) for p in model.parameters()] == [id(p) for p in params], "no param was replaced"
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        x, y = tokens(0, seq=16)
+        _, loss = model(x, y)
+        assert loss.item() == reference(x, y)[1].item()
+        engine.backward(loss)
+        engine.step()  # the params still train
+        assert not torch.equal(engine.state_dict()["wte.weight"], before["wte.weight"])
+
+    @pytest.mark.parametrize(
+        "convert,match",
+        [
+            (lambda m: m.half(), "torch.float16.*precision='bf16'"),
+            (lambda m: m.to(torch.bfloat16), "torch.bfloat16.*precision='bf16'"),
+            (lambda m: m.to("meta"), "meta device before initialize"),
+            (lambda m: m.to_empty(device="cpu"), "to_empty.*meta device before initialize"),
+        ],
+        ids=["half", "to-bf16", "to-meta", "to_empty"],
+    )
+    def test_a_conversion_that_would_change_the_model_data_is_refused(self, convert, match):
+        model, _, engine = self._engine()
+        before = engine.state_dict()
+        with pytest.raises(HybridPSError, match=match):
+            convert(model)
+        after = engine.state_dict()
+        assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+
+    def test_a_params_own_conversion_still_gives_a_copy_of_its_value(self):
+        model, reference, engine = self._engine()
+        copy_ = model.wte.weight.to("cpu")
+        half = model.wte.weight.half()
+        assert type(copy_) is torch.Tensor and torch.equal(copy_, reference.wte.weight.detach())
+        assert half.dtype == torch.float16 and torch.equal(half, reference.wte.weight.detach().half())
