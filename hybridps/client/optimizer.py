@@ -56,6 +56,7 @@ restores and steps again the chunks whose speculation failed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -69,6 +70,7 @@ from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.placeholder import ReadOnlyCopy
 from hybridps.client.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
 from hybridps.client.states import TensorState
+from hybridps.client.step_plan import StepPlan, StepPlans
 from hybridps.client.step_worker import StepWorker
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
 
@@ -86,6 +88,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
 #: early CPU steps in flight on the step worker at most (each holds its four chunks taken)
 STEP_WORKER_WINDOW = 2
+#: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
+STEP_TENSORS_KEPT = 64
 
 
 def overlap_step_on(config: Config, compute: DeviceSpec) -> bool:
@@ -118,6 +122,29 @@ def _validate(optimizer: object) -> None:
                 raise ConfigError(
                     f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
                 )
+
+
+@dataclasses.dataclass(eq=False)
+class _AdamCall:
+    """One kernel call of a chunk's step, worked out on the calling thread."""
+
+    #: which pieces of each row it takes (step_plan.py)
+    pieces: tuple[int, ...]
+    #: a step tensor per piece
+    steps: list[torch.Tensor]
+    fused: bool
+    foreach: bool
+    decoupled_weight_decay: bool
+    #: lr, beta1, beta2, weight_decay, eps, maximize: the param group's when the step was taken
+    hyper: dict
+    #: the fused kernel's found_inf where a scale is folded in
+    found_inf: torch.Tensor | None = None
+
+
+def _scalar(x):
+    """A hyperparameter as torch's fused Adam takes it (``torch.optim.optimizer._to_scalar``):
+    a 1-element tensor of more dimensions becomes 0-dimensional."""
+    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
 #: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
@@ -254,6 +281,13 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.cpu_steps_beside_backward = compute.is_gpu and not compute.simulated and not compute.meta
         #: fp32 grad buffers of the steps in flight on the worker (one each, reused)
         self._worker_buffers: list[torch.Tensor] = []
+        #: each chunk's runs, worked out once (step_plan.py)
+        self.plans = StepPlans(self.param_group_of)
+        #: the fused kernel's step tensors by (device, count), its found_inf zeros by device,
+        #: and what is made once per step (divisors, the clip coefficient per device)
+        self._step_tensors: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._per_step: dict[tuple, torch.Tensor] = {}
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
         self.overlap_step = overlap_step_on(store.config, compute)
         #: backups of speculative early steps and whether to speculate (speculation.py)
@@ -512,6 +546,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clipped = None
         self._found_inf = None
         self._stepped_early.clear()
+        self._per_step.clear()
 
     def _roll_back(self) -> None:
         """Undo every speculative early step of this backward: master, momentum, variance,
@@ -628,7 +663,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         buffer: torch.Tensor | None,
     ) -> Callable[[], None]:
         """The arithmetic of one chunk's step over its taken chunks, as a call that touches
-        nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker."""
+        nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker.
+        Everything that loops over params or runs, and the kernels' arguments, is worked out
+        here, on the calling thread (step_plan.py, [Note: the GIL beside backward])."""
         store = self.store
         master_kind = store.master_kind
         used = store.layout.used(index)
@@ -637,11 +674,15 @@ class ChunkedAdam(torch.optim.Optimizer):
         m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
         param = store.rows[ChunkKind.PARAM][index].payload if master_kind is not ChunkKind.PARAM else None
         assert master is not None and grad_payload is not None and m is not None and v is not None
-        runs = self._runs(infos)
-        by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for group, step, start, end in runs:
-            by_key.setdefault((group, step), []).append((start, end))
-        groups = [(self.param_groups[g], step, spans) for (g, step), spans in by_key.items()]
+        plan, base_step = self.plans.get(index, infos, self.steps)
+        if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
+            backup.plan = plan
+        device = master.device
+        calls = self._adam_calls(plan, base_step, master)
+        # what the kernels divide the grads by (unscale and clip, folded), or the clip factor
+        # of fp32 grads stepped in place
+        divisor = None if buffer is None else self._divisor(inv_scale, clip_coef, device)
+        coef = None if buffer is not None or clip_coef is None else self._on_device(clip_coef, device)
         low = store.param_dtype != torch.float32
         norm_type = self.speculation.norm_type
         overflow_check = self.scaler is not None
@@ -649,28 +690,152 @@ class ChunkedAdam(torch.optim.Optimizer):
         def compute() -> None:
             if backup is not None:
                 backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
-            divisor = None  # what the fused kernel divides the grads by (unscale and clip, folded)
             if buffer is None:
                 grads = grad_payload
-                if clip_coef is not None:
-                    # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
-                    coef = clip_coef.to(grads.device)
-                    for _, _, start, end in runs:
-                        grads[start:end].mul_(coef)
             else:
                 grads = buffer
                 grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
-                factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
-                if clip_coef is not None:
-                    factor = factor * clip_coef.cpu()
-                if inv_scale is not None or clip_coef is not None:
-                    divisor = (1.0 / factor).to(grads.device)
-            for group, step, spans in groups:
-                self._adam(group, step, [(master, grads, m, v, s, e) for s, e in spans], divisor)
+            bounds = plan.bounds  # every run's view of each row, one native call per row
+            rows = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
+            if coef is not None:
+                # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
+                torch._foreach_mul_(list(map(rows[1].__getitem__, plan.run_pieces)), coef)
+            for call in calls:
+                self._adam(call, rows, divisor)
             if param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
 
         return compute
+
+    def _adam_calls(self, plan: StepPlan, base_step: int, master: torch.Tensor) -> list[_AdamCall]:
+        """The kernel calls of one chunk's step: per param group, the kernel its optimizer
+        would run (see [Note: exactness]), its hyperparameters now, and its step tensors."""
+        device = master.device
+        calls = []
+        for group_index in dict.fromkeys(call.group for call in plan.by_group):
+            group = self.param_groups[group_index]
+            fused, foreach = adam_kernel(group, [master])
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            if fused:  # as torch.optim.adam's _fused_adam passes them
+                beta1, beta2 = _scalar(beta1), _scalar(beta2)
+                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
+                    lr = lr.to(device=device, non_blocking=True)
+            hyper = {
+                "lr": lr,
+                "beta1": beta1,
+                "beta2": beta2,
+                "weight_decay": group["weight_decay"],
+                "eps": group["eps"],
+                "maximize": group.get("maximize", False),
+            }
+            if fused:
+                # the fused kernel reads a step per tensor and counts none: one tensor per count
+                # (after this step) and device serves every run and chunk
+                call = next(c for c in plan.by_group if c.group == group_index)
+                steps = [self._step_tensor(base_step + plan.runs[k].step_offset + 1, device) for k in call.runs]
+                calls.append(
+                    _AdamCall(call.pieces, steps, True, False, group["decoupled_weight_decay"], hyper, self._zero(device))
+                )
+                continue
+            for call in plan.by_step:  # these kernels add 1 to their step tensors: new ones each time
+                if call.group == group_index:
+                    assert call.step_offset is not None
+                    step = float(base_step + call.step_offset)
+                    steps = [torch.tensor(step, dtype=torch.float32) for _ in call.runs]
+                    calls.append(_AdamCall(call.pieces, steps, False, foreach, group["decoupled_weight_decay"], hyper))
+        return calls
+
+    def _adam(self, call: _AdamCall, rows: tuple[tuple[torch.Tensor, ...], ...], divisor: torch.Tensor | None) -> None:
+        """Adam over the runs ``call`` takes of one chunk's ``rows`` (master, grads,
+        momentum, variance, each cut by its plan); ``divisor`` scales the grads down first
+        (folded into the fused kernel)."""
+        pieces = call.pieces
+        # map over a tuple's __getitem__: picking the pieces runs no Python frame
+        params = list(map(rows[0].__getitem__, pieces))
+        grads = list(map(rows[1].__getitem__, pieces))
+        exp_avgs = list(map(rows[2].__getitem__, pieces))
+        exp_avg_sqs = list(map(rows[3].__getitem__, pieces))
+        hyper = call.hyper
+        if call.fused:
+            # torch.optim.adam's _fused_adam without its per-call Python (grouping by device,
+            # adding 1 to each step tensor): the same kernel on the same arguments
+            kernel = torch._fused_adamw_ if call.decoupled_weight_decay else torch._fused_adam_
+            kernel(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                call.steps,
+                amsgrad=False,
+                grad_scale=divisor,
+                found_inf=None if divisor is None else call.found_inf,
+                **hyper,
+            )
+            return
+        if divisor is not None:  # the for-loop and foreach kernels take no scale: one pass
+            for g in grads:
+                g.div_(divisor)
+        torch_adam.adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            call.steps,
+            foreach=call.foreach,
+            capturable=False,
+            differentiable=False,
+            fused=False,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=False,
+            decoupled_weight_decay=call.decoupled_weight_decay,
+            amsgrad=False,
+            **hyper,
+        )
+
+    def _step_tensor(self, count: int, device: torch.device) -> torch.Tensor:
+        """A float32 scalar holding step count ``count`` on ``device``, made once (read-only:
+        only the fused kernel, which never writes its step tensors, takes these)."""
+        key = (device, count)
+        tensor = self._step_tensors.get(key)
+        if tensor is None:
+            if len(self._step_tensors) > STEP_TENSORS_KEPT:
+                self._step_tensors.clear()
+            tensor = self._step_tensors[key] = torch.tensor(float(count), dtype=torch.float32, device=device)
+        return tensor
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's ``found_inf`` where a scale is folded in: never an overflow here
+        (a step with one is skipped before it starts)."""
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return zero
+
+    def _divisor(self, inv_scale: float | None, clip_coef: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """What the grads are divided by: 1 / (inv_scale x clip_coef) in float32, on
+        ``device``; made once per step and device (``_end_iteration`` forgets them)."""
+        if inv_scale is None and clip_coef is None:
+            return None
+        key = ("divisor", inv_scale, id(clip_coef), device)
+        divisor = self._per_step.get(key)
+        if divisor is None:
+            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+            if clip_coef is not None:
+                factor = factor * clip_coef.cpu()
+            divisor = self._per_step[key] = (1.0 / factor).to(device)
+        return divisor
+
+    def _on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` (this step's clip coefficient) on ``device``, copied once per step."""
+        key = ("on_device", id(tensor), device)
+        copy = self._per_step.get(key)
+        if copy is None:
+            copy = self._per_step[key] = tensor.to(device)
+        return copy
 
     def _finish_step(self, index: int, taken: list, buffer: torch.Tensor | None) -> None:
         """The end of a step computed on the worker, on the calling thread."""
@@ -770,64 +935,6 @@ class ChunkedAdam(torch.optim.Optimizer):
                 return self._worker_buffers.pop(i)
         who = f"the fp32 grads of the optimizer step of chunk {index} (on the step worker)"
         return self.mover.scratch(numel, torch.float32, "cpu", who)
-
-    def _runs(self, infos: list[ParamInfo]) -> list[tuple[int, int, int, int]]:
-        """Maximal runs of neighbouring params (same group, same step count) with grads, as
-        (group, step, start, end) element ranges of the chunk. Runs may span alignment padding,
-        which is zero in every kind and stays zero under Adam."""
-        runs: list[tuple[int, int, int, int]] = []
-        prev_end_slot = None
-        for info in infos:
-            g = self.param_group_of[info.slot.index]
-            assert g is not None
-            step = self.steps[info.slot.index]
-            if runs and runs[-1][0] == g and runs[-1][1] == step and prev_end_slot == info.slot.index - 1:
-                group, s, start, _ = runs[-1]
-                runs[-1] = (group, s, start, info.slot.end)
-            else:
-                runs.append((g, step, info.slot.offset, info.slot.end))
-            prev_end_slot = info.slot.index
-        return runs
-
-    def _adam(self, group: dict, step: int, spans: list, divisor: torch.Tensor | None = None) -> None:
-        """Adam over the spans (views of one chunk's master, grads, momentum, variance);
-        ``divisor`` scales the grads down first (folded into the fused kernel)."""
-        params = [master[s:e] for master, _, _, _, s, e in spans]
-        grads = [g[s:e] for _, g, _, _, s, e in spans]
-        fused, foreach = adam_kernel(group, params)
-        if divisor is not None and not fused:  # the for-loop and foreach kernels take no scale: one pass
-            for g in grads:
-                g.div_(divisor)
-            divisor = None
-        exp_avgs = [m[s:e] for _, _, m, _, s, e in spans]
-        exp_avg_sqs = [v[s:e] for _, _, _, v, s, e in spans]
-        device = params[0].device
-        step_device = device if (fused and device.type != "cpu") else torch.device("cpu")
-        state_steps = [torch.tensor(float(step), dtype=torch.float32, device=step_device) for _ in spans]
-        beta1, beta2 = group["betas"]
-        torch_adam.adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            state_steps,
-            foreach=foreach,
-            capturable=False,
-            differentiable=False,
-            fused=fused,
-            grad_scale=divisor,
-            found_inf=None if divisor is None else torch.zeros((), dtype=torch.float32, device=device),
-            has_complex=False,
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group.get("maximize", False),
-        )
 
     def _buffer(self, device: str, numel: int, index: int) -> torch.Tensor:
         """The fp32 grads of one chunk, reused from chunk to chunk on each device."""

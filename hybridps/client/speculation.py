@@ -58,6 +58,7 @@ from hybridps.common.units import format_bytes
 if TYPE_CHECKING:
     from hybridps.client.chunk_manager import ChunkManager
     from hybridps.client.states import TensorState
+    from hybridps.client.step_plan import StepPlan
     from hybridps.client.store import ParamInfo
 
 #: where backups live (host memory)
@@ -121,10 +122,15 @@ class Backup:
     extremes: torch.Tensor | None = None
     #: the host buffers behind the tensors above, given back when the backup is dropped
     buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: the plan the step ran by, over exactly ``infos`` (step_plan.py): cuts the backed-up
+    #: grads into params in one call
+    plan: StepPlan | None = None
 
     def grad_views(self) -> list[torch.Tensor]:
         """The backed-up grads of the stepped params, in registration order (as
         ``clip_grad_norm_`` visits them)."""
+        if self.plan is not None:
+            return self.plan.param_views(self.grad)
         return [self.grad[i.slot.offset : i.slot.end] for i in self.infos]
 
     def capture(

@@ -24,20 +24,33 @@ ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the 
 waiting; ``drain`` waits for and finishes all; ``wait_for`` only waits until the tasks
 holding a chunk are DONE (a chunk about to be accessed must not be written any more) and
 leaves the finishing to the next ``reap`` or ``drain``.
+
+[Note: a lean worker]
+What the worker thread runs between two computes holds the GIL like the computes' own
+Python (step_plan.py, [Note: the GIL beside backward]). A ``ThreadPoolExecutor`` runs about
+thirty Python calls per task there (its queue, the future's condition and waiters, a
+``no_grad`` context); this thread runs none: it takes tasks from a ``queue.SimpleQueue`` and
+signals each one done by releasing a lock that ``submit`` took, both native calls, and its
+grad mode is switched off once when it starts (grad mode is per thread).
 """
 
 from __future__ import annotations
 
+import _thread
 import collections
-import concurrent.futures
 import dataclasses
 import enum
+import queue
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 
 from hybridps.common.errors import ConfigError
+
+#: the worker thread's name (tests and benchmarks tell its work apart by it)
+THREAD_NAME = "hybridps-step"
 
 
 class TaskState(enum.Enum):
@@ -48,12 +61,25 @@ class TaskState(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class _Task:
-    future: concurrent.futures.Future
+    compute: Callable[[], None]
     finish: Callable[[], None]
     #: ids of the chunks the task reads or writes (``Chunk.chunk_id``)
     chunk_ids: frozenset[int]
     what: str
+    #: held from ``submit`` until the compute has ended (the worker releases it)
+    running: _thread.LockType = dataclasses.field(default_factory=_thread.allocate_lock)
+    #: what the compute raised, if it did
+    error: BaseException | None = None
     state: TaskState = TaskState.RUNNING
+
+    def computed(self) -> bool:
+        """Whether the compute has ended (without waiting)."""
+        return not self.running.locked()
+
+    def wait(self) -> None:
+        """Wait until the compute has ended."""
+        if self.running.acquire():
+            self.running.release()
 
 
 class StepWorker:
@@ -63,7 +89,8 @@ class StepWorker:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"StepWorker window={window!r} must be a positive number of tasks in flight")
         self.window = window
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._tasks: collections.deque[_Task] = collections.deque()
         self._busy_ids: collections.Counter[int] = collections.Counter()
         #: tasks submitted and finished since the start (benchmarks, tests)
@@ -81,21 +108,25 @@ class StepWorker:
         return self._busy_ids[chunk_id] > 0
 
     def submit(self, compute: Callable[[], None], finish: Callable[[], None], chunk_ids: frozenset[int], what: str) -> None:
-        """Run ``compute()`` on the worker; ``finish()`` runs on this thread once it is done.
-        With ``window`` tasks in flight the oldest is finished first (waiting for it)."""
+        """Run ``compute()`` on the worker (grad mode off); ``finish()`` runs on this thread
+        once it is done. With ``window`` tasks in flight the oldest is finished first
+        (waiting for it)."""
         self.reap()
         while len(self._tasks) >= self.window:
             self._finish_next()
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridps-step")
-        task = _Task(self._executor.submit(_no_grad, compute), finish, chunk_ids, what)
+        if self._thread is None:
+            self._thread = threading.Thread(target=_work, args=(self._queue,), name=THREAD_NAME, daemon=True)
+            self._thread.start()
+        task = _Task(compute, finish, chunk_ids, what)
+        task.running.acquire()
         self._tasks.append(task)
         self._busy_ids.update(chunk_ids)
         self.submitted += 1
+        self._queue.put(task)
 
     def reap(self) -> None:
         """Finish the tasks at the head of the queue whose compute is done, without waiting."""
-        while self._tasks and self._tasks[0].future.done():
+        while self._tasks and self._tasks[0].computed():
             self._finish_next()
 
     def drain(self) -> None:
@@ -107,18 +138,24 @@ class StepWorker:
     def wait_for(self, chunk_id: int) -> None:
         """Wait until no task still computes on chunk ``chunk_id`` (it stays taken until the
         task is finished)."""
-        futures = [t.future for t in self._tasks if chunk_id in t.chunk_ids]
-        if futures:
-            self._timed_wait(futures)
+        tasks = [t for t in self._tasks if chunk_id in t.chunk_ids]
+        if tasks:
+            self._timed_wait(tasks)
+
+    def wait_computed(self) -> None:
+        """Wait until every task in flight has computed, finishing none (benchmarks: the
+        calling thread then runs no Python while the worker does)."""
+        self._timed_wait(list(self._tasks))
 
     def close(self) -> None:
         """Finish every task and stop the thread."""
         try:
             self.drain()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
 
     def _finish_next(self) -> None:
         """Finish the oldest task; if its compute raised, finish every other task in flight
@@ -135,29 +172,40 @@ class StepWorker:
 
     def _finish_head(self) -> BaseException | None:
         task = self._tasks[0]
-        if not task.future.done():
-            self._timed_wait([task.future])
+        if not task.computed():
+            self._timed_wait([task])
         self._tasks.popleft()
         task.state = TaskState.DONE
         self._busy_ids.subtract(task.chunk_ids)
         self._busy_ids += collections.Counter()  # drop the zero counts
+        error = task.error
         try:
-            error = task.future.exception()
-        finally:
             task.finish()
+        finally:
             task.state = TaskState.FINISHED
             self.finished += 1
         if error is not None:
             error.add_note(f"raised by {task.what}, computed on the step worker beside backward (Config.overlap_step)")
         return error
 
-    def _timed_wait(self, futures: list[concurrent.futures.Future]) -> None:
+    def _timed_wait(self, tasks: list[_Task]) -> None:
         started = time.perf_counter()
-        concurrent.futures.wait(futures)
+        for task in tasks:
+            task.wait()
         self.wait_s += time.perf_counter() - started
 
 
-def _no_grad(compute: Callable[[], None]) -> None:
-    # grad mode is per thread: the worker's own is on
-    with torch.no_grad():
-        compute()
+def _work(tasks: queue.SimpleQueue) -> None:
+    """The worker thread: compute each task, record what it raised, signal it done; stop at
+    None. Nothing here but the compute runs Python per task (see [Note: a lean worker])."""
+    torch.set_grad_enabled(False)  # grad mode is per thread: this one never records a graph
+    get = tasks.get
+    while True:
+        task = get()
+        if task is None:
+            return
+        try:
+            task.compute()
+        except BaseException as error:  # raised again on the calling thread when it is finished
+            task.error = error
+        task.running.release()

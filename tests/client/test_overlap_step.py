@@ -282,7 +282,7 @@ def test_an_error_met_by_submit_finishes_every_task_in_flight_before_it_surfaces
         worker.submit(lambda: (first.wait(), _raise()), lambda: finished.append(1), frozenset({1}), "task 1")
         worker.submit(second.wait, lambda: finished.append(2), frozenset({2}), "task 2")
         first.set()
-        while not worker._tasks[0].future.done():
+        while not worker._tasks[0].computed():
             time.sleep(0.001)
         second.set()
         with pytest.raises(ValueError, match="task failure"):
