@@ -8,7 +8,11 @@ It is late by as long as other threads hold the GIL without releasing it (torch'
 release it, Python between them does not), capped near ``sys.getswitchinterval()`` (5 ms)
 at which CPython makes the holder let go.
 
-Two measurements, each HybridPS beside plain PyTorch on the same GPT, seed and batches:
+Two measurements, each HybridPS beside plain PyTorch on the same GPT, seed and batches, and
+HybridPS twice: with today's step path (``hybridps``) and with the one from before the step
+plans and the lean worker (``hybridps_before``: a ``ThreadPoolExecutor`` task per chunk, the
+runs found and cut by Python loops, torch's functional ``adam`` with new step tensors per
+run), installed on a second engine by this script so both run side by side in one process:
 
 - ``training``: the ticker's lateness (p50, p99, max, in ms) while each system trains,
   steps interleaved one by one so both share the machine's noise. HybridPS runs with its
@@ -41,10 +45,15 @@ import statistics
 import sys
 import threading
 import time
+import types
 
 import torch
+import torch.optim.adam as torch_adam
 
 import hybridps
+from hybridps.client.chunk import ChunkKind
+from hybridps.client.optimizer import adam_kernel
+from hybridps.client.step_worker import THREAD_NAME, StepWorker, _Task
 from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch
 
@@ -177,12 +186,12 @@ class GilProbe(Ticker):
                 os.close(holder_fd)
 
 
-def _worker_thread_id() -> int | None:
-    """The native id of the step worker's thread (named ``hybridps-step...``), once started."""
-    for thread in threading.enumerate():
-        if thread.name.startswith("hybridps-step"):
-            return thread.native_id
-    return None
+def _worker_thread_id(worker: StepWorker) -> int | None:
+    """The native id of ``worker``'s thread, once started (an executor's one thread, for the
+    path from before)."""
+    executor = getattr(worker, "_executor", None)
+    threads = list(executor._threads) if executor is not None else [worker._thread]
+    return threads[0].native_id if threads and threads[0] is not None else None
 
 
 def _under(label: str, prefix: str) -> bool:
@@ -214,7 +223,163 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), fused=True)
 
 
-def make_engine(args, cfg: GPTConfig, *, overlap_step: bool) -> hybridps.Engine:
+# -- the step path before (commit bd3d165), for the side-by-side -----------------------------
+#
+# What an early CPU step ran on the worker before the plans and the lean worker: a
+# ThreadPoolExecutor task under a ``no_grad`` context, and per chunk the runs found and cut
+# by Python loops, each group's call through torch's functional ``adam`` with a new step
+# tensor per run. Installed on one engine (``use_path_before``) so that both paths train
+# side by side in one run; the arithmetic is the same kernels on the same values.
+
+
+class ExecutorStepWorker(StepWorker):
+    """The step worker as it was: each compute a ``ThreadPoolExecutor`` task run under
+    ``torch.no_grad()`` (the task bookkeeping is today's, signalled the same way)."""
+
+    def __init__(self, window: int = 2):
+        super().__init__(window)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, compute, finish, chunk_ids, what) -> None:
+        self.reap()
+        while len(self._tasks) >= self.window:
+            self._finish_next()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        task = _Task(compute, finish, chunk_ids, what)
+        task.running.acquire()
+        self._tasks.append(task)
+        self._busy_ids.update(chunk_ids)
+        self.submitted += 1
+        self._executor.submit(_run_no_grad, task)
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def _run_no_grad(task: _Task) -> None:
+    try:
+        with torch.no_grad():
+            task.compute()
+    except BaseException as error:
+        task.error = error
+    task.running.release()
+
+
+def _runs_before(optim, infos) -> list[tuple[int, int, int, int]]:
+    runs: list[tuple[int, int, int, int]] = []
+    prev_end_slot = None
+    for info in infos:
+        g = optim.param_group_of[info.slot.index]
+        step = optim.steps[info.slot.index]
+        if runs and runs[-1][0] == g and runs[-1][1] == step and prev_end_slot == info.slot.index - 1:
+            group, s, start, _ = runs[-1]
+            runs[-1] = (group, s, start, info.slot.end)
+        else:
+            runs.append((g, step, info.slot.offset, info.slot.end))
+        prev_end_slot = info.slot.index
+    return runs
+
+
+def _adam_before(group: dict, step: int, spans: list, divisor: torch.Tensor | None) -> None:
+    params = [master[s:e] for master, _, _, _, s, e in spans]
+    grads = [g[s:e] for _, g, _, _, s, e in spans]
+    fused, foreach = adam_kernel(group, params)
+    if divisor is not None and not fused:
+        for g in grads:
+            g.div_(divisor)
+        divisor = None
+    exp_avgs = [m[s:e] for _, _, m, _, s, e in spans]
+    exp_avg_sqs = [v[s:e] for _, _, _, v, s, e in spans]
+    device = params[0].device
+    step_device = device if (fused and device.type != "cpu") else torch.device("cpu")
+    state_steps = [torch.tensor(float(step), dtype=torch.float32, device=step_device) for _ in spans]
+    beta1, beta2 = group["betas"]
+    torch_adam.adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        state_steps,
+        foreach=foreach,
+        capturable=False,
+        differentiable=False,
+        fused=fused,
+        grad_scale=divisor,
+        found_inf=None if divisor is None else torch.zeros((), dtype=torch.float32, device=device),
+        has_complex=False,
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group.get("maximize", False),
+    )
+
+
+def _step_compute_before(self, index, infos, inv_scale, clip_coef, backup, buffer):
+    store = self.store
+    master_kind = store.master_kind
+    used = store.layout.used(index)
+    master = store.rows[master_kind][index].payload
+    grad_payload = store.rows[store.grad_kind][index].payload
+    m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
+    param = store.rows[ChunkKind.PARAM][index].payload if master_kind is not ChunkKind.PARAM else None
+    runs = _runs_before(self, infos)
+    by_key: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for group, step, start, end in runs:
+        by_key.setdefault((group, step), []).append((start, end))
+    groups = [(self.param_groups[g], step, spans) for (g, step), spans in by_key.items()]
+    low = store.param_dtype != torch.float32
+    norm_type = self.speculation.norm_type
+    overflow_check = self.scaler is not None
+
+    def compute() -> None:
+        if backup is not None:
+            backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
+        divisor = None
+        if buffer is None:
+            grads = grad_payload
+            if clip_coef is not None:
+                coef = clip_coef.to(grads.device)
+                for _, _, start, end in runs:
+                    grads[start:end].mul_(coef)
+        else:
+            grads = buffer
+            grads[:used].copy_(grad_payload[:used])
+            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+            if clip_coef is not None:
+                factor = factor * clip_coef.cpu()
+            if inv_scale is not None or clip_coef is not None:
+                divisor = (1.0 / factor).to(grads.device)
+        for group, step, spans in groups:
+            _adam_before(group, step, [(master, grads, m, v, s, e) for s, e in spans], divisor)
+        if param is not None:
+            param[:used].copy_(master[:used])
+
+    return compute
+
+
+def use_path_before(engine: hybridps.Engine) -> None:
+    """Give ``engine``'s optimizer the step path from before (see above)."""
+    optim = engine.optimizer
+    optim.worker.close()
+    optim.worker = ExecutorStepWorker(window=optim.worker.window)
+    optim._step_compute = types.MethodType(_step_compute_before, optim)
+
+
+# -- the systems -------------------------------------------------------------------------
+
+
+def make_engine(args, cfg: GPTConfig, *, overlap_step: bool, before: bool = False) -> hybridps.Engine:
     torch.manual_seed(0)
     model = GPT(cfg)
     config = hybridps.Config(
@@ -224,12 +389,14 @@ def make_engine(args, cfg: GPTConfig, *, overlap_step: bool) -> hybridps.Engine:
     )
     engine = hybridps.initialize(model, adamw(model), config)
     engine.optimizer.cpu_steps_beside_backward = overlap_step  # as on a real GPU
+    if before:
+        use_path_before(engine)
     return engine
 
 
-def make_systems(args):
+def make_systems(args, *, before: bool = False):
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
-    engine = make_engine(args, cfg, overlap_step=True)
+    engine = make_engine(args, cfg, overlap_step=True, before=before)
     torch.manual_seed(0)
     plain = GPT(cfg)
     plain_opt = adamw(plain)
@@ -237,12 +404,15 @@ def make_systems(args):
 
 
 def training(args, ticker: Ticker) -> dict:
-    """The ticker beside each system's training, steps interleaved: HybridPS as described,
-    HybridPS without early steps (the Adam in ``engine.step()`` on the calling thread: what
-    HybridPS's hooks cost the GIL without the optimizer beside backward), plain PyTorch."""
+    """The ticker beside each system's training, steps interleaved (in an order that turns
+    each step): HybridPS as described,
+    the same with the step path from before (``hybridps_before``), HybridPS without early
+    steps (the Adam in ``engine.step()`` on the calling thread: what HybridPS's hooks cost
+    the GIL without the optimizer beside backward), plain PyTorch."""
     cfg, engine, plain, plain_opt = make_systems(args)
+    engine_before = make_engine(args, cfg, overlap_step=True, before=True)
     engine_after = make_engine(args, cfg, overlap_step=False)
-    names = ("hybridps", "hybridps_step_after_backward", "plain")
+    names = ("hybridps", "hybridps_before", "hybridps_step_after_backward", "plain")
     losses: dict[str, list[float]] = {name: [] for name in names}
     step_s: dict[str, list[float]] = {name: [] for name in names}
 
@@ -279,10 +449,15 @@ def training(args, ticker: Ticker) -> dict:
             x, y = batch(step, args.batch, args.seq, args.vocab)
             systems = {
                 "hybridps": hybridps_step,
+                "hybridps_before": lambda x, y: hybridps_step(x, y, engine_before),
                 "hybridps_step_after_backward": lambda x, y: hybridps_step(x, y, engine_after),
                 "plain": plain_step,
             }
-            for name, fn in systems.items():
+            # the order turns each step: the system after plain PyTorch's step pays for
+            # what it left behind (its caches, the allocator), so each takes each place in turn
+            turn = step % len(systems)
+            order = list(systems.items())[turn:] + list(systems.items())[:turn]
+            for name, fn in order:
                 measured = step >= args.warmup
                 ticker.label = name if measured else None
                 t0 = time.perf_counter()
@@ -293,8 +468,10 @@ def training(args, ticker: Ticker) -> dict:
                 if measured:
                     step_s[name].append(t1 - t0)
         tasks = engine.optimizer.worker.submitted
+        tasks_before = engine_before.optimizer.worker.submitted
     finally:
         engine.close()
+        engine_before.close()
         engine_after.close()
     out = {
         name: {
@@ -308,22 +485,19 @@ def training(args, ticker: Ticker) -> dict:
         for name in losses
     }
     out["hybridps"]["worker_tasks"] = tasks
-    for what in ("lateness", "gil_wait"):
-        for stat in ("p99_ms", "max_ms"):
-            key = f"{what}_{stat.removesuffix('_ms')}_vs_plain"
-            out[key] = ratio(out["hybridps"][what].get(stat), out["plain"][what].get(stat))
-    out["losses_equal"] = losses["hybridps"] == losses["plain"] == losses["hybridps_step_after_backward"]
+    out["hybridps_before"]["worker_tasks"] = tasks_before
+    for system in ("hybridps", "hybridps_before"):
+        for what in ("lateness", "gil_wait"):
+            for stat in ("p50_ms", "p99_ms", "max_ms"):
+                key = f"{system}_{what}_{stat.removesuffix('_ms')}_vs_plain"
+                out[key] = ratio(out[system][what].get(stat), out["plain"][what].get(stat))
+    out["losses_equal"] = all(losses[name] == losses["plain"] for name in names)
     return out
 
 
 def wait_computed(worker) -> None:
-    """Wait until every task on the step worker has computed, finishing none (a checkout
-    from before ``StepWorker.wait_computed`` waits on its executor's futures: the figures
-    before and after in docs/BENCHMARKS.md come from this same script)."""
-    if hasattr(worker, "wait_computed"):
-        worker.wait_computed()
-    else:
-        concurrent.futures.wait([t.future for t in worker._tasks])
+    """Wait until every task on the step worker has computed, finishing none."""
+    worker.wait_computed()
 
 
 class CallCounter:
@@ -401,61 +575,71 @@ def holds(probe: Ticker, label: str, windows: list[tuple[float, float]]) -> dict
 
 
 def step_only(args) -> dict:
-    """The GIL holds of the step alone (see the module docstring)."""
+    """The GIL holds of the step alone (see the module docstring), the step path of today
+    (``hybridps``) and from before (``hybridps_before``) interleaved iteration by iteration."""
     cfg, engine, plain, plain_opt = make_systems(args)
-    optim = engine.optimizer
-    worker = optim.worker
-    hooks_early_step = engine.hooks.early_step
-    worker_windows: list[tuple[float, float]] = []
-    plain_windows: list[tuple[float, float]] = []
-    calling_us: list[float] = []
-    finish_us: list[float] = []
-    chunks_stepped = 0
+    engines = {"hybridps": engine, "hybridps_before": make_engine(args, cfg, overlap_step=True, before=True)}
+    windows: dict[str, list[tuple[float, float]]] = {name: [] for name in (*engines, "plain")}
+    calling_us: dict[str, list[float]] = {name: [] for name in engines}
+    finish_us: dict[str, list[float]] = {name: [] for name in engines}
+    chunks_stepped = dict.fromkeys(engines, 0)
     previous_interval, previous_threads = sys.getswitchinterval(), torch.get_num_threads()
     probe = GilProbe()
+
+    def train_one(e, x, y) -> None:
+        _, loss = e(x, y)
+        e.backward(loss)
+        if args.clip:
+            e.clip_grad_norm_(args.clip)
+        e.step()
+        e.zero_grad()
+
+    def hybridps_step_alone(name, e, x, y) -> None:
+        optim = e.optimizer
+        worker = optim.worker
+        hooks_early_step = e.hooks.early_step
+        # the grads of a whole backward, no early steps yet
+        e.hooks.early_step = None
+        _, loss = e(x, y)
+        e.backward(loss)
+        e.hooks.early_step = hooks_early_step
+        order = sorted({i.chunk for i in e.client.params if i.has_grad}, reverse=True)  # backward's order
+        gate = threading.Event()
+        worker.window = len(order) + 1
+        worker.submit(gate.wait, lambda: None, frozenset(), "the gate")
+        for index in order:
+            t0 = time.perf_counter()
+            stepped = optim.step_chunk_early(index)
+            calling_us[name].append((time.perf_counter() - t0) * 1e6)
+            chunks_stepped[name] += stepped
+        probe.holder = _worker_thread_id(worker)
+        probe.label = name
+        t0 = time.perf_counter()
+        gate.set()
+        wait_computed(worker)  # the calling thread waits: only the worker runs Python now
+        windows[name].append((t0, time.perf_counter()))
+        probe.label = None
+        t0 = time.perf_counter()
+        worker.drain()  # each task's finish, on the calling thread
+        finish_us[name].append((time.perf_counter() - t0) * 1e6 / max(1, len(order)))
+        worker.window = 2
+        if args.clip:
+            e.clip_grad_norm_(args.clip)
+        e.step()
+        e.zero_grad()
+
     try:
         for step in range(args.warmup):  # warm-up iterations: the trace, placement, FINAL early steps after
             x, y = batch(step, args.batch, args.seq, args.vocab)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            if args.clip:
-                engine.clip_grad_norm_(args.clip)
-            engine.step()
-            engine.zero_grad()
+            for e in engines.values():
+                train_one(e, x, y)
         sys.setswitchinterval(args.switch_interval_s)
         torch.set_num_threads(args.step_only_threads)
         with probe:
             for step in range(args.warmup, args.warmup + args.steps):
                 x, y = batch(step, args.batch, args.seq, args.vocab)
-                # HybridPS: the grads of a whole backward, no early steps yet
-                engine.hooks.early_step = None
-                _, loss = engine(x, y)
-                engine.backward(loss)
-                engine.hooks.early_step = hooks_early_step
-                order = sorted({i.chunk for i in engine.client.params if i.has_grad}, reverse=True)  # backward's order
-                gate = threading.Event()
-                worker.window = len(order) + 1
-                worker.submit(gate.wait, lambda: None, frozenset(), "the gate")
-                for index in order:
-                    t0 = time.perf_counter()
-                    stepped = optim.step_chunk_early(index)
-                    calling_us.append((time.perf_counter() - t0) * 1e6)
-                    chunks_stepped += stepped
-                probe.holder = _worker_thread_id()
-                probe.label = "hybridps"
-                t0 = time.perf_counter()
-                gate.set()
-                wait_computed(worker)  # the calling thread waits: only the worker runs Python now
-                worker_windows.append((t0, time.perf_counter()))
-                probe.label = None
-                t0 = time.perf_counter()
-                worker.drain()  # each task's finish, on the calling thread
-                finish_us.append((time.perf_counter() - t0) * 1e6 / max(1, len(order)))
-                worker.window = 2
-                if args.clip:
-                    engine.clip_grad_norm_(args.clip)
-                engine.step()
-                engine.zero_grad()
+                for name, e in engines.items():
+                    hybridps_step_alone(name, e, x, y)
                 # plain PyTorch: the same batch, then its step alone under the probe
                 plain_opt.zero_grad()
                 _, loss = plain(x, y)
@@ -466,32 +650,40 @@ def step_only(args) -> dict:
                 probe.label = "plain"
                 t0 = time.perf_counter()
                 plain_opt.step()
-                plain_windows.append((t0, time.perf_counter()))
+                windows["plain"].append((t0, time.perf_counter()))
                 probe.label = None
-        calls = count_calls(args, engine, plain, plain_opt, args.warmup + args.steps)
+        calls = {
+            name: count_calls(args, e, plain, plain_opt, args.warmup + args.steps + k)
+            for k, (name, e) in enumerate(engines.items())
+        }
     finally:
         sys.setswitchinterval(previous_interval)
         torch.set_num_threads(previous_threads)
-        engine.close()
+        for e in engines.values():
+            e.close()
     store = engine.client.store
-    hybrid, plain_holds = holds(probe, "hybridps", worker_windows), holds(probe, "plain", plain_windows)
-    return {
+    found = {name: holds(probe, name, w) for name, w in windows.items()}
+    out = {
         "switch_interval_s": args.switch_interval_s,
         "torch_threads": args.step_only_threads,
         "chunks": store.num_chunks,
         "params_per_chunk": round(len(store.params) / max(1, store.num_chunks), 1),
-        "chunks_stepped_per_iteration": chunks_stepped // max(1, args.steps),
-        "hybridps_worker": hybrid,
-        "hybridps_calling_thread": {
-            "us_per_chunk": round(statistics.median(calling_us), 1),
-            "us_per_chunk_max": round(max(calling_us), 1),
-            "finish_us_per_chunk": round(statistics.median(finish_us), 1),
-        },
-        "plain_step": plain_holds,
-        "longest_hold_vs_plain": ratio(hybrid["longest_ms_median"], plain_holds["longest_ms_median"]),
-        "held_per_iteration_vs_plain": ratio(hybrid["held_ms_per_iteration"], plain_holds["held_ms_per_iteration"]),
-        "calls": calls,
+        "chunks_stepped_per_iteration": chunks_stepped["hybridps"] // max(1, args.steps),
+        "plain_step": found["plain"],
     }
+    for name in engines:
+        out[f"{name}_worker"] = found[name]
+        out[f"{name}_calling_thread"] = {
+            "us_per_chunk": round(statistics.median(calling_us[name]), 1),
+            "us_per_chunk_max": round(max(calling_us[name]), 1),
+            "finish_us_per_chunk": round(statistics.median(finish_us[name]), 1),
+        }
+        out[f"{name}_longest_hold_vs_plain"] = ratio(found[name]["longest_ms_median"], found["plain"]["longest_ms_median"])
+        out[f"{name}_held_per_iteration_vs_plain"] = ratio(
+            found[name]["held_ms_per_iteration"], found["plain"]["held_ms_per_iteration"]
+        )
+        out[f"{name}_calls"] = calls[name]
+    return out
 
 
 def main() -> None:

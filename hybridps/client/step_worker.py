@@ -19,7 +19,7 @@ flight was finished too, so no chunk stays taken.
 Does not own what a task computes or which chunks it holds (optimizer.py decides both).
 
 [Note: a task's life]
-``submit`` -> RUNNING (on the worker) -> DONE (the future completed) -> FINISHED (``finish``
+``submit`` -> RUNNING (on the worker) -> DONE (the compute ended) -> FINISHED (``finish``
 ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
 waiting; ``drain`` waits for and finishes all; ``wait_for`` only waits until the tasks
 holding a chunk are DONE (a chunk about to be accessed must not be written any more) and
