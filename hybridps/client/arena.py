@@ -22,15 +22,20 @@ the chunk size is chosen for padding alone and every pinned byte is a booked byt
 The arena grows on demand, one segment at a time, and never reserves its cap up front:
 the cap (a quarter of host memory by default) would otherwise be pinned, and booked with
 the node manager, whatever the model needs, and registering it all would stall start-up.
-A segment is whole pages (as the host maps and pins them) carved into slots of one size:
-about ``SEGMENT_TARGET_BYTES`` of them, at least one and at most ``SEGMENT_MAX_SLOTS``. Registration pins page by page, so chunks of 64 MiB and more
-gain nothing from sharing a registration and get a segment each; small chunks share one,
-so a model of thousands of small chunks makes tens of registrations, not thousands. The
-arena grows only when no slot of the size is free, so beyond its lent slots it holds less
-than one segment per slot size (``idle_bound_bytes``). Segments whose slots are all free
-are released only when the host needs the room (``release_idle``) or at close: slots are
-re-lent every iteration as chunks move, and re-registering them each time would cost more
-than keeping them.
+A segment is whole pages (as the host maps and pins them) carved into slots of one size.
+A segment that lends any slot cannot be given back, and which chunks are on the GPU (their
+slots free) follows the trace, not the slots' order; so a segment of several large slots
+keeps free slots the CPU may need for other chunks. In the planner, 64 MiB segments of
+8 MiB chunks cut the largest 50 B-class GPT on 1 x 80 GiB + 1 TiB from 102 layers to 97.
+Chunks of ``SEGMENT_TARGET_BYTES`` or more therefore get a segment each (registration pins
+page by page, so they gain nothing from sharing one), and every free slot of theirs can go
+when the host needs the room; smaller chunks share a segment of up to
+``SEGMENT_MAX_SLOTS`` slots, so a model of thousands of tiny chunks makes hundreds of
+registrations, not thousands. The arena grows only when no slot of the size is free, so
+beyond its lent slots it holds less than one segment per slot size (``idle_bound_bytes``).
+Segments whose slots are all free go only when the host needs the room (``release_idle``)
+or at close: slots are re-lent every iteration as chunks move, and registering them again
+each time would cost more than keeping them.
 
 [Note: when a slot is free again]
 A CPU slot is lent as ``torch.frombuffer`` over a memoryview of its segment: a storage of
@@ -61,8 +66,8 @@ from hybridps.common.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-#: bytes a segment aims at (see [Note: arena growth])
-SEGMENT_TARGET_BYTES = 64 * 2**20
+#: bytes a segment of small slots aims at; larger slots get a segment each (see [Note: arena growth])
+SEGMENT_TARGET_BYTES = 2**20
 #: most slots in one segment, so a model of small chunks holds few idle ones
 SEGMENT_MAX_SLOTS = 16
 #: the host's page: segments are whole pages (the planner's, on meta, too)
@@ -243,7 +248,7 @@ class HostArena:
             self._free[segment.slot_bytes].append((segment, index))
 
     def owns(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is a slot lent by this arena (or a view of one at its start)."""
+        """Whether ``t`` is a slot lent by this arena, or a view of one."""
         return t.device.type == self.device.type and self._key(t) in self._lent
 
     @staticmethod

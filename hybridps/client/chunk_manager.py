@@ -357,8 +357,8 @@ class ChunkManager:
         the request is refused and the CPU had to grow, they go (their release rides with the
         retried request), this operation neither takes from nor gives to the pool, and the
         arena grows by one slot at most. When the manager chose neither the referred device
-        nor the CPU while they hold CPU room, they go and the booking moves (one more
-        request) to where the manager then chooses."""
+        nor the CPU while they (or the arena's growth beyond one slot) hold CPU room, the same
+        happens and the booking moves (one more request) to where the manager then chooses."""
         exclude = tuple(exclude)
         planned = self._pool_side_bytes() + plan.side_change_bytes
         try:
@@ -383,11 +383,8 @@ class ChunkManager:
                 self._return_taken(plan)
                 self._settle_pool()  # the pool and the arena let go: so does their booking
                 raise
-        if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self._idle_host_bytes():
-            self.pool.clear()
-            plan.cancel()
-            if self.arena is not None:
-                self.arena.release_idle()
+        if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self._can_give_way(plan):
+            self._give_way(plan)
             planned = self._pool_side_bytes() + plan.side_change_bytes
             device = self._request(size, src=device, refer=refer, exclude=exclude, pool_bytes=planned)
         if device != "cpu" and (plan.slot is not None or plan.grow_bytes):

@@ -240,7 +240,7 @@ def test_cpu_param_chunks_live_in_the_arena_and_the_manager_books_all_of_it():
         assert conn.take() == {"update": 1}, "the arena's growth rides with the placement"
         assert arena.owns(c.payload)
         assert_exact(manager, conn)
-    assert arena.held_bytes == 16 * CHUNK_BYTES and arena.stats()["grown"] == 1  # one segment of 16 slots
+    assert arena.held_bytes == 4 * CHUNK_BYTES and arena.stats()["grown"] == 1  # one 1 MiB segment of 4 slots
     chunks[0].payload.fill_(3.0)
     for _ in range(3):  # to the GPU and back: its slot goes back to the arena and is lent again
         for device in ("cuda:0", "cpu"):
@@ -252,7 +252,7 @@ def test_cpu_param_chunks_live_in_the_arena_and_the_manager_books_all_of_it():
     assert arena.owns(chunks[0].payload) and bool((chunks[0].payload == 3.0).all())
     master = Chunk(ChunkKind.MASTER, 5, NUMEL, torch.float32, 5)
     manager.place(master, "cpu")  # optimizer states do not cross to the GPU each iteration: pageable
-    assert not arena.owns(master.payload) and arena.held_bytes == 16 * CHUNK_BYTES
+    assert not arena.owns(master.payload) and arena.held_bytes == 4 * CHUNK_BYTES
     assert_exact(manager, conn)
     manager.release_all([*chunks, master])
     assert arena.held_bytes == 0 and conn.status()["clients"][0]["usage"] == {}
@@ -264,7 +264,7 @@ def test_a_cpu_short_of_room_for_a_segment_grows_the_arena_by_one_slot():
     chunks = [new_chunk(i) for i in range(3)]
     for c in chunks:
         manager.place(c, "cpu")
-        assert conn.take() == {"update": 2}, "a segment of 16 slots refused, then one of one slot"
+        assert conn.take() == {"update": 2}, "a segment of 4 slots refused, then one of one slot"
         assert c.device == "cpu" and arena.owns(c.payload)
         assert_exact(manager, conn)
     assert arena.held_bytes == 3 * CHUNK_BYTES
@@ -274,16 +274,14 @@ def test_an_empty_arena_segment_gives_way_to_a_chunk_that_needs_the_room():
     arena = HostArena(1 << 30)
     manager, conn = make_manager(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES, arena=arena)
     param = new_chunk(0)
-    manager.place(param, "cpu")
+    manager.place(param, "cpu")  # a segment of 4 slots: the whole CPU
     manager.bring(param, "cuda:0")  # its slot is free now, still held and booked
-    assert arena.held_bytes == CHUNK_BYTES
-    masters = [Chunk(ChunkKind.MASTER, i, NUMEL, torch.float32, 10 + i) for i in range(4)]
-    for m in masters[:3]:
-        manager.place(m, "cpu")
+    assert arena.held_bytes == 4 * CHUNK_BYTES
     conn.take()
-    manager.place(masters[3], "cpu")  # room only without the arena's empty segment
-    assert masters[3].device == "cpu" and arena.held_bytes == 0
-    assert conn.take() == {"update": 2}, "refused, then the segment's release rides with the retry"
+    master = Chunk(ChunkKind.MASTER, 1, NUMEL, torch.float32, 10)
+    manager.place(master, "cpu")  # room only without the arena's empty segment
+    assert master.device == "cpu" and arena.held_bytes == 0
+    assert conn.take() == {"update": 2}, "placed on the GPU, then moved to the CPU with the segment's release"
     assert_exact(manager, conn)
 
 
