@@ -12,6 +12,7 @@ with the same code, from sizes alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,9 @@ MAX_AUTO_CHUNK_ELEMS = 64 * 2**20
 #: a packed run of consecutive tensors may pass the chosen size's upper bound by 1/this
 #: (see [Note: packed slack] in ``choose_chunk_size``)
 PACKED_SLACK = 16
+#: a chosen chunk of at least this many bytes is a whole number of them: host pages, so
+#: the host arena's slots tile its segments (see [Note: whole pages] in ``choose_chunk_size``)
+PAGE_BYTES = 4096
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -164,8 +168,9 @@ def choose_chunk_size(
     and grad chunks plus a neighbour fit beside activations; at least a sixteenth of the
     upper bound. Candidates are a grid over that range plus every sum of consecutive tensor
     sizes that falls in it or passes its top by at most 1/``PACKED_SLACK`` (see [Note: packed
-    slack]); the size with the least padding wins, and among equals the larger (fewer
-    chunks, larger copies).
+    slack]), each of a page or more rounded up to whole pages (see [Note: whole pages]); the
+    size with the least padding wins, and among equals the larger (fewer chunks, larger
+    copies).
 
     Padding is all that counts: host chunk payloads come from the host arena, which pins
     exactly a chunk's bytes, so no size costs more pinned memory than its own (see [Note: why
@@ -178,6 +183,14 @@ def choose_chunk_size(
     the 2^26 bound every weight fills a chunk and every bias opens the next one (7.1% of a
     12-layer model padding). A packed size up to 1/16 above the bound holds weight and bias
     together (2.3%); a chunk that much larger changes neither copy bandwidth nor placement.
+
+    [Note: whole pages]
+    The host arena maps and pins whole pages, so a chunk of 2050.5 pages leaves half a page
+    of every segment unused: booked host memory no chunk holds. In the planner that was
+    enough to tip a model near the CPU's limit (d_model 1024, 860 layers on 1 x 80 GiB +
+    120 GiB: an eviction found 8.00 MiB free for an 8.01 MiB chunk). A chunk of a page or
+    more is therefore a whole number of ``PAGE_BYTES`` (the common 4 KiB page, fixed so a plan
+    made on any machine picks a client's size): at most a page of padding per chunk.
     """
     aligned = [align_up(n, alignment) for n in numels]
     total = sum(aligned)
@@ -189,6 +202,11 @@ def choose_chunk_size(
     hi = max(alignment, hi - hi % alignment)
     lo = max(alignment, hi // 16)
     packed_hi = hi + hi // PACKED_SLACK
+    page = math.lcm(alignment, max(1, PAGE_BYTES // elem_bytes))
+
+    def whole_pages(size: int) -> int:
+        return align_up(size, page) if size * elem_bytes >= PAGE_BYTES else size
+
     candidates = {max(alignment, align_up(hi * k // 64, alignment)) for k in range(4, 65)}
     for i in range(len(aligned)):
         run = 0
@@ -198,7 +216,7 @@ def choose_chunk_size(
                 break
             if run >= lo:
                 candidates.add(run)
-    ordered = sorted(c for c in candidates if lo <= c <= packed_hi) or [hi]
+    ordered = sorted({whole_pages(c) for c in candidates if lo <= c <= packed_hi}) or [whole_pages(hi)]
     waste = [int(w) for w in layout_waste_many(numels, ordered, alignment)]
     best = min(range(len(ordered)), key=lambda k: (waste[k], -ordered[k]))
     return ordered[best]

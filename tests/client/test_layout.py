@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hybridps.client.client import auto_chunk_size
-from hybridps.client.layout import PACKED_SLACK, ChunkLayout, choose_chunk_size
+from hybridps.client.layout import PACKED_SLACK, PAGE_BYTES, ChunkLayout, choose_chunk_size
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.models import GPT, GPTConfig
@@ -73,7 +73,8 @@ def test_a_packed_size_may_pass_the_bound_by_a_sixteenth_to_hold_a_weight_with_i
     numels = [bound, 64, bound, 64] * 4
     size = choose_chunk_size(numels, elem_bytes=2, alignment=8, max_elems=bound)
     assert bound < size <= bound + bound // PACKED_SLACK
-    assert _padding(numels, size) == 0.0
+    assert size * 2 % PAGE_BYTES == 0, "a chunk of whole pages tiles the arena's segments"
+    assert _padding(numels, size) < 0.002  # weight and bias together; under a page of padding per chunk
 
 
 @pytest.mark.parametrize("d_model", [1024, 2048, 4096, 8192])
@@ -81,7 +82,9 @@ def test_the_projects_gpt_pads_at_most_3_percent(d_model):
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=12, d_model=d_model, n_head=d_model // 128, seq_len=1024, vocab_size=50304))
     numels = _numels(model)
-    assert _padding(numels, _client_chunk_size(numels, GPU_80)) <= 0.03
+    size = _client_chunk_size(numels, GPU_80)
+    assert _padding(numels, size) <= 0.03
+    assert size * 2 % PAGE_BYTES == 0, "whole pages: the arena's segments hold nothing but slots"
 
 
 def test_the_chunk_size_does_not_depend_on_whether_a_real_gpu_or_pinned_memory_is_there():
