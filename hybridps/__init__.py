@@ -21,9 +21,14 @@ from hybridps.common.errors import (
 )
 from hybridps.deferred_init import meta_init
 from hybridps.engine import Engine, initialize
+from hybridps.integrations import strategy_name as _strategy_name
 from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"
+
+# Trainer(strategy="hybridps") in PyTorch Lightning, without importing Lightning here
+# (integrations/strategy_name.py, [Note: registering with Lightning on import])
+_strategy_name.register()
 
 
 def __getattr__(name: str):

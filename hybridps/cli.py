@@ -1,9 +1,11 @@
 """Command-line entry points: ``hybridps-manager`` (the node daemon) and ``hybridps`` (tools).
 
 Owns argument parsing, the logging set-up (the only place that installs log handlers), the
-text rendering of a daemon's status, and turning a HybridPS error into one clear line on
-stderr and a non-zero exit code. ``hybridps`` has one subcommand per ``_cmd_<name>``
-function, each with its parser built in ``_add_<name>_parser``; add new ones the same way.
+text rendering of a daemon's status (whose every string is made safe to show first: the
+daemon, or whatever answers on its socket, is another process; see [Note: peer text] in
+common/text.py), and turning a HybridPS error into one clear line on stderr and a non-zero
+exit code. ``hybridps`` has one subcommand per ``_cmd_<name>`` function, each with its
+parser built in ``_add_<name>_parser``; add new ones the same way.
 
 Does not own what the daemon does (manager/) nor how a client talks to it (client/remote.py).
 """
@@ -28,6 +30,7 @@ from hybridps.common.devices import (
 )
 from hybridps.common.endpoints import TOKEN_ENV, parse_endpoint, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
+from hybridps.common.text import MAX_PEER_NAME_CHARS, safe_data, safe_text
 from hybridps.common.units import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -312,10 +315,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         try:
             status = query_status(args.endpoint, token=args.token, timeout_s=args.timeout)
         except HybridPSError as exc:
-            print(f"hybridps status: {exc}", file=sys.stderr, flush=True)
+            # The text may quote what answered on the endpoint: one safe line.
+            print(f"hybridps status: {safe_text(str(exc))}", file=sys.stderr, flush=True)
             return 1
         if args.json:
-            print(json.dumps(status, sort_keys=True), flush=True)
+            # Valid JSON whatever was sent: bounded strings, no NaN, no bytes.
+            print(json.dumps(safe_data(status), sort_keys=True), flush=True)
         else:
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[2J", end="")  # clear the screen between refreshes
@@ -332,18 +337,29 @@ def format_status(status: dict) -> str:
     """The text of ``hybridps status``: a header, a device table, a client table.
 
     A field the daemon did not send (another version) or sent in another form shows as
-    ``?``, and a last line names those fields; what is there is printed all the same.
+    ``?``, and a last line names those fields; what is there is printed all the same. Every
+    string is made safe to show first (``safe_data``), and so is each cell, whatever its type:
+    the only control characters in the text are the newlines between its lines.
     """
+    status = safe_data(status)
     missing: list[str] = []
+
+    def shown(value: object) -> str:
+        return safe_text(value, MAX_PEER_NAME_CHARS)
 
     def field(mapping: object, key: str, where: str, fmt=str) -> str:
         if isinstance(mapping, dict) and mapping.get(key) is not None:
             try:
-                return fmt(mapping[key])
-            except (TypeError, ValueError):
+                return shown(fmt(mapping[key]))
+            except (TypeError, ValueError, OverflowError):
                 pass
         missing.append(f"{where}{key}")
         return "?"
+
+    def held(usage: object, device: str, where: str) -> str:
+        if not isinstance(usage, dict):
+            return "?"  # named once per client below
+        return field(usage, device, f"{where}usage.", format_bytes) if device in usage else format_bytes(0)
 
     def section(key: str, kind: type) -> object:
         value = status.get(key) if isinstance(status, dict) else None
@@ -358,13 +374,16 @@ def format_status(status: dict) -> str:
         f"lease {field(status, 'lease_s', '', lambda v: f'{float(v):g}')} s"
     ]
     if isinstance(status, dict) and status.get("metrics_url"):
-        lines.append(f"metrics: {status['metrics_url']}")
+        lines.append(f"metrics: {shown(status['metrics_url'])}")
     recovery = status.get("recovery") if isinstance(status, dict) else None
     if isinstance(recovery, dict) and recovery.get("state") == "awaiting":
-        awaiting = recovery.get("awaiting") or []
+        awaiting = recovery.get("awaiting")
+        if not isinstance(awaiting, list):
+            missing.append("recovery.awaiting")
+            awaiting = []
         lines.append(
-            f"recovering: new bookings wait up to {float(recovery.get('left_s', 0)):.1f} s for {len(awaiting)} client(s) "
-            f"of the earlier instance: {', '.join(map(str, awaiting))}"
+            f"recovering: new bookings wait up to {field(recovery, 'left_s', 'recovery.', lambda v: f'{float(v):.1f}')} s "
+            f"for {len(awaiting)} client(s) of the earlier instance: {safe_text(', '.join(map(shown, awaiting)))}"
         )
     devices = section("devices", dict)
     rows = [("DEVICE", "KIND", "CAPACITY", "USED", "FREE", "PEAK")]
@@ -392,7 +411,9 @@ def format_status(status: dict) -> str:
         )
     lines += ["", *_table(rows, right=(2, 3, 4, 5))]
     sources = [
-        f"  {name}: {d['capacity_source']}" for name, d in devices.items() if isinstance(d, dict) and d.get("capacity_source")
+        f"  {name}: {shown(d['capacity_source'])}"
+        for name, d in devices.items()
+        if isinstance(d, dict) and d.get("capacity_source")
     ]
     if sources:
         lines += ["capacity from:", *sources]
@@ -402,7 +423,7 @@ def format_status(status: dict) -> str:
         names = list(devices)
         rows = [("RANK", "LOCAL", "PID", "HOST", "LAST SEEN", *names, "CLIENT ID")]
         for c in sorted(clients, key=lambda c: (str(c.get("host", "")), _sort_key(c.get("rank")), _sort_key(c.get("pid")))):
-            where = f"clients[{c.get('client_id', '?')}]."
+            where = f"clients[{shown(c.get('client_id', '?'))}]."
             usage = c.get("usage")
             if not isinstance(usage, dict):
                 missing.append(f"{where}usage")
@@ -413,7 +434,7 @@ def format_status(status: dict) -> str:
                     field(c, "pid", where),
                     field(c, "host", where, lambda v: str(v) or "?"),
                     field(c, "last_seen_age_s", where, lambda v: f"{float(v):.1f} s ago"),
-                    *((format_bytes(usage.get(n, 0)) if isinstance(usage, dict) else "?") for n in names),
+                    *(held(usage, n, where) for n in names),
                     field(c, "client_id", where),
                 )
             )

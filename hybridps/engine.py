@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridps import deferred_init
+from hybridps.client import optimizer_view
 from hybridps.client.client import Client
 from hybridps.client.events import EventRecorder
-from hybridps.client.hooks import ModuleHooks
+from hybridps.client.hooks import ModelHook, ModuleHooks
 from hybridps.client.loss_scaler import LossScaler
 from hybridps.client.optimizer import ChunkedAdam
 from hybridps.client.placeholder import ParamGuard
@@ -63,15 +65,14 @@ class Engine:
     """The training loop's verbs over a model whose data lives in chunks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *, client: Client | None = None):
+        optimizer_view.refuse_adopted(optimizer)
         self.config = config
         self.client = client or Client(config)
         self.module = model
-        device = self.client.compute.torch_device
         record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
+        self._conversions_seen = 0
         try:
-            for buf in model.buffers():
-                if not buf.is_meta:
-                    buf.data = buf.data.to(device)
+            self._buffers_to_compute_device()
             self.client.expect_optimizer = True  # registration counts the Adam states it will need
             self.client.register_module(model)
             self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
@@ -85,6 +86,13 @@ class Engine:
             self.client.placement.use_trace(self.tracer.next_use, self.tracer.replaying)
         self.hooks = ModuleHooks(self.client, model, self.tracer, on_bare_backward=self._finish_bare_backward)
         self.hooks.install()
+        #: the model's calls under way, outermost first: (whether this call opened the engine's
+        #: forward, its saved-tensor hooks); see [Note: the model's own call]
+        self._calls: list[tuple[bool, contextlib.AbstractContextManager | None]] = []
+        self.client.hook_handles += [
+            model.register_forward_pre_hook(ModelHook(self.hooks, self._call_begins), prepend=True, with_kwargs=True),
+            model.register_forward_hook(ModelHook(self.hooks, self._call_ends), always_call=True),
+        ]
         self.prefetcher = (
             Prefetcher(
                 self.client.store, self.client.mover, self.tracer, groups=self.client.groups, window=config.prefetch_window
@@ -124,6 +132,17 @@ class Engine:
         self.phase = IterationPhase.IDLE
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
         self.global_step = 0
+        # the script's own optimizer object steps, saves and loads the engine's (optimizer_view.py)
+        optimizer_view.adopt(optimizer, self.optimizer)
+        # an optimizer built later over these params would step them beside the engine (torch's
+        # in-place kernels write through to the chunks): refused at its first step
+        self.client.hook_handles.append(register_optimizer_step_pre_hook(self._refuse_other_optimizer))
+
+    def _buffers_to_compute_device(self) -> None:
+        device = self.client.compute.torch_device
+        for buf in self.module.buffers():
+            if not buf.is_meta and buf.device != device:
+                buf.data = buf.data.to(device)
 
     def _initialize_meta(self, record) -> set[int]:
         """Give params built on the meta device their values: replay their recorded init (see
@@ -159,13 +178,61 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. Floating-point inputs are cast to the compute precision and every
-        tensor input is moved to the compute device."""
+        tensor input is moved to the compute device. Calling the model itself is the same."""
+        return self.module(*args, **kwargs)
+
+    # [Note: the model's own call]
+    # Scripts call their model directly (``logits, loss = model(x, y)``), not only through
+    # ``engine(...)``. Both must be one forward: the same checks before anything is computed
+    # (grads in the param slots, params without values, a gathered_parameters block open), the
+    # tracer's iteration and its saved-tensor accounting (activations count against capacity,
+    # the trace drives eviction and prefetch), inputs cast and moved, the chunk groups' forward.
+    # So that work is a forward pre-hook and an always-called forward hook on the model itself,
+    # and ``engine(...)`` just calls the model. A call of the model inside its own forward (a
+    # model that calls itself) is left to the outermost call.
+
+    def _call_begins(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._calls:
+            self._calls.append((False, None))
+            return None
+        self._check_forward()
+        training = self.module.training and torch.is_grad_enabled()
+        args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
+        if training and not self.phase.iteration_open:
+            self.tracer.start_iteration()
+            self.phase = self.phase.forward_opens()
+        self.client.begin_forward()
+        saved = self._saved_tensors() if training else None
+        if saved is not None:
+            saved.__enter__()
+        self._calls.append((True, saved))
+        return args, kwargs
+
+    def _call_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._calls:
+            return  # the pre-hook refused this call before it opened anything
+        opened, saved = self._calls.pop()
+        if not opened:
+            return
+        try:
+            if saved is not None:
+                saved.__exit__(None, None, None)
+        finally:
+            self.client.end_forward()
+
+    def _check_forward(self) -> None:
+        """Refuse a forward that would compute with values the model does not have (raised
+        before anything is computed)."""
         if self._gathered:
             raise StateError(
                 "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
                 "replace with their chunks; leave the with-block first"
             )
-        self.client.guard.read_cache = None  # a state_dict cut short by an error leaves none behind
+        guard = self.client.guard
+        guard.read_cache = None  # a state_dict cut short by an error leaves none behind
+        if guard.conversions != self._conversions_seen:  # model.to(...)/cpu() moved the buffers, not the params
+            self._conversions_seen = guard.conversions
+            self._buffers_to_compute_device()
         if self.unset_params:
             names = [i.name for i in self.client.params if id(i.param) in self.unset_params]
             raise StateError(
@@ -174,22 +241,14 @@ class Engine:
                 f"inside `with hybridps.meta_init():` so its own init is replayed"
             )
         self.hooks.sync_requires_grad()
-        if self.config.grad_reuse and self.phase.grads_since_step:
+        # (a bare backward under fp16 leaves the phase as it was: see _finish_bare_backward)
+        plain_fp16 = self.scaler is not None and self._grads_from_plain_backward()
+        if self.config.grad_reuse and (self.phase.grads_since_step or plain_fp16):
             raise StateError(
                 "forward after backward without step(): with grad_reuse=True the grads sit in the params' own "
                 "slots, so the params are not there to compute with. Call engine.step() (or engine.zero_grad() "
                 "to drop the grads) first, or set Config(grad_reuse=False) to accumulate gradients over micro-batches"
             )
-        training = self.module.training and torch.is_grad_enabled()
-        if training and not self.phase.iteration_open:
-            self.tracer.start_iteration()
-            self.phase = self.phase.forward_opens()
-        args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
-        self.client.begin_forward()
-        with self._saved_tensors() if training else contextlib.nullcontext():
-            out = self.module(*args, **kwargs)
-        self.client.end_forward()
-        return out
 
     def _saved_tensors(self) -> contextlib.AbstractContextManager:
         """Hooks on what autograd saves in a training forward: the tracer's (activations on a
@@ -277,6 +336,24 @@ class Engine:
         ``engine.optimizer.step()`` (as Trainer-style loops call it) is the same call."""
         self.optimizer.step()  # through torch's step wrapper (LR schedulers count it), to _step
 
+    def _refuse_other_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """A global step pre-hook: a torch optimizer other than the engine's that holds params
+        of this engine must not step them (it would run its own Adam on the chunks' values)."""
+        if optimizer is self.optimizer:
+            return
+        by_id = self.client.store.by_id
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                info = by_id.get(id(p))
+                if info is not None and info.param is p:
+                    raise StateError(
+                        f"{type(optimizer).__name__}.step() over {info.describe()}, a param HybridPS holds, by an optimizer "
+                        f"that was not passed to hybridps.initialize: it would run its own update on the chunks beside "
+                        f"the engine's Adam. Keep stepping the optimizer passed to initialize (or engine.optimizer): change "
+                        f"the lr in its param_groups, restart Adam with load_state_dict; build the optimizer over every "
+                        f"param to train before initialize"
+                    )
+
     def _driven_step(self, closure=None):
         loss = None
         if closure is not None:
@@ -298,7 +375,7 @@ class Engine:
             self._end_backward()
         self.tracer.tick(("step",))
         try:
-            self.optimizer.step()
+            self.optimizer.step_chunks()
             self.global_step += 1
         finally:
             self.tracer.tick(("step_end",))

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> dict:
         def loss_of(x, y):
             return engine(x, y)[1]
 
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    # the fused kernel: several times faster than torch's default for-loop kernel on the CPU
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
     per_param = 14 if args.precision != "fp32" else 16
     model_bytes = n_params * per_param // world
     devices: dict = {}

@@ -14,6 +14,9 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
                    does not train) and, if DeepSpeed is importable, ZeRO-Offload at its
                    planned largest; then HybridPS at that size too, so both systems' TFLOPS
                    are compared at the largest size both train.
+6. ``tokens``:     TFLOPS at 8, 32 and 128 x 1024 tokens per optimizer step (gradient
+                   accumulation, ``--accum`` in the worker), a model that fits the GPU against
+                   the same model with the GPU capped at half its model data.
 
 Prints one JSON object. On a machine without a GPU it prints one line and exits 0.
 
@@ -50,7 +53,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("env", "tests", "bandwidth", "plan", "largest")
+PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens")
 RESULT_PREFIX = "GPU_VALIDATE_RESULT "
 
 
@@ -154,8 +157,10 @@ def _worker(args) -> dict:
     )
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
+    accum = args.accum
     batches = [
-        torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(args.warmup + args.steps)
+        [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(accum)]
+        for _ in range(args.warmup + args.steps)
     ]
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -164,25 +169,32 @@ def _worker(args) -> dict:
 
         with hybridps.meta_init():
             model = GPT(cfg)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         devices = {"cuda:0": args.gpu_bytes} if device.type == "cuda" else {"cuda:0": args.gpu_bytes or "1GiB"}
         if args.cpu_bytes:
             devices["cpu"] = args.cpu_bytes
         config = hybridps.Config(
-            precision=args.precision, devices=devices, simulate=device.type != "cuda", overlap_step=args.overlap_step
+            precision=args.precision,
+            devices=devices,
+            simulate=device.type != "cuda",
+            overlap_step=args.overlap_step if accum == 1 else False,
+            grad_reuse=accum == 1,  # micro-batches accumulate beside the params
         )
         if args.prefetch_window is not None:
             config = dataclasses.replace(config, prefetch_window=args.prefetch_window)
         engine = hybridps.initialize(model, optimizer, config)
 
-        def train_step(x, y):
-            _, loss = engine(x, y)
-            engine.backward(loss)
+        def train_step(micro):
+            total = 0.0
+            for x, y in micro:
+                _, loss = engine(x, y)
+                engine.backward(loss / accum)
+                total += loss.detach() / accum
             if args.clip:
                 engine.clip_grad_norm_(1.0)
             engine.step()
             engine.zero_grad()
-            return loss
+            return total
     else:
         import deepspeed
 
@@ -201,7 +213,7 @@ def _worker(args) -> dict:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         ds_config = {
             "train_micro_batch_size_per_gpu": args.batch,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": accum,
             "gradient_clipping": 1.0 if args.clip else 0.0,
             "bf16": {"enabled": args.precision == "bf16"},
             "fp16": {"enabled": args.precision == "fp16", "initial_scale_power": 16},
@@ -217,11 +229,14 @@ def _worker(args) -> dict:
                 model = GPT(cfg)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-        def train_step(x, y):
-            _, loss = engine(x.to(device), y.to(device))
-            engine.backward(loss)
-            engine.step()
-            return loss
+        def train_step(micro):
+            total = 0.0
+            for x, y in micro:  # DeepSpeed scales by its gradient_accumulation_steps and steps at the boundary
+                _, loss = engine(x.to(device), y.to(device))
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach() / accum
+            return total
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -233,10 +248,10 @@ def _worker(args) -> dict:
     )
     losses, times = [], []
     try:
-        for i, batch in enumerate(batches):
-            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        for i, step_batches in enumerate(batches):
+            micro = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in step_batches]
             t = time.perf_counter()
-            loss = train_step(x, y)
+            loss = train_step(micro)
             losses.append(float(loss.item()))  # .item() synchronizes
             sync()
             print(
@@ -252,7 +267,7 @@ def _worker(args) -> dict:
         print(f"worker diagnostics: {json.dumps(_diagnostics(args.system, engine, device))}", file=sys.stderr, flush=True)
         raise SystemExit(1) from e
     step_s = statistics.median(times)
-    tokens = args.batch * args.seq_len
+    tokens = args.batch * args.seq_len * accum
     flops = model_flops_per_step(cfg.n_params, cfg.n_layer, cfg.d_model, cfg.seq_len, tokens)
     out = {
         "system": args.system,
@@ -260,6 +275,8 @@ def _worker(args) -> dict:
         "d_model": cfg.d_model,
         "n_params": cfg.n_params,
         "batch": args.batch,
+        "accum": accum,
+        "tokens_per_step": tokens,
         "seq_len": args.seq_len,
         "precision": args.precision,
         "init_s": round(init_s, 2),
@@ -432,7 +449,9 @@ def phase_plan(clock: Clock, env: dict, args, node: dict) -> dict:
     return out
 
 
-def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int, timeout_s: float) -> dict:
+def _train(
+    system: str, n_layer: int, clock: Clock, env: dict, args, steps: int, timeout_s: float, *, accum: int = 1, gpu_bytes=None
+) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -445,9 +464,13 @@ def _train(system: str, n_layer: int, clock: Clock, env: dict, args, steps: int,
         str(steps),
         "--warmup",
         "1",
+        "--accum",
+        str(accum),
     ]
     if args.checkpoint:
         cmd.append("--checkpoint")
+    if system == "hybridps" and gpu_bytes is not None:
+        cmd += ["--gpu-bytes", str(gpu_bytes)]
     if system == "hybridps" and args.cpu_bytes:
         cmd += ["--cpu-bytes", str(args.cpu_bytes)]  # the capacity the plan was made for
     r = _run(cmd, min(timeout_s, clock.left_s() - 5), env)
@@ -512,6 +535,37 @@ def phase_largest(clock: Clock, env: dict, args, plan: dict, have_deepspeed: boo
     return out
 
 
+def phase_tokens(clock: Clock, env: dict, args, largest: dict) -> dict:
+    """TFLOPS at 8, 32 and 128 x 1024 tokens per optimizer step (gradient accumulation over
+    micro-batches of ``--batch``), for a model that fits the GPU and with the GPU capped at half
+    of its model data (offloaded), at the same tokens per step: the offloaded/fits ratio is the
+    cost of offloading once the optimizer step is amortized over realistic batches."""
+    n_layer = args.tokens_layers
+    if n_layer is None:
+        trained = ((largest.get("hybridps") or {}).get("largest") or {}) if isinstance(largest, dict) else {}
+        n_layer = max(1, int(trained.get("n_layer", 8) // 4))  # a quarter of the largest: it fits the GPU
+    out: dict = {"n_layer": n_layer, "runs": []}
+    per_micro = args.batch * args.seq_len
+    for tokens in (8 * 1024, 32 * 1024, 128 * 1024):
+        accum = max(1, tokens // per_micro)
+        row: dict = {"tokens_per_step": per_micro * accum, "accum": accum}
+        fits = _train("hybridps", n_layer, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s, accum=accum)
+        row["fits"] = {k: fits.get(k) for k in ("trained", "tflops", "step_s", "n_params", "stderr_tail") if k in fits}
+        if fits.get("trained") and clock.left_s() > 60:
+            half = fits["n_params"] * 16 // 2  # half its model data (16 B/param: accumulation keeps grads apart)
+            off = _train(
+                "hybridps", n_layer, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s, accum=accum, gpu_bytes=half
+            )
+            row["offloaded_half_gpu"] = {k: off.get(k) for k in ("trained", "tflops", "step_s", "stderr_tail") if k in off}
+            if off.get("trained"):
+                row["offloaded_over_fits"] = round(off["tflops"] / fits["tflops"], 3)
+        out["runs"].append(row)
+        if clock.left_s() < 60:
+            out["stopped"] = "budget"
+            break
+    return out
+
+
 # -- command line ---------------------------------------------------------------------------
 
 
@@ -541,6 +595,10 @@ def main(argv=None) -> int:
         "--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)"
     )
     ap.add_argument("--overlap-step", action="store_true")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches of --batch per optimizer step")
+    ap.add_argument(
+        "--tokens-layers", type=int, default=None, help="model size of the tokens phase (default: a quarter of the largest)"
+    )
     ap.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True, help="clip the grad norm to 1.0")
     ap.add_argument("--prefetch-window", type=int, default=None, help="moments to prefetch ahead (0: off; default: Config's)")
     args = ap.parse_args(argv)
@@ -592,6 +650,8 @@ def main(argv=None) -> int:
                 plan = report[phase] = phase_plan(clock, env, args, report["env"])
             elif phase == "largest":
                 report[phase] = phase_largest(clock, env, args, plan, have_deepspeed)
+            elif phase == "tokens":
+                report[phase] = phase_tokens(clock, env, args, report.get("largest") or {})
         except Exception as e:  # noqa: BLE001 - one phase's failure is reported, the rest still run
             report[phase] = {"error": f"{type(e).__name__}: {e}"}
         print(f"gpu_validate: {phase} done, {clock.left_s():.0f} s left", file=sys.stderr, flush=True)

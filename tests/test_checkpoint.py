@@ -267,3 +267,58 @@ def test_a_save_after_a_crash_between_the_renames_never_loses_the_unswapped_chec
     monkeypatch.undo()
     assert ckpt.load_checkpoint(other, tmp_path / "ck") == {"tag": "B"}
     assert all(torch.equal(other.state_dict()[k], v) for k, v in b_values.items())
+
+
+def _shares_of_the_optimizer(rank, world, path):
+    from hybridps.client.optimizer import SHARD_KEY
+
+    engine, sched = _engine()
+    _steps(engine, sched, 0, 3, rank, world)
+    share = engine.optimizer.state_dict()
+    assert share[SHARD_KEY] == {"rank": rank, "world_size": world}
+    torch.save(share, os.path.join(path, f"share{rank}.pt"))
+    held = {i for g in share["param_groups"] for i in g["params"]}
+    assert 0 < len(held) < sum(1 for _ in engine.module.parameters()), "each rank holds a part"
+    plain_model, _ = gpt_pair()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True)
+    try:
+        plain.load_state_dict(share)  # a part of a state: torch refuses it by the group sizes
+        refused_by_torch = False
+    except ValueError:
+        refused_by_torch = True
+    torch.distributed.barrier()
+    other = torch.load(os.path.join(path, f"share{1 - rank}.pt"), weights_only=True)
+    try:
+        engine.optimizer.load_state_dict(other)
+        refused_other = ""
+    except ConfigError as exc:
+        refused_other = str(exc)
+    engine.optimizer.load_state_dict(share)  # its own share, on its own layout
+    again = engine.optimizer.state_dict()
+    same = all(torch.equal(again["state"][i][k], share["state"][i][k]) for i in share["state"] for k in ("exp_avg", "exp_avg_sq"))
+    # a whole state dict (every param) loads on every rank: each keeps its own entries
+    whole = {"state": {}, "param_groups": [dict(g, params=[]) for g in share["param_groups"]]}
+    index = 0
+    for g, group in enumerate(engine.optimizer.param_groups):
+        whole["param_groups"][g]["params"] = list(range(index, index + len(group["params"])))
+        for p in group["params"]:
+            whole["state"][index] = {
+                "step": torch.tensor(7.0),
+                "exp_avg": torch.full(p.shape, float(index)),
+                "exp_avg_sq": torch.ones(p.shape),
+            }
+            index += 1
+    engine.optimizer.load_state_dict(whole)
+    mine = engine.optimizer.state_dict()
+    kept = set(mine["state"]) == held and all(
+        torch.equal(mine["state"][i]["exp_avg"], whole["state"][i]["exp_avg"]) for i in held
+    )
+    return refused_by_torch, refused_other, same, kept
+
+
+def test_a_ranks_optimizer_state_dict_is_its_share_refused_by_plain_torch_and_by_other_ranks(tmp_path):
+    results = run_ranks(_shares_of_the_optimizer, 2, str(tmp_path), timeout_s=120)
+    for rank, (refused_by_torch, refused_other, same, kept) in enumerate(results):
+        assert refused_by_torch, rank
+        assert "share of rank" in refused_other and "engine.save_checkpoint" in refused_other, refused_other
+        assert same and kept, rank

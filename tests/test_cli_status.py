@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import pytest
 
 from hybridps import cli
 from hybridps.client.remote import connect_remote
-from hybridps.common.protocol import ClientInfo
+from hybridps.common.protocol import MAX_ERROR_MESSAGE_CHARS, ClientInfo
 from tests.daemon import Daemons
+from tests.fake_endpoint import FakeEndpoint, error_reply, ok_reply
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +178,78 @@ def test_the_text_report_prints_what_a_daemon_of_another_version_sent_and_marks_
     assert (
         cli.format_status({}).splitlines()[-1].endswith("endpoint, pid, instance_id, uptime_s, lease_s, devices, totals, clients")
     )
+
+
+# -- whatever answers on the endpoint: what it sends is shown made safe and bounded -------------
+
+#: Every character a terminal could act on; the text output's only control characters are
+#: the newlines between its lines.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+HOSTILE = "\x1b[2J\x1b[31mred\r\x00\n"
+MEGABYTE = "A" * 1_000_000
+
+
+def _hostile_status(request):
+    status = {
+        "endpoint": "ipc:///x\x1b]0;title\x07",
+        "pid": 1,
+        "instance_id": HOSTILE,
+        "uptime_s": float("nan"),
+        "lease_s": float("inf"),
+        "metrics_url": MEGABYTE,
+        "recovery": {"state": "awaiting", "awaiting": [HOSTILE, MEGABYTE], "left_s": "\x1b[1m"},
+        "devices": {
+            "cpu": {"capacity_bytes": 1024, "used_bytes": 512, "free_bytes": 512, "peak_bytes": 512, "simulated": False},
+            "cuda:0\x1b[5m": {"capacity_bytes": b"\x1b[2J", "used_bytes": 2**64 - 1, "capacity_source": MEGABYTE},
+        },
+        "clients": [
+            {
+                "client_id": HOSTILE + MEGABYTE,
+                "rank": 0,
+                "local_rank": "\x9b2J",
+                "pid": 7,
+                "host": "nœud-é",
+                "usage": {"cpu": 512, "cuda:0\x1b[5m": "\x1b[2J"},
+                "last_seen_age_s": 0.5,
+            }
+        ],
+        "totals": {"capacity_bytes": 1024, "used_bytes": 512, "free_bytes": 512, "clients": 1},
+    }
+    return ok_reply(request, "status", status=status)
+
+
+def test_status_shows_a_hostile_status_as_plain_bounded_text_and_keeps_what_is_readable(capsys):
+    with FakeEndpoint(_hostile_status) as fake:
+        assert cli.main(["status", "--endpoint", fake.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert not CONTROL.search(out.replace("\n", ""))
+    assert max(len(line) for line in out.splitlines()) < 2000
+    assert r"instance \x1b[2J\x1b[31mred\r\x00\n," in out
+    assert "nœud-é" in out, "printable non-ASCII text stays readable"
+    assert "512 B" in out and "? = not in this daemon's status" in out
+
+
+def test_status_json_of_a_hostile_status_is_valid_bounded_json_of_escaped_strings(capsys):
+    with FakeEndpoint(_hostile_status) as fake:
+        assert cli.main(["status", "--endpoint", fake.endpoint, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and len(out) < 20_000
+    status = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert status["instance_id"] == r"\x1b[2J\x1b[31mred\r\x00\n"
+    assert status["uptime_s"] == "nan" and status["lease_s"] == "inf"
+    assert status["devices"][r"cuda:0\x1b[5m"]["capacity_bytes"] == r"b'\x1b[2J'"
+    (client,) = status["clients"]
+    assert client["host"] == "nœud-é" and client["client_id"].startswith(r"\x1b[2J\x1b[31mred\r\x00\nAAA")
+    assert client["client_id"].endswith(" chars]") and len(client["client_id"]) <= 256
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_status_reports_an_error_from_whatever_answers_in_one_safe_bounded_line(capsys, as_json):
+    with FakeEndpoint(lambda request: error_reply(request, "unauthorized", HOSTILE + MEGABYTE)) as fake:
+        assert cli.main(["status", "--endpoint", fake.endpoint, *(["--json"] if as_json else [])]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    assert err.count("\n") == 1 and err.endswith("\n") and not CONTROL.search(err[:-1])
+    assert err.startswith(r"hybridps status: \x1b[2J\x1b[31mred\r\x00\nAAA")
+    assert len(err) <= MAX_ERROR_MESSAGE_CHARS + 100 and err.rstrip().endswith(" chars]")

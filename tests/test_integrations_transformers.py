@@ -2,6 +2,7 @@
 fused AdamW, bit-equal losses and grad norms."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hybridps  # noqa: E402
+from hybridps.integrations.transformers import HybridPSTrainer  # noqa: E402
 from tests.dist import free_port  # noqa: E402
-from tests.trainer_job import logged, trainer  # noqa: E402
+from tests.trainer_job import arguments, dataset, logged, model, trainer  # noqa: E402
 
 
 @pytest.mark.parametrize("ga", [1, 2], ids=["one-batch", "accumulating-2"])
@@ -60,13 +62,62 @@ def test_a_lora_model_trains_as_with_plain_trainer_and_saves_its_adapters(tmp_pa
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
 
 
-@pytest.mark.parametrize("flag", ["fp16", "bf16"])
-def test_trainers_own_mixed_precision_flags_are_refused_with_the_fix(tmp_path, flag):
-    with pytest.raises(hybridps.HybridPSError, match=f"Config\\(precision='{flag}'\\)"):
-        trainer("hybridps", str(tmp_path / "a"), **{flag: True})
+def test_trainers_bf16_flag_runs_the_engine_in_bf16_within_2_percent_of_plain_trainers_bf16(tmp_path):
+    """--bf16 maps to Config(precision='bf16') (bf16 chunks, fp32 masters) instead of accelerate's
+    autocast; every logged loss stays within the stated bf16 tolerance (2%) of plain Trainer's
+    --bf16 run, and the caller's TrainingArguments are left as they were."""
+    plain = trainer("plain", str(tmp_path / "a"), bf16=True)
+    plain.train()
+    args = arguments(str(tmp_path / "b"), bf16=True, save_strategy="no")
+    ours = HybridPSTrainer(
+        model=model(), args=args, train_dataset=dataset(), hybridps_config=hybridps.Config(devices={"cuda:0": "512KiB"})
+    )
+    ours.train()
+    assert ours.engine.config.precision == "bf16" and ours.engine.client.param_dtype == torch.bfloat16
+    assert args.bf16 and not ours.args.bf16 and ours.args.mixed_precision == "no"
+    got, want = logged(ours), logged(plain)
+    assert len(got["loss"]) == len(want["loss"]) == 6
+    for a, b in zip(got["loss"], want["loss"], strict=True):
+        assert abs(a - b) <= 0.02 * abs(b), (got, want)
 
 
-def _torchrun(kind: str, outdir) -> dict:
+def test_trainers_fp16_flag_runs_the_engine_in_fp16_with_its_loss_scaler(tmp_path):
+    ours = trainer("hybridps", str(tmp_path / "b"), fp16=True)
+    ours.train()
+    assert ours.engine.config.precision == "fp16" and ours.engine.scaler is not None
+    assert all(math.isfinite(x) for x in logged(ours)["loss"])
+
+
+def test_a_precision_flag_that_contradicts_the_config_is_refused(tmp_path):
+    with pytest.raises(hybridps.HybridPSError, match="choose one precision"):
+        HybridPSTrainer(
+            model=model(),
+            args=arguments(str(tmp_path), bf16=True, save_strategy="no"),
+            train_dataset=dataset(),
+            hybridps_config=hybridps.Config(precision="fp16"),
+        )
+
+
+def test_torch_compile_and_full_eval_casts_are_refused_with_the_reason(tmp_path, monkeypatch):
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH"):
+        monkeypatch.delenv(name, raising=False)  # TrainingArguments(torch_compile=True) sets them for the process
+    with pytest.raises(hybridps.HybridPSError, match="compiled graph.*torch_compile=False"):
+        trainer("hybridps", str(tmp_path / "a"), torch_compile=True)
+    with pytest.raises(hybridps.HybridPSError, match="bf16_full_eval=False"):
+        trainer("hybridps", str(tmp_path / "b"), bf16_full_eval=True)
+
+
+def test_an_unfused_adamw_is_run_with_the_kernel_trainer_asked_for(tmp_path):
+    """--optim adamw_torch builds AdamW without fused: HybridPS steps with torch's default kernel
+    too, so the losses and grad norms equal plain Trainer's bit for bit."""
+    plain = trainer("plain", str(tmp_path / "a"), optim="adamw_torch")
+    plain.train()
+    ours = trainer("hybridps", str(tmp_path / "b"), optim="adamw_torch")
+    ours.train()
+    assert logged(ours) == logged(plain)
+
+
+def _torchrun(kind: str, outdir, *extra: str) -> dict:
     proc = subprocess.run(
         [
             sys.executable,
@@ -80,6 +131,7 @@ def _torchrun(kind: str, outdir) -> dict:
             "tests.trainer_job",
             kind,
             str(outdir),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -99,3 +151,19 @@ def test_two_ranks_under_torchrun_train_like_plain_ddp(tmp_path):
     assert ours["grad_norm"][0] > 0  # grads reached the clip reduced across the ranks
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "b" / "final")  # rank 0 wrote it, every rank gathered
     assert sum(p.numel() for p in loaded.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_two_ranks_as_the_uninterrupted_run_and_loads_on_one(tmp_path):
+    """Every rank's share of the Adam states goes into the engine's checkpoint inside the
+    Trainer checkpoint: resuming on the same two ranks continues bit for bit; one rank loads it
+    too (the engine's checkpoints load on any number of ranks)."""
+    whole = _torchrun("hybridps", tmp_path / "run", "--eval-save")
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    assert (ckpt / "hybridps" / "hybridps.json").exists() and not (ckpt / "optimizer.pt").exists()
+    resumed = _torchrun("hybridps", tmp_path / "run", "--eval-save", "--resume", str(ckpt))
+    assert len(resumed["loss"]) == 6  # the 3 steps of the checkpoint's log history, then 3 new ones
+    assert resumed["loss"][3:] == whole["loss"][3:] and resumed["grad_norm"][3:] == whole["grad_norm"][3:]
+    one = trainer("hybridps", str(tmp_path / "one"), eval_save=True)
+    one.train(resume_from_checkpoint=str(ckpt))
+    assert one.engine.global_step == 6 and len(logged(one)["loss"]) == 6

@@ -55,6 +55,7 @@ def dataset(n: int = 64):
 
 
 def arguments(outdir: str, **kw) -> transformers.TrainingArguments:
+    kw.setdefault("optim", "adamw_torch_fused")
     return transformers.TrainingArguments(
         output_dir=outdir,
         per_device_train_batch_size=4,
@@ -62,7 +63,6 @@ def arguments(outdir: str, **kw) -> transformers.TrainingArguments:
         learning_rate=1e-3,
         logging_steps=1,
         report_to=[],
-        optim="adamw_torch_fused",
         max_grad_norm=1.0,
         seed=0,
         use_cpu=True,
@@ -100,9 +100,11 @@ def main() -> None:
     ap.add_argument("kind", choices=["plain", "hybridps"])
     ap.add_argument("outdir")
     ap.add_argument("--ga", type=int, default=1)
+    ap.add_argument("--eval-save", action="store_true", help="evaluate and save a checkpoint every 3 steps")
+    ap.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     args = ap.parse_args()
-    t = trainer(args.kind, args.outdir, ga=args.ga)
-    t.train()
+    t = trainer(args.kind, args.outdir, ga=args.ga, eval_save=args.eval_save)
+    t.train(resume_from_checkpoint=args.resume)
     t.save_model(os.path.join(args.outdir, "final"))
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(logged(t)), flush=True)

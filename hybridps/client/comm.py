@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from hybridps.common.errors import HybridPSError
+from hybridps.common.text import MAX_PEER_NAME_CHARS, safe_data
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ def _get_all(store, keys: list[str]) -> list[bytes]:
 def read_records(store, keys: list[str], *, all_posted: bool = False) -> list[dict | None]:
     """The records under ``keys`` (None where a rank posted none): one ``check`` and one
     ``multi_get`` when all exist (only the ``multi_get`` if the caller knows they do), else
-    one check and get per key."""
+    one check and get per key. Their strings (a peer's op, chunk group and error) end up
+    in this rank's errors, so each is made safe to show (``_peer_json``)."""
     if not keys:
         return []
     if all_posted or store.check(keys):
@@ -204,10 +206,18 @@ def read_records(store, keys: list[str], *, all_posted: bool = False) -> list[di
     out: list[dict | None] = []
     for value in raw:
         try:
-            out.append(json.loads(bytes(value).decode()) if value else None)
+            out.append(_peer_json(value) if value else None)
         except ValueError:
             out.append(None)
     return out
+
+
+def _peer_json(value) -> object:
+    """What a peer posted in the store, decoded, every string made safe to show (control
+    characters escaped, at most MAX_PEER_NAME_CHARS; see [Note: peer text] in
+    common/text.py): a peer of another build, or anything else writing there, must not put
+    escape sequences or megabytes into this rank's errors and log."""
+    return safe_data(json.loads(bytes(value).decode()), MAX_PEER_NAME_CHARS)
 
 
 def _record_position(rec: dict) -> tuple[int, str, str, bool]:
@@ -830,7 +840,7 @@ class Collectives:
                 post = [index, mine[1] if mine else self.seq, mine and list(mine[2:5]), theirs and list(theirs[2:5])]
             self.store.set(keys[self.rank], json.dumps(post))
             self.store.wait(keys, timeout)
-            posts = [json.loads(bytes(v).decode()) for v in _get_all(self.store, keys)]
+            posts = [_peer_json(v) for v in _get_all(self.store, keys)]
         except dist.DistNetworkError as lost:
             return f"{head}; {self._store_lost_message(self.seq, 'check_order', what, lost)}"
         except Exception as err:

@@ -42,7 +42,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from hybridps.client.placeholder import ChunkedParameter
 from hybridps.client.states import TensorState
-from hybridps.common.errors import HybridPSError, RegistrationError
+from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
@@ -64,7 +64,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name))
 
 
-class _ModelHook:
+class ModelHook:
     """A forward hook of a model under HybridPS, as registered on each of its modules.
 
     ``copy.deepcopy(model)`` copies the modules' hook dicts: this hook copies as itself (a bound
@@ -83,7 +83,7 @@ class _ModelHook:
             return self.fn(mod, *args)
         return None
 
-    def __deepcopy__(self, memo) -> _ModelHook:
+    def __deepcopy__(self, memo) -> ModelHook:
         return self
 
     def __reduce__(self):
@@ -130,11 +130,13 @@ class ModuleHooks:
         self._borrowed_now: dict[nn.Module, list[nn.Parameter]] = {}  # borrowed by a forward not yet returned
         self._trainable = [i.param.requires_grad for i in client.params]
         self._grad_hooked: set[int] = set()
+        #: grads sit in the params' own slots from their backward to the step (Config.grad_reuse)
+        self.grad_reuse = client.config.grad_reuse
         self.handles: list = []
         client.guard.borrow = self.borrow
 
     def install(self) -> None:
-        pre_hook, post_hook = _ModelHook(self, self._pre_forward), _ModelHook(self, self._post_forward)
+        pre_hook, post_hook = ModelHook(self, self._pre_forward), ModelHook(self, self._post_forward)
         for mod in self.module.modules():
             self.handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True))
             self.handles.append(mod.register_forward_hook(post_hook, always_call=True))
@@ -187,6 +189,8 @@ class ModuleHooks:
         if not self._running:
             return False
         mod = self._running[-1]
+        if self.grad_reuse:
+            self._refuse_grad_slots(mod, [p])
         self.client.access(p, who=self._labels[mod][3])
         self._borrowed_now.setdefault(mod, []).append(p)
         if all(q is not p for q in self.own[mod]):
@@ -203,6 +207,8 @@ class ModuleHooks:
         params = self.own[mod]
         if not params:
             return
+        if self.grad_reuse:
+            self._refuse_grad_slots(mod, params)
         who = labels[3]
         done = []
         try:
@@ -218,6 +224,27 @@ class ModuleHooks:
             inputs = [t for t in iter_tensors(args) if t.requires_grad]
             if inputs:
                 register_multi_grad_hook(inputs, functools.partial(self._post_backward, mod), mode="all")
+
+    def _refuse_grad_slots(self, mod: nn.Module, params: list[nn.Parameter]) -> None:
+        """With grad reuse a param's slot holds its grad from the end of its backward to the
+        step: a forward then would compute with the grad as the weight. The engine refuses
+        such a forward of the model; this also covers a submodule called on its own."""
+        by_id = self.client.store.by_id
+        held = [by_id[id(p)] for p in params if by_id[id(p)].has_grad]
+        if not held:
+            return
+        if self.client.in_backward or self._bare_queued:  # a forward recomputed inside backward
+            raise StateError(
+                f"{self._labels[mod][3]} recomputes its forward during backward while {held[0].describe()} already holds "
+                f"its grad in its slot (grad_reuse=True): the param is used in two segments of reentrant activation "
+                f"checkpointing (torch.utils.checkpoint with use_reentrant=True), each of which runs its own backward. "
+                f"Use use_reentrant=False, or set Config(grad_reuse=False)"
+            )
+        raise StateError(
+            f"{self._labels[mod][3]} is called while {held[0].describe()} holds its grad in its slot (grad_reuse=True): "
+            f"a backward ran and no step() followed. Call engine.step() (or engine.zero_grad() to drop the grads) "
+            f"first, or set Config(grad_reuse=False) to accumulate gradients over micro-batches"
+        )
 
     def _post_forward(self, mod: nn.Module, args, output) -> None:
         if self._running and self._running[-1] is mod:

@@ -35,6 +35,7 @@ would see ops later, below autograd, and every op on an accessed param would pay
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -146,6 +147,8 @@ class ChunkedParameter(nn.Parameter):
 
     @data.setter
     def data(self, value):
+        if value is self:  # Module._apply after a conversion that left the param as it is (module_conversion)
+            return
         raise HybridPSError(
             f"{_what(self, 'this param')}: assigning .data outside forward would detach it from its chunks (the value would be lost "
             f"at the next step). Set its value with param.copy_(value) under torch.no_grad(), "
@@ -174,36 +177,61 @@ class ChunkedParameter(nn.Parameter):
         )
 
 
-class ReadOnlyGrad(torch.Tensor):
-    """What ``param.grad`` shows for a grad kept in a chunk: a copy of the (unscaled) grad that
-    every read works on and every in-place op refuses, since an edit of a copy would be lost
-    (``torch.nn.utils.clip_grad_norm_`` would compute the right norm and clip nothing)."""
+GRAD_SCALER_MESSAGE = (
+    "an enabled torch GradScaler steps an optimizer under HybridPS: it unscales param.grad in place and hands "
+    "its scale to the step, while HybridPS keeps grads in chunks and scales the loss itself. Build the GradScaler "
+    "with enabled=False (or drop it) and, for fp16, give hybridps.Config(precision='fp16') and call "
+    "engine.backward(loss) instead of scaler.scale(loss).backward()"
+)
 
-    _hybridps_name = "a param"
-    _hybridps_drop: Callable[[], None] | None = None  # drops the grad it copies
+
+class ReadOnlyCopy(torch.Tensor):
+    """A copy of a value HybridPS keeps in a chunk, shown where PyTorch shows a live tensor:
+    every read works on it and every in-place op refuses, since an edit of a copy would be
+    lost. ``_hybridps_what`` names the value, ``_hybridps_fix`` says what to call instead."""
+
+    _hybridps_what = "a value"
+    _hybridps_fix = ""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (
-            getattr(func, "__name__", "") == "zero_"
-            and len(args) == 1
-            and type(args[0]) is ReadOnlyGrad
-            and args[0]._hybridps_drop
-        ):
-            # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
-            args[0]._hybridps_drop()
-            with torch._C.DisableTorchFunctionSubclass():
-                return args[0].zero_()
-        if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyGrad)):
-            names = sorted({t._hybridps_name for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyGrad)})
-            raise HybridPSError(
-                f"{_name(func)} would edit the grad of {', '.join(names)}, which HybridPS keeps in a chunk; "
-                f"param.grad is a read-only copy. Clip with engine.clip_grad_norm_(max_norm) (not "
-                f"torch.nn.utils.clip_grad_norm_), drop grads with engine.zero_grad()"
-            )
+        if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyCopy)):
+            copies = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyCopy)]
+            refused = cls._refusal(func, copies)
+            if refused is not None:
+                raise refused
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    @classmethod
+    def _refusal(cls, func, copies: list[ReadOnlyCopy]) -> HybridPSError | None:
+        names = sorted({t._hybridps_what for t in copies})
+        return HybridPSError(
+            f"{_name(func)} would edit {', '.join(names)}, which HybridPS keeps in a chunk; what PyTorch shows here is a "
+            f"read-only copy. {copies[0]._hybridps_fix}"
+        )
+
+
+class ReadOnlyGrad(ReadOnlyCopy):
+    """What ``param.grad`` shows for a grad kept in a chunk: a copy of the (unscaled) grad
+    (``torch.nn.utils.clip_grad_norm_`` on it would compute the right norm and clip nothing)."""
+
+    _hybridps_what = "the grad of a param"
+    _hybridps_fix = (
+        "Clip with engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_), drop grads with engine.zero_grad()"
+    )
+    _hybridps_drop: Callable[[], None] | None = None  # drops the grad it copies
+
+    @classmethod
+    def _refusal(cls, func, copies: list[ReadOnlyCopy]) -> HybridPSError | None:
+        if getattr(func, "__name__", "") == "zero_" and len(copies) == 1 and copies[0]._hybridps_drop:
+            # model.zero_grad(set_to_none=False): the grad is dropped (a later backward starts from none)
+            copies[0]._hybridps_drop()
+            return None
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return HybridPSError(GRAD_SCALER_MESSAGE)
+        return super()._refusal(func, copies)
 
 
 def _name(func) -> str:
@@ -230,6 +258,26 @@ def _inits_without_grad(func) -> bool:
     return getattr(func, "__module__", "") == "torch.nn.init"
 
 
+_CONVERSION_DTYPES = {"half": torch.float16, "float": torch.float32, "double": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _conversion_target(op: str, args, kwargs) -> tuple[torch.dtype | None, torch.device | None]:
+    """(dtype, device) a conversion asks for; None where it keeps the tensor's."""
+    if op in _CONVERSION_DTYPES:
+        return _CONVERSION_DTYPES[op], None
+    if op == "to":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        return dtype, None if device is None else torch.device(device)
+    if op == "type":
+        target = args[1] if len(args) > 1 else kwargs.get("dtype")
+        if isinstance(target, torch.dtype):
+            return target, None
+        return None, None  # a tensor-type name: no module conversion passes one
+    if op == "empty_like":
+        return None, None
+    return None, torch.device(op)  # cuda, cpu, xpu, mps
+
+
 def _mutates(func, args, kwargs, is_target: Callable[[Any], bool]) -> bool:
     """Whether ``func`` writes into a target among its arguments (in place or ``out=``)."""
     out = kwargs.get("out")
@@ -239,8 +287,28 @@ def _mutates(func, args, kwargs, is_target: Callable[[Any], bool]) -> bool:
     return target is not None and any(is_target(t) for t in pytree.tree_leaves(target))
 
 
+#: conversions ``Module.to``/``cuda``/``cpu``/``half``/``float``/``to_empty``... apply to each param
+_CONVERSIONS = frozenset({"to", "cuda", "cpu", "xpu", "mps", "half", "float", "double", "bfloat16", "type", "empty_like"})
+_MODULE_APPLY_CODE = nn.Module._apply.__code__
+
+
+def _from_module_apply() -> bool:
+    """Whether the op being dispatched was called by ``nn.Module._apply`` (a conversion of a whole
+    module), not by code reading a param (``w = p.to("cpu")`` wants a copy of its value)."""
+    frame = sys._getframe(2)
+    for _ in range(4):  # __torch_function__ -> the conversion's lambda -> Module._apply
+        if frame is None:
+            return False
+        if frame.f_code is _MODULE_APPLY_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _dispatch(func, args, kwargs):
     name = getattr(func, "__name__", "")
+    if name in _CONVERSIONS and args and id(args[0]) in _GUARDS and _from_module_apply():
+        return _GUARDS[id(args[0])].module_conversion(name, args, kwargs)
     if name == "__get__" or name == "__set__":
         prop = getattr(func.__self__, "__name__", "")
         param = args[0]
@@ -285,6 +353,8 @@ class ParamGuard:
         self._shadows: dict[int, torch.Tensor] = {}
         #: while a state_dict is taken: id(param) -> the copy already read (one tensor per tied param)
         self.read_cache: dict[int, torch.Tensor] | None = None
+        #: module conversions seen (model.to/cuda/cpu/float: see [Note: converting a model under HybridPS])
+        self.conversions = 0
 
     # -- the class swap (hot path) ---------------------------------------------------------
 
@@ -356,7 +426,7 @@ class ParamGuard:
         if value is None:
             return None
         grad = value.as_subclass(ReadOnlyGrad)
-        grad._hybridps_name = self.describe(param)
+        grad._hybridps_what = f"the grad of {self.describe(param)}"
         grad._hybridps_drop = lambda: self.client.drop_grad(param)
         return grad
 
@@ -447,6 +517,39 @@ class ParamGuard:
             if isinstance(result, torch.Tensor) and id(result) in back:
                 return next(t for t in targets if id(t) == back[id(result)])
         return result
+
+    # [Note: converting a model under HybridPS]
+    # ``model.to(device)``, ``.cuda()``, ``.cpu()`` and ``.float()`` run ``nn.Module._apply``,
+    # which converts each param and either sets ``param.data`` to the result or, where the
+    # result's tensor type differs (another device type), replaces the param in its module by a
+    # new Parameter: a param HybridPS no longer knows, which would then compute as a frozen
+    # copy and never train. So a conversion called by ``Module._apply`` leaves a registered param
+    # as it is (the model data stays where HybridPS placed it; the engine moves inputs to the
+    # compute device) and ``_apply`` then sets ``param.data`` to the param itself, a no-op. A
+    # conversion that would change a param's dtype (``.half()``, ``.to(torch.bfloat16)``) or move
+    # it to the meta device (``to_empty``) is refused with the fix: the compute precision is
+    # ``Config.precision``. A param's own ``p.to(...)``, ``p.cpu()`` outside ``_apply`` still gives
+    # a copy of its value.
+
+    def module_conversion(self, op: str, args, kwargs) -> nn.Parameter:
+        param = args[0]
+        info = self.info(param)
+        dtype, device = _conversion_target(op, args, kwargs)
+        what = f"model.{op}(...)" if op != "empty_like" else "model.to_empty(...)"
+        if op == "empty_like" or (device is not None and device.type == "meta"):
+            raise HybridPSError(
+                f"{what} after hybridps.initialize on {info.describe()}: its value lives in HybridPS chunks and would be "
+                f"thrown away. Build the model on the meta device before initialize (hybridps.meta_init(), or "
+                f"engine.load_pretrained for its weights)"
+            )
+        self.conversions += 1  # the engine puts the buffers back on the compute device at the next forward
+        if dtype is not None and dtype != info.orig_dtype:
+            raise HybridPSError(
+                f"{what} after hybridps.initialize would make {info.describe()} {dtype}: HybridPS keeps {info.orig_dtype} "
+                f"master weights and computes in the precision of its Config. Give hybridps.Config(precision='bf16') "
+                f"(or 'fp16') instead of converting the model"
+            )
+        return param
 
     def _grad_through_copy(self, param: nn.Parameter):
         def hook(copy: torch.Tensor) -> None:

@@ -579,7 +579,10 @@ def _by_device(sizes: Mapping[str, int] | None) -> dict[str, int]:
 
 
 def _raise_for(reply: p.Reply) -> None:
-    """Turn an error reply into the exception the embedded manager would have raised."""
+    """Turn an error reply into the exception the embedded manager would have raised. Its
+    message came from another process and was made safe to show (control characters
+    escaped, length bounded) when the reply was decoded (protocol.py, [Note: error texts]),
+    as were its code and every name in a reply; so are the log lines that quote them."""
     if reply.ok:
         return
     code, message = reply.code, reply.message  # type: ignore[attr-defined]

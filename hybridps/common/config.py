@@ -442,6 +442,11 @@ class Config:
         out["devices"] = dict(self.devices)
         return out
 
+    def __reduce__(self):
+        # pickled as its fields: ``devices`` is a read-only mappingproxy, which pickle refuses,
+        # and spawned workers (Lightning's spawn launcher, multiprocessing) receive configs
+        return (type(self).from_dict, (self.to_dict(),))
+
     def to_file(self, path: str | os.PathLike) -> None:
         """Write the fields as JSON; ``from_file`` reads them back to an equal Config."""
         p = Path(path)

@@ -44,7 +44,15 @@ message rather than dropping the reply as malformed.
 [Note: error texts]
 An error message is free text of any length (a CapacityError lists every device); it is
 only truncated, never dropped, at ``MAX_ERROR_MESSAGE_CHARS`` so that a reply stays far
-below any frame limit.
+below any frame limit. It is made safe to show (``common/text.py``, [Note: peer text]:
+control characters escaped, the length bounded) both when a reply is encoded and when one is
+decoded, so neither a daemon echoing what a client sent nor whatever answers on a daemon's
+socket puts escape sequences or megabytes into an exception, a log line or a terminal; a
+``BadMessage`` text, which quotes what was received, is made safe the same way. Names
+(client ids, hosts, devices, codes, instance ids) are refused (``bad_field``) unless
+printable, so whatever the daemon logs or echoes of a request is plain text; the token is
+exempt (it is never shown, not even escaped). The status map is data and is made safe where
+it is shown (``hybridps status``).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from hybridps.common.errors import ProtocolError
+from hybridps.common.text import MAX_PEER_NAME_CHARS, MAX_PEER_TEXT_CHARS, safe_text
 
 PROTOCOL_VERSION = 3
 
@@ -64,8 +73,9 @@ PROTOCOL_VERSION = 3
 #: [Note: versions].
 ERROR_REPLY_WIRE_VERSION = 1
 
-#: Error messages longer than this are truncated (with a marker), never dropped.
-MAX_ERROR_MESSAGE_CHARS = 16 * 1024
+#: Error messages longer than this are truncated (with a marker), never dropped; the bound
+#: on a peer's free text (see [Note: error texts]).
+MAX_ERROR_MESSAGE_CHARS = MAX_PEER_TEXT_CHARS
 
 #: Sizes beyond this are refused as absurd (no node holds an exabyte); it also keeps every
 #: size inside msgpack's and int64's range. See [Note: sizes].
@@ -76,7 +86,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 _MAX_ID = 2**64 - 1
 _MAX_INT = 2**63 - 1
-_MAX_STR = 256
+_MAX_STR = MAX_PEER_NAME_CHARS
 _MAX_NAMES = 64
 
 #: Every code a reply can carry, and what it means (docs/MANAGER.md lists the fixes).
@@ -110,7 +120,8 @@ class BadMessage(ProtocolError):
     """A malformed message; carries the request id when it could be read, for the reply."""
 
     def __init__(self, message: str, code: str = "bad_request", request_id: int = 0):
-        super().__init__(message, code)
+        # The text quotes what was received (see [Note: error texts]).
+        super().__init__(safe_text(message, MAX_ERROR_MESSAGE_CHARS), code)
         self.request_id = request_id
 
 
@@ -150,6 +161,20 @@ def _check_size(name: str, value: Any) -> None:
 def _check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
         raise BadMessage(f"{name}={value!r} must be a string", "bad_field")
+    if len(value) > _MAX_STR:
+        raise BadMessage(f"{name} is {len(value)} characters long; at most {_MAX_STR}", "bad_field")
+    if not value.isprintable():
+        raise BadMessage(
+            f"{name} '{safe_text(value, _MAX_STR)}' holds characters that are not printable (control characters, "
+            f"escape sequences); names are printable text",
+            "bad_field",
+        )
+
+
+def _check_secret(name: str, value: Any) -> None:
+    # The token: any characters (it is compared, never shown), and never quoted in an error.
+    if not isinstance(value, str):
+        raise BadMessage(f"{name} must be a string, not {type(value).__name__}", "bad_field")
     if len(value) > _MAX_STR:
         raise BadMessage(f"{name} is {len(value)} characters long; at most {_MAX_STR}", "bad_field")
 
@@ -202,11 +227,14 @@ _CHECKS = {
     "tuple[str, ...]": _check_names,
     "dict": _check_dict,
     "text": _check_text,
+    "secret": _check_secret,
     "dict[str, int]": _check_usage,
 }
 
 #: Annotation of free-text fields (checked by _check_text, not limited to _MAX_STR).
 text = str
+#: Annotation of the token (checked by _check_secret: not shown, so any characters).
+secret = str
 
 _HEADER = ("version", "request_id", "token", "instance_id")
 
@@ -249,7 +277,7 @@ class Request(_Message):
     version: int = PROTOCOL_VERSION
     request_id: int = 0
     #: Shared secret of a daemon started with --token; "" when none is configured.
-    token: str = ""
+    token: secret = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -529,17 +557,19 @@ def encode_reply(reply: Reply) -> bytes:
         if name != "instance_id":
             body[name] = getattr(reply, name)
     if isinstance(reply, ErrorReply):
-        if len(reply.message) > MAX_ERROR_MESSAGE_CHARS:
-            cut = len(reply.message) - MAX_ERROR_MESSAGE_CHARS
-            body["message"] = reply.message[:MAX_ERROR_MESSAGE_CHARS] + f" [... {cut} more characters cut]"
+        # A message may quote what a client sent (see [Note: error texts]).
+        body["message"] = safe_text(reply.message, MAX_ERROR_MESSAGE_CHARS)
         if reply.code == "bad_version":
             body["v"] = ERROR_REPLY_WIRE_VERSION  # readable by a peer of any version
     return msgpack.packb(body, use_bin_type=True)
 
 
 def decode_reply(data: bytes) -> Reply:
-    """The reply in ``data``; raises BadMessage on anything malformed."""
+    """The reply in ``data``; raises BadMessage on anything malformed. An error reply's
+    message is made safe to show (see [Note: error texts])."""
     obj = _unpack(data)
+    if isinstance(obj.get("message"), str):
+        obj["message"] = safe_text(obj["message"], MAX_ERROR_MESSAGE_CHARS)
     if obj.get("kind") == "error" and obj.get("v") != PROTOCOL_VERSION and isinstance(obj.get("v"), int):
         return _foreign_error(obj)
     request_id = _header(obj)

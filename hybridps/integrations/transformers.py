@@ -14,10 +14,13 @@ Does not own the training loop, data, schedulers, logging or checkpoints' layout
 Trainer's. Checked against plain Trainer (fp32, fused AdamW, bit-equal losses): gradient
 accumulation, ``max_grad_norm``, LR schedulers, the eval loop, ``save_steps`` checkpoints and
 ``resume_from_checkpoint`` (one rank), ``save_pretrained`` output, peft LoRA models, and two
-ranks under torchrun. The ``fp16``/``bf16`` flags are refused with the fix (give
-``Config(precision=...)``: HybridPS runs its own 16-bit chunks and loss scaler). With several
-ranks the optimizer state in a Trainer checkpoint is rank 0's share only, so resuming such a
-checkpoint is refused.
+ranks under torchrun, and ``--optim adamw_torch`` (torch's default kernel, reproduced bit for
+bit) beside ``adamw_torch_fused``. The ``bf16``/``fp16`` flags become the engine's precision
+(16-bit chunks, fp32 masters, its own loss scaler; losses within 2% of plain Trainer's
+autocast run), and Trainer's backward is the engine's (it applies that loss scale);
+``torch_compile`` and ``*_full_eval`` are refused with the reason. With several ranks a
+Trainer checkpoint holds the engine's own checkpoint, every rank's share of the optimizer
+(see [Note: Trainer checkpoints of several ranks]), and resumes on any number of ranks.
 
     trainer = HybridPSTrainer(model=model, args=args, train_dataset=ds,
                               hybridps_config=hybridps.Config(devices={"cuda:0": "8GiB"}))
@@ -25,6 +28,10 @@ checkpoint is refused.
 
 from __future__ import annotations
 
+import copy
+import logging
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -37,6 +44,58 @@ try:
     import transformers
 except ImportError as exc:  # pragma: no cover - the hf extra is missing
     raise ImportError("hybridps.integrations.transformers needs transformers: pip install 'hybridps[hf]'") from exc
+
+logger = logging.getLogger(__name__)
+
+#: the engine's own checkpoint inside a Trainer checkpoint of several ranks (see
+#: [Note: Trainer checkpoints of several ranks])
+ENGINE_CHECKPOINT = "hybridps"
+#: Trainer's file name of the LR scheduler's state (transformers.trainer.SCHEDULER_NAME)
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def _mapped_arguments(args: transformers.TrainingArguments, config: Config) -> tuple[transformers.TrainingArguments, Config]:
+    """The TrainingArguments Trainer gets under HybridPS, and the engine's config.
+
+    ``bf16``/``fp16`` become the engine's precision (16-bit chunks, fp32 masters, its own loss
+    scaler for fp16) on a copy of the arguments with accelerate's autocast off, since autocast
+    and a GradScaler beside HybridPS's own would scale twice. What cannot work is refused
+    with the reason: ``torch_compile`` (HybridPS swaps each param's storage around every
+    module call, which a compiled graph cannot follow) and ``bf16_full_eval``/``fp16_full_eval``
+    (they cast the model, whose params live in chunks; evaluation runs at the engine's
+    precision anyway)."""
+    if args.torch_compile:
+        raise HybridPSError(
+            f"TrainingArguments(torch_compile=True, backend={args.torch_compile_backend!r}): HybridPS swaps each param's "
+            f"storage in and out of its chunk around every module call, which a compiled graph cannot follow, so "
+            f"plain Trainer's compile cannot run under HybridPSTrainer. Set torch_compile=False"
+        )
+    for flag in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, flag, False):
+            raise HybridPSError(
+                f"TrainingArguments({flag}=True) casts the model for evaluation, whose params live in HybridPS chunks; "
+                f"evaluation runs at the engine's precision already (bf16/fp16 with --bf16/--fp16). Set {flag}=False"
+            )
+    flag = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    if flag is None:
+        return args, config
+    if config.precision not in ("fp32", flag):
+        raise HybridPSError(
+            f"TrainingArguments({flag}=True) with hybridps.Config(precision={config.precision!r}): choose one precision, "
+            f"either the flag or the config's"
+        )
+    logger.info(
+        "TrainingArguments(%s=True): HybridPS runs it as Config(precision=%r) (%s params and grads in its chunks, fp32 "
+        "master weights%s); accelerate's autocast is off",
+        flag,
+        flag,
+        flag,
+        ", its own loss scaler" if flag == "fp16" else "",
+    )
+    mapped = copy.copy(args)  # the caller's arguments stay as they were
+    mapped.fp16 = mapped.bf16 = False
+    mapped.mixed_precision = "no"
+    return mapped, config.replace(precision=flag)
 
 
 class _EngineModule(nn.Module):
@@ -55,20 +114,16 @@ class HybridPSTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose model data lives in HybridPS chunks."""
 
     def __init__(self, *args: Any, hybridps_config: Config | None = None, **kwargs: Any):
-        self.hybridps_config = hybridps_config if hybridps_config is not None else Config()
+        config = hybridps_config if hybridps_config is not None else Config()
+        # the TrainingArguments: the second positional argument, or the keyword
+        if len(args) > 1:
+            training_args, config = _mapped_arguments(args[1], config)
+            args = (args[0], training_args, *args[2:])
+        elif kwargs.get("args") is not None:
+            kwargs["args"], config = _mapped_arguments(kwargs["args"], config)
+        self.hybridps_config = config
         self.engine = None
         super().__init__(*args, **kwargs)
-        self._refuse_unsupported()
-
-    def _refuse_unsupported(self) -> None:
-        a = self.args
-        if a.fp16 or a.bf16:
-            flag = "fp16" if a.fp16 else "bf16"
-            raise HybridPSError(
-                f"TrainingArguments({flag}=True) asks accelerate for autocast and a GradScaler, which would run beside "
-                f"HybridPS's own {flag} (16-bit chunks, fp32 masters, its loss scaler): set {flag}=False and give "
-                f"HybridPSTrainer(hybridps_config=hybridps.Config(precision={flag!r}))"
-            )
 
     # -- optimizer and model -------------------------------------------------------------
 
@@ -92,6 +147,18 @@ class HybridPSTrainer(transformers.Trainer):
             return model
         return _EngineModule(self.engine)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            # Trainer's backward is accelerate's, a bare loss.backward() here (no autocast, no
+            # GradScaler: see _mapped_arguments). engine.backward is that plus the engine's fp16
+            # loss scale, which a bare backward cannot apply; same division as accelerate's.
+            self.engine.backward(loss / accelerator.gradient_accumulation_steps)
+
+        accelerator.backward = backward  # this Trainer's own Accelerator, built just above
+
     # -- clipping ------------------------------------------------------------------------
 
     def _clip_grad_norm(self, model: nn.Module):
@@ -113,11 +180,33 @@ class HybridPSTrainer(transformers.Trainer):
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
 
+    # [Note: Trainer checkpoints of several ranks]
+    # Trainer saves optimizer.state_dict() from rank 0 alone; with several ranks that is rank 0's
+    # share of the Adam states (optimizer.py, [Note: a rank's share of the state]). So with
+    # several ranks the optimizer goes, on every rank, into the engine's own checkpoint in the
+    # Trainer checkpoint's folder (ENGINE_CHECKPOINT: every rank's share, the loss scaler, keyed by
+    # param name) and the LR scheduler beside it as Trainer writes it; resuming loads that folder
+    # on every rank, on any number of ranks. A checkpoint of one rank keeps Trainer's
+    # optimizer.pt, a whole state dict, which every rank of a larger job loads its share of.
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.engine is None or self.args.world_size == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT))  # every rank: a collective
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            for w in caught:  # torch warns that saving the scheduler saves the optimizer too: it does not here
+                if "optimizer" not in str(w.message):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is not None and self.args.world_size > 1:
-            raise HybridPSError(
-                f"resume_from_checkpoint={checkpoint!r} with {self.args.world_size} ranks: each rank holds its own share of "
-                f"the Adam states and a Trainer checkpoint keeps rank 0's only. Resume on one rank, or save with "
-                f"trainer.engine.save_checkpoint(dir) and load with trainer.engine.load_checkpoint(dir)"
-            )
-        return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.engine is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        engine_dir = os.path.join(checkpoint, ENGINE_CHECKPOINT)
+        if not os.path.isdir(engine_dir):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # one rank's checkpoint: optimizer.pt is whole
+        self.engine.load_checkpoint(engine_dir)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

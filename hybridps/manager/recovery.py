@@ -30,7 +30,11 @@ exists is not awaited. The state machine is ``RecoveryState`` with two moves:
 
 The file is only a list of who was registered, never what they hold: the clients'
 own counts are the truth the new daemon books. It is written on membership changes only
-(registrations, unregistrations, lease expiries), never per booking.
+(registrations, unregistrations, lease expiries), never per booking. Another process may
+have written it: an entry whose client id or host is not a name the protocol accepts
+(printable, at most MAX_PEER_NAME_CHARS) could never register again, and its text would
+reach the log, the ``recovering`` replies and the status; it is left out, with a warning
+that shows it made safe (common/text.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from hybridps.common.endpoints import Endpoint, runtime_dir
+from hybridps.common.text import MAX_PEER_NAME_CHARS, safe_text
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +90,32 @@ class RosterFile:
         except FileNotFoundError:
             return []
         except (OSError, ValueError) as exc:
-            logger.warning("ignoring the unreadable roster %s left by an earlier instance: %s", self.path, exc)
+            logger.warning("ignoring the unreadable roster %s left by an earlier instance: %s", self.path, safe_text(exc))
             return []
         try:
             if data.get("format") != ROSTER_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, this daemon reads {ROSTER_FORMAT}")
-            return [
+            entries = [
                 RosterEntry(client_id=str(c["client_id"]), rank=int(c["rank"]), pid=int(c["pid"]), host=str(c["host"]))
                 for c in data["clients"]
             ]
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            logger.warning("ignoring the roster %s left by an earlier instance: %s", self.path, exc)
+            logger.warning("ignoring the roster %s left by an earlier instance: %s", self.path, safe_text(exc))
             return []
+        named = [e for e in entries if _is_name(e.client_id) and _is_name(e.host)]
+        if len(named) < len(entries):
+            odd = [e for e in entries if not (_is_name(e.client_id) and _is_name(e.host))]
+            logger.warning(
+                "ignoring %d entries of the roster %s whose client id or host is no name a client can register with: %s%s",
+                len(odd),
+                self.path,
+                ", ".join(
+                    f"'{safe_text(e.client_id, MAX_PEER_NAME_CHARS)}' on '{safe_text(e.host, MAX_PEER_NAME_CHARS)}'"
+                    for e in odd[:5]
+                ),
+                f" and {len(odd) - 5} more" if len(odd) > 5 else "",
+            )
+        return named
 
     def save(self, entries: Iterable[RosterEntry], instance_id: str) -> None:
         entries = sorted(entries, key=lambda e: e.client_id)
@@ -116,6 +135,11 @@ class RosterFile:
         except OSError as exc:
             # The roster only shortens a restart's recovery; the daemon keeps serving.
             logger.warning("could not write the roster %s: %s; a restart will not await these clients", self.path, exc)
+
+
+def _is_name(value: str) -> bool:
+    """Whether a client could have registered under ``value`` (protocol.py, _check_str)."""
+    return len(value) <= MAX_PEER_NAME_CHARS and value.isprintable()
 
 
 class RecoveryState(enum.Enum):

@@ -1,14 +1,17 @@
 """Failures across ranks are loud: a failing rank fails the run, a dead or diverging rank is
 named by the collective watchdog instead of hanging everyone."""
 
+import json
 import os
 import re
+import time
 
 import pytest
 import torch
 
 import hybridps
 from hybridps.client.chunk import ChunkKind
+from hybridps.client.comm import PeerWatch, Position, pos_key
 from tests.dist import RankFailed, run_ranks
 from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens
 
@@ -220,3 +223,45 @@ def test_engines_made_one_after_another_on_the_same_ranks_keep_their_collectives
     results = run_ranks(_engines_one_after_another, 4, timeout_s=120)
     assert all(r == results[0] for r in results)
     assert results[0][0] == results[0][1] == results[0][2]  # the same seed, built on meta or on the CPU
+
+
+class _Store:
+    """The part of a torch Store the peer watch reads, holding what peers posted."""
+
+    def __init__(self, values: dict[str, bytes]):
+        self.values = values
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+    def multi_get(self, keys):
+        return [self.values[k] for k in keys]
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+
+def test_what_a_peer_posted_reaches_this_ranks_error_made_safe_and_bounded():
+    control = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+    record = {
+        "beat": 3,
+        "t": time.time(),
+        "at": [2, "all_gather\x1b[2J", "x" * 1_000_000],
+        "wait": None,
+        "failed": [2, "all_gather\x1b[2J", "x" * 1_000_000, "\x1b[31mboom\r\n\x00" + "y" * 1_000_000],
+        "closed": False,
+    }
+    store = _Store({pos_key("t", 1): json.dumps(record).encode()})
+    watch = PeerWatch(
+        store=store, rank=0, world_size=2, prefix="t", position=Position(), period_s=0.1, dead_after_s=1.0
+    )  # its thread ends at once: no process group
+    watch.stop(join_s=1.0)
+    waiting = (5, "reduce_scatter", "grads of chunk group 1", time.monotonic(), time.time())
+    watch._watch(waiting)
+    assert watch.verdict is not None and watch.verdict[0] is waiting
+    message = watch.verdict[1]
+    assert message.startswith(r"rank 1 failed at all_gather\x1b[2J of xxx") and r": \x1b[31mboom\r\n\x00yyy" in message
+    assert not control.search(message) and len(message) < 1000

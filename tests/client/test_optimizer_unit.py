@@ -62,7 +62,7 @@ def test_chunked_adam_on_a_hand_made_store_matches_fused_adamw():
     config = Config(precision="fp32", grad_reuse=True)
     store, mover, policy = _store(chunked, config)
     ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
-    opt = ChunkedAdam(store, mover, torch.optim.AdamW(chunked, lr=1e-2, weight_decay=0.1), placement=policy)
+    opt = ChunkedAdam(store, mover, torch.optim.AdamW(chunked, lr=1e-2, weight_decay=0.1, fused=True), placement=policy)
     for step in range(3):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(10 * step + i)) for i, s in enumerate(shapes)]
         for p, g in zip(reference, grads, strict=True):

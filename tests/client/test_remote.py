@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,8 +19,9 @@ import hybridps
 from hybridps.cli import main
 from hybridps.client.remote import connect_remote, query_status
 from hybridps.common.errors import CapacityError, ManagerError, ProtocolError
-from hybridps.common.protocol import PROTOCOL_VERSION, ClientInfo
+from hybridps.common.protocol import MAX_ERROR_MESSAGE_CHARS, PROTOCOL_VERSION, ClientInfo
 from tests.daemon import Daemons, daemons, wait_for  # noqa: F401 - the fixture
+from tests.fake_endpoint import FakeEndpoint, error_reply, ok_reply
 
 LEASE_S = 1.0
 
@@ -364,3 +366,45 @@ def test_the_chunk_manager_places_moves_and_evicts_with_at_most_one_update_reque
         assert client.connection.holdings == usage_of(daemon.endpoint, client.connection.client_id)
     finally:
         client.close()
+
+
+# -- whatever answers on the endpoint: its text is made safe before it is raised or logged -----
+
+HOSTILE = "\x1b[2J\x1b[31mred\r\x00\n" + "A" * 1_000_000
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _squatter(request):
+    """Answers ping and register as a daemon would, and everything else with a hostile error."""
+    if request["op"] == "ping":
+        return ok_reply(request, "pong", pid=1, devices=["cpu"], lease_s=60.0)
+    if request["op"] == "register":
+        return ok_reply(request, "registered", client_id=request["client_id"], lease_s=60.0)
+    return error_reply(request, "internal", HOSTILE)
+
+
+def test_an_error_from_whatever_answers_is_raised_and_logged_made_safe_and_bounded(caplog):
+    with FakeEndpoint(_squatter) as fake:
+        conn = connect_remote(fake.endpoint, info(devices=("cpu",)))
+        with pytest.raises(ManagerError) as e:
+            conn.add("cpu", 1)
+        message = str(e.value)
+        assert e.value.code == "internal", "the code is kept"
+        assert message.startswith(r"\x1b[2J\x1b[31mred\r\x00\nAAA") and not CONTROL.search(message)
+        assert len(message) <= MAX_ERROR_MESSAGE_CHARS
+        with caplog.at_level("WARNING", logger="hybridps.client.remote"):
+            conn.close()  # the unregister is refused with the same text, which is logged
+    (record,) = [r for r in caplog.records if "unregister" in r.getMessage()]
+    logged = record.getMessage()
+    assert r"refused: \x1b[2J\x1b[31mred" in logged and not CONTROL.search(logged)
+    assert len(logged) <= MAX_ERROR_MESSAGE_CHARS + 200
+
+
+def test_a_malformed_reply_from_whatever_answers_is_raised_made_safe_and_bounded():
+    with FakeEndpoint(lambda request: ok_reply(request, "\x1b]0;title\x07" * 100_000)) as fake:
+        with pytest.raises(ProtocolError) as e:
+            connect_remote(fake.endpoint, info(devices=("cpu",)), connect_timeout_s=5)
+    message = str(e.value)
+    assert e.value.code == "unknown_op" and "is malformed" in message
+    assert r"\x1b]0;title\x07" in message and not CONTROL.search(message)
+    assert len(message) <= MAX_ERROR_MESSAGE_CHARS + 500

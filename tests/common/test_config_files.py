@@ -154,3 +154,11 @@ def test_config_md_field_reference_is_what_the_dataclass_renders():
     assert config_doc.current(config_doc.DOC_PATH.read_text()) == rendered, "run: python -m hybridps.common.config_doc --write"
     assert all(f"| `{f.name}` | " in rendered for f in dataclasses.fields(Config))
     assert "| `initial_loss_scale` | `65536.0` |" in rendered  # defaults are read from the dataclass
+
+
+def test_a_config_pickles_to_an_equal_config():
+    import pickle
+
+    config = Config(devices={"cuda:0": "512KiB", "cpu": "2GiB"}, precision="bf16", grad_reuse=False)
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config and dict(copy.devices) == dict(config.devices)

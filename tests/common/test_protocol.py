@@ -1,3 +1,5 @@
+import re
+
 import msgpack
 import pytest
 
@@ -178,8 +180,9 @@ def test_an_error_text_of_any_length_survives_and_is_only_truncated_at_the_cap()
     assert reply.message == long
     huge = "x" * (p.MAX_ERROR_MESSAGE_CHARS * 3)
     reply = p.decode_reply(p.encode_reply(p.ErrorReply(request_id=1, code="capacity", message=huge)))
-    assert reply.message.startswith("x" * p.MAX_ERROR_MESSAGE_CHARS) and "characters cut" in reply.message
-    assert len(reply.message) < p.MAX_ERROR_MESSAGE_CHARS + 100
+    shown, marker = reply.message.split("... [+")
+    assert set(shown) == {"x"} and marker == f"{len(huge) - len(shown)} chars]", "the marker says how much was cut"
+    assert p.MAX_ERROR_MESSAGE_CHARS - 100 < len(reply.message) <= p.MAX_ERROR_MESSAGE_CHARS
 
 
 def old_client_decode(data):
@@ -206,3 +209,70 @@ def test_a_new_client_reads_an_old_daemons_bad_version_error():
     reply = p.decode_reply(old)
     assert isinstance(reply, p.ErrorReply) and reply.code == "bad_version" and reply.request_id == 7
     assert f"version 1 and this side {V}" in reply.message and "restart the daemon" in reply.message
+
+
+# -- text from the peer: names are printable, error texts are made safe to show ----------------
+
+HOSTILE = "\x1b[2J\x1b[31mred\r\x00\n"
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(op="register", client_id=HOSTILE),
+        dict(op="register", client_id="c", host="node\x1b]0;x\x07"),
+        dict(op="register", client_id="c", devices=["cpu", "cuda:0\n"]),
+        dict(op="add", client_id="c", device="cpu\x00", size_bytes=1),
+        dict(op="update", client_id="c", book={"cpu\x9b": 1}),
+    ],
+    ids=["client_id", "host", "devices", "device", "book"],
+)
+def test_a_request_naming_anything_with_control_characters_is_refused_with_a_safe_message(fields):
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=V, id=4, **fields))
+    assert e.value.code == "bad_field" and e.value.request_id == 4
+    assert "not printable" in str(e.value) and not CONTROL.search(str(e.value))
+
+
+def test_a_token_may_hold_any_character_and_is_never_quoted():
+    token = "s3cret\x1b\x00"
+    assert p.decode_request(pack(v=V, id=1, op="ping", token=token)).token == token
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=V, id=1, op="ping", token="s3cret" + "x" * 300))
+    assert "s3cret" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(kind="scheduled", ok=True, device="cuda:0\x1b[2J"), dict(kind="error", ok=False, code="capacity\r")],
+    ids=["device", "code"],
+)
+def test_a_reply_naming_anything_with_control_characters_is_refused_with_a_safe_message(fields):
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_reply(pack(v=V, id=1, instance_id="a", **fields))
+    assert e.value.code == "bad_field" and not CONTROL.search(str(e.value))
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_reply(pack(v=V, id=1, instance_id="\x1b[2J", kind="ok", ok=True))
+    assert e.value.code == "bad_field" and not CONTROL.search(str(e.value))
+
+
+@pytest.mark.parametrize("version", [V, 1], ids=["this version", "another version"])
+def test_an_error_message_read_from_the_wire_is_made_safe_and_bounded(version):
+    message = HOSTILE + "A" * 1_000_000
+    reply = p.decode_reply(pack(v=version, id=1, instance_id="a", ok=False, kind="error", code="internal", message=message))
+    assert isinstance(reply, p.ErrorReply) and reply.code == "internal"
+    assert reply.message.startswith(r"\x1b[2J\x1b[31mred\r\x00\nAAA") and not CONTROL.search(reply.message)
+    assert len(reply.message) <= p.MAX_ERROR_MESSAGE_CHARS and reply.message.endswith(" chars]")
+
+
+def test_the_daemon_sends_an_error_message_that_quotes_a_peer_made_safe():
+    body = p.encode_reply(p.ErrorReply(request_id=1, code="bad_field", message=f"client {HOSTILE} is odd"))
+    assert msgpack.unpackb(body)["message"] == r"client \x1b[2J\x1b[31mred\r\x00\n is odd"
+
+
+def test_a_refusal_quoting_a_huge_value_is_bounded():
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_reply(pack(v=V, id=1, instance_id="a", ok=True, kind="\x1b" * 1_000_000))
+    assert e.value.code == "unknown_op"
+    assert len(str(e.value)) <= p.MAX_ERROR_MESSAGE_CHARS and not CONTROL.search(str(e.value))

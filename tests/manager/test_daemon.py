@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import socket
 import stat
@@ -535,3 +536,42 @@ def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unch
         conn.add("cuda:1", 5)  # the next valid request is answered
         assert query_status(d.endpoint)["devices"]["cuda:1"]["used_bytes"] == 5
     assert d.alive
+
+
+#: What a terminal or a log reader could take for something else than text.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+HOSTILE = "\x1b[2J\x1b[31mred\r\x00\n"
+
+
+def test_a_request_whose_names_or_op_hold_control_characters_gets_a_safe_error_and_the_daemon_serves_on(daemons):
+    d = daemons.start(*DEVICES)
+    requests = [
+        dict(op="register", client_id=HOSTILE, devices=["cpu"]),
+        dict(op="register", client_id="c-ok", host=HOSTILE, devices=["cpu"]),
+        dict(op="add", client_id=HOSTILE, device="cpu", size_bytes=1),
+        dict(op="heartbeat", client_id="\x9b" * 200),
+        dict(op=HOSTILE + "x" * 60_000, client_id="c-ok"),
+    ]
+    ctx = zmq.Context()
+    sock = transport.dealer(ctx, d.endpoint)
+    try:
+        for i, fields in enumerate(requests, start=1):
+            sock.send_multipart([b"", msgpack.packb({"v": p.PROTOCOL_VERSION, "id": i, **fields}, use_bin_type=True)])
+            assert sock.poll(5000), f"no reply to {fields['op'][:20]!r}"
+            _, body = sock.recv_multipart()
+            reply = msgpack.unpackb(body)  # as sent, not as a client would clean it up
+            assert reply["id"] == i and reply["ok"] is False, reply
+            assert reply["code"] == ("unknown_op" if i == len(requests) else "bad_field")
+            message = reply["message"]
+            assert not CONTROL.search(message) and len(message) <= p.MAX_ERROR_MESSAGE_CHARS
+            assert r"\x1b[2J\x1b[31mred\r\x00\n" in message or r"\x9b" in message, "the error shows what was sent"
+    finally:
+        sock.close()
+        ctx.term()
+    with connect_remote(d.endpoint, info()) as conn:  # and serves the next client
+        conn.add("cpu", 10)
+        (client,) = query_status(d.endpoint)["clients"]
+        assert client["client_id"] == conn.client_id and client["usage"] == {"cpu": 10}
+    assert d.alive
+    assert "registered " + conn.client_id in d.stderr
+    assert not CONTROL.search(d.stderr.replace("\n", "")), "nothing received reaches the daemon's log raw"

@@ -220,6 +220,28 @@ def test_a_roster_that_cannot_be_written_is_logged_and_the_daemon_serves_on(tmp_
     assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).ok
 
 
+def test_roster_entries_no_client_could_register_under_are_left_out_and_logged_made_safe(tmp_path, caplog):
+    node = Node(tmp_path)
+    clients = [
+        {"client_id": "c1", "rank": 1, "pid": 101, "host": "nœud-é"},
+        {"client_id": "\x1b[2J\x1b[31mred\r\x00\n", "rank": 2, "pid": 102, "host": "h"},
+        {"client_id": "c3", "rank": 3, "pid": 103, "host": "h\x1b]0;title\x07"},
+        {"client_id": "x" * 1_000_000, "rank": 4, "pid": 104, "host": "h"},
+    ]
+    node.roster.path.write_text(json.dumps({"format": 1, "instance_id": "old", "clients": clients}))
+    with caplog.at_level(logging.WARNING, logger="hybridps.manager.recovery"):
+        node.restart()
+    assert [e.client_id for e in node.svc.recovery.awaiting] == ["c1"], "only a client that can register is awaited"
+    warnings = [r.getMessage() for r in caplog.records]
+    (ignored,) = [w for w in warnings if "ignoring 3 entries" in w]
+    assert r"'\x1b[2J\x1b[31mred\r\x00\n' on 'h'" in ignored and r"'c3' on 'h\x1b]0;title\x07'" in ignored
+    assert all(w.isprintable() and len(w) < 5000 for w in warnings), "nothing from the file reaches the log raw"
+    assert node.register("c9").ok
+    waiting = node.send(p.Add, client_id="c9", device="cpu", size_bytes=1)
+    assert waiting.code == "recovering" and "(c1)" in waiting.message
+    assert node.svc.status()["recovery"]["awaiting"] == ["c1"]
+
+
 def test_roster_entries_round_trip(tmp_path):
     roster = RosterFile(tmp_path / "sub" / "r.json")
     entries = [RosterEntry("b", 1, 11, "h"), RosterEntry("a", 0, 10, "h")]
