@@ -12,7 +12,6 @@ import re
 import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -187,16 +186,14 @@ def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
         assert peer.largest is not None and peer.largest.method == "published rule"
 
 
-def test_a_50b_parameter_gpt_plans_in_seconds_without_allocating_model_memory():
+def test_a_50b_parameter_gpt_plans_without_allocating_model_memory():
+    # how long it takes is in docs/BENCHMARKS.md ("How long planning takes"), not asserted
     shape = GPTShape(n_layer=62, d_model=8192, n_head=64, vocab_size=50304, seq_len=2048, batch_size=1, checkpoint=True)
     assert 50e9 < shape.n_params < 51e9
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    start = time.perf_counter()
     report = hybridps.plan(shape, gpus="1x80GiB", cpu="1TiB")
-    seconds = time.perf_counter() - start
     grown_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     h = report.hybridps
-    assert seconds < 30, f"planning took {seconds:.1f} s"
     assert grown_bytes < 2**30, f"RSS grew by {grown_bytes / 2**30:.2f} GiB: model memory was allocated"
     assert h.fits and h.model_data_bytes >= 14 * shape.n_params  # ~720 GB planned, nothing allocated
     assert 0 < h.gpu.peak_bytes <= 80 * 2**30 and h.non_model_peak_bytes > 0
@@ -450,9 +447,13 @@ def refused_gathered_bytes(message: str) -> int:
     return int(float(amount) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
 
 
-def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating(capsys):
+def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating(capsys, monkeypatch):
     node = NodeSpec.parse("4x2MiB", "64MiB", nodes=64)
-    start = time.perf_counter()
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("the refusal came after a simulation")
+
+    monkeypatch.setattr("hybridps.planner.search.simulate", no_simulation)  # the command below too
     with pytest.raises(
         ShardGroupTooLargeError,
         match=r'"world" = 256 ranks, .*: one chunk group gathers 4.00 MiB \(256 x 16.00 KiB chunks of 4096 elements\), '
@@ -460,7 +461,6 @@ def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating
         r"\(--chunk-size 512 leaves room for four groups\)",
     ):
         hybridps.plan(SHARDED_GPT, node, precision="fp32", chunk_size=4096, shard_group_size="world")
-    assert time.perf_counter() - start < 1.0  # nothing simulated
     argv = ["--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "256", "--gpus", "4x2MiB", "--cpu", "64MiB",
             "--precision", "fp32", "--chunk-size", "4096", "--nodes", "64", "--shard-group-size", "world"]  # fmt: skip
     assert main(argv) == 2
