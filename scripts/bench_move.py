@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from hybridps.client.arena import CudaHostRegistrar, HostArena
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.chunk_manager import ChunkManager
 from hybridps.common.devices import DeviceInventory
@@ -39,8 +40,11 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
     gpu = "cuda:0"
     inventory = DeviceInventory.build({gpu: capacity_bytes}, simulate=simulate)
     conn = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
-    manager = ChunkManager(inventory, conn, pool_bytes=8 * chunk_mib * 2**20)
-    manager.pinned_cap_bytes = inventory.cpu.capacity_bytes // 4  # the client's default (Config.pinned_bytes)
+    gpu_spec = inventory[gpu]
+    # the client's arena (Config.pinned_bytes: a quarter of the CPU), pinned on a real GPU
+    registrar = CudaHostRegistrar() if not gpu_spec.simulated else None
+    arena = HostArena(inventory.cpu.capacity_bytes // 4, registrar=registrar)
+    manager = ChunkManager(inventory, conn, pool_bytes=8 * chunk_mib * 2**20, arena=arena)
     numel = chunk_mib * 2**20 // 4
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:
@@ -61,7 +65,6 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
     chunk_gbps = _median_gbps(chunk_round_trip, 4 * nbytes, rounds)
 
     src = chunks[0].payload
-    gpu_spec = inventory[gpu]
     dst = torch.empty(numel, dtype=torch.float32, device=gpu_spec.torch_device)
     back = torch.empty(numel, dtype=torch.float32, pin_memory=manager.pin_host)
 
@@ -83,7 +86,8 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
         "raw_copy_gbps": round(raw_gbps, 2),
         "ratio": round(chunk_gbps / raw_gbps, 3),
         "pool": manager.pool.stats(),
-        "pinned": manager.pin_host,
+        "arena": arena.stats(),
+        "pinned": arena.pins,
     }
 
 

@@ -5,7 +5,7 @@ limit, so one failure (a CUDA OOM, a peer that does not build) is reported and t
 still runs; the whole run stays inside ``--budget-s`` (default 570 s):
 
 1. ``env``:        device, driver-visible memory, host memory and cores, versions.
-2. ``tests``:      ``pytest -m gpu`` (real copy streams, pinned pooled buffers, parity).
+2. ``tests``:      ``pytest -m gpu`` (real copy streams, the pinned host arena, parity).
 3. ``bandwidth``:  pinned host<->device raw copies against HybridPS chunk moves
                    (``scripts/bench_move.py``).
 4. ``plan``:       ``hybridps plan`` for this node: the largest GPT of the chosen width for

@@ -1,4 +1,4 @@
-"""On a real GPU: training parity, the copy stream, pinned pooled buffers, live activation
+"""On a real GPU: training parity, the copy stream, the pinned host arena, live activation
 accounting. Skipped without CUDA (marker ``gpu``)."""
 
 import copy
@@ -57,7 +57,7 @@ def test_training_on_a_real_gpu_at_30_percent_capacity_matches_plain_pytorch():
     assert stats["prefetch_hits"] > 0
 
 
-def test_host_chunks_are_pinned_and_pooled_when_a_gpu_computes():
+def test_host_param_chunks_are_pinned_arena_slots_when_a_gpu_computes():
     torch.manual_seed(0)
     from hybridps.models import GPT
 
@@ -72,8 +72,13 @@ def test_host_chunks_are_pinned_and_pooled_when_a_gpu_computes():
         engine.step()
         engine.zero_grad()
     host = [c for c in engine.client.all_chunks() if c.payload is not None and c.payload.device.type == "cpu"]
-    assert host and all(c.payload.is_pinned() for c in host if c.kind is ChunkKind.PARAM)
-    assert engine.memory_stats()["pool"]["hits"] > 0
+    params = [c for c in host if c.kind is ChunkKind.PARAM]
+    assert params and all(c.payload.is_pinned() and engine.client.mover.arena.owns(c.payload) for c in params)
+    arena = engine.memory_stats()["arena"]
+    # registered with cudaHostRegister, no rounding: the pinned bytes are the arena's, booked on the CPU
+    assert arena["pinned_bytes"] == arena["held_bytes"] > 0 and arena["lends"] > len(params)
+    engine.close()
+    assert torch.cuda.is_available()  # unregistering every segment left CUDA working
 
 
 def test_values_survive_asynchronous_moves_bitwise():
@@ -118,7 +123,8 @@ def test_gpu_memory_held_before_initialize_is_not_counted_against_the_capacity()
     del held
 
 
-def test_pinned_chunk_moves_reuse_pooled_buffers():
+def test_pinned_chunk_moves_reuse_the_arenas_slots():
+    from hybridps.client.arena import CudaHostRegistrar, HostArena, segment_bytes
     from hybridps.client.chunk import Chunk
     from hybridps.client.chunk_manager import ChunkManager
     from hybridps.common.devices import DeviceInventory
@@ -127,9 +133,10 @@ def test_pinned_chunk_moves_reuse_pooled_buffers():
 
     inventory = DeviceInventory.build({"cuda:0": 2**30}, simulate=False)
     conn = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
-    manager = ChunkManager(inventory, conn, pool_bytes=8 * 2**22)
-    manager.pinned_cap_bytes = 2**30
-    chunks = [Chunk(ChunkKind.PARAM, i, 2**20, torch.float32, i) for i in range(2)]
+    arena = HostArena(2**30, registrar=CudaHostRegistrar())
+    manager = ChunkManager(inventory, conn, pool_bytes=8 * 2**22, arena=arena)
+    numel = 2**20 + 3 * 2**10  # 4.01 MiB chunks: PyTorch's pinned allocator would take 8 MiB each
+    chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:
         manager.place(c, "cpu")
         c.payload.fill_(c.index + 1.0)
@@ -141,5 +148,10 @@ def test_pinned_chunk_moves_reuse_pooled_buffers():
             manager.bring(c, "cpu")
     manager.sync()
     assert all(c.payload.is_pinned() and bool((c.payload == c.index + 1.0).all()) for c in chunks)
-    stats = manager.pool.stats()
-    assert stats["hits"] >= 8, stats  # after the first round, host buffers come from the pool
+    stats = arena.stats()
+    # a segment per chunk (they are over 1 MiB), each registered once; every move back to the
+    # CPU re-lent a slot
+    assert stats["grown"] == 2 and stats["lends"] == 12 and stats["pinned_bytes"] == stats["held_bytes"], stats
+    assert stats["held_bytes"] == 2 * segment_bytes(numel * 4, 1) < 2 * numel * 4 + 2 * 4096
+    manager.release_all(chunks)
+    assert arena.held_bytes == 0

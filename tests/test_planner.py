@@ -12,13 +12,13 @@ import re
 import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import hybridps
 from hybridps import CapacityError, ConfigError
+from hybridps.engine import Engine
 from hybridps.models import GPT
 from hybridps.planner import (
     Communication,
@@ -38,6 +38,7 @@ from hybridps.planner import (
     parse_gpus,
 )
 from tests.dist import run_ranks
+from tests.pinning import RecordingRegistrar
 from tests.training import tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +134,40 @@ def test_planned_peaks_and_verdicts_match_real_simulated_training(shape, mode, c
 
 
 # the engine's forward hook (always_call) re-raises the same no-room error after the failed forward
+@pytest.mark.slow
+def test_a_plan_picks_the_chunk_size_and_the_host_arena_of_a_client_whose_arena_is_pinned():
+    """The pinned case: a client whose host arena a registrar pins (a recorder stands for
+    cudaHostRegister here) chooses the plan's chunk size and its arena holds, and pins, the
+    host bytes the plan's arena held."""
+    shape = GPTShape(n_layer=6, d_model=96, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+    big = roomy(shape, precision="bf16", grad_reuse=True)
+    capacity = big.non_model_peak_bytes + big.model_data_bytes // 4  # param chunks must live on the CPU too
+    planned = plan_one(shape, capacity, precision="bf16", grad_reuse=True).hybridps
+    assert planned.fits and planned.cpu.arena_bytes > 0
+    # the same chunk size for a real GPU: the arena pins exactly a chunk's bytes, so pinning changes nothing
+    real_gpu = hybridps.plan(shape, gpus=f"1x{capacity}", cpu=CPU, search_largest=False, precision="bf16")
+    assert real_gpu.hybridps.chunk_size_elements == planned.chunk_size_elements
+    torch.manual_seed(0)
+    model = GPT(shape.gpt_config)
+    config = hybridps.Config(devices={"cuda:0": capacity, "cpu": CPU}, simulate=True, precision="bf16")
+    registrar = RecordingRegistrar()
+    engine = Engine(
+        model, torch.optim.AdamW(model.parameters()), config, client=hybridps.Client(config, host_registrar=registrar)
+    )
+    for step in range(2):  # the plan's iterations: warm-up and replay
+        x, y = tokens(step, shape.batch_size, shape.seq_len, shape.vocab_size)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+    stats = engine.memory_stats()
+    assert stats["chunk_size"] == planned.chunk_size_elements
+    assert stats["arena"]["peak_held_bytes"] == planned.cpu.arena_bytes
+    assert sum(registrar.registered.values()) == stats["arena"]["held_bytes"] == stats["pinned_bytes"] > 0
+    engine.close()
+    assert registrar.registered == {}, "every segment is unpinned at close"
+
+
 @pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised an exception")
 def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
     """The search says n fits and n + 1 does not; real simulated runs (with the same CPU) agree."""
@@ -151,16 +186,14 @@ def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
         assert peer.largest is not None and peer.largest.method == "published rule"
 
 
-def test_a_50b_parameter_gpt_plans_in_seconds_without_allocating_model_memory():
+def test_a_50b_parameter_gpt_plans_without_allocating_model_memory():
+    # how long it takes is in docs/BENCHMARKS.md ("How long planning takes"), not asserted
     shape = GPTShape(n_layer=62, d_model=8192, n_head=64, vocab_size=50304, seq_len=2048, batch_size=1, checkpoint=True)
     assert 50e9 < shape.n_params < 51e9
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    start = time.perf_counter()
     report = hybridps.plan(shape, gpus="1x80GiB", cpu="1TiB")
-    seconds = time.perf_counter() - start
     grown_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     h = report.hybridps
-    assert seconds < 30, f"planning took {seconds:.1f} s"
     assert grown_bytes < 2**30, f"RSS grew by {grown_bytes / 2**30:.2f} GiB: model memory was allocated"
     assert h.fits and h.model_data_bytes >= 14 * shape.n_params  # ~720 GB planned, nothing allocated
     assert 0 < h.gpu.peak_bytes <= 80 * 2**30 and h.non_model_peak_bytes > 0
@@ -190,7 +223,7 @@ def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     assert share.owned_bytes >= share.even_share_bytes
     # the derivation uses the client's own layout and owner assignment: real ranks agree
     shares = run_ranks(_share_of_a_real_rank, 2, shape.n_layer, timeout_s=90)
-    derived = derive_rank_share(sim, NodeSpec.parse("2x2MiB", "8MiB"), simulated_gpus=True)  # the ranks ran on simulated GPUs
+    derived = derive_rank_share(sim, NodeSpec.parse("2x2MiB", "8MiB"))
     assert max(shares) == derived.owned_bytes
     # every rank of a group gathers the group's param chunks while a module computes
     assert share.gathered_bytes >= sim.min_compute_bytes
@@ -414,9 +447,13 @@ def refused_gathered_bytes(message: str) -> int:
     return int(float(amount) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
 
 
-def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating(capsys):
+def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating(capsys, monkeypatch):
     node = NodeSpec.parse("4x2MiB", "64MiB", nodes=64)
-    start = time.perf_counter()
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("the refusal came after a simulation")
+
+    monkeypatch.setattr("hybridps.planner.search.simulate", no_simulation)  # the command below too
     with pytest.raises(
         ShardGroupTooLargeError,
         match=r'"world" = 256 ranks, .*: one chunk group gathers 4.00 MiB \(256 x 16.00 KiB chunks of 4096 elements\), '
@@ -424,7 +461,6 @@ def test_a_chunk_size_too_large_for_the_shard_group_is_refused_before_simulating
         r"\(--chunk-size 512 leaves room for four groups\)",
     ):
         hybridps.plan(SHARDED_GPT, node, precision="fp32", chunk_size=4096, shard_group_size="world")
-    assert time.perf_counter() - start < 1.0  # nothing simulated
     argv = ["--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "256", "--gpus", "4x2MiB", "--cpu", "64MiB",
             "--precision", "fp32", "--chunk-size", "4096", "--nodes", "64", "--shard-group-size", "world"]  # fmt: skip
     assert main(argv) == 2

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -11,8 +10,8 @@ import pytest
 def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
     """Defaults: the standard library's sources, a byte-level GPT, a simulated GPU smaller
     than the model data. The mean loss of the last 10 steps must be at least 0.8 below the
-    first 10 (measured: about 3.9 -> 2.6), within 3 minutes."""
-    start = time.monotonic()
+    first 10 (measured: about 3.9 -> 2.6). How long it takes is measured, not asserted: see
+    docs/BENCHMARKS.md."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -30,9 +29,7 @@ def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
         text=True,
         timeout=300,
     )
-    seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert seconds < 180, f"took {seconds:.0f} s"
     summary = json.loads(proc.stdout)
     assert summary["mean_loss_last_10"] <= summary["mean_loss_first_10"] - 0.8, summary
     assert summary["val_loss"] < summary["mean_loss_first_10"] - 0.8

@@ -81,3 +81,69 @@ def test_transformers_models_train_20_steps_like_plain_pytorch(make, tmp_path):
     x = _tokens(99)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, reference(input_ids=x).logits, rtol=0, atol=0)
+
+
+# realistic widths of published checkpoints, few layers (the layout repeats per layer)
+_SHAPES = {
+    "llama-2-7b": lambda: transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=4, vocab_size=32000
+    ),
+    "llama-3-8b": lambda: transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=128256,
+    ),
+    "llama-3.2-1b": lambda: transformers.LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-7b": lambda: transformers.Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        vocab_size=152064,
+    ),
+    "qwen2-1.5b": lambda: transformers.Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "mistral-7b": lambda: transformers.MistralConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=32000,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SHAPES))
+def test_llama_qwen2_and_mistral_shapes_are_laid_out_with_at_most_3_percent_padding(name):
+    from hybridps.client.client import auto_chunk_size
+    from hybridps.client.layout import ChunkLayout
+    from hybridps.common.devices import DeviceSpec
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_SHAPES[name]())
+    numels = [p.numel() for p in {id(p): p for p in model.parameters()}.values()]  # as a client registers them
+    config = hybridps.Config(precision="bf16")
+    layout = ChunkLayout(auto_chunk_size(numels, config, DeviceSpec(name="cuda:0", capacity_bytes=80 << 30), 1), config.alignment)
+    for n in numels:
+        layout.add(n)
+    assert 1 - layout.tensor_elements / layout.total_elements <= 0.03

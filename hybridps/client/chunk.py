@@ -271,11 +271,9 @@ class Chunk:
         self._ready_event = None
         self.move_payload(PayloadMove.COPY_LANDS)
 
-    def new_buffer(self, device: DeviceSpec, *, pin: bool = False) -> torch.Tensor:
+    def new_buffer(self, device: DeviceSpec) -> torch.Tensor:
         """An uninitialised buffer the size of this chunk on ``device`` (pinned host memory
-        with ``pin``)."""
-        if pin and device.torch_device.type == "cpu":
-            return torch.empty(self.capacity, dtype=self.dtype, pin_memory=True)
+        comes from the chunk manager's arena instead)."""
         return torch.empty(self.capacity, dtype=self.dtype, device=device.torch_device)
 
     def allocate(self, device: DeviceSpec, *, zero: bool = True, buffer: torch.Tensor | None = None) -> None:

@@ -44,6 +44,19 @@ view of the old payload is alive after all, e.g. saved by autograd for backward,
 pool turns it down; the manager chose a device that does not hold host memory), one more
 request settles the difference, so that after every operation the manager books exactly
 the chunks plus the host buffers outside them.
+
+[Note: the arena's booking]
+Param and grad chunks on the CPU take their payloads from the host arena (arena.py), page-
+locked when a real GPU computes. The whole arena is host memory this client holds, so the
+manager books all of it on the CPU, in two parts that always add up to the arena's held
+bytes: the slots that are chunk payloads now are booked as those chunks' bytes; every other
+byte (free slots, slots a copy in flight still reads or a view still refers to) is booked
+with the host buffers outside chunks, beside the pool's. A chunk that takes a free slot, or
+leaves one, moves bytes between the two parts: no change on the CPU. A chunk that needs a
+slot of a size none is free of grows the arena by a segment, booked in the operation's one
+request (``_PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
+retried with a segment of one slot after the idle pooled buffers and the arena's empty
+segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) buffers.
 """
 
 from __future__ import annotations
@@ -53,13 +66,12 @@ import dataclasses
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterable
 
 import torch
 
+from hybridps.client.arena import HostArena
 from hybridps.client.chunk import Chunk, ChunkKind, PayloadMove
-from hybridps.client.layout import pinned_block_elems
 from hybridps.client.memory_trace import MemoryTrace, MomentTrace
 from hybridps.client.placement import PlacementPolicy
 from hybridps.client.pool import PayloadPool
@@ -80,14 +92,10 @@ def storage_key(t: torch.Tensor) -> int:
     return storage._cdata if t.is_meta else storage.data_ptr()
 
 
-def pinned_block_bytes(nbytes: int) -> int:
-    """Bytes PyTorch's pinned host allocator takes for a buffer of ``nbytes``."""
-    return pinned_block_elems(nbytes)
-
-
 @dataclasses.dataclass(slots=True)
 class _PoolPlan:
-    """What one chunk operation does with the pool, decided before its one manager request."""
+    """What one chunk operation does with the pool and the arena, decided before its one
+    manager request (see [Note: the arena's booking])."""
 
     #: the pooled host buffer the chunk's new payload will be (taken out of the pool already)
     taken: torch.Tensor | None = None
@@ -96,11 +104,25 @@ class _PoolPlan:
     give_bytes: int = 0
     #: the pool let go to make room: this operation takes nothing from it and gives nothing
     cancelled: bool = False
+    #: the arena slot the chunk's new payload will be (lent already)
+    slot: torch.Tensor | None = None
+    #: the segment the arena grows by before it lends the new payload's slot
+    grow_bytes: int = 0
+    #: bytes of the arena slot the new payload will be (``slot``, or one of the new segment)
+    arena_bytes: int = 0
+    #: bytes of the old payload, an arena slot, that stay the arena's when the chunk lets it go
+    arena_give_bytes: int = 0
 
     def cancel(self) -> None:
+        """The pool's part only: the arena's bytes stay what they are whatever the pool does."""
         self.taken = None
         self.give_bytes = 0
         self.cancelled = True
+
+    @property
+    def side_change_bytes(self) -> int:
+        """How much the host bytes outside chunks change when the operation is done as planned."""
+        return self.give_bytes + self.arena_give_bytes + self.grow_bytes - self.arena_bytes
 
 
 class ChunkManager:
@@ -116,7 +138,7 @@ class ChunkManager:
         pool_bytes: int = 0,
         link: SimulatedLink | None = None,
         trace: MemoryTrace | None = None,
-        pinned_cap_bytes: int = 0,
+        arena: HostArena | None = None,
     ):
         self.inventory = inventory
         #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
@@ -132,12 +154,13 @@ class ChunkManager:
         #: old payloads a copy in flight still reads); equal to _pool_side_bytes() after
         #: every operation
         self._pool_booked_bytes = 0
-        #: host payloads are pinned when a real GPU computes (asynchronous copies need it)
+        #: a real GPU computes: copies to and from it run on a copy stream
         self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
-        #: pinned host memory in use, and its cap (set from the config by the client)
-        self.pinned_bytes = 0
-        self.pinned_rounding_bytes = 0  # of pinned_bytes, beyond the chunks' own bytes
-        self.pinned_cap_bytes = pinned_cap_bytes
+        #: the payloads of param and grad chunks on the CPU (page-locked when the client pins,
+        #: see [Note: the arena's booking]); None: every host payload is a pageable buffer
+        self.arena = arena
+        #: bytes of arena slots that are chunk payloads now
+        self._arena_payload_bytes = 0
         #: prefetches and evictions copy on this stream (real GPUs only)
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
         #: (event, host buffer, joins the pool) of copies still reading the buffer
@@ -264,12 +287,23 @@ class ChunkManager:
 
     def _pool_side_bytes(self) -> int:
         """Host bytes this client holds outside its chunks and books on the CPU: idle pooled
-        buffers, and old payloads that a copy in flight still reads and that join the pool
-        when it ends."""
-        if not self._in_flight:
-            return self.pool.held_bytes
-        in_flight = sum(buf.numel() * buf.element_size() for _, buf, pooled in self._in_flight if pooled)
-        return self.pool.held_bytes + in_flight
+        buffers, old payloads that a copy in flight still reads and that join the pool when
+        it ends, and the arena's bytes that are not chunk payloads."""
+        side = self.pool.held_bytes + self.arena_idle_bytes
+        if self._in_flight:
+            side += sum(buf.numel() * buf.element_size() for _, buf, pooled in self._in_flight if pooled)
+        return side
+
+    @property
+    def arena_idle_bytes(self) -> int:
+        """The arena's bytes that are not chunk payloads: free slots, and slots that a copy in
+        flight or a view still refers to."""
+        return self.arena.held_bytes - self._arena_payload_bytes if self.arena is not None else 0
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory this client holds outside its chunks (booked on the CPU with them)."""
+        return self._pool_side_bytes()
 
     def _request(
         self,
@@ -319,35 +353,71 @@ class ChunkManager:
         device the manager chooses near it and not in ``exclude``; the pool's booking
         follows ``plan``. Returns the device booked (None for a release only).
 
-        Idle pooled buffers never cost a chunk its room. When the request is refused and the
-        CPU had to grow, they go (their release rides with the retried request) and this
-        operation neither takes from nor gives to the pool. When the manager chose neither
-        the referred device nor the CPU while they hold CPU room, they go and the booking
-        moves (one more request) to where the manager then chooses."""
+        Idle pooled buffers and the arena's empty segments never cost a chunk its room. When
+        the request is refused and the CPU had to grow, they go (their release rides with the
+        retried request), this operation neither takes from nor gives to the pool, and the
+        arena grows by one slot at most. When the manager chose neither the referred device
+        nor the CPU while they (or the arena's growth beyond one slot) hold CPU room, the same
+        happens and the booking moves (one more request) to where the manager then chooses."""
         exclude = tuple(exclude)
-        planned = self._pool_side_bytes() + plan.give_bytes
+        planned = self._pool_side_bytes() + plan.side_change_bytes
         try:
             device = self._request(size, src=src, dst=dst, refer=refer, exclude=exclude, pool_bytes=planned)
         except BaseException as exc:
-            self._return_taken(plan)  # nothing changed: the pool is as it was
             cpu_change = (size if dst == "cpu" else 0) - (size if src == "cpu" else 0) + planned - self._pool_booked_bytes
             cpu_grows = refer is not None or cpu_change > 0
-            if not isinstance(exc, CapacityError) or not cpu_grows or not (self.pool.held_bytes or plan.give_bytes):
+            if not isinstance(exc, CapacityError) or not cpu_grows or not self._can_give_way(plan):
+                self._return_taken(plan)  # nothing changed: the pool and the arena are as they were
                 raise
-            self.pool.clear()
-            plan.cancel()
+            self._give_way(plan)
             try:
-                device = self._request(size, src=src, dst=dst, refer=refer, exclude=exclude)
+                device = self._request(
+                    size,
+                    src=src,
+                    dst=dst,
+                    refer=refer,
+                    exclude=exclude,
+                    pool_bytes=self._pool_side_bytes() + plan.side_change_bytes,
+                )
             except CapacityError:
-                self._settle_pool()  # the pool let go: so does its booking
+                self._return_taken(plan)
+                self._settle_pool()  # the pool and the arena let go: so does their booking
                 raise
-        if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self.pool.held_bytes:
-            self.pool.clear()
-            plan.cancel()
-            device = self._request(size, src=device, refer=refer, exclude=exclude)
+        if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self._can_give_way(plan):
+            self._give_way(plan)
+            planned = self._pool_side_bytes() + plan.side_change_bytes
+            device = self._request(size, src=device, refer=refer, exclude=exclude, pool_bytes=planned)
+        if device != "cpu" and (plan.slot is not None or plan.grow_bytes):
+            self._return_taken(plan, pool=False)  # not the CPU after all: no arena slot (settled after)
         if plan.taken is not None and device not in self._host:
-            self._return_taken(plan)  # the manager chose a device whose payloads are not host memory
+            self._return_taken(plan, arena=False)  # the manager chose a device whose payloads are not host memory
         return device
+
+    def _idle_host_bytes(self) -> int:
+        """Host bytes that could go without touching a chunk: the pool's, the arena's empty
+        segments'."""
+        return self.pool.held_bytes + (self.arena.releasable_bytes() if self.arena is not None else 0)
+
+    def _can_give_way(self, plan: _PoolPlan) -> bool:
+        """Whether host buffers outside chunks could go to make room for a refused request."""
+        return bool(
+            self.pool.held_bytes
+            or plan.give_bytes
+            or plan.taken is not None
+            or (plan.grow_bytes and plan.grow_bytes > self.arena.one_slot_bytes(plan.arena_bytes))
+            or self._idle_host_bytes()
+        )
+
+    def _give_way(self, plan: _PoolPlan) -> None:
+        """Let the idle pooled buffers and the arena's empty segments go, and grow the arena
+        by one slot at most (see [Note: the arena's booking])."""
+        plan.taken = None  # a pooled buffer taken: it goes with the rest of the pool
+        self.pool.clear()
+        plan.cancel()
+        if self.arena is not None:
+            self.arena.release_idle()
+        if plan.grow_bytes:
+            plan.grow_bytes = min(plan.grow_bytes, self.arena.one_slot_bytes(plan.arena_bytes))
 
     def _likely_choice(self, refer: str, exclude: Collection[str]) -> str:
         """The device the manager will likely choose near ``refer`` (its first candidate not
@@ -357,81 +427,79 @@ class ChunkManager:
     def _settle_pool(self) -> None:
         """Book the host buffers outside chunks as they are, when an operation left them other
         than planned (a buffer the pool turned down after all, a copy in flight that ended):
-        one request, none in the common case. With no room on the CPU for them, they go."""
+        one request, none in the common case. With no room on the CPU for them, the pool and
+        the arena's empty segments go."""
         if self._pool_side_bytes() == self._pool_booked_bytes:
             return
         try:
             self._request()
         except CapacityError:
             self.pool.clear()
+            if self.arena is not None:
+                self.arena.release_idle()
             self._request()
 
     def release_pool(self) -> None:
-        """Let every idle pooled buffer go, and their booking with them."""
+        """Let every idle pooled buffer and the arena's empty segments go, and their booking
+        with them."""
         self.pool.clear()
+        if self.arena is not None:
+            self.arena.release_idle()
         self._settle_pool()
 
     def _plan(self, chunk: Chunk, device: str, old: torch.Tensor | None = None, *, in_flight: bool = False) -> _PoolPlan:
         """What an operation that puts ``chunk`` on ``device`` (the manager's likely choice,
-        when it chooses) and lets its payload ``old`` go does with the pool: takes the
-        pooled buffer the new payload will be, now, and foresees what giving ``old`` will
-        do (its copy still in flight: it joins the pool later, booked from now on)."""
-        plan = _PoolPlan(taken=self._take_pooled(chunk, device))
-        if old is not None and old.is_cpu:
+        when it chooses) and lets its payload ``old`` go does with the pool and the arena:
+        lends the arena slot, or takes the pooled buffer, the new payload will be, now, or
+        plans the arena's growth; and foresees what giving ``old`` will do (its copy still in
+        flight: it joins the pool later, booked from now on; an arena slot stays the arena's)."""
+        plan = _PoolPlan()
+        if self._in_arena(chunk, device):
+            # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
+            # asynchronous and fast, but the OS cannot page it out: too much of it starves
+            # the host. Only chunks that cross to the GPU get it, up to the arena's cap; the
+            # rest is pageable.
+            plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
+            if plan.slot is None:
+                plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
+            if plan.slot is not None or plan.grow_bytes:
+                plan.arena_bytes = chunk.nbytes
+        if not plan.arena_bytes and device in self._host:
+            plan.taken = self.pool.take(chunk.dtype, chunk.capacity)
+        if old is not None and self.arena is not None and self.arena.owns(old):
+            plan.arena_give_bytes = old.numel() * old.element_size()
+        elif old is not None and old.is_cpu:
             dropped = self.pool.plan_give(old, views=len(chunk.slots))
             if dropped is not None:
                 nbytes = old.numel() * old.element_size()
                 plan.give_bytes = nbytes if in_flight else nbytes - dropped
         return plan
 
-    def _take_pooled(self, chunk: Chunk, device: str) -> torch.Tensor | None:
-        """A pooled host buffer for ``chunk`` on ``device``, if one is free: pinned for a chunk
-        that crosses to a real GPU, else (or with no pinned room left) pageable."""
-        if device not in self._host:
-            return None
-        pin = self._pins(chunk)
-        buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=pin)
-        if buf is None and pin and not self._pinned_room(chunk):
-            buf = self.pool.take(chunk.dtype, chunk.capacity, pinned=False)  # no pinned room: pageable, pooled
-        return buf
+    def _in_arena(self, chunk: Chunk, device: str) -> bool:
+        """Whether ``chunk`` on ``device`` takes its payload from the arena: param and grad
+        chunks (those that cross to the GPU every iteration) on the CPU."""
+        return self.arena is not None and device == "cpu" and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
 
-    def _return_taken(self, plan: _PoolPlan) -> None:
-        if plan.taken is not None:
+    def _return_taken(self, plan: _PoolPlan, *, pool: bool = True, arena: bool = True) -> None:
+        """Give back what ``plan`` took and will not use: the pooled buffer, the arena's slot
+        (and growth)."""
+        if pool and plan.taken is not None:
             self.pool.give(plan.taken)
             plan.taken = None
-
-    def _pins(self, chunk: Chunk) -> bool:
-        return self.pin_host and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
-
-    def _pinned_room(self, chunk: Chunk) -> bool:
-        return self.pinned_bytes + pinned_block_bytes(chunk.nbytes) <= self.pinned_cap_bytes
-
-    def _pinned_buffer(self, chunk: Chunk, device: str) -> torch.Tensor | None:
-        """For a chunk that crosses to a real GPU, a fresh pinned host buffer while pinned
-        memory stays under its cap."""
-        spec = self._specs[device]
-        if spec.torch_device.type != "cpu" or not self._pins(chunk) or not self._pinned_room(chunk):
-            return None
-        # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
-        # asynchronous and fast, but the OS cannot page it out: too much of it starves the
-        # host. Only chunks that cross to the GPU get it, up to a cap; the rest is pageable.
-        # The cap counts what the pinned allocator really takes (a power of two; see
-        # [Note: pinned rounding] in layout.py); the part beyond the chunk is reported as
-        # pinned_rounding_bytes in the host memory breakdown.
-        block = pinned_block_bytes(chunk.nbytes)
-        buf = chunk.new_buffer(spec, pin=True)
-        self.pinned_bytes += block
-        self.pinned_rounding_bytes += block - chunk.nbytes
-        weakref.finalize(buf, self._unpinned, block, block - chunk.nbytes)
-        return buf
-
-    def _unpinned(self, nbytes: int, rounding: int) -> None:
-        self.pinned_bytes -= nbytes
-        self.pinned_rounding_bytes -= rounding
+        if arena:
+            if plan.slot is not None:
+                self.arena.give(plan.slot)
+                plan.slot = None
+            plan.grow_bytes = plan.arena_bytes = 0
 
     def _recycle(self, old: torch.Tensor | None, plan: _PoolPlan) -> None:
-        """Give ``old`` to the pool, unless ``plan`` was cancelled (the pool let go for room)."""
-        if old is not None and old.is_cpu and not plan.cancelled:
+        """Give ``old`` back to the arena if it is an arena slot, else to the pool unless
+        ``plan`` was cancelled (the pool let go for room)."""
+        if old is None:
+            return
+        if self.arena is not None and self.arena.owns(old):
+            self.arena.give(old)
+        elif old.is_cpu and not plan.cancelled:
             self.pool.give(old)
 
     def make_room(self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "") -> None:
@@ -531,17 +599,30 @@ class ChunkManager:
     # -- mechanics -------------------------------------------------------------------------
 
     def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk], plan: _PoolPlan) -> torch.Tensor:
-        """A buffer for ``chunk`` on ``device``: the pooled host buffer ``plan`` took, a fresh
-        pinned one, or a fresh allocation (with ``_retry_out_of_memory``)."""
-        buf, plan.taken = plan.taken, None
-        if buf is None:
-            buf = self._pinned_buffer(chunk, device)
+        """A buffer for ``chunk`` on ``device``: the arena slot ``plan`` lent or one of the
+        segment it grows by, the pooled host buffer it took, or a fresh allocation (with
+        ``_retry_out_of_memory``)."""
+        buf = plan.slot if plan.slot is not None else plan.taken
+        plan.slot = plan.taken = None
+        if buf is None and plan.grow_bytes:
+            buf = self._grow_arena(chunk, plan.grow_bytes)
+            plan.grow_bytes = 0
         if buf is not None:
             return buf
         spec = self._specs[device]
         return self._retry_out_of_memory(
             device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect
         )
+
+    def _grow_arena(self, chunk: Chunk, nbytes: int) -> torch.Tensor | None:
+        """Grow the arena by the booked segment and lend ``chunk`` its first slot; None (a
+        pageable buffer instead, the booking settled after) when the host cannot map it."""
+        try:
+            self.arena.grow(chunk.nbytes, nbytes)
+        except OSError as exc:
+            logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, chunk)
+            return None
+        return self.arena.take(chunk.dtype, chunk.capacity)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
@@ -593,6 +674,8 @@ class ChunkManager:
             if force or event.query():
                 if pooled:
                     self.pool.give(buf)
+                elif self.arena is not None and self.arena.owns(buf):
+                    self.arena.give(buf)
             else:
                 keep.append((event, buf, pooled))
         self._in_flight = keep
@@ -696,6 +779,8 @@ class ChunkManager:
         assert chunk.payload is not None
         self.used_bytes[device] += sign * chunk.nbytes
         self._used_all_bytes += sign * chunk.nbytes
+        if self.arena is not None and self.arena.owns(chunk.payload):
+            self._arena_payload_bytes += sign * chunk.nbytes
         ptr = storage_key(chunk.payload)
         if sign > 0:
             self.resident[device][chunk.chunk_id] = chunk
@@ -775,8 +860,10 @@ class ChunkManager:
         }
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
-        """Free every payload and the pool (client shutdown)."""
+        """Free every payload, the pool and the arena (client shutdown)."""
         self.sync()  # no copy may still read or fill a buffer given back below
         for chunk in chunks:
             self.free(chunk)
+        if self.arena is not None:
+            self.arena.close()
         self.release_pool()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridps.client.arena import CudaHostRegistrar, HostArena, HostRegistrar
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.comm import Collectives
@@ -66,7 +67,10 @@ class Client:
         local_rank: int | None = None,
         world_size: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        host_registrar: HostRegistrar | None = None,
     ):
+        """``host_registrar`` page-locks the host arena's segments; default: CUDA's when a
+        real GPU computes, nothing otherwise (a recorder in tests stands for a real GPU)."""
         self.config = config or Config()
         rank, local_rank, world_size = _topology(rank, local_rank, world_size, process_group)
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
@@ -93,7 +97,6 @@ class Client:
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
-        pinned = self.config.pinned_bytes
         self.mover = ChunkManager(
             self.inventory,
             connection,
@@ -103,7 +106,7 @@ class Client:
             #: the non-model memory of the compute device, driven by the engine's tracer
             #: (memory_trace.py, [Note: who holds the trace])
             trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
-            pinned_cap_bytes=self.inventory.cpu.capacity_bytes // 4 if pinned is None else pinned,
+            arena=self._host_arena(host_registrar),
         )
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(
@@ -132,6 +135,19 @@ class Client:
         self._closed = False
         self._broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
+
+    def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
+        """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
+        computes and ``Config.pinned_bytes`` is not 0: page-locked on a real GPU; carved the
+        same way, unpinned, on simulated GPUs and on meta (the planner), so that every run
+        books the host memory a run on a real GPU would."""
+        cap = self.config.pinned_bytes
+        cap = self.inventory.cpu.capacity_bytes // 4 if cap is None else cap
+        if not self.compute.is_gpu or cap == 0:
+            return None
+        if registrar is None and not self.compute.simulated and torch.cuda.is_available():
+            registrar = CudaHostRegistrar()
+        return HostArena(cap, device=self.inventory.cpu.torch_device, registrar=registrar)
 
     def _chunk_groups(self, process_group: dist.ProcessGroup | None) -> ChunkGroups:
         """The data-parallel side: collectives over the whole job and, with hybrid sharding,
@@ -861,7 +877,8 @@ class Client:
             "prefetch_evictions": self.mover.prefetch_evictions,
             "pool": self.mover.pool.stats(),
             **({"link": self.link.stats()} if self.link is not None else {}),
-            "pinned_bytes": self.mover.pinned_bytes,
+            "pinned_bytes": self.mover.arena.pinned_bytes if self.mover.arena is not None else 0,
+            **({"arena": self.mover.arena.stats()} if self.mover.arena is not None else {}),
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
@@ -881,7 +898,8 @@ class Client:
     def host_memory(self) -> dict:
         """What this rank holds in host memory, by part, next to the process's RSS: chunks on
         the CPU and on simulated GPUs (their payloads are host memory), idle pooled buffers,
-        the optimizer's fp32 staging buffers and grads waiting beside their slots. RSS also
+        the host arena's bytes that are not chunk payloads, the optimizer's fp32 staging
+        buffers and grads waiting beside their slots. RSS also
         holds torch itself, activations and the allocator's free lists, so it exceeds
         ``accounted_bytes`` by a fixed amount plus what a step allocates transiently."""
         simulated = [d.name for d in self.inventory if d.simulated]
@@ -890,10 +908,10 @@ class Client:
             "cpu_chunk_bytes": self.mover.used_bytes["cpu"],
             "simulated_gpu_chunk_bytes": sum(self.mover.used_bytes[d] for d in simulated),
             "pool_bytes": self.mover.pool.held_bytes,
+            # free slots of the arena, and slots a copy in flight or a view still holds
+            "arena_idle_bytes": self.mover.arena_idle_bytes,
             "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
             "pending_grad_bytes": self.pending.waiting_bytes(),
-            # pinned buffers are powers of two: the part beyond their chunks (real GPUs only)
-            "pinned_rounding_bytes": self.mover.pinned_rounding_bytes,
         }
         parts["accounted_bytes"] = sum(parts.values())
         parts["rss_bytes"] = _rss_bytes()
@@ -1098,9 +1116,6 @@ def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int)
         elem_bytes=config.param_dtype.itemsize,
         capacity_bytes=cap,
         alignment=config.alignment,
-        # host chunks of a real GPU (or of one the planner stands for) are pinned, unless
-        # pinned memory is off (pinned_bytes=0)
-        pinned=compute.is_gpu and (compute.meta or not compute.simulated) and config.pinned_bytes != 0,
         # several ranks: enough chunks that each rank owns a balanced share
         min_chunks=4 if world_size == 1 else 8 * world_size,
     )

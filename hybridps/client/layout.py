@@ -12,6 +12,7 @@ with the same code, from sizes alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,12 @@ from hybridps.common.errors import ConfigError
 #: Upper bound of an automatically chosen chunk, in elements (128 MiB of fp16): large enough
 #: for full-bandwidth copies and collectives, small enough to place finely.
 MAX_AUTO_CHUNK_ELEMS = 64 * 2**20
+#: a packed run of consecutive tensors may pass the chosen size's upper bound by 1/this
+#: (see [Note: packed slack] in ``choose_chunk_size``)
+PACKED_SLACK = 16
+#: a chosen chunk of at least this many bytes is a whole number of them: host pages, so
+#: the host arena's slots tile its segments (see [Note: whole pages] in ``choose_chunk_size``)
+PAGE_BYTES = 4096
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -153,7 +160,6 @@ def choose_chunk_size(
     alignment: int = 8,
     max_elems: int = MAX_AUTO_CHUNK_ELEMS,
     min_chunks: int = 4,
-    pinned: bool = False,
 ) -> int:
     """Pick a chunk size (elements) for tensors of ``numels`` laid out in that order.
 
@@ -161,18 +167,30 @@ def choose_chunk_size(
     exist to place, move and share among ranks; at most a quarter of the compute capacity, so a module's param
     and grad chunks plus a neighbour fit beside activations; at least a sixteenth of the
     upper bound. Candidates are a grid over that range plus every sum of consecutive tensor
-    sizes that falls in it (a repeated block of a model packs without padding); the size
-    with the least padding wins, and among equals the larger (fewer chunks, larger copies).
+    sizes that falls in it or passes its top by at most 1/``PACKED_SLACK`` (see [Note: packed
+    slack]), each of a page or more rounded up to whole pages (see [Note: whole pages]); the
+    size with the least padding wins, and among equals the larger (fewer chunks, larger
+    copies).
 
-    With ``pinned`` (host chunks will be page-locked for a real GPU) the waste of a size also
-    counts what PyTorch's pinned allocator adds to each chunk: it rounds every allocation up
-    to a power of two, so a chunk of 2^25 + 1 elements pins 2^26 (see [Note: pinned
-    rounding]). Powers of two, and packed sizes just under one, win then.
+    Padding is all that counts: host chunk payloads come from the host arena, which pins
+    exactly a chunk's bytes, so no size costs more pinned memory than its own (see [Note: why
+    an arena] in arena.py; PyTorch's pinned allocator, which rounds to powers of two, is not
+    used for chunks).
 
-    [Note: pinned rounding]
-    Measured on an H100 node: with 64.04 MiB chunks every pinned host chunk took 128 MiB,
-    memory neither the ledger nor the planner knew of, and a run sized to 90% of host memory
-    was ended by the OOM killer.
+    [Note: packed slack]
+    A model's repeated unit often lies just above a round bound: a GPT block of d_model 4096
+    holds an MLP weight of exactly 2^26 elements followed by its 16384-element bias, so at
+    the 2^26 bound every weight fills a chunk and every bias opens the next one (7.1% of a
+    12-layer model padding). A packed size up to 1/16 above the bound holds weight and bias
+    together (2.3%); a chunk that much larger changes neither copy bandwidth nor placement.
+
+    [Note: whole pages]
+    The host arena maps and pins whole pages, so a chunk of 2050.5 pages leaves half a page
+    of every segment unused: booked host memory no chunk holds. In the planner that was
+    enough to tip a model near the CPU's limit (d_model 1024, 860 layers on 1 x 80 GiB +
+    120 GiB: an eviction found 8.00 MiB free for an 8.01 MiB chunk). A chunk of a page or
+    more is therefore a whole number of ``PAGE_BYTES`` (the common 4 KiB page, fixed so a plan
+    made on any machine picks a client's size): at most a page of padding per chunk.
     """
     aligned = [align_up(n, alignment) for n in numels]
     total = sum(aligned)
@@ -183,31 +201,22 @@ def choose_chunk_size(
         hi = min(hi, max(alignment, capacity_bytes // (4 * elem_bytes)))
     hi = max(alignment, hi - hi % alignment)
     lo = max(alignment, hi // 16)
+    packed_hi = hi + hi // PACKED_SLACK
+    page = math.lcm(alignment, max(1, PAGE_BYTES // elem_bytes))
+
+    def whole_pages(size: int) -> int:
+        return align_up(size, page) if size * elem_bytes >= PAGE_BYTES else size
+
     candidates = {max(alignment, align_up(hi * k // 64, alignment)) for k in range(4, 65)}
     for i in range(len(aligned)):
         run = 0
         for n in aligned[i:]:
             run += n
-            if run > hi:
+            if run > packed_hi:
                 break
             if run >= lo:
                 candidates.add(run)
-    ordered = sorted(c for c in candidates if lo <= c <= hi) or [hi]
-    if pinned:
-        ordered = sorted(
-            set(ordered)
-            | {1 << k for k in range(lo.bit_length() - 1, hi.bit_length()) if lo <= 1 << k <= hi and (1 << k) % alignment == 0}
-        )
+    ordered = sorted({whole_pages(c) for c in candidates if lo <= c <= packed_hi}) or [whole_pages(hi)]
     waste = [int(w) for w in layout_waste_many(numels, ordered, alignment)]
-    if pinned:
-        for k, size in enumerate(ordered):
-            chunks = -(-(total + waste[k]) // size)
-            waste[k] += chunks * (pinned_block_elems(size) - size)
     best = min(range(len(ordered)), key=lambda k: (waste[k], -ordered[k]))
     return ordered[best]
-
-
-def pinned_block_elems(numel: int) -> int:
-    """What PyTorch's pinned host allocator takes for ``numel`` elements: the next power of
-    two (of bytes; elements are powers of two in size, so of elements too)."""
-    return 1 << max(0, numel - 1).bit_length()

@@ -1,11 +1,11 @@
-"""Payload pool: freed host-side chunk buffers kept for reuse.
+"""Payload pool: freed pageable host-side chunk buffers kept for reuse.
 
 A fresh multi-MiB CPU allocation page-faults on first touch, which halves the bandwidth of
-a chunk move (measured: 13.8 vs 24.7 GB/s for 16 MiB here), and pinned host memory, which
-asynchronous GPU copies need, is slow to allocate at all. So payloads that leave a host
+a chunk move (measured: 13.8 vs 24.7 GB/s for 16 MiB here). So payloads that leave a host
 buffer (a chunk moved to the GPU, a chunk dropped) wait here for the next chunk of the same
 size, up to a cap in bytes. CUDA payloads are not pooled: PyTorch's caching allocator
-already reuses them.
+already reuses them. Pinned payloads are not either: they are slots of the host arena,
+which keeps its own free slots (arena.py).
 
 A buffer is pooled only when nothing else refers to its storage: a view of the old payload
 saved by autograd for backward must keep seeing the old values, so such a buffer is left to
@@ -36,7 +36,7 @@ _UNSHARED = _use_count(torch.empty(1))  # the count of a tensor nothing else ref
 
 
 class PayloadPool:
-    """Reusable host buffers by (dtype, elements, pinned), up to ``cap_bytes`` in total."""
+    """Reusable host buffers by (dtype, elements), up to ``cap_bytes`` in total."""
 
     def __init__(self, cap_bytes: int, *, per_size: int = 4):
         self.cap_bytes = cap_bytes
@@ -50,12 +50,8 @@ class PayloadPool:
         self.misses = 0
         self.dropped = 0
 
-    @staticmethod
-    def _key(dtype: torch.dtype, numel: int, pinned: bool) -> tuple:
-        return (dtype, numel, pinned)
-
-    def take(self, dtype: torch.dtype, numel: int, *, pinned: bool = False) -> torch.Tensor | None:
-        bucket = self._free.get(self._key(dtype, numel, pinned))
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        bucket = self._free.get((dtype, numel))
         if not bucket:
             self.misses += 1
             return None
@@ -74,7 +70,7 @@ class PayloadPool:
             return None
         nbytes = buf.numel() * buf.element_size()
         held_bytes, dropped = self.held_bytes, 0
-        for dtype, numel, _ in self._age.values():  # oldest first, as give lets them go
+        for dtype, numel in self._age.values():  # oldest first, as give lets them go
             if held_bytes + nbytes <= self.cap_bytes:
                 break
             size = numel * dtype.itemsize
@@ -87,7 +83,7 @@ class PayloadPool:
         left, that nothing but ``views`` other tensors refers to."""
         if not buf.is_cpu or _UNSHARED is None:
             return False
-        bucket = self._free.get(self._key(buf.dtype, buf.numel(), buf.is_pinned()), ())
+        bucket = self._free.get((buf.dtype, buf.numel()), ())
         if buf.numel() * buf.element_size() > self.cap_bytes or len(bucket) >= self.per_size:
             return False
         count = _use_count(buf)
@@ -99,14 +95,15 @@ class PayloadPool:
         to make room for it (the caller unbooks them).
 
         [Note: the oldest go first] Buffers of a size or kind nobody asks for any more (the
-        optimizer's pageable chunks, say) must not fill the pool for good and turn away the
-        pinned buffers every prefetch wants: measured on an H100, four pageable buffers held
-        a 4-chunk pool for the whole run and every pinned chunk move missed (0 hits in 52).
+        optimizer's fp32 chunks, say) must not fill the pool for good and turn away the
+        buffers every move wants: measured on an H100 (when the pool still held pinned
+        buffers too), four pageable buffers held a 4-chunk pool for the whole run and every
+        pinned chunk move missed (0 hits in 52).
         """
         if not self._keeps(buf):
             return None
         nbytes = buf.numel() * buf.element_size()
-        key = self._key(buf.dtype, buf.numel(), buf.is_pinned())
+        key = (buf.dtype, buf.numel())
         dropped = 0
         while self.held_bytes + nbytes > self.cap_bytes:
             old_id, old_key = self._age.popitem(last=False)

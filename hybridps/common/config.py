@@ -228,7 +228,7 @@ class Config:
         section="Memory and devices",
         unit="bytes",
         doc=(
-            "Host memory kept in freed chunk buffers for reuse (pinned when a real GPU computes). `None`: four of "
+            "Host memory kept in freed pageable chunk buffers for reuse (the host arena keeps its own free slots). `None`: four of "
             "the largest chunks. Pooled bytes are booked with the manager and given up whenever a chunk needs the "
             "room."
         ),
@@ -238,11 +238,11 @@ class Config:
         section="Memory and devices",
         unit="bytes",
         doc=(
-            "Cap on pinned (page-locked) host memory, used only for param and grad chunks that cross to a real "
-            "GPU (fast asynchronous copies); beyond it host chunks are pageable. PyTorch's pinned allocator "
-            "rounds each buffer up to a power of two: the cap counts the rounded blocks, and with a real GPU the "
-            "automatic chunk size avoids the rounding (powers of two win). `0`: nothing is pinned. `None`: a "
-            "quarter of the CPU capacity."
+            "Cap on the host arena: page-locked host memory for the param and grad chunks on the CPU when a "
+            "real GPU computes (fast asynchronous copies), grown on demand in segments registered with CUDA "
+            "once and carved into slots of exactly a chunk's bytes; beyond it host chunks are pageable. The "
+            "whole arena is booked on the CPU. On simulated GPUs the arena is carved the same way, unpinned. "
+            "`0`: no arena, nothing is pinned. `None`: a quarter of the CPU capacity."
         ),
     )
     simulate_link: str | float | None = _field(

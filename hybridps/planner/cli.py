@@ -89,7 +89,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--simulated-gpus",
         action="store_true",
-        help="plan a run on simulated GPUs (their chunks in host memory, nothing pinned) instead of a real node",
+        help="plan a run on simulated GPUs (their chunks in host memory, the host arena unpinned) instead of a real node",
     )
     t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
     n = p.add_argument_group("node")

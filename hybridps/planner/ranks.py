@@ -17,6 +17,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from hybridps.client.arena import idle_bound_bytes
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.sharding import Communication, Sharding
 from hybridps.planner.simulation import Simulation
@@ -112,7 +113,6 @@ def _group_layout(
     node: NodeSpec,
     *,
     margin_bytes: int,
-    simulated_gpus: bool,
     chunk_size: int | None = None,
 ) -> _GroupLayout:
     """The client's layout for ``shard_size``: ``chunk_size`` if given, else the simulation's
@@ -128,7 +128,6 @@ def _group_layout(
         alignment=sim.alignment,
         margin=margin_bytes,
         chunk_size=chunk_size or sim.requested_chunk_size,
-        pinned_bytes=0 if simulated_gpus else None,
     )
     if sim.param_numels:
         size = auto_chunk_size(list(sim.param_numels), config, compute, shard_size)
@@ -165,13 +164,12 @@ def gathered_at(
     shard_size: int,
     *,
     margin_bytes: int = 0,
-    simulated_gpus: bool = False,
     chunk_size: int | None = None,
 ) -> tuple[int, str]:
     """The largest gathered working set over modules (bytes, module) with chunk groups of
     ``shard_size`` chunks (of ``chunk_size`` elements if given): what the client checks at
     registration."""
-    lay = _group_layout(sim, shard_size, node, margin_bytes=margin_bytes, simulated_gpus=simulated_gpus, chunk_size=chunk_size)
+    lay = _group_layout(sim, shard_size, node, margin_bytes=margin_bytes, chunk_size=chunk_size)
     return _gathered(sim, lay)
 
 
@@ -206,7 +204,6 @@ def derive_rank_share(
     *,
     shard_group_size: int | str = "node",
     margin_bytes: int = 0,
-    simulated_gpus: bool = False,
 ) -> RankShare:
     """Per-rank model data of a ``node.world_size``-rank job with hybrid sharding, laid out
     as its clients would.
@@ -231,7 +228,9 @@ def derive_rank_share(
       if both peaked at the same moment (an upper bound);
     - CPU: what of a rank's share does not fit beside that on its GPU (the single-rank
       engine fits model data up to CPU + GPU minus activations and working set: the same
-      rule); a node's ranks share its CPU, so their CPU bytes add up;
+      rule), plus, when some of it is on the CPU, the most the host arena holds beyond its
+      lent slots (``arena.idle_bound_bytes`` of the param chunk sizes); a node's ranks share
+      its CPU, so their CPU bytes add up;
     - GPU peak: the single-rank simulation's GPU peak (the GPU budget is the same), at most
       the rank's share plus the gathered set;
     - bytes moved per step between CPU and GPU: the single-rank simulation's, scaled by the
@@ -243,7 +242,7 @@ def derive_rank_share(
     """
     sharding = Sharding.resolve(shard_group_size, node)
     s = sharding.shard_size
-    lay = _group_layout(sim, s, node, margin_bytes=margin_bytes, simulated_gpus=simulated_gpus)
+    lay = _group_layout(sim, s, node, margin_bytes=margin_bytes)
     param_elem = _param_elem_bytes(sim)
     weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
     owner_of = owners_by_bytes(weights, s)
@@ -255,7 +254,9 @@ def derive_rank_share(
     gathered, gathered_module = _gathered(sim, lay)
     gpu_need = sim.non_model_peak_bytes + gathered + margin_bytes
     gpu_room = max(0, node.gpu_bytes - gpu_need)  # GPU bytes left for owned chunks at the tightest moment
-    cpu_of_place = [max(0, share - gpu_room) for share in shares]
+    # the arena's free slots beside a rank's param (and grad) chunks on the CPU
+    arena_idle = idle_bound_bytes(cap * param_elem for cap in set(lay.capacities))
+    cpu_of_place = [share - gpu_room + arena_idle if share > gpu_room else 0 for share in shares]
     cpu = max(cpu_of_place, default=0)
     rpn = node.ranks_per_node
     offsets = sharding.node_offsets()

@@ -270,6 +270,11 @@ def _format_report(r: PlanReport) -> str:
                 )
             )
     lines += ["  " + line for line in _table(dev_rows)]
+    if h.cpu is not None and h.cpu.arena_bytes:
+        lines.append(
+            f"  host arena: {format_bytes(h.cpu.arena_bytes)} held at most (the CPU's param chunks and free slots; "
+            f"page-locked on a real GPU, booked on the CPU)"
+        )
     if h.init is not None:
         i = h.init
         lines.append(

@@ -56,9 +56,8 @@ class PlanRequest:
     grad_reuse: bool = True
     margin_bytes: int = 0
     chunk_size: int | None = None
-    #: plan a run on simulated GPUs (no pinned host memory, and GPU chunks in host memory)
-    #: instead of a real node, whose host chunks are pinned: chunk sizes then avoid the
-    #: pinned allocator's rounding
+    #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
+    #: real-GPU transients) instead of a real node
     simulated_gpus: bool = False
     iterations: int = 2
     search_largest: bool = True
@@ -241,7 +240,6 @@ class Planner:
                 grad_reuse=req.grad_reuse,
                 margin_bytes=self.margin_bytes,
                 chunk_size=req.chunk_size,
-                simulated_gpus=req.simulated_gpus,
                 iterations=req.iterations,
             )
             self.sim_seconds += sim.seconds
@@ -264,7 +262,6 @@ class Planner:
                 node,
                 shard_group_size=req.shard_group_size,
                 margin_bytes=self.margin_bytes,
-                simulated_gpus=req.simulated_gpus,
             )
             if share.gpu_need_bytes > node.gpu_bytes:
                 reasons.append(
@@ -298,7 +295,7 @@ class Planner:
         what = "param chunks" if req.grad_reuse else "param + grad chunks"
         fixes = []
         for size in smaller_shard_sizes(sh):
-            gathered, _ = gathered_at(ev.sim, node, size, margin_bytes=self.margin_bytes, simulated_gpus=req.simulated_gpus)
+            gathered, _ = gathered_at(ev.sim, node, size, margin_bytes=self.margin_bytes)
             if gathered <= budget:
                 named = ' ("node")' if size == node.ranks_per_node else ""
                 fixes.append(
@@ -311,9 +308,7 @@ class Planner:
             size -= size % ev.sim.alignment
             if size < ev.sim.alignment:
                 break
-            gathered, _ = gathered_at(
-                ev.sim, node, sh.shard_size, margin_bytes=self.margin_bytes, simulated_gpus=req.simulated_gpus, chunk_size=size
-            )
+            gathered, _ = gathered_at(ev.sim, node, sh.shard_size, margin_bytes=self.margin_bytes, chunk_size=size)
             if gathered <= budget:
                 fixes.append(f"smaller chunks (--chunk-size {size}: the largest module gathers {format_bytes(gathered)})")
                 break

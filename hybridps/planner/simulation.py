@@ -45,10 +45,13 @@ class DeviceFigures:
     non_model_peak_bytes: int = 0
     #: chunks + non-model at the worst moment after warm-up (compute device only)
     peak_total_bytes: int = 0
+    #: the most host memory the host arena held (CPU only): param and grad chunks on the CPU
+    #: and the arena's free slots, page-locked on a real GPU (client/arena.py)
+    arena_bytes: int = 0
     derived: bool = False
 
     def __post_init__(self) -> None:
-        for f in ("capacity_bytes", "model_data_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes"):
+        for f in ("capacity_bytes", "model_data_bytes", "peak_bytes", "non_model_peak_bytes", "peak_total_bytes", "arena_bytes"):
             check_bytes(f, getattr(self, f))
 
 
@@ -116,7 +119,6 @@ def simulate(
     grad_reuse: bool = True,
     margin_bytes: int = 0,
     chunk_size: int | None = None,
-    simulated_gpus: bool = False,
     iterations: int = 2,
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
@@ -124,7 +126,8 @@ def simulate(
 
     Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
     budget and furthest-next-use eviction, as every later iteration would, so two are enough
-    for the peaks and for the bytes moved per step.
+    for the peaks and for the bytes moved per step. A plan for simulated GPUs runs the same
+    client: host chunks come from the same arena there, only unpinned.
     """
     start = time.perf_counter()
     config = Config(
@@ -134,7 +137,6 @@ def simulate(
         grad_reuse=grad_reuse,
         margin=margin_bytes,
         chunk_size=chunk_size,
-        pinned_bytes=0 if simulated_gpus else None,
     )
     with torch.device("meta"):
         module = model.build()
@@ -212,6 +214,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         capacity_bytes=cpu_stats["capacity_bytes"],
         model_data_bytes=cpu_stats["used_bytes"],
         peak_bytes=cpu_stats["peak_bytes"],
+        arena_bytes=stats["arena"]["peak_held_bytes"] if "arena" in stats else 0,
     )
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in after} if failure is None else {}
     return Simulation(

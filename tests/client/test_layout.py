@@ -1,4 +1,11 @@
-from hybridps.client.layout import ChunkLayout, choose_chunk_size
+import pytest
+import torch
+
+from hybridps.client.client import auto_chunk_size
+from hybridps.client.layout import PACKED_SLACK, PAGE_BYTES, ChunkLayout, choose_chunk_size
+from hybridps.common.config import Config
+from hybridps.common.devices import DeviceSpec
+from hybridps.models import GPT, GPTConfig
 
 
 def test_tensors_fill_chunks_in_registration_order_without_splitting():
@@ -40,29 +47,59 @@ def test_the_chosen_chunk_size_leaves_little_padding_and_respects_capacity():
     assert capped * 2 * 4 <= 4 * 2**20
 
 
-def test_pinned_chunk_sizes_avoid_the_pinned_allocators_power_of_two_rounding():
-    from hybridps.client.layout import choose_chunk_size, pinned_block_elems
-
-    # a GPT block of d_model 2048 (ln, qkv, proj, ln, fc, proj): packed sizes are not powers of two
-    d = 2048
-    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-    numels = [50304 * d, 1024 * d] + block * 48 + [d, d]
-    pageable = choose_chunk_size(numels, elem_bytes=2, capacity_bytes=77 << 30)
-    pinned = choose_chunk_size(numels, elem_bytes=2, capacity_bytes=77 << 30, pinned=True)
-    assert pinned_block_elems(pinned) == pinned  # nothing pinned beyond the chunk
-    assert pinned_block_elems(pageable) > pageable  # what the plain choice would have pinned
-
-    def total_waste(size):
-        from hybridps.client.layout import layout_waste_many
-
-        pad = int(layout_waste_many(numels, [size], 8)[0])
-        chunks = -(-(sum(numels) + pad) // size)
-        return pad + chunks * (pinned_block_elems(size) - size)
-
-    assert total_waste(pinned) <= total_waste(pageable)
+def _padding(numels: list[int], size: int, alignment: int = 8) -> float:
+    layout = ChunkLayout(size, alignment)
+    for n in numels:
+        layout.add(n)
+    return 1 - layout.tensor_elements / layout.total_elements
 
 
-def test_pinned_block_elems_is_the_next_power_of_two():
-    from hybridps.client.layout import pinned_block_elems
+def _client_chunk_size(numels: list[int], compute: DeviceSpec, **config) -> int:
+    return auto_chunk_size(numels, Config(precision="bf16", **config), compute, 1)
 
-    assert [pinned_block_elems(n) for n in (1, 2, 3, 4, 5, 1 << 25, (1 << 25) + 1)] == [1, 2, 4, 4, 8, 1 << 25, 1 << 26]
+
+def _numels(model: torch.nn.Module) -> list[int]:
+    """Param sizes in the order a client registers them (shared params once)."""
+    return [p.numel() for p in {id(p): p for p in model.parameters()}.values()]
+
+
+GPU_80 = DeviceSpec(name="cuda:0", capacity_bytes=80 << 30)
+
+
+def test_a_packed_size_may_pass_the_bound_by_a_sixteenth_to_hold_a_weight_with_its_bias():
+    # a weight of exactly the bound followed by its bias, four times: at the bound every bias
+    # would open a chunk of its own
+    bound = 1 << 20
+    numels = [bound, 64, bound, 64] * 4
+    size = choose_chunk_size(numels, elem_bytes=2, alignment=8, max_elems=bound)
+    assert bound < size <= bound + bound // PACKED_SLACK
+    assert size * 2 % PAGE_BYTES == 0, "a chunk of whole pages tiles the arena's segments"
+    assert _padding(numels, size) < 0.002  # weight and bias together; under a page of padding per chunk
+
+
+@pytest.mark.parametrize("d_model", [1024, 2048, 4096, 8192])
+def test_the_projects_gpt_pads_at_most_3_percent(d_model):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=12, d_model=d_model, n_head=d_model // 128, seq_len=1024, vocab_size=50304))
+    numels = _numels(model)
+    size = _client_chunk_size(numels, GPU_80)
+    assert _padding(numels, size) <= 0.03
+    assert size * 2 % PAGE_BYTES == 0, "whole pages: the arena's segments hold nothing but slots"
+
+
+def test_the_chunk_size_does_not_depend_on_whether_a_real_gpu_or_pinned_memory_is_there():
+    """Host chunks come from the arena, which pins exactly a chunk's bytes: the real GPU, the
+    simulated one and the planner's (meta) pick one size, pinned memory or not."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=6, d_model=2048, n_head=16, seq_len=1024, vocab_size=50304))
+    numels = _numels(model)
+    devices = [
+        GPU_80,
+        DeviceSpec(name="cuda:0", capacity_bytes=80 << 30, simulated=True),
+        DeviceSpec(name="cuda:0", capacity_bytes=80 << 30, simulated=True, meta=True),
+    ]
+    sizes = {_client_chunk_size(numels, d, pinned_bytes=pinned) for d in devices for pinned in (None, 0)}
+    assert len(sizes) == 1, sizes
+    (size,) = sizes
+    # what the pinned allocator's powers of two would have cost this model
+    assert _padding(numels, size) <= 0.03 < 0.15 < min(_padding(numels, 1 << k) for k in range(22, 27))

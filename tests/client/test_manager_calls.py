@@ -3,8 +3,10 @@
 Counts, not timings: a placement, a move and an eviction are one request each; a pooled
 host buffer taken or given costs none of its own; a buffer the pool turns down after all
 costs one request that settles its booking. After every operation the manager books
-exactly the client's chunks plus its idle pooled buffers. A training step with a tight GPU
-makes at most one request per chunk move, and with room to spare none at all.
+exactly the client's chunks plus its idle pooled buffers and the host arena's bytes that
+are not chunk payloads: a slot taken or given costs nothing, the arena's growth rides with
+the operation that needs it. A training step with a tight GPU makes at most one request per
+chunk move, and with room to spare none at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import hybridps
+from hybridps.client.arena import HostArena
 from hybridps.client.chunk import Chunk, ChunkKind
 from hybridps.client.chunk_manager import ChunkManager
 from hybridps.client.layout import Slot
@@ -54,11 +57,13 @@ class CountingConnection:
         return calls
 
 
-def make_manager(gpu_bytes: int = 2 * CHUNK_BYTES, cpu_bytes: int | None = None, pool_chunks: int = 4):
+def make_manager(
+    gpu_bytes: int = 2 * CHUNK_BYTES, cpu_bytes: int | None = None, pool_chunks: int = 4, arena: HostArena | None = None
+):
     devices = {"cuda:0": gpu_bytes, **({"cpu": cpu_bytes} if cpu_bytes is not None else {})}
     inventory = DeviceInventory.build(devices, simulate="always")
     conn = CountingConnection(EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
-    return ChunkManager(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES), conn
+    return ChunkManager(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES, arena=arena), conn
 
 
 def new_chunk(i: int, slots: int = 0) -> Chunk:
@@ -69,10 +74,11 @@ def new_chunk(i: int, slots: int = 0) -> Chunk:
 
 
 def assert_exact(manager: ChunkManager, conn: CountingConnection) -> None:
-    """The manager books exactly the chunks, plus the idle pooled buffers on the CPU."""
+    """The manager books exactly the chunks, plus on the CPU the idle pooled buffers and the
+    host arena's bytes that are not chunk payloads."""
     usage = next(c["usage"] for c in conn.status()["clients"] if c["client_id"] == conn.client_id)
     held = {d: s["used_bytes"] for d, s in manager.device_stats().items()}
-    held["cpu"] += manager.pool.held_bytes
+    held["cpu"] += manager.pool.held_bytes + manager.arena_idle_bytes
     assert usage == {d: s for d, s in held.items() if s}
     assert {d: s["booked_bytes"] for d, s in manager.device_stats().items() if s["booked_bytes"]} == usage
 
@@ -223,3 +229,83 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
     finally:
         manager.connection = conn.inner
         engine.close()
+
+
+def test_cpu_param_chunks_live_in_the_arena_and_the_manager_books_all_of_it():
+    arena = HostArena(1 << 30)
+    manager, conn = make_manager(arena=arena)
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks:
+        manager.place(c, "cpu")
+        assert conn.take() == {"update": 1}, "the arena's growth rides with the placement"
+        assert arena.owns(c.payload)
+        assert_exact(manager, conn)
+    assert arena.held_bytes == 4 * CHUNK_BYTES and arena.stats()["grown"] == 1  # one 1 MiB segment of 4 slots
+    chunks[0].payload.fill_(3.0)
+    for _ in range(3):  # to the GPU and back: its slot goes back to the arena and is lent again
+        for device in ("cuda:0", "cpu"):
+            manager.bring(chunks[0], device)
+            assert conn.take() == {"update": 1}, device
+            assert_exact(manager, conn)
+            booked = manager.device_stats()["cpu"]["booked_bytes"]
+            assert booked == arena.held_bytes + manager.pool.held_bytes, "the CPU books the whole arena"
+    assert arena.owns(chunks[0].payload) and bool((chunks[0].payload == 3.0).all())
+    master = Chunk(ChunkKind.MASTER, 5, NUMEL, torch.float32, 5)
+    manager.place(master, "cpu")  # optimizer states do not cross to the GPU each iteration: pageable
+    assert not arena.owns(master.payload) and arena.held_bytes == 4 * CHUNK_BYTES
+    assert_exact(manager, conn)
+    manager.release_all([*chunks, master])
+    assert arena.held_bytes == 0 and conn.status()["clients"][0]["usage"] == {}
+
+
+def test_a_cpu_short_of_room_for_a_segment_grows_the_arena_by_one_slot():
+    arena = HostArena(1 << 30)
+    manager, conn = make_manager(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=3 * CHUNK_BYTES, arena=arena)
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks:
+        manager.place(c, "cpu")
+        assert conn.take() == {"update": 2}, "a segment of 4 slots refused, then one of one slot"
+        assert c.device == "cpu" and arena.owns(c.payload)
+        assert_exact(manager, conn)
+    assert arena.held_bytes == 3 * CHUNK_BYTES
+
+
+def test_an_empty_arena_segment_gives_way_to_a_chunk_that_needs_the_room():
+    arena = HostArena(1 << 30)
+    manager, conn = make_manager(gpu_bytes=4 * CHUNK_BYTES, cpu_bytes=4 * CHUNK_BYTES, arena=arena)
+    param = new_chunk(0)
+    manager.place(param, "cpu")  # a segment of 4 slots: the whole CPU
+    manager.bring(param, "cuda:0")  # its slot is free now, still held and booked
+    assert arena.held_bytes == 4 * CHUNK_BYTES
+    conn.take()
+    master = Chunk(ChunkKind.MASTER, 1, NUMEL, torch.float32, 10)
+    manager.place(master, "cpu")  # room only without the arena's empty segment
+    assert master.device == "cpu" and arena.held_bytes == 0
+    assert conn.take() == {"update": 2}, "placed on the GPU, then moved to the CPU with the segment's release"
+    assert_exact(manager, conn)
+
+
+def test_beyond_the_arena_cap_cpu_param_chunks_are_pageable():
+    arena = HostArena(2 * CHUNK_BYTES)
+    manager, conn = make_manager(arena=arena)
+    chunks = [new_chunk(i) for i in range(3)]
+    for c in chunks:
+        manager.place(c, "cpu")
+    assert [arena.owns(c.payload) for c in chunks] == [True, True, False]
+    assert arena.held_bytes == 2 * CHUNK_BYTES
+    assert_exact(manager, conn)
+
+
+def test_a_slot_a_view_still_reads_is_not_lent_again_and_stays_booked():
+    arena = HostArena(1 << 30)
+    manager, conn = make_manager(arena=arena)
+    chunk, other = new_chunk(0, slots=2), new_chunk(1)
+    manager.place(chunk, "cpu")
+    chunk.payload.fill_(5.0)
+    saved = chunk.payload[:10]  # e.g. saved by autograd for backward
+    manager.bring(chunk, "cuda:0")
+    manager.place(other, "cpu")
+    other.payload.fill_(-1.0)
+    assert bool((saved == 5.0).all()), "the slot a view reads was lent to another chunk"
+    assert_exact(manager, conn)
+    del saved

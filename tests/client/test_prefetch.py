@@ -73,11 +73,11 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
     real = Chunk.new_buffer
     failures = {"left": 1}
 
-    def flaky(self, device, pin=False):
+    def flaky(self, device):
         if device.name == "cuda:0" and failures["left"]:
             failures["left"] -= 1
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, device, pin=pin)
+        return real(self, device)
 
     monkeypatch.setattr(Chunk, "new_buffer", flaky)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -85,10 +85,10 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
     train_engine(engine, 1)
     assert failures["left"] == 0 and manager.evictions > evictions
 
-    def always(self, device, pin=False):
+    def always(self, device):
         if device.name == "cuda:0":
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(self, device, pin=pin)
+        return real(self, device)
 
     monkeypatch.setattr(Chunk, "new_buffer", always)
     # every chunk off the GPU, so the next access must allocate there

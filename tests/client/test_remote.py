@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import socket
@@ -55,10 +56,9 @@ def usage_of(endpoint, client_id):
 
 def test_without_a_daemon_at_an_ipc_endpoint_the_error_names_it_and_the_command_that_starts_one(tmp_path):
     endpoint = f"ipc://{tmp_path}/none.sock"
-    start = time.monotonic()
     with pytest.raises(ManagerError) as e:
         connect_remote(endpoint, info())
-    assert time.monotonic() - start < 1.0, "a missing socket file fails at once"
+    assert f"(no socket file {tmp_path}/none.sock)" in str(e.value), "a missing socket file fails at once, not by a timeout"
     assert e.value.code == "no_daemon"
     assert f"no hybridps-manager answered at {endpoint}" in str(e.value)
     assert f"hybridps-manager --endpoint {endpoint}" in str(e.value)
@@ -133,15 +133,18 @@ def test_a_client_whose_lease_expired_registers_again_and_re_reports_on_its_next
     assert f"no longer knows {conn.client_id}" in caplog.text
 
 
-def test_a_request_to_a_daemon_that_died_fails_after_its_retries_naming_the_endpoint(daemons):
+def test_a_request_to_a_daemon_that_died_fails_after_its_retries_naming_the_endpoint(daemons, caplog):
     d = daemons.start("--device", "cpu=1MiB")
     conn = connect_remote(d.endpoint, info(("cpu",)), request_timeout_s=0.1, retries=2)
     try:
         d.kill()
-        start = time.monotonic()
-        with pytest.raises(ManagerError, match=f"no hybridps-manager answered at {d.endpoint} to add after 0.3 s"):
-            conn.add("cpu", 1)
-        assert time.monotonic() - start < 2.0
+        with caplog.at_level(logging.INFO, logger="hybridps.client.remote"):
+            with pytest.raises(ManagerError, match=f"no hybridps-manager answered at {d.endpoint} to add after 0.3 s"):
+                conn.add("cpu", 1)
+        assert [m for m in caplog.messages if "to add in 0.10 s; retrying" in m] == [
+            f"no reply from {d.endpoint} to add in 0.10 s; retrying (1/2)",
+            f"no reply from {d.endpoint} to add in 0.10 s; retrying (2/2)",
+        ]
         assert conn.holdings == {}
     finally:
         conn.close()
@@ -249,10 +252,9 @@ def test_an_error_text_longer_than_256_characters_reaches_the_client(daemons):
     gpus = [f"cuda:{i}" for i in range(12)]
     d = daemons.start("--device", "cpu=1MiB", *[a for g in gpus for a in ("--device", f"{g}=1MiB")], "--simulate", "always")
     with connect_remote(d.endpoint, info(("cpu", *gpus)), request_timeout_s=0.3, retries=2) as conn:
-        start = time.monotonic()
+        # the refusal itself, not "no hybridps-manager answered ... after 0.9 s" after the retries
         with pytest.raises(CapacityError) as e:
             conn.schedule(1 << 30, "cuda:0")
-        assert time.monotonic() - start < 0.3, "answered at once, not after the retries"
         assert len(str(e.value)) > 256 and "cuda:11" in str(e.value) and "no device has room" in str(e.value)
 
 
@@ -324,10 +326,8 @@ def test_a_client_meeting_a_daemon_of_the_previous_protocol_version_says_so_at_o
     t = threading.Thread(target=old_daemon)
     t.start()
     try:
-        start = time.monotonic()
-        with pytest.raises(ProtocolError) as e:
+        with pytest.raises(ProtocolError) as e:  # the old daemon's answer, not "no hybridps-manager answered"
             connect_remote(endpoint, info(), connect_timeout_s=5)
-        assert time.monotonic() - start < 2
         assert e.value.code == "bad_version"
         assert f"version {PROTOCOL_VERSION - 1} and this side {PROTOCOL_VERSION}" in str(e.value)
     finally:

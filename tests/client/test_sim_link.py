@@ -1,6 +1,7 @@
 """The simulated link: copies take their time on one engine per direction, events say when
 they land, and waiting on them is counted as exposed transfer time."""
 
+import threading
 import time
 
 import pytest
@@ -21,23 +22,30 @@ def test_named_links_and_bandwidths_parse_and_nonsense_is_refused():
 
 
 def test_a_copy_lands_after_its_transfer_time_and_the_wait_is_exposed():
-    link = SimulatedLink(bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    # The engine's clock is a fake one that only its sleep moves, so the copy itself takes
+    # no time and the engine must wait out the whole transfer time; the sleep lasts until
+    # the test lets it end, so the wait is exposed whatever the machine's load.
+    now_s, slept_s, landed = [0.0], [], threading.Event()
+
+    def sleep(seconds):
+        slept_s.append(seconds)
+        landed.wait()
+        now_s[0] += seconds
+
+    link = SimulatedLink(bandwidth_bytes_per_s=1e9, latency_s=0.0, clock=lambda: now_s[0], sleep=sleep)
     src, dst = torch.arange(1000.0), torch.zeros(1000)
-    started = time.perf_counter()
     event = link.submit(H2D, 50_000_000, lambda: dst.copy_(src))  # 50 ms at 1 GB/s
     assert not event.query()
+    threading.Timer(0.2, landed.set).start()
     event.synchronize()
-    elapsed = time.perf_counter() - started
-    assert elapsed >= 0.045 and torch.equal(dst, src)
-    assert 0.04 <= link.exposed_s <= elapsed + 0.01
+    assert slept_s == [0.05] and torch.equal(dst, src)
+    assert link.busy_s[H2D] == 0.05 and link.exposed_s > 0
     stats = link.stats()
     assert stats["copies"] == {H2D: 1} and stats["copied_bytes"] == {H2D: 50_000_000}
     link.close()
 
 
 def test_one_engine_per_direction_serialises_its_copies_and_runs_beside_the_other():
-    import threading
-
     link = SimulatedLink(bandwidth_bytes_per_s=1e12, latency_s=0.0)
     gate, ran = threading.Event(), []
     first = link.submit(H2D, 8, lambda: (ran.append("up 1"), gate.wait()))

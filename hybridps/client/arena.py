@@ -1,0 +1,377 @@
+"""Host arena: page-locked host memory carved into fixed-size slots for host chunk payloads.
+
+Owns the arena's segments (anonymous memory maps, each registered with CUDA once when the
+arena pins, by the ``HostRegistrar`` it is built with), the slots carved from them (one slot
+size per segment, a free list per size), each slot's ``SlotState``, and the arena's byte
+counts (held, lent, pinned, peak). The arena's cap is the client's (``Config.pinned_bytes``).
+
+Does not own which chunks get a slot, nor how the arena's bytes are booked with the node
+manager: the chunk manager does both (chunk_manager.py, [Note: the arena's booking]).
+
+[Note: why an arena]
+Asynchronous host<->GPU copies need page-locked host memory. PyTorch's pinned allocator
+(``pin_memory=True``) rounds every allocation up to a power of two: measured on an H100
+node, 64.04 MiB chunks each took 128 MiB of pinned memory that neither the ledger nor the
+planner knew of, and a run sized to 90% of host memory was ended by the OOM killer. The
+chunk size was then held to powers of two, and a GPT block of d_model 2048 (50.4 M
+elements) packed into them with 24.7% padding. The arena maps plain host memory, pins it
+with ``cudaHostRegister`` (no rounding) and carves slots of exactly a chunk's bytes, so
+the chunk size is chosen for padding alone and every pinned byte is a booked byte.
+
+[Note: arena growth]
+The arena grows on demand, one segment at a time, and never reserves its cap up front:
+the cap (a quarter of host memory by default) would otherwise be pinned, and booked with
+the node manager, whatever the model needs, and registering it all would stall start-up.
+A segment is whole pages (as the host maps and pins them) carved into slots of one size.
+A segment that lends any slot cannot be given back, and which chunks are on the GPU (their
+slots free) follows the trace, not the slots' order; so a segment of several large slots
+keeps free slots the CPU may need for other chunks. In the planner, 64 MiB segments of
+8 MiB chunks cut the largest 50 B-class GPT on 1 x 80 GiB + 1 TiB from 102 layers to 97.
+Chunks of ``SEGMENT_TARGET_BYTES`` or more therefore get a segment each (registration pins
+page by page, so they gain nothing from sharing one), and every free slot of theirs can go
+when the host needs the room; smaller chunks share a segment of up to
+``SEGMENT_MAX_SLOTS`` slots, so a model of thousands of tiny chunks makes hundreds of
+registrations, not thousands. The arena grows only when no slot of the size is free, so
+beyond its lent slots it holds less than one segment per slot size (``idle_bound_bytes``).
+Segments whose slots are all free go only when the host needs the room (``release_idle``)
+or at close: slots are re-lent every iteration as chunks move, and registering them again
+each time would cost more than keeping them.
+
+[Note: when a slot is free again]
+A CPU slot is lent as ``torch.frombuffer`` over a memoryview of its segment: a storage of
+its own, which keeps the memoryview alive until the storage dies. So the slot is free again
+exactly when nothing refers to its memory any more: its chunk let it go and no view of it
+survives (a view saved by autograd for backward, a copy still reading it). A finalizer on
+the memoryview reports that, from whichever thread dropped the last reference, onto a queue
+the arena drains under its lock. On the meta device (capacity planning) no slot has memory
+to read, so a slot is free once its chunk lets it go (``give``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import mmap
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+#: bytes a segment of small slots aims at; larger slots get a segment each (see [Note: arena growth])
+SEGMENT_TARGET_BYTES = 2**20
+#: most slots in one segment, so a model of small chunks holds few idle ones
+SEGMENT_MAX_SLOTS = 16
+#: the host's page: segments are whole pages (the planner's, on meta, too)
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def segment_bytes(slot_bytes: int, slots: int) -> int:
+    """Bytes of a segment of ``slots`` slots: whole pages, as the host maps and pins them (the
+    tail beyond the last slot, under a page or a slot, is held and booked like a free slot)."""
+    return -(-slots * slot_bytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def slots_per_segment(slot_bytes: int) -> int:
+    """Slots of ``slot_bytes`` in one full segment (see [Note: arena growth])."""
+    return max(1, min(SEGMENT_MAX_SLOTS, SEGMENT_TARGET_BYTES // max(1, slot_bytes)))
+
+
+def idle_bound_bytes(slot_sizes: Iterable[int]) -> int:
+    """The most the arena holds beyond its lent slots when slots of ``slot_sizes`` bytes are
+    lent: less than one segment per size, since it grows only when no slot is free."""
+    return sum(segment_bytes(s, slots_per_segment(s)) - s for s in set(slot_sizes))
+
+
+class SlotState(enum.Enum):
+    FREE = "free"  # on its size's free list
+    LENT = "lent"  # a payload's memory, or still referenced since its chunk let it go
+
+
+class SlotMove(enum.Enum):
+    """The named moves of a slot."""
+
+    TAKE = "lent to a chunk"
+    RETURN = "nothing refers to it any more"
+
+
+#: move -> (the state it starts from, the state it leads to)
+SLOT_MOVES: dict[SlotMove, tuple[SlotState, SlotState]] = {
+    SlotMove.TAKE: (SlotState.FREE, SlotState.LENT),
+    SlotMove.RETURN: (SlotState.LENT, SlotState.FREE),
+}
+
+
+class HostRegistrar(Protocol):
+    """Pins and unpins ranges of host memory (``CudaHostRegistrar``; a recorder in tests)."""
+
+    def register(self, address: int, nbytes: int) -> bool:
+        """Page-lock ``nbytes`` at ``address``; False when that failed (the range stays pageable)."""
+
+    def unregister(self, address: int) -> None:
+        """Undo ``register`` of the range starting at ``address``."""
+
+
+class CudaHostRegistrar:
+    """Page-locks host memory with ``cudaHostRegister`` through ``torch.cuda.cudart()``."""
+
+    #: cudaHostRegisterPortable: pinned for every CUDA context of the process, as PyTorch's
+    #: own pinned memory is, so a copy on any of its GPUs is asynchronous
+    FLAGS = 1
+
+    def register(self, address: int, nbytes: int) -> bool:
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, self.FLAGS))
+        except (AttributeError, RuntimeError) as exc:  # a build without the binding, or no CUDA
+            logger.warning("cannot page-lock host memory (%s): host arena segments stay pageable", exc)
+            return False
+        if code != 0:
+            logger.warning(
+                "cudaHostRegister of %s failed with CUDA error %d: the segment stays pageable", format_bytes(nbytes), code
+            )
+            return False
+        return True
+
+    def unregister(self, address: int) -> None:
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if code != 0:
+            logger.warning("cudaHostUnregister at %#x failed with CUDA error %d", address, code)
+
+
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    """One mapping of host memory (None on meta), carved into slots of ``slot_bytes``."""
+
+    slot_bytes: int
+    nbytes: int
+    states: list[SlotState]
+    memory: mmap.mmap | None
+    address: int
+    pinned: bool
+
+    def all_free(self) -> bool:
+        return all(s is SlotState.FREE for s in self.states)
+
+
+class HostArena:
+    """Fixed-size slots for host chunk payloads, carved from segments grown on demand up to
+    ``cap_bytes``; page-locked by ``registrar`` (None: nothing is pinned, e.g. without CUDA)."""
+
+    def __init__(self, cap_bytes: int, *, device: torch.device | str = "cpu", registrar: HostRegistrar | None = None):
+        if cap_bytes < 0:
+            raise ConfigError(f"the host arena's cap is {cap_bytes} B; give pinned_bytes >= 0 (0: no arena)")
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "meta"):
+            raise ConfigError(f"a host arena lives in host memory (or on meta for planning), not on {self.device}")
+        self.cap_bytes = cap_bytes
+        self.registrar = registrar
+        #: new segments are page-locked (off for good once a registration failed)
+        self._pinning = registrar is not None and self.device.type == "cpu"
+        self._segments: list[_Segment] = []
+        #: free slots by slot bytes; the last freed is lent first (its pages are warm)
+        self._free: dict[int, list[tuple[_Segment, int]]] = collections.defaultdict(list)
+        #: lent slots by their storage's key (see ``_key``)
+        self._lent: dict[int, tuple[_Segment, int]] = {}
+        #: slots whose memory nothing refers to any more, reported by finalizers on any thread
+        self._returned: collections.deque[tuple[_Segment, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
+        self.lent_bytes = 0
+        self.pinned_bytes = 0
+        self.grown = 0  # segments added
+        self.released = 0  # segments let go
+        self.lends = 0  # slots lent
+
+    # -- lending ---------------------------------------------------------------------------
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """A free slot as a tensor of ``numel`` elements of ``dtype``, or None when no slot of
+        that many bytes is free (``growth_bytes`` says whether the arena can grow for one)."""
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            self._drain()
+            free = self._free.get(nbytes)
+            if not free:
+                return None
+            segment, index = free.pop()
+            self._move(segment, index, SlotMove.TAKE)
+            self.lends += 1
+            return self._lend(segment, index, dtype, numel)
+
+    def _lend(self, segment: _Segment, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        if segment.memory is None:
+            slot = torch.empty(numel, dtype=dtype, device="meta")
+        else:
+            start = index * segment.slot_bytes
+            view = memoryview(segment.memory)[start : start + segment.slot_bytes]
+            slot = torch.frombuffer(view, dtype=dtype, count=numel)
+            # the slot's storage holds ``view`` until it dies (see [Note: when a slot is free again])
+            weakref.finalize(view, self._slot_returned, segment, index).atexit = False
+        self._lent[self._key(slot)] = (segment, index)
+        return slot
+
+    def _slot_returned(self, segment: _Segment, index: int) -> None:
+        """Finalizer of a CPU slot's memoryview: nothing refers to the slot any more. Runs on
+        whichever thread dropped the last reference, maybe inside one of this arena's own
+        calls, so it only queues the slot; once the arena is closed nobody else drains the
+        queue, so it drains it too when the lock is free."""
+        self._returned.append((segment, index))
+        if self._closed and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def give(self, slot: torch.Tensor) -> None:
+        """Its chunk let ``slot`` go. A CPU slot is free again once nothing refers to its
+        memory (a finalizer tells); a meta slot is free now."""
+        if slot.device.type != "meta":
+            return
+        with self._lock:
+            lent = self._lent.pop(self._key(slot), None)
+            if lent is None:
+                raise StateError(
+                    f"a {slot.numel()}-element {slot.dtype} tensor is not a slot this arena lends (given back twice?)"
+                )
+            segment, index = lent
+            self._move(segment, index, SlotMove.RETURN)
+            self._free[segment.slot_bytes].append((segment, index))
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a slot lent by this arena, or a view of one."""
+        return t.device.type == self.device.type and self._key(t) in self._lent
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        return storage._cdata if t.is_meta else storage.data_ptr()
+
+    def _drain(self) -> None:
+        """Put the slots finalizers reported back on their free lists (under the lock)."""
+        while self._returned:
+            segment, index = self._returned.popleft()
+            self._lent.pop(segment.address + index * segment.slot_bytes, None)
+            self._move(segment, index, SlotMove.RETURN)
+            self._free[segment.slot_bytes].append((segment, index))
+            if self._closed and segment.all_free():
+                self._release(segment)
+
+    def _move(self, segment: _Segment, index: int, move: SlotMove) -> None:
+        start, end = SLOT_MOVES[move]
+        if segment.states[index] is not start:
+            raise StateError(
+                f"host arena slot {index} of a {format_bytes(segment.slot_bytes)} segment is {segment.states[index].name}; "
+                f"{move.name} ({move.value}) starts only from {start.name}"
+            )
+        segment.states[index] = end
+        self.lent_bytes += segment.slot_bytes if move is SlotMove.TAKE else -segment.slot_bytes
+
+    # -- growth and release ----------------------------------------------------------------
+
+    def growth_bytes(self, slot_bytes: int) -> int:
+        """The bytes of the segment the arena would add for a slot of ``slot_bytes``: a full
+        segment, or what the cap leaves room for; 0 when not even one slot fits."""
+        if self._closed:
+            return 0
+        room = self.cap_bytes - self.held_bytes
+        slots = min(slots_per_segment(slot_bytes), room // slot_bytes)
+        while slots > 0 and segment_bytes(slot_bytes, slots) > room:
+            slots -= 1
+        return segment_bytes(slot_bytes, slots) if slots > 0 else 0
+
+    def one_slot_bytes(self, slot_bytes: int) -> int:
+        """The bytes of a segment of one slot of ``slot_bytes``."""
+        return segment_bytes(slot_bytes, 1)
+
+    def grow(self, slot_bytes: int, nbytes: int) -> None:
+        """Add a segment of ``nbytes`` (whole pages, at least one slot of ``slot_bytes``,
+        within the cap) carved into free slots, page-locked when the arena pins. Raises OSError
+        when the host has no memory for it."""
+        if nbytes < slot_bytes or nbytes % PAGE_BYTES or self.held_bytes + nbytes > self.cap_bytes:
+            raise ConfigError(
+                f"a host arena segment of {nbytes} B must be whole pages of {PAGE_BYTES} B holding a slot of "
+                f"{slot_bytes} B, within the cap ({self.held_bytes} of {self.cap_bytes} B held)"
+            )
+        memory, address, pinned = None, 0, False
+        if self.device.type == "cpu":
+            memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()  # the tensor goes at once
+            pinned = self._pinning and self.registrar.register(address, nbytes)
+            if self._pinning and not pinned:
+                self._pinning = False  # it failed once: the later segments stay pageable too
+        segment = _Segment(slot_bytes, nbytes, [SlotState.FREE] * (nbytes // slot_bytes), memory, address, pinned)
+        with self._lock:
+            self._segments.append(segment)
+            # reversed: slot 0 is lent first, so a segment fills from its start
+            self._free[slot_bytes].extend((segment, i) for i in reversed(range(len(segment.states))))
+            self.held_bytes += nbytes
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+            self.pinned_bytes += nbytes if pinned else 0
+            self.grown += 1
+        logger.debug(
+            "host arena: +%s segment of %s slots%s", format_bytes(nbytes), format_bytes(slot_bytes), " (pinned)" if pinned else ""
+        )
+
+    def releasable_bytes(self) -> int:
+        """Bytes of the segments whose slots are all free (what ``release_idle`` lets go)."""
+        with self._lock:
+            self._drain()
+            return sum(s.nbytes for s in self._segments if s.all_free())
+
+    def release_idle(self) -> int:
+        """Unpin and unmap every segment whose slots are all free; returns the bytes let go."""
+        with self._lock:
+            self._drain()
+            idle = [s for s in self._segments if s.all_free()]
+            for segment in idle:
+                self._release(segment)
+            return sum(s.nbytes for s in idle)
+
+    def _release(self, segment: _Segment) -> None:
+        self._segments.remove(segment)
+        self._free[segment.slot_bytes] = [(s, i) for s, i in self._free[segment.slot_bytes] if s is not segment]
+        if segment.pinned:
+            self.registrar.unregister(segment.address)
+        if segment.memory is not None:
+            segment.memory.close()
+        self.held_bytes -= segment.nbytes
+        self.pinned_bytes -= segment.nbytes if segment.pinned else 0
+        self.released += 1
+
+    def close(self) -> None:
+        """Release every idle segment now and the others as their last slot comes back."""
+        with self._lock:
+            self._closed = True
+        self.release_idle()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    @property
+    def pins(self) -> bool:
+        """Whether new segments are page-locked."""
+        return self._pinning
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._drain()
+            return {
+                "cap_bytes": self.cap_bytes,
+                "held_bytes": self.held_bytes,
+                "peak_held_bytes": self.peak_held_bytes,
+                "lent_bytes": self.lent_bytes,
+                "pinned_bytes": self.pinned_bytes,
+                "segments": len(self._segments),
+                "grown": self.grown,
+                "released": self.released,
+                "lends": self.lends,
+            }
