@@ -97,6 +97,9 @@ class Client:
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
+        #: trace's non-model peak, the room it left, the bytes moved; None before
+        self.optimizer_placement: dict[str, int] | None = None
         self.mover = ChunkManager(
             self.inventory,
             connection,
@@ -553,9 +556,15 @@ class Client:
         """
         per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.store.rows.get(k, []))
         room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
+        self.optimizer_placement = {
+            "non_model_peak_bytes": non_model_peak_bytes,
+            "per_iteration_bytes": per_iteration,
+            "room_bytes": room,
+            "moved_bytes": 0,
+        }
         if room <= 0:
             return 0
-        kinds = [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
+        kinds = self._optimizer_kinds()
         away = {
             index: [self.store.rows[k][index] for k in kinds if self.store.rows[k][index].device != self.compute.name]
             for index in range(self.store.num_chunks)
@@ -567,8 +576,22 @@ class Client:
                 if chunk.payload is not None:
                     self.mover.bring(chunk, self.compute.name, who="optimizer state placement")
         moved = sum(c.nbytes for i in chosen for c in away[i])
+        self.optimizer_placement["moved_bytes"] = moved
         logger.info("optimizer states on %s after warm-up: %d B of %d B of room", self.compute.name, moved, room)
         return moved
+
+    def _optimizer_kinds(self) -> list[ChunkKind]:
+        return [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
+
+    def optimizer_rows_on_gpu_fraction(self) -> float:
+        """The fraction of this rank's optimizer rows (master, momentum, variance of its
+        chunks, by bytes) that lie on the compute GPU now: 0 before warm-up and under
+        ``placement="cpu_optimizer"``, up to 1 when every row fits beside the activations'
+        peak (docs/CONCEPTS.md, "Optimizer rows on the GPU")."""
+        rows = [self.store.rows[k][i] for k in self._optimizer_kinds() for i in range(self.store.num_chunks) if self.owns(i)]
+        total = sum(c.nbytes for c in rows)
+        on_gpu = sum(c.nbytes for c in rows if c.payload is not None and c.device == self.compute.name)
+        return on_gpu / total if total and self.compute.is_gpu else 0.0
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         ph = self._placeholders.get(dtype)
@@ -889,6 +912,8 @@ class Client:
             "compute_device": self.compute.name,
             "min_compute_bytes": self.min_compute_bytes,
             "min_compute_module": self.min_compute_module,
+            "optimizer_rows_on_gpu_fraction": self.optimizer_rows_on_gpu_fraction(),
+            "optimizer_placement": dict(self.optimizer_placement) if self.optimizer_placement is not None else None,
             "kinds": kinds,
             "rank": self.rank,
             "world_size": self.world_size,

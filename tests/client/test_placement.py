@@ -82,6 +82,45 @@ def test_the_policy_decides_where_optimizer_rows_live_and_not_the_numbers():
     assert tidal_losses == cpu_losses  # same bits wherever Adam steps
 
 
+def _rows_on_gpu(batch, placement="tidal"):
+    """Two iterations (the first is the warm-up) of a GPT whose GPU holds 1.2x its model data,
+    ``batch`` sequences of 64 tokens: what memory_stats says of the optimizer rows after."""
+    from hybridps.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=128, seq_len=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = hybridps.Config(precision="fp32", devices={"cuda:0": int(cfg.n_params * 16 * 1.2)}, placement=placement)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    try:
+        assert engine.memory_stats()["optimizer_rows_on_gpu_fraction"] == 0.0  # all on the CPU until the trace
+        assert engine.memory_stats()["optimizer_placement"] is None
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randint(0, 128, (batch, 65), generator=gen)
+            _, loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        return engine.memory_stats()
+    finally:
+        engine.close()
+
+
+def test_the_fraction_of_optimizer_rows_on_the_gpu_follows_the_traces_non_model_peak():
+    """More activations (a larger batch) leave less room: fewer rows on the GPU, down to none."""
+    stats = {batch: _rows_on_gpu(batch) for batch in (1, 2, 3)}
+    peaks = [stats[b]["optimizer_placement"]["non_model_peak_bytes"] for b in (1, 2, 3)]
+    fractions = [stats[b]["optimizer_rows_on_gpu_fraction"] for b in (1, 2, 3)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    assert peaks == [stats[b]["trace"]["non_model_peak_bytes"] for b in (1, 2, 3)]
+    assert 1.0 > fractions[0] > fractions[1] > fractions[2] == 0.0, fractions
+    rooms = [stats[b]["optimizer_placement"]["room_bytes"] for b in (1, 2, 3)]
+    assert rooms[0] > rooms[1] > rooms[2] == 0
+    assert all(0 <= stats[b]["optimizer_placement"]["moved_bytes"] <= room for b, room in zip((1, 2, 3), rooms, strict=True))
+    assert _rows_on_gpu(1, "cpu_optimizer")["optimizer_rows_on_gpu_fraction"] == 0.0
+
+
 def _chunks(last_uses):
     out = []
     for i, last in enumerate(last_uses):
