@@ -35,6 +35,7 @@ def _resume_in_fresh_process(rank, world, path, start, stop):
     return state, engine.global_step, _steps(engine, sched, start, stop, rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_resuming_in_a_fresh_process_continues_exactly(tmp_path, precision):
     engine, sched = _engine(precision=precision)
@@ -50,6 +51,7 @@ def test_resuming_in_a_fresh_process_continues_exactly(tmp_path, precision):
     assert resumed == uninterrupted
 
 
+@pytest.mark.slow
 def test_an_fp16_checkpoint_restores_masters_and_the_loss_scale(tmp_path):
     engine, sched = _engine(precision="fp16")
     _steps(engine, sched, 0, 5)
@@ -61,6 +63,7 @@ def test_an_fp16_checkpoint_restores_masters_and_the_loss_scale(tmp_path):
     assert _steps(other, other_sched, 5, 8) == expected
 
 
+@pytest.mark.slow
 def test_saved_weights_load_into_the_plain_model_strictly(tmp_path):
     engine, sched = _engine()
     _steps(engine, sched, 0, 3)
@@ -71,6 +74,7 @@ def test_saved_weights_load_into_the_plain_model_strictly(tmp_path):
         assert torch.equal(plain.state_dict()[key], value)
 
 
+@pytest.mark.slow
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     engine, sched = _engine()
     _steps(engine, sched, 0, 2)
@@ -95,6 +99,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert all(torch.equal(other.state_dict()[k], v) for k, v in good.items())
 
 
+@pytest.mark.slow
 def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(tmp_path):
     engine, sched = _engine()
     _steps(engine, sched, 0, 2)
@@ -105,6 +110,7 @@ def test_a_crash_between_the_two_renames_falls_back_to_the_previous_checkpoint(t
     assert all(torch.equal(other.state_dict()[k], v) for k, v in engine.state_dict().items())
 
 
+@pytest.mark.slow
 def test_a_mismatched_checkpoint_is_refused_and_changes_nothing(tmp_path):
     engine, sched = _engine()
     engine.save_checkpoint(tmp_path / "ck")
@@ -131,6 +137,7 @@ def _save_on_two_ranks(rank, world, path):
     return _steps(engine, sched, 4, 7, rank, world)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_resumes_on_one_two_and_four_ranks(tmp_path):
     path = str(tmp_path / "ck")
     continued = run_ranks(_save_on_two_ranks, 2, path, timeout_s=90)[0]
@@ -316,6 +323,7 @@ def _shares_of_the_optimizer(rank, world, path):
     return refused_by_torch, refused_other, same, kept
 
 
+@pytest.mark.slow
 def test_a_ranks_optimizer_state_dict_is_its_share_refused_by_plain_torch_and_by_other_ranks(tmp_path):
     results = run_ranks(_shares_of_the_optimizer, 2, str(tmp_path), timeout_s=120)
     for rank, (refused_by_torch, refused_other, same, kept) in enumerate(results):

@@ -34,6 +34,7 @@ def client(daemon):
         yield conn
 
 
+@pytest.mark.slow
 def test_status_prints_devices_clients_and_totals(daemon, client, capsys):
     assert cli.main(["status", "--endpoint", daemon.endpoint]) == 0
     out = capsys.readouterr().out
@@ -98,6 +99,7 @@ def test_status_without_a_daemon_exits_non_zero_with_a_clear_message(tmp_path, c
     assert f"hybridps-manager --endpoint {endpoint}" in err
 
 
+@pytest.mark.slow
 def test_the_status_command_exits_non_zero_when_no_daemon_answers_on_tcp():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

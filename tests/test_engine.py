@@ -25,6 +25,7 @@ from tests.training import (
 )
 
 
+@pytest.mark.slow
 def test_fp32_gpt_training_at_30_percent_capacity_matches_plain_pytorch_bitwise():
     """AdamW with two param groups, a cosine LR schedule, clipping at 1.0, a tied head:
     every loss of 30 steps equals plain PyTorch's exactly (both use the fused AdamW kernel)."""
@@ -53,6 +54,7 @@ def test_fp32_gpt_training_at_30_percent_capacity_matches_plain_pytorch_bitwise(
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_the_default_adamw_kernel_is_torchs_default_kernel_bit_for_bit():
     """AdamW(fused=None, foreach=None) steps with the kernel torch picks for the chunks' tensors
     (the for-loop kernel on the CPU), so it equals plain torch's default bit for bit."""
@@ -77,6 +79,7 @@ def fp32_reference_eval():
     return eval_loss(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_training_ends_within_2_percent_of_fp32(precision, fp32_reference_eval):
     model, _ = gpt_pair()
@@ -94,6 +97,7 @@ def test_low_precision_training_ends_within_2_percent_of_fp32(precision, fp32_re
     assert gpu["peak_total_bytes"] <= gpu["capacity_bytes"]
 
 
+@pytest.mark.slow
 def test_an_fp16_overflow_skips_the_step_and_halves_the_scale():
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=3e-4), 0.3, precision="fp16")
@@ -116,6 +120,7 @@ def test_an_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert math.isfinite(loss2.item())
 
 
+@pytest.mark.slow
 def test_four_accumulated_micro_batches_equal_one_batch_four_times_larger():
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=16)
     torch.manual_seed(0)
@@ -147,6 +152,7 @@ def test_four_accumulated_micro_batches_equal_one_batch_four_times_larger():
         assert abs(total - loss.item()) <= 1e-6 * abs(loss.item())
 
 
+@pytest.mark.slow
 def test_accumulation_with_grad_reuse_is_refused_with_the_fix():
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.5)
@@ -160,6 +166,7 @@ def test_accumulation_with_grad_reuse_is_refused_with_the_fix():
     assert again.item() == loss.item()
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_trains_with_the_same_losses():
     cfg = dataclasses.replace(SMALL_GPT, checkpoint=True)
     model, reference = gpt_pair(cfg)
@@ -168,6 +175,7 @@ def test_activation_checkpointing_trains_with_the_same_losses():
     assert train_engine(engine, 12) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision, grad_reuse, per_param",
     [("fp16", True, 14), ("fp16", False, 16), ("bf16", True, 14), ("fp32", True, 16), ("fp32", False, 16)],
@@ -260,6 +268,7 @@ def test_frozen_params_are_computed_with_but_not_updated():
     assert all(p.numel() > 0 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_model_and_optimizer_state_dicts_resume_training_identically():
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), 0.3)
@@ -288,6 +297,7 @@ def test_a_state_dict_of_the_wrong_shape_is_refused_and_changes_nothing():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_the_state_dict_loads_into_a_plain_torch_optimizer():
     model, reference = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), 0.3)
@@ -445,6 +455,7 @@ def _rss_growth_and_explained(rank, world):
     return host["rss_bytes"] - base, host["accounted_bytes"], host["allocator_free_bytes"]
 
 
+@pytest.mark.slow
 def test_rss_growth_is_explained_by_the_accounted_bytes_and_the_allocators_free_memory():
     """What a training process's RSS grows by over torch's baseline (torch and its meta
     registrations loaded) is HybridPS's accounted host memory plus the free memory the C

@@ -24,6 +24,7 @@ def _fresh_accelerator_state():
     AcceleratorState._reset_state(True)
 
 
+@pytest.mark.slow
 def test_one_rank_loop_is_bit_equal_to_plain_accelerate():
     plain = train("plain")
     ours = train("hybridps")

@@ -56,6 +56,7 @@ def test_one_rank_trains_bit_equal_to_plain_lightning(tmp_path, schedule, kw):
     assert all(torch.equal(v, reference[k]) for k, v in ours.state_dict().items())
 
 
+@pytest.mark.slow
 def test_resuming_a_model_checkpoint_continues_as_the_uninterrupted_run(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -96,6 +97,7 @@ def test_two_ranks_train_like_lightning_ddp_and_resume_their_sharded_checkpoint(
     assert all(torch.equal(v, ranks[0]["weights"][k]) for k, v in one.state_dict().items())
 
 
+@pytest.mark.slow
 def test_sixteen_true_trains_in_fp16_chunks_with_the_engines_loss_scaler(tmp_path):
     class Seen(pl.Callback):
         def on_train_end(self, trainer, module):
@@ -114,6 +116,7 @@ def test_sixteen_true_trains_in_fp16_chunks_with_the_engines_loss_scaler(tmp_pat
     assert all(p.dtype == torch.float32 for p in ours.parameters())  # fp32 masters given back
 
 
+@pytest.mark.slow
 def test_a_module_built_without_memory_under_init_module_trains_as_one_built_on_the_cpu(tmp_path):
     plain = TinyGPT()
     trainer("plain", str(tmp_path / "a"), max_steps=3).fit(plain, loader())

@@ -17,6 +17,7 @@ from tests.dist import free_port  # noqa: E402
 from tests.trainer_job import arguments, dataset, logged, model, trainer  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ga", [1, 2], ids=["one-batch", "accumulating-2"])
 def test_losses_and_grad_norms_equal_plain_trainer(tmp_path, ga):
     plain = trainer("plain", str(tmp_path / "a"), ga=ga)
@@ -29,6 +30,7 @@ def test_losses_and_grad_norms_equal_plain_trainer(tmp_path, ga):
     assert all(torch.equal(v, plain.model.state_dict()[k]) for k, v in ours.engine.state_dict().items())
 
 
+@pytest.mark.slow
 def test_eval_checkpoints_and_save_model_give_what_plain_trainer_gives(tmp_path):
     plain = trainer("plain", str(tmp_path / "a"), eval_save=True)
     plain.train()
@@ -42,6 +44,7 @@ def test_eval_checkpoints_and_save_model_give_what_plain_trainer_gives(tmp_path)
     assert all(torch.equal(v, reference[k]) for k, v in loaded.state_dict().items())
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_as_the_uninterrupted_run(tmp_path):
     whole = trainer("hybridps", str(tmp_path / "run"), eval_save=True)
     whole.train()
@@ -50,6 +53,7 @@ def test_resume_from_checkpoint_continues_as_the_uninterrupted_run(tmp_path):
     assert logged(resumed)["loss"][-3:] == logged(whole)["loss"][3:]
 
 
+@pytest.mark.slow
 def test_a_lora_model_trains_as_with_plain_trainer_and_saves_its_adapters(tmp_path):
     pytest.importorskip("peft")
     plain = trainer("plain", str(tmp_path / "a"), lora=True)
@@ -62,6 +66,7 @@ def test_a_lora_model_trains_as_with_plain_trainer_and_saves_its_adapters(tmp_pa
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
 
 
+@pytest.mark.slow
 def test_trainers_bf16_flag_runs_the_engine_in_bf16_within_2_percent_of_plain_trainers_bf16(tmp_path):
     """--bf16 maps to Config(precision='bf16') (bf16 chunks, fp32 masters) instead of accelerate's
     autocast; every logged loss stays within the stated bf16 tolerance (2%) of plain Trainer's
@@ -81,6 +86,7 @@ def test_trainers_bf16_flag_runs_the_engine_in_bf16_within_2_percent_of_plain_tr
         assert abs(a - b) <= 0.02 * abs(b), (got, want)
 
 
+@pytest.mark.slow
 def test_trainers_fp16_flag_runs_the_engine_in_fp16_with_its_loss_scaler(tmp_path):
     ours = trainer("hybridps", str(tmp_path / "b"), fp16=True)
     ours.train()
@@ -107,6 +113,7 @@ def test_torch_compile_and_full_eval_casts_are_refused_with_the_reason(tmp_path,
         trainer("hybridps", str(tmp_path / "b"), bf16_full_eval=True)
 
 
+@pytest.mark.slow
 def test_an_unfused_adamw_is_run_with_the_kernel_trainer_asked_for(tmp_path):
     """--optim adamw_torch builds AdamW without fused: HybridPS steps with torch's default kernel
     too, so the losses and grad norms equal plain Trainer's bit for bit."""
@@ -142,6 +149,7 @@ def _torchrun(kind: str, outdir, *extra: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_train_like_plain_ddp(tmp_path):
     plain = _torchrun("plain", tmp_path / "a")
     ours = _torchrun("hybridps", tmp_path / "b")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import hybridps
@@ -30,6 +31,7 @@ def _train_with_daemon(rank, world, endpoint):
     return {"status": status, "holdings": holdings, "pid": os.getpid(), "compute": engine.client.compute.name}
 
 
+@pytest.mark.slow
 def test_every_rank_registers_with_the_node_daemon_and_status_shows_it():
     pool = Daemons()
     try:
@@ -61,6 +63,7 @@ def test_every_rank_registers_with_the_node_daemon_and_status_shows_it():
         pool.close()
 
 
+@pytest.mark.slow
 def test_torchrun_launches_the_trainer_against_the_node_daemon(tmp_path):
     pool = Daemons()
     try:

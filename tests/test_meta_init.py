@@ -121,6 +121,7 @@ def _meta_on_ranks(rank, world):
     return engine.state_dict(), engine.memory_stats()["model_data_bytes"]
 
 
+@pytest.mark.slow
 def test_meta_init_on_two_ranks_keeps_each_chunk_once_with_rank_zeros_values():
     torch.manual_seed(0)
     expected = GPT(GPT_CFG).state_dict()
@@ -171,6 +172,7 @@ def _build_and_load_on_ranks(rank, world, path):
     return peak - baseline, host["cpu_chunk_bytes"] + host["simulated_gpu_chunk_bytes"]
 
 
+@pytest.mark.slow
 def test_each_ranks_host_peak_while_building_on_meta_and_loading_is_within_the_plan(tmp_path):
     try:
         open("/proc/self/clear_refs", "w").close()

@@ -494,6 +494,7 @@ def test_reentrant_checkpoint_of_a_shared_block_names_the_cause():
 # -- 7. initialize twice, compiled models -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_initialize_twice_and_compiled_models_are_refused():
     _, wrapped = pair(Net)
     engine = hybridps.initialize(wrapped, adamw(wrapped), CFG)
@@ -556,6 +557,7 @@ def _outside_loop_on_ranks(rank, world):
     return losses, refused, engine.state_dict()
 
 
+@pytest.mark.slow
 def test_several_ranks_serve_borrowed_params_and_edit_collectively():
     from tests.dist import run_ranks
 

@@ -30,6 +30,7 @@ def wheel(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_the_version_entry_points_and_type_marker(wheel):
     assert wheel.name.startswith(f"hybridps-{hybridps.__version__}-")
     with zipfile.ZipFile(wheel) as z:
@@ -43,6 +44,7 @@ def test_the_wheel_carries_the_version_entry_points_and_type_marker(wheel):
     assert f"Version: {hybridps.__version__}" in metadata and "Provides-Extra: hf" in metadata
 
 
+@pytest.mark.slow
 def test_the_installed_wheel_imports_on_its_own_and_trains_a_step(wheel, tmp_path):
     target = tmp_path / "site"
     proc = subprocess.run(

@@ -85,6 +85,7 @@ def roomy(shape: GPTShape, **kwargs):
     return plan_one(shape, 2**30, **kwargs).hybridps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, mode, capacities",
     [
@@ -186,6 +187,7 @@ def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
         assert peer.largest is not None and peer.largest.method == "published rule"
 
 
+@pytest.mark.slow
 def test_a_50b_parameter_gpt_plans_without_allocating_model_memory():
     # how long it takes is in docs/BENCHMARKS.md ("How long planning takes"), not asserted
     shape = GPTShape(n_layer=62, d_model=8192, n_head=64, vocab_size=50304, seq_len=2048, batch_size=1, checkpoint=True)
@@ -213,6 +215,7 @@ def _share_of_a_real_rank(rank, world, n_layer):
     return engine.memory_stats()["model_data_bytes"]
 
 
+@pytest.mark.slow
 def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     shape = GPTShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
     node = NodeSpec.parse("4x2MiB", "8MiB")
@@ -241,6 +244,7 @@ def test_multi_rank_shares_are_derived_from_the_single_rank_layout():
     assert one.owned_bytes == sim.model_data_bytes and one.gathered_bytes == sim.min_compute_bytes
 
 
+@pytest.mark.slow
 def test_a_node_cpu_too_small_for_its_ranks_shares_does_not_fit():
     shape = GPTShape(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
     roomy_cpu = hybridps.plan(shape, gpus="4x2MiB", cpu="64MiB", precision="fp32", search_largest=False).hybridps
@@ -301,6 +305,7 @@ def test_inputs_are_validated_when_the_request_is_made():
         hybridps.plan(GPTShape(n_layer=1, d_model=64, n_head=4), NodeSpec.parse("1x1MiB", "1GiB"), cpu="2GiB")
 
 
+@pytest.mark.slow
 def test_the_json_output_is_one_object_with_every_figure():
     """``python -m hybridps.planner ... --json`` (a real subprocess, as a user runs it)."""
     cmd = [sys.executable, "-m", "hybridps.planner", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256",
@@ -394,6 +399,7 @@ def _layout_model_data_bytes(sim, chunk_size: int, shard_size: int) -> int:
     return sum(layout.capacity(i) * (sim.bytes_per_element if layout.members(i) else 4) for i in range(layout.num_chunks))
 
 
+@pytest.mark.slow
 def test_the_per_rank_share_follows_the_shard_group_not_the_world(sharded_sim):
     sim, margin = sharded_sim
 
@@ -426,6 +432,7 @@ def test_the_per_rank_share_follows_the_shard_group_not_the_world(sharded_sim):
     assert half.even_share_bytes == math.ceil(total_2 / 2)
 
 
+@pytest.mark.slow
 def test_a_world_shard_group_whose_chunk_groups_cannot_fit_the_gpu_is_refused_and_node_is_accepted():
     node = NodeSpec.parse("4x2MiB", "64MiB", nodes=64)
     with pytest.raises(ShardGroupTooLargeError) as refused:
@@ -522,6 +529,7 @@ def test_owners_are_assigned_exactly_as_the_client_assigns_them():
             assert owners_by_bytes(weights, world) == assign_owners(weights, world)[0]
 
 
+@pytest.mark.slow
 def test_the_json_carries_the_shard_group_its_gathered_groups_and_its_communication(capsys, sharded_sim):
     sim, _ = sharded_sim
     argv = ["--layers", "16", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "16", "--batch", "1",

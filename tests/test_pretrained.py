@@ -53,6 +53,7 @@ def _engine(model, **kw):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", [None, "40KB"], ids=["one-file", "sharded"])
 def test_streamed_weights_equal_from_pretrained_and_train_alike(tmp_path, shard):
     path = _pretrained(tmp_path, shard)
@@ -126,6 +127,7 @@ def _load_on_ranks(rank, world, path):
     return report.read_bytes, engine.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_each_rank_reads_only_the_tensors_of_its_own_chunks(tmp_path, world):
     path = _pretrained(tmp_path, "40KB")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_per_step_work_is_flat_in_the_world_with_node_shard_groups_and_grows_without():
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--worlds", "64,512", "--steps", "1", "--warmup", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -81,6 +81,7 @@ def _pair(cfg: GPTConfig = TINY, **opt):
     return model, adamw_groups(model, lr=1e-3, **opt), reference, adamw_groups(reference, lr=1e-3, **opt)
 
 
+@pytest.mark.slow
 def test_a_nanogpt_loop_keeps_its_model_optimizer_and_scaler_and_trains_bit_equal():
     """Direct model calls, gradient accumulation, the LR set on the script's optimizer, a disabled
     GradScaler stepping it, clipping, evals: every loss equals plain PyTorch's, and so do the
@@ -98,6 +99,7 @@ def test_a_nanogpt_loop_keeps_its_model_optimizer_and_scaler_and_trains_bit_equa
         assert torch.equal(weights[key], value), key
 
 
+@pytest.mark.slow
 def test_the_scripts_optimizer_saves_the_real_adam_state_and_every_resume_combination_continues_exactly():
     """nanoGPT's checkpoint: {'model': model.state_dict(), 'optimizer': optimizer.state_dict()}
     through torch.save. A HybridPS checkpoint resumes in plain PyTorch and in HybridPS, a plain
@@ -174,6 +176,7 @@ def test_the_scripts_optimizer_is_a_view_of_the_engines():
         hybridps.initialize(gpt_pair(TINY)[0], optimizer, _config())
 
 
+@pytest.mark.slow
 def test_lr_schedulers_built_on_the_scripts_optimizer_before_or_after_initialize_keep_scheduling():
     """A scheduler built on the script's optimizer before initialize (torch wrapped that object's
     step) and one built after: both schedule the stepped groups, without torch's call-order
@@ -248,6 +251,7 @@ def test_an_enabled_grad_scaler_is_refused_with_the_fix_before_any_step():
     assert engine.global_step == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kernel",
     [{}, {"foreach": True}, {"foreach": False}, {"fused": False}],
@@ -308,6 +312,7 @@ class TestDirectCalls:
             engine.zero_grad()
             assert got.item() == expected.item()
 
+    @pytest.mark.slow
     def test_direct_calls_and_engine_calls_train_alike_and_are_traced_alike(self):
         model_a, opt_a, model_b, opt_b = _pair(cfg=SMALL_GPT, fused=True)
         a = hybridps.initialize(model_a, opt_a, _config(SMALL_GPT, 0.3, record=True))

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
     """Defaults: the standard library's sources, a byte-level GPT, a simulated GPU smaller
     than the model data. The mean loss of the last 10 steps must be at least 0.8 below the
@@ -27,7 +28,7 @@ def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,  # only stops a hung run; a loaded machine may take several times the usual 75 s
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -41,6 +42,7 @@ def test_hybridps_train_with_defaults_learns_within_its_gpu_capacity(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_hybridps_train_resumes_from_its_checkpoint(tmp_path):
     common = [
         sys.executable,
@@ -70,6 +72,7 @@ def test_hybridps_train_resumes_from_its_checkpoint(tmp_path):
     assert json.loads(resumed.stdout)["last_loss"] == json.loads(whole.stdout)["last_loss"]
 
 
+@pytest.mark.slow
 def test_a_missing_data_path_is_a_clear_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hybridps", "train", "--data", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120
@@ -120,6 +123,7 @@ def _train(*args, timeout=180):
     return json.loads("\n".join(lines[next(i for i, line in enumerate(lines) if line == "{") :]))
 
 
+@pytest.mark.slow
 def test_hybridps_train_on_a_hugging_face_config_saves_a_folder_that_loads_back_exactly(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = _tiny_llama_config(tmp_path)

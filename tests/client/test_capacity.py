@@ -92,6 +92,7 @@ def _check_within_capacity(engine, observer, capacity_bytes):
     assert 0 < observer.non_model_peak_bytes <= gpu["non_model_peak_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.25, 0.3])
 def test_fixed_shape_training_stays_within_capacity_from_the_warm_up_on_and_matches_pytorch(fraction):
     """Warm-up included: chunks are fitted at module hooks, and the activations a module saves
@@ -107,6 +108,7 @@ def test_fixed_shape_training_stays_within_capacity_from_the_warm_up_on_and_matc
     engine.close()
 
 
+@pytest.mark.slow
 def test_a_short_first_batch_then_longer_ones_stay_within_capacity_and_match_pytorch():
     """The warm-up trace comes from a short batch, so it under-reserves for the longer ones:
     their activations must evict chunks as they grow, and the trace learns the larger figures."""
@@ -154,6 +156,7 @@ def test_activations_beyond_the_capacity_raise_a_capacity_error_before_going_ove
     engine.close()
 
 
+@pytest.mark.slow
 def test_a_forward_dropped_without_backward_gives_its_activations_back():
     """Ops that save their own output (relu, softmax, layer norm...) must not tie the saved
     activation to itself through autograd: a graph dropped without backward (a loss computed

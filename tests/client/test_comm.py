@@ -36,6 +36,7 @@ def _raises_on_rank_1(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_run_with_that_ranks_error():
     with pytest.raises(RankFailed, match="rank 1: ValueError: boom"):
         run_ranks(_raises_on_rank_1, 2, timeout_s=30)
@@ -50,6 +51,7 @@ def _dies_after_one_step(rank, world):
     return "rank 0 should not get here"
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_named_by_the_watchdog_before_its_timeout():
     # The dead rank's sockets close, so gloo fails the survivor's collective at once; the
     # post-mortem then names the rank whose heartbeat stopped (not a 5 s timeout).
@@ -80,6 +82,7 @@ def _swaps_two_groups(rank, world):
     return "the step ran"
 
 
+@pytest.mark.slow
 def test_ranks_that_gather_same_size_groups_in_different_orders_fail_at_the_end_of_backward():
     outcomes = run_ranks(_swaps_two_groups, 2, timeout_s=60, expect_failure=True)
     for status, message in outcomes:
@@ -101,6 +104,7 @@ def _diverges(rank, world):
     _step(engine, rank, world, 0)
 
 
+@pytest.mark.slow
 def test_ranks_that_access_chunks_in_different_orders_are_told_apart():
     # Rank 1 gathers the last group (all-gather) where rank 0 gathers the first one (which
     # holds an oversize chunk: broadcasts of other sizes). gloo ends the process of the rank
@@ -186,6 +190,7 @@ def _counted_steps(rank, world):
     return main, engine.client.groups.comm.stats()["collectives"] - collectives
 
 
+@pytest.mark.slow
 def test_training_steps_make_no_store_request_on_the_main_thread():
     for main, collectives in run_ranks(_counted_steps, 2, timeout_s=90):
         assert collectives > 20
@@ -213,6 +218,7 @@ def _engines_one_after_another(rank, world):
     return sums
 
 
+@pytest.mark.slow
 def test_engines_made_one_after_another_on_the_same_ranks_keep_their_collectives_apart():
     # a rank that finished closing the first engine enters the next one's collectives while
     # others still gather: each client has its own watchdog namespace, so no false divergence

@@ -8,6 +8,7 @@ import torch
 from tests.training import engine_for, gpt_pair, train_engine
 
 
+@pytest.mark.slow
 def test_the_trace_is_valid_chrome_json_with_every_event_kind(tmp_path):
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.3, record=True)
@@ -25,6 +26,7 @@ def test_the_trace_is_valid_chrome_json_with_every_event_kind(tmp_path):
     assert sum(e["args"]["bytes"] for e in moves) == sum(engine.memory_stats()["moved_bytes"].values())
 
 
+@pytest.mark.slow
 def test_nothing_is_recorded_unless_asked():
     model, _ = gpt_pair()
     engine = engine_for(model, torch.optim.AdamW(model.parameters()), 0.3)
@@ -35,6 +37,7 @@ def test_nothing_is_recorded_unless_asked():
     assert len(engine.events.events) > 0
 
 
+@pytest.mark.slow
 def test_the_memory_plot_has_three_series_per_device(tmp_path):
     pytest.importorskip("matplotlib")
     model, _ = gpt_pair()

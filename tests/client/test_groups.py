@@ -67,6 +67,7 @@ def single_rank():
     return {"losses": losses, "model_data_bytes": engine.memory_stats()["model_data_bytes"], "state": engine.state_dict()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_train_like_one_rank_with_each_chunk_stored_once(world, single_rank):
     results = run_ranks(_train_ranks, world, 6, {}, timeout_s=90)
@@ -120,6 +121,7 @@ def _accumulate(rank, world, kw):
     return losses
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_without_grad_reuse_match_one_rank(single_rank):
     results = run_ranks(_accumulate, 2, {"grad_reuse": False}, timeout_s=90)
     for losses in results:
@@ -145,6 +147,7 @@ def _overflow_on_one_rank(rank, world):
     return out, engine.memory_stats()["skipped_steps"]
 
 
+@pytest.mark.slow
 def test_an_fp16_overflow_on_one_rank_makes_every_rank_skip_the_step():
     (a, skipped_a), (b, skipped_b) = run_ranks(_overflow_on_one_rank, 2, timeout_s=90)
     assert a == b, "ranks must agree on norms, skips and scales"
@@ -169,6 +172,7 @@ def _managed_collectives(rank, world):
     return values, kinds["buffer"]["chunks"], calls
 
 
+@pytest.mark.slow
 def test_allreduce_and_broadcast_return_tensors_managed_in_chunks():
     results = run_ranks(_managed_collectives, 2, timeout_s=90)
     for (reduced, broadcast), n_chunks, calls in results:
@@ -186,6 +190,7 @@ def test_one_rank_owns_every_chunk_and_model_data_matches_the_layout():
     assert len(client.rows[ChunkKind.MOMENTUM]) == len(client.rows[ChunkKind.PARAM])
 
 
+@pytest.mark.slow
 def test_plain_pytorch_agrees_with_the_single_rank_reference(single_rank):
     _, reference = gpt_pair()
     expected = train_plain(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True), 6, batch=GLOBAL_BATCH)
@@ -210,6 +215,7 @@ def _bare_or_engine_backward(rank, world, bare):
     return out
 
 
+@pytest.mark.slow
 def test_a_bare_loss_backward_on_two_ranks_trains_like_engine_backward():
     # without the end-of-backward callback the grads reached clip_grad_norm_ unreduced: the
     # norm read 0.0 and the steps went wrong without an error
@@ -236,6 +242,7 @@ def _overlap_losses(rank, world, overlap_step):
     return losses, state if rank == 0 else None, stepped_early
 
 
+@pytest.mark.slow
 def test_early_steps_on_two_ranks_train_like_the_step_after_backward():
     plain = run_ranks(_overlap_losses, 2, False, timeout_s=120)
     early = run_ranks(_overlap_losses, 2, True, timeout_s=120)
@@ -284,6 +291,7 @@ def _reused_block_losses(rank, world, grad_reuse):
     return losses, landed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_reuse", [True, False])
 def test_reductions_run_beside_backward_and_train_like_one_rank(grad_reuse):
     (one, _), *_ = run_ranks(_reused_block_losses, 1, grad_reuse, timeout_s=60)
@@ -296,6 +304,7 @@ def test_reductions_run_beside_backward_and_train_like_one_rank(grad_reuse):
         assert landed == results[0][1], "every rank lands the same reductions at the same points"
 
 
+@pytest.mark.slow
 def test_short_of_gpu_room_a_rank_waits_for_the_collectives_holding_chunks_instead_of_failing(single_rank):
     # At 12% of the model data the chunks that asynchronous collectives held (prefetched
     # gathers, reductions in flight) were all that could leave: the mover raised a
@@ -350,6 +359,7 @@ def _losses_around_a_failed_backward(rank, world, fail_at, grad_reuse):
     return losses, refused, landed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_reuse", [True, False])
 def test_a_backward_that_raised_partway_on_every_rank_is_dropped_by_zero_grad_and_training_goes_on_exactly(grad_reuse):
     # Before, a reduction still in flight landed in the next iteration (into a param chunk)

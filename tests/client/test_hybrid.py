@@ -95,6 +95,7 @@ def _close(got, want, rel=1e-5):
         assert abs(g - w) <= rel * abs(w), (got, want)
 
 
+@pytest.mark.slow
 def test_two_replicas_of_two_ranks_train_like_one_rank_and_resume_on_three_and_on_one(single_rank, tmp_path):
     path = str(tmp_path / "ckpt")
     # torchrun sets LOCAL_WORLD_SIZE: "node" (the default) then means 2 ranks per shard group
@@ -128,6 +129,7 @@ def test_two_replicas_of_two_ranks_train_like_one_rank_and_resume_on_three_and_o
     _close(one["losses"], results[0]["losses"][STEPS:])
 
 
+@pytest.mark.slow
 def test_pure_replication_and_explicit_sizes_train_like_one_rank(single_rank):
     # shard groups of one rank: every rank holds every chunk, grads are all-reduced only
     results = run_ranks(_train, 2, {"shard_group_size": 1}, timeout_s=120)
@@ -152,6 +154,7 @@ def _mismatched(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_ranks_that_resolve_different_shard_sizes_fail_alike_with_the_sizes():
     results = run_ranks(_mismatched, 4, timeout_s=60)
     for message in results:

@@ -94,6 +94,7 @@ def test_clipped_early_steps_train_bit_for_bit_like_stepping_after_backward(clip
     assert optim.worker.in_flight == 0 and not spec.backups
 
 
+@pytest.mark.slow
 def test_fp16_overflow_during_early_steps_skips_the_step_like_stepping_after_backward():
     config = {"precision": "fp16", "loss_scale_growth_interval": 2}
     want, _ = _run(False, 5, clip=0, overflow_at=(1,), **config)
@@ -103,6 +104,7 @@ def test_fp16_overflow_during_early_steps_skips_the_step_like_stepping_after_bac
     assert optim.speculation.rolled_back > 0
 
 
+@pytest.mark.slow
 def test_fp16_and_clipping_together_stay_exact():
     config = {"precision": "fp16"}
     want, _ = _run(False, 4, clip=1e-2, overflow_at=(2,), **config)
@@ -110,6 +112,7 @@ def test_fp16_and_clipping_together_stay_exact():
     _assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_bf16_clipping_that_holds_keeps_every_speculative_step():
     want, _ = _run(False, clip=1e6, precision="bf16")
     got, optim = _run(True, clip=1e6, precision="bf16", worker=True)
@@ -176,6 +179,7 @@ def test_zero_grad_without_a_step_after_early_steps_for_good_is_refused_and_leav
         engine.close()
 
 
+@pytest.mark.slow
 def test_zero_grad_without_a_step_undoes_speculative_early_steps():
     results = []
     for overlap in (False, True):
@@ -313,6 +317,7 @@ def _ranks(rank, world, cases):
     return out
 
 
+@pytest.mark.slow
 def test_speculative_early_steps_on_two_ranks_match_stepping_after_backward():
     cases = [
         (name, overlap, dict(kwargs))

@@ -54,6 +54,7 @@ def _overlap_ranks(rank, world, overlap):
     return train_engine(engine, 4, clip=0, batch=4, rank=rank, world=world)
 
 
+@pytest.mark.slow
 def test_stepping_during_backward_on_two_ranks_matches_stepping_after():
     expected = run_ranks(_overlap_ranks, 2, False, timeout_s=90)
     got = run_ranks(_overlap_ranks, 2, True, timeout_s=90)
@@ -108,6 +109,7 @@ def _group_prefetch(rank, world, window):
     return losses, engine.memory_stats()["dist"]["prefetched_gathers"]
 
 
+@pytest.mark.slow
 def test_chunk_groups_gathered_ahead_on_every_rank_change_nothing_but_timing():
     plain = run_ranks(_group_prefetch, 2, 0, timeout_s=90)
     ahead = run_ranks(_group_prefetch, 2, 2, timeout_s=90)

@@ -78,6 +78,7 @@ def test_a_client_configured_for_a_missing_daemon_fails_with_that_message(tmp_pa
         hybridps.Client(hybridps.Config(devices={"cuda:0": "1MiB"}, manager=f"ipc://{tmp_path}/none.sock"))
 
 
+@pytest.mark.slow
 def test_a_daemon_without_a_device_the_client_lists_is_named_with_the_flags_to_add(daemon):
     with pytest.raises(ManagerError) as e:
         connect_remote(daemon.endpoint, info(("cpu", "cuda:0", "cuda:3")))
@@ -112,6 +113,7 @@ def test_a_client_holds_gives_back_and_is_refused_like_with_the_embedded_manager
         conn.add("cpu", 1)
 
 
+@pytest.mark.slow
 def test_heartbeats_keep_an_idle_client_registered_past_its_lease(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
         conn.add("cpu", 7)
@@ -133,6 +135,7 @@ def test_a_client_whose_lease_expired_registers_again_and_re_reports_on_its_next
     assert f"no longer knows {conn.client_id}" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_request_to_a_daemon_that_died_fails_after_its_retries_naming_the_endpoint(daemons, caplog):
     d = daemons.start("--device", "cpu=1MiB")
     conn = connect_remote(d.endpoint, info(("cpu",)), request_timeout_s=0.1, retries=2)
@@ -179,6 +182,7 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
 # -- the ledger is always exact: lost leases, atomic verbs, long errors, exit, versions ----
 
 
+@pytest.mark.slow
 def test_a_client_paused_past_its_lease_whose_room_was_lent_out_fails_loudly_never_silently(daemons, caplog):
     d = daemons.start("--device", "cpu=64MiB", "--device", "cuda:0=8MiB", "--simulate", "always", "--lease-s", "0.5")
     with connect_remote(d.endpoint, info()) as a, connect_remote(d.endpoint, info()) as b:
@@ -217,6 +221,7 @@ def test_removing_nothing_from_a_device_never_booked_is_fine(daemon):
         assert conn.holdings == {} and usage_of(daemon.endpoint, conn.client_id) == {}
 
 
+@pytest.mark.slow
 def test_ranks_placing_at_once_on_a_nearly_full_gpu_never_lose_room_they_were_offered(daemons):
     d = daemons.start("--device", "cpu=1GiB", "--device", "cuda:0=1MiB", "--simulate", "always")
     conns = [connect_remote(d.endpoint, info()) for _ in range(8)]
@@ -248,6 +253,7 @@ def test_ranks_placing_at_once_on_a_nearly_full_gpu_never_lose_room_they_were_of
             c.close()
 
 
+@pytest.mark.slow
 def test_an_error_text_longer_than_256_characters_reaches_the_client(daemons):
     gpus = [f"cuda:{i}" for i in range(12)]
     d = daemons.start("--device", "cpu=1MiB", *[a for g in gpus for a in ("--device", f"{g}=1MiB")], "--simulate", "always")
@@ -258,6 +264,7 @@ def test_an_error_text_longer_than_256_characters_reaches_the_client(daemons):
         assert len(str(e.value)) > 256 and "cuda:11" in str(e.value) and "no device has room" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_client_that_dies_of_an_uncaught_exception_gives_its_bytes_back_at_once(daemons):
     d = daemons.start("--device", "cpu=64MiB", "--lease-s", "60")
     script = (

@@ -89,6 +89,7 @@ def _train(link, steps=4):
     return losses, stats
 
 
+@pytest.mark.slow
 def test_a_slow_link_changes_when_copies_land_and_not_one_bit_of_training():
     instant, stats = _train(None)
     assert "link" not in stats

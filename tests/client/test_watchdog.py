@@ -74,6 +74,7 @@ def _many_collectives(rank, world):
     return dict(during), comm.stats()["collectives"]
 
 
+@pytest.mark.slow
 def test_the_normal_path_makes_no_store_request_per_collective():
     for during, collectives in run_ranks(_many_collectives, 3, timeout_s=60):
         assert collectives == 20 * 6
@@ -99,6 +100,7 @@ def _swapped(rank, world):
     return "not caught"
 
 
+@pytest.mark.slow
 def test_a_same_shape_divergence_is_caught_by_the_order_check_and_named():
     for rank, message in enumerate(run_ranks(_swapped, 2, timeout_s=60)):
         assert message.startswith("ranks diverged at collective #2: "), message
@@ -117,6 +119,7 @@ def _in_step(rank, world):
     return comm.digest, comm.stats()["order_checks"]
 
 
+@pytest.mark.slow
 def test_ranks_in_step_pass_the_order_check_with_equal_digests():
     results = run_ranks(_in_step, 3, timeout_s=60)
     assert len({d for d, _ in results}) == 1 and all(n == 1 for _, n in results)
@@ -138,6 +141,7 @@ def _different_ops(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_a_divergence_that_hangs_the_backend_is_named_from_the_published_positions():
     # an all-reduce against a broadcast: gloo waits for data that never comes, until the
     # group's timeout; every rank then posts where it failed and reads the others'
@@ -180,6 +184,7 @@ def _peer_goes(rank, world, how):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "stop"])
 def test_a_dead_or_frozen_peer_is_named_from_its_heartbeat_not_the_timeout(how):
     # exit: the collective fails at once (closed sockets), then two heartbeat periods of
@@ -213,6 +218,7 @@ def _store_host_goes(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_when_the_store_host_dies_the_survivors_say_so():
     outcomes = run_ranks(_store_host_goes, 2, timeout_s=60, expect_failure=True)
     assert outcomes[0] == ("error", "rank 0 left no result")
@@ -238,6 +244,7 @@ def _late(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_a_live_rank_that_does_not_arrive_in_time_is_named_with_where_it_is():
     message = run_ranks(_late, 2, timeout_s=60)[0]
     assert message.startswith(

@@ -98,6 +98,7 @@ def test_deepspeed_precision_blocks():
     assert dict(translate({"optimizer": {"type": "Lamb"}}).ignored)["optimizer.type"].startswith("Lamb")
 
 
+@pytest.mark.slow
 def test_hybridps_train_takes_a_config_file(tmp_path):
     import subprocess
 

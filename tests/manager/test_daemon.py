@@ -41,6 +41,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_the_daemon_prints_its_endpoint_and_removes_its_socket_when_signalled(daemons, sig):
     d = daemons.start(*DEVICES)
@@ -60,6 +61,7 @@ def test_the_daemon_prints_its_endpoint_and_removes_its_socket_when_signalled(da
     assert "shutting down" in d.stderr
 
 
+@pytest.mark.slow
 def test_a_second_daemon_on_the_same_endpoint_is_refused_and_the_first_keeps_serving(daemons):
     first = daemons.start(*DEVICES)
     second = daemons.start(*DEVICES, endpoint=first.endpoint, expect_ready=False)
@@ -68,6 +70,7 @@ def test_a_second_daemon_on_the_same_endpoint_is_refused_and_the_first_keeps_ser
     assert query_status(first.endpoint)["pid"] == first.proc.pid
 
 
+@pytest.mark.slow
 def test_the_socket_file_of_a_killed_daemon_is_removed_by_the_next_one(daemons):
     first = daemons.start(*DEVICES)
     first.kill()
@@ -77,6 +80,7 @@ def test_the_socket_file_of_a_killed_daemon_is_removed_by_the_next_one(daemons):
     assert query_status(second.endpoint)["pid"] == second.proc.pid
 
 
+@pytest.mark.slow
 def test_the_runtime_directory_and_socket_are_closed_to_other_users(daemons, monkeypatch):
     # World-traversable parents, so that only the modes under test keep others out.
     xdg = daemons.workdir / "xdg"
@@ -136,6 +140,7 @@ def test_the_runtime_directory_and_socket_are_closed_to_other_users(daemons, mon
     assert f"chmod 700 {runtime}" in again.stderr
 
 
+@pytest.mark.slow
 def test_a_tcp_address_reachable_from_other_machines_needs_a_token(daemons):
     refused = daemons.start(*DEVICES, endpoint=f"tcp://0.0.0.0:{free_port()}", expect_ready=False)
     assert refused.expect_exit() == 1
@@ -145,6 +150,7 @@ def test_a_tcp_address_reachable_from_other_machines_needs_a_token(daemons):
     assert "--insecure-local-tcp covers loopback addresses only" in insecure.stderr
 
 
+@pytest.mark.slow
 def test_loopback_tcp_needs_a_token_unless_every_local_user_is_explicitly_allowed(daemons, monkeypatch):
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     refused = daemons.start(*DEVICES, endpoint=f"tcp://127.0.0.1:{free_port()}", expect_ready=False)
@@ -158,6 +164,7 @@ def test_loopback_tcp_needs_a_token_unless_every_local_user_is_explicitly_allowe
         assert query_status(d.endpoint)["devices"]["cpu"]["used_bytes"] == 7
 
 
+@pytest.mark.slow
 def test_with_a_token_configured_a_request_without_it_is_refused(daemons, monkeypatch):
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--token", "s3cret", endpoint=f"tcp://127.0.0.1:{free_port()}")
@@ -181,6 +188,7 @@ def scrape(url, token=None):
         return resp.read().decode().splitlines()
 
 
+@pytest.mark.slow
 def test_metrics_without_a_token_are_served_on_loopback_without_client_ids_or_pids(daemons, monkeypatch):
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--metrics-port", "0")
@@ -201,6 +209,7 @@ def test_metrics_without_a_token_are_served_on_loopback_without_client_ids_or_pi
         )
 
 
+@pytest.mark.slow
 def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(daemons, monkeypatch):
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--token", "s3cret", "--metrics-port", "0")
@@ -218,6 +227,7 @@ def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(da
         )
 
 
+@pytest.mark.slow
 def test_metrics_beyond_loopback_need_a_token(daemons, monkeypatch):
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     refused = daemons.start(*DEVICES, "--metrics-port", "0", "--metrics-host", "0.0.0.0", expect_ready=False)
@@ -270,6 +280,7 @@ def status_request(endpoint):
     return SERVED
 
 
+@pytest.mark.slow
 @as_root
 def test_ipc_peers_of_another_uid_are_refused_even_when_the_socket_file_lets_them_in(daemons):
     d = daemons.start(*DEVICES)
@@ -298,6 +309,7 @@ def test_ipc_peers_of_another_uid_are_refused_even_when_the_socket_file_lets_the
         server.close()
 
 
+@pytest.mark.slow
 @as_root
 def test_nothing_is_sent_to_a_socket_file_of_another_user(daemons, monkeypatch):
     xdg = daemons.workdir / "xdg"
@@ -330,6 +342,7 @@ def test_nothing_is_sent_to_a_socket_file_of_another_user(daemons, monkeypatch):
             listener.close()
 
 
+@pytest.mark.slow
 def test_an_ipc_endpoint_with_missing_parent_directories_creates_them_private(daemons):
     sock = daemons.workdir / "a" / "b" / "m.sock"
     d = daemons.start(*DEVICES, endpoint=f"ipc://{sock}")
@@ -343,6 +356,7 @@ def rss_after(proc, settle_s=0.5):
     return proc.memory_info().rss
 
 
+@pytest.mark.slow
 def test_long_multipart_messages_cost_the_daemon_little_memory(daemons):
     d = daemons.start(*DEVICES)
     proc = psutil.Process(d.proc.pid)
@@ -481,6 +495,7 @@ def malformed_messages(n, client_id, rng):
         yield makers[i % len(makers)]() if i % 997 else [b"", b"x" * (p.MAX_REQUEST_BYTES + 1)]
 
 
+@pytest.mark.slow
 def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unchanged(daemons):
     d = daemons.start(*DEVICES)
     with connect_remote(d.endpoint, info()) as conn:
@@ -543,6 +558,7 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 HOSTILE = "\x1b[2J\x1b[31mred\r\x00\n"
 
 
+@pytest.mark.slow
 def test_a_request_whose_names_or_op_hold_control_characters_gets_a_safe_error_and_the_daemon_serves_on(daemons):
     d = daemons.start(*DEVICES)
     requests = [

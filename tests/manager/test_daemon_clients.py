@@ -176,6 +176,7 @@ def check_ledger_matches(status, reports):
         assert d["used_bytes"] <= d["peak_bytes"] <= d["capacity_bytes"], name
 
 
+@pytest.mark.slow
 def test_sixteen_clients_doing_two_thousand_random_requests_each_leave_an_exact_ledger(daemons, children):
     d = daemons.start(*DEVICES, "--metrics-port", "0")
     n_clients, n_ops = 16, 2000
@@ -196,6 +197,7 @@ def test_sixteen_clients_doing_two_thousand_random_requests_each_leave_an_exact_
     assert status["clients"] == [] and status["totals"]["used_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_a_client_killed_with_sigkill_is_reclaimed_when_its_lease_runs_out(daemons, children):
     # when within the lease: test_service.py, on the service's own clock
     lease_s = 1.0
@@ -228,6 +230,7 @@ def status_via_cli(endpoint):
     return json.loads(out.getvalue())
 
 
+@pytest.mark.slow
 def test_clients_re_register_and_re_report_after_the_daemon_is_killed_and_restarted(daemons, children):
     lease_s = 3.0
     first = daemons.start(*DEVICES, "--lease-s", str(lease_s))

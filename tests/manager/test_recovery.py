@@ -259,6 +259,7 @@ def test_the_roster_lives_beside_an_ipc_socket_or_in_the_runtime_directory_for_t
 DEVICES = ["--device", "cpu=64MiB", "--device", "cuda:0=16MiB", "--simulate", "always"]
 
 
+@pytest.mark.slow
 def test_a_booking_made_after_a_daemon_restart_waits_for_the_idle_client_and_no_holding_is_refused(daemons):
     """The race the window closes, end to end: a busy client is back at once and books; the
     idle one comes back only at its heartbeat, with room that the busy one's booking would
@@ -298,6 +299,7 @@ def test_a_booking_made_after_a_daemon_restart_waits_for_the_idle_client_and_no_
     assert query_status(second.endpoint)["clients"] == []
 
 
+@pytest.mark.slow
 def test_a_heartbeat_thread_and_a_waiting_booking_share_the_stub(daemons):
     """A booking that waits out the window holds the stub's lock; the heartbeat thread of the
     same stub must neither deadlock nor lose the lease meanwhile."""
