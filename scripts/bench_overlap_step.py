@@ -13,6 +13,13 @@ rolled back and stepped again); the losses of every mode must equal those of ove
 On a CPU-only machine backward and the CPU Adam share the same cores, so little can be
 hidden there; the figure that matters is a real GPU's.
 
+``--components`` also times each resource alone, on the same model and batch: the compute
+(the model in its precision on the device, forward and backward), the link (the step's
+grads down and params up over pinned memory, one direction after the other) and the CPU
+Adam (torch's fused AdamW over the model's fp32 params on the CPU). Each mode then reports
+its step time over their sum and over their max: a step that hides the optimizer beside
+backward approaches the max; one that runs them in turn, the sum.
+
     python scripts/bench_overlap_step.py                    # prints one JSON object
     python scripts/bench_overlap_step.py --d-model 768 --layers 6 --steps 8
 """
@@ -119,6 +126,60 @@ def run_modes(args, *, clip: float | None) -> dict:
     return out
 
 
+def _median_s(fn, *, device: str, warmup: int, steps: int) -> float:
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def components(args, cfg: GPTConfig) -> dict:
+    """Each resource of an offloaded step alone: compute, link and CPU Adam (seconds)."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]
+    device = args.device if args.device.startswith("cuda") and torch.cuda.is_available() else "cpu"  # simulated: the CPU
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    x, y = batch(0, args.batch, args.seq, args.vocab)
+    x, y = x.to(device), y.to(device)
+
+    def fwd_bwd() -> None:
+        _, loss = model(x, y)
+        loss.backward()
+
+    compute_s = _median_s(fwd_bwd, device=device, warmup=args.warmup, steps=args.steps)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    host = torch.empty(n, dtype=dtype, pin_memory=device != "cpu")
+    dev = torch.empty(n, dtype=dtype, device=device)
+    down_s = _median_s(lambda: host.copy_(dev, non_blocking=True), device=device, warmup=1, steps=3)
+    up_s = _median_s(lambda: dev.copy_(host, non_blocking=True), device=device, warmup=1, steps=3)
+    del host, dev
+    master = torch.zeros(n, dtype=torch.float32, requires_grad=True)
+    master.grad = torch.full_like(master, 1e-3)
+    adam = torch.optim.AdamW([master], lr=3e-4, fused=True)
+    adam_s = _median_s(adam.step, device="cpu", warmup=1, steps=3)
+    parts = {"compute_s": compute_s, "link_s": down_s + up_s, "cpu_adam_s": adam_s}
+    out = {k: round(v, 4) for k, v in parts.items()}
+    out.update(
+        params=n,
+        link_down_GBps=round(n * host_bytes(dtype) / down_s / 1e9, 2),
+        link_up_GBps=round(n * host_bytes(dtype) / up_s / 1e9, 2),
+        cpu_adam_Mparams_per_s=round(n / adam_s / 1e6, 1),
+        sum_s=round(sum(parts.values()), 4),
+        max_s=round(max(parts.values()), 4),
+    )
+    return out
+
+
+def host_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -138,9 +199,16 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--device", default="cuda:0", help="a simulated GPU unless one is visible")
     ap.add_argument("--clips", default=",".join(CLIPS), help="which clipping cases to run")
+    ap.add_argument("--components", action="store_true", help="also time compute, link and CPU Adam alone")
     args = ap.parse_args()
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
     cases = {name: run_modes(args, clip=CLIPS[name]) for name in args.clips.split(",")}
+    parts = components(args, cfg) if args.components else None
+    if parts:
+        for case in cases.values():
+            for result in case.values():
+                result["step_over_sum"] = round(result["step_s"] / parts["sum_s"], 3)
+                result["step_over_max"] = round(result["step_s"] / parts["max_s"], 3)
     out = {
         "benchmark": "overlap_step",
         "machine": {
@@ -153,6 +221,8 @@ def main() -> None:
         "config": {"device": args.device, "capacity": args.capacity, "precision": args.precision, "placement": "cpu_optimizer"},
         "cases": cases,
     }
+    if parts:
+        out["components"] = parts
     print(json.dumps(out, indent=2))
 
 
