@@ -7,8 +7,8 @@ fixed-size chunks that move between CPU and GPU memory on demand.
     engine = hybridps.initialize(model, optimizer, config=hybridps.Config(devices={"cuda:0": "8GiB"}))
 """
 
+from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.client import Client
-from hybridps.client.states import ChunkState, TensorState
 from hybridps.common.config import Config
 from hybridps.common.errors import (
     CapacityError,

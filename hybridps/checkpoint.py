@@ -51,13 +51,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridps.client.chunk import ChunkKind
+from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
-    from hybridps.client.loss_scaler import LossScaler
-    from hybridps.client.optimizer import ChunkedAdam
+    from hybridps.client.optim.adam import ChunkedAdam
+    from hybridps.client.optim.loss_scaler import LossScaler
 
 
 class EngineParts(Protocol):

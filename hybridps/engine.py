@@ -21,15 +21,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridps import deferred_init
-from hybridps.client import optimizer_view
 from hybridps.client.client import Client
-from hybridps.client.events import EventRecorder
-from hybridps.client.hooks import ModelHook, ModuleHooks
-from hybridps.client.loss_scaler import LossScaler
-from hybridps.client.optimizer import ChunkedAdam
-from hybridps.client.placeholder import ParamGuard
+from hybridps.client.memory.events import EventRecorder
+from hybridps.client.memory.tracer import MemoryTracer
+from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.optim.loss_scaler import LossScaler
+from hybridps.client.params import optimizer_view
+from hybridps.client.params.hooks import ModelHook, ModuleHooks
+from hybridps.client.params.placeholder import ParamGuard
 from hybridps.client.prefetch import Prefetcher
-from hybridps.client.tracer import MemoryTracer
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError, StateError
 from hybridps.iteration_phase import IterationPhase

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import hybridps
-from hybridps.client.chunk import ChunkKind
+from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.common.units import parse_bytes
 
 
@@ -70,7 +70,7 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True) -
     client.register_module(model)
     opt = client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     if precision == "fp16":
-        opt.scaler = hybridps.client.loss_scaler.LossScaler(scale=1024.0)
+        opt.scaler = hybridps.client.optim.loss_scaler.LossScaler(scale=1024.0)
 
     grads = {info.slot.index: torch.randn(info.shape, dtype=client.param_dtype) * 1e-3 for info in client.params}
 

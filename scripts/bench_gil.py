@@ -51,9 +51,9 @@ import torch
 import torch.optim.adam as torch_adam
 
 import hybridps
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.optimizer import adam_kernel
-from hybridps.client.step_worker import THREAD_NAME, StepWorker, _Task
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.optim.adam import adam_kernel
+from hybridps.client.optim.step_worker import THREAD_NAME, StepWorker, _Task
 from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch
 

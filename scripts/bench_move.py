@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from hybridps.client.arena import CudaHostRegistrar, HostArena
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.memory.arena import CudaHostRegistrar, HostArena
+from hybridps.client.memory.mover import ChunkMover
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager.embedded import EmbeddedManager
@@ -44,7 +44,7 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
     # the client's arena (Config.pinned_bytes: a quarter of the CPU), pinned on a real GPU
     registrar = CudaHostRegistrar() if not gpu_spec.simulated else None
     arena = HostArena(inventory.cpu.capacity_bytes // 4, registrar=registrar)
-    manager = ChunkManager(inventory, conn, pool_bytes=8 * chunk_mib * 2**20, arena=arena)
+    manager = ChunkMover(inventory, conn, pool_bytes=8 * chunk_mib * 2**20, arena=arena)
     numel = chunk_mib * 2**20 // 4
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:

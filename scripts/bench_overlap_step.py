@@ -153,12 +153,12 @@ def components(args, cfg: GPTConfig) -> dict:
 
     compute_s = _median_s(fwd_bwd, device=device, warmup=args.warmup, steps=args.steps)
     n = sum(p.numel() for p in model.parameters())
-    del model
+    model = None  # its memory back before the link's buffers
     host = torch.empty(n, dtype=dtype, pin_memory=device != "cpu")
     dev = torch.empty(n, dtype=dtype, device=device)
     down_s = _median_s(lambda: host.copy_(dev, non_blocking=True), device=device, warmup=1, steps=3)
     up_s = _median_s(lambda: dev.copy_(host, non_blocking=True), device=device, warmup=1, steps=3)
-    del host, dev
+    host = dev = None
     master = torch.zeros(n, dtype=torch.float32, requires_grad=True)
     master.grad = torch.full_like(master, 1e-3)
     adam = torch.optim.AdamW([master], lr=3e-4, fused=True)

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 import hybridps
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.comm import Collectives
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.dist.comm import Collectives
 from hybridps.common.errors import HybridPSError
 from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch

@@ -123,5 +123,5 @@ def test_no_module_below_the_client_facade_imports_it():
     offenders = sorted(m for m in below if "hybridps.client.client" in graph[m])
     assert offenders == []
     # and the collaborators are below it, not beside it
-    for m in ("store", "chunk_manager", "groups", "optimizer", "pending_grads", "placement", "placeholder"):
+    for m in ("chunks.store", "memory.mover", "dist.groups", "optim.adam", "params.pending_grads", "memory.placement"):
         assert f"hybridps.client.{m}" in below

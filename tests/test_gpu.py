@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.chunk import ChunkKind
+from hybridps.client.chunks.chunk import ChunkKind
 from tests.training import SMALL_GPT, adamw_groups, model_data_bytes, tokens
 
 pytestmark = pytest.mark.gpu
@@ -124,9 +124,9 @@ def test_gpu_memory_held_before_initialize_is_not_counted_against_the_capacity()
 
 
 def test_pinned_chunk_moves_reuse_the_arenas_slots():
-    from hybridps.client.arena import CudaHostRegistrar, HostArena, segment_bytes
-    from hybridps.client.chunk import Chunk
-    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.chunks.chunk import Chunk
+    from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, segment_bytes
+    from hybridps.client.memory.mover import ChunkMover
     from hybridps.common.devices import DeviceInventory
     from hybridps.common.protocol import ClientInfo
     from hybridps.manager.embedded import EmbeddedManager
@@ -134,7 +134,7 @@ def test_pinned_chunk_moves_reuse_the_arenas_slots():
     inventory = DeviceInventory.build({"cuda:0": 2**30}, simulate=False)
     conn = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
     arena = HostArena(2**30, registrar=CudaHostRegistrar())
-    manager = ChunkManager(inventory, conn, pool_bytes=8 * 2**22, arena=arena)
+    manager = ChunkMover(inventory, conn, pool_bytes=8 * 2**22, arena=arena)
     numel = 2**20 + 3 * 2**10  # 4.01 MiB chunks: PyTorch's pinned allocator would take 8 MiB each
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:

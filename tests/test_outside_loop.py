@@ -18,8 +18,8 @@ from torch import nn
 
 import hybridps
 from hybridps import Config, HybridPSError, StateError
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.placeholder import ChunkedParameter, ReadOnlyGrad
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.params.placeholder import ChunkedParameter, ReadOnlyGrad
 from tests.training import train_hf_both
 
 CFG = Config(devices={"cuda:0": "64MiB"})

@@ -38,7 +38,7 @@ def test_the_wheel_carries_the_version_entry_points_and_type_marker(wheel):
         dist = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = z.read(f"{dist}/entry_points.txt").decode()
         metadata = z.read(f"{dist}/METADATA").decode()
-    assert "hybridps/py.typed" in names and "hybridps/client/chunk_manager.py" in names
+    assert "hybridps/py.typed" in names and "hybridps/client/memory/mover.py" in names
     assert not any(n.startswith(("tests/", "scripts/")) for n in names)
     assert "hybridps = hybridps.cli:main" in entry_points and "hybridps-manager = hybridps.cli:manager_main" in entry_points
     assert f"Version: {hybridps.__version__}" in metadata and "Provides-Extra: hf" in metadata

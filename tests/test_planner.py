@@ -390,7 +390,7 @@ def sharded_sim():
 def _layout_model_data_bytes(sim, chunk_size: int, shard_size: int) -> int:
     """Model data of the padded layout the clients build (the client's ChunkLayout): every
     kind of a chunk holding params, the param chunk alone of a padding chunk."""
-    from hybridps.client.layout import ChunkLayout
+    from hybridps.client.chunks.layout import ChunkLayout
 
     layout = ChunkLayout(chunk_size, sim.alignment)
     for n in sim.param_numels:
@@ -519,7 +519,7 @@ def test_a_shard_group_size_that_does_not_divide_the_world_names_the_divisors():
 
 
 def test_owners_are_assigned_exactly_as_the_client_assigns_them():
-    from hybridps.client.groups import assign_owners
+    from hybridps.client.dist.groups import assign_owners
 
     rng = random.Random(0)
     for world in (1, 2, 3, 8, 64):

@@ -29,21 +29,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.arena import CudaHostRegistrar, HostArena, HostRegistrar
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.comm import Collectives
-from hybridps.client.groups import ChunkGroups
-from hybridps.client.layout import ChunkLayout, Slot, choose_chunk_size
-from hybridps.client.memory_trace import MomentTrace
-from hybridps.client.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
-from hybridps.client.optimizer import ChunkedAdam
-from hybridps.client.pending_grads import PendingGrads
-from hybridps.client.placeholder import ChunkedParameter, ParamGuard, guard_of
-from hybridps.client.placement import make_policy
-from hybridps.client.sim_link import SimulatedLink
-from hybridps.client.states import ChunkState, TensorState
-from hybridps.client.store import ChunkStore, ParamInfo
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.chunks.store import ChunkStore, ParamInfo
+from hybridps.client.dist.comm import Collectives
+from hybridps.client.dist.groups import ChunkGroups
+from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
+from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
+from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.placement import make_policy
+from hybridps.client.memory.sim_link import SimulatedLink
+from hybridps.client.memory.trace import MomentTrace
+from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.params.pending_grads import PendingGrads
+from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
@@ -100,7 +100,7 @@ class Client:
         #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
         #: trace's non-model peak, the room it left, the bytes moved; None before
         self.optimizer_placement: dict[str, int] | None = None
-        self.mover = ChunkManager(
+        self.mover = ChunkMover(
             self.inventory,
             connection,
             margin_bytes=self.config.margin,

@@ -18,7 +18,7 @@ not, since they depend on its memory pressure, so only the gathers decide
 (``PlacementPolicy.prefetch_gathers`` chooses which of them to start).
 
 Owns the mechanics: when (at each moment of a replayed trace), the lookup of chunks by id,
-the record of the warm-up's gathers, starting the copies (``ChunkManager.prefetch``) and the
+the record of the warm-up's gathers, starting the copies (``ChunkMover.prefetch``) and the
 gathers (``ChunkGroups.prefetch``). Does not own which chunks or groups go ahead
 (placement.py) nor the copies themselves (chunk_manager.py).
 """
@@ -29,19 +29,19 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk import Chunk
-    from hybridps.client.chunk_manager import ChunkManager
-    from hybridps.client.groups import ChunkGroups
-    from hybridps.client.placement import PlacementPolicy
-    from hybridps.client.store import ChunkStore
-    from hybridps.client.tracer import MemoryTracer
+    from hybridps.client.chunks.chunk import Chunk
+    from hybridps.client.chunks.store import ChunkStore
+    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.memory.tracer import MemoryTracer
 
 
 class Prefetcher:
     def __init__(
         self,
         store: ChunkStore,
-        mover: ChunkManager,
+        mover: ChunkMover,
         tracer: MemoryTracer,
         *,
         groups: ChunkGroups | None = None,

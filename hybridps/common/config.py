@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 EVICTIONS = ("auto", "lru", "opt")
-#: placement policies (hybridps/client/placement.py, POLICIES)
+#: placement policies (hybridps/client/memory/placement.py, POLICIES)
 PLACEMENTS = ("tidal", "cpu_optimizer")
 
 
@@ -151,7 +151,7 @@ class Config:
         section="Placement and movement",
         unit='`"tidal"`, `"cpu_optimizer"`',
         doc=(
-            'Where model data lives (hybridps/client/placement.py). `"tidal"`: optimizer rows (fp32 master, '
+            'Where model data lives (hybridps/client/memory/placement.py). `"tidal"`: optimizer rows (fp32 master, '
             "momentum, variance) start on the CPU and, after the warm-up trace, move to the GPU as far as the room "
             'that activations never need allows. `"cpu_optimizer"`: they stay on the CPU (ZeRO-Offload\'s layout).'
         ),

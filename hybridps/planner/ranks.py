@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from hybridps.client.arena import idle_bound_bytes
+from hybridps.client.memory.arena import idle_bound_bytes
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.sharding import Communication, Sharding
 from hybridps.planner.simulation import Simulation
@@ -44,7 +44,7 @@ class RankShare:
     #: the largest group's param chunks (oversize chunks, of params larger than a chunk, included)
     largest_group_bytes: int
     #: the largest model data one rank owns, with the multi-rank layout and the owner
-    #: assignment the client uses (hybridps.client.groups.assign_owners)
+    #: assignment the client uses (hybridps.client.dist.groups.assign_owners)
     owned_bytes: int
     #: the layout's model data over the shard size (what perfectly even shares would be)
     even_share_bytes: int
@@ -117,8 +117,8 @@ def _group_layout(
 ) -> _GroupLayout:
     """The client's layout for ``shard_size``: ``chunk_size`` if given, else the simulation's
     requested chunk size, else the one the client picks."""
+    from hybridps.client.chunks.layout import ChunkLayout
     from hybridps.client.client import auto_chunk_size
-    from hybridps.client.layout import ChunkLayout
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 
@@ -174,7 +174,7 @@ def gathered_at(
 
 
 def owners_by_bytes(weights: Sequence[int], world: int) -> list[int]:
-    """The owner of each chunk, exactly as ``hybridps.client.groups.assign_owners`` assigns
+    """The owner of each chunk, exactly as ``hybridps.client.dist.groups.assign_owners`` assigns
     them (groups most uneven first; within a group the heaviest member to the least loaded
     rank), in O(world log world) per group: while a group is assigned, the loads of the
     ranks still free do not change, so its i-th heaviest member goes to the i-th least

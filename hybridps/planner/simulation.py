@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from hybridps.client.chunk import ChunkKind
+from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.common.config import Config
 from hybridps.common.errors import CapacityError, ConfigError
 from hybridps.engine import initialize
@@ -46,7 +46,7 @@ class DeviceFigures:
     #: chunks + non-model at the worst moment after warm-up (compute device only)
     peak_total_bytes: int = 0
     #: the most host memory the host arena held (CPU only): param and grad chunks on the CPU
-    #: and the arena's free slots, page-locked on a real GPU (client/arena.py)
+    #: and the arena's free slots, page-locked on a real GPU (client/memory/arena.py)
     arena_bytes: int = 0
     derived: bool = False
 

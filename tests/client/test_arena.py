@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from hybridps.client.arena import (
+from hybridps.client.memory.arena import (
     PAGE_BYTES,
     SEGMENT_MAX_SLOTS,
     SEGMENT_TARGET_BYTES,

@@ -11,11 +11,11 @@ reused through the pool; and every payload change is a named move of its Payload
 import pytest
 import torch
 
-from hybridps.client.chunk import Chunk, ChunkKind, PayloadState
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.layout import Slot
-from hybridps.client.memory_trace import MomentTrace
-from hybridps.client.states import TensorState
+from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadState
+from hybridps.client.chunks.layout import Slot
+from hybridps.client.chunks.states import TensorState
+from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.trace import MomentTrace
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError, StateError
 from hybridps.common.protocol import ClientInfo
@@ -42,10 +42,10 @@ class FixedTrace:
         self.grew.append(chunk_bytes)
 
 
-def _mover(gpu_chunks: int = 3, *, trace=None, margin_bytes: int = 0, pool_chunks: int = 0) -> ChunkManager:
+def _mover(gpu_chunks: int = 3, *, trace=None, margin_bytes: int = 0, pool_chunks: int = 0) -> ChunkMover:
     inventory = DeviceInventory.build({GPU: gpu_chunks * CHUNK_BYTES, "cpu": 64 * CHUNK_BYTES}, simulate="always")
     connection = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
-    return ChunkManager(inventory, connection, margin_bytes=margin_bytes, pool_bytes=pool_chunks * CHUNK_BYTES, trace=trace)
+    return ChunkMover(inventory, connection, margin_bytes=margin_bytes, pool_bytes=pool_chunks * CHUNK_BYTES, trace=trace)
 
 
 def _chunk(i: int) -> Chunk:
@@ -54,7 +54,7 @@ def _chunk(i: int) -> Chunk:
     return chunk
 
 
-def _placed(mover: ChunkManager, n: int, device: str = "cpu") -> list[Chunk]:
+def _placed(mover: ChunkMover, n: int, device: str = "cpu") -> list[Chunk]:
     chunks = [_chunk(i) for i in range(n)]
     for c in chunks:
         mover.place(c, device)
@@ -199,7 +199,7 @@ def test_short_of_room_the_mover_waits_for_the_collectives_holding_chunks_then_e
     assert mover.used_bytes[GPU] <= 2 * c.nbytes
 
 
-def _as_real_gpu(mover: ChunkManager, monkeypatch) -> None:
+def _as_real_gpu(mover: ChunkMover, monkeypatch) -> None:
     """The mover's GPU behaves like a real one for the out-of-memory path (buffers stay on the CPU)."""
     gpu = mover._specs[GPU]
     real = type(gpu)(name=GPU, capacity_bytes=gpu.capacity_bytes, simulated=False)
@@ -263,7 +263,7 @@ def test_a_freed_host_payload_is_pooled_and_reused_by_the_next_placement():
 
 
 def test_payload_moves_follow_their_table_and_refuse_the_rest():
-    from hybridps.client.chunk import PAYLOAD_MOVES, PayloadMove, payload_move
+    from hybridps.client.chunks.chunk import PAYLOAD_MOVES, PayloadMove, payload_move
 
     assert payload_move(PayloadState.ABSENT, PayloadMove.ALLOCATE, "c") is PayloadState.RESIDENT
     assert payload_move(PayloadState.ARRIVING, PayloadMove.BROUGHT_AHEAD, "c") is PayloadState.PREFETCHING

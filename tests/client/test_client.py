@@ -4,8 +4,8 @@ from torch import nn
 
 import hybridps
 from hybridps import Client, Config, ConfigError, RegistrationError, StateError, TensorState
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.placeholder import ChunkedParameter
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.params.placeholder import ChunkedParameter
 
 
 def layer_stack(n_layers=16, width=32):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.chunk import ChunkKind
+from hybridps.client.chunks.chunk import ChunkKind
 from tests.dist import run_ranks
 from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens, train_plain
 

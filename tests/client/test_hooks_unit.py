@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridps import Client, Config, TensorState
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.hooks import ModuleHooks
-from hybridps.client.tracer import MemoryTracer
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.memory.tracer import MemoryTracer
+from hybridps.client.params.hooks import ModuleHooks
 
 _S = TensorState
 

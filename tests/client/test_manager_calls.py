@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.arena import HostArena
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.layout import Slot
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.layout import Slot
+from hybridps.client.memory.arena import HostArena
+from hybridps.client.memory.mover import ChunkMover
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
 from hybridps.common.protocol import ClientInfo
@@ -63,7 +63,7 @@ def make_manager(
     devices = {"cuda:0": gpu_bytes, **({"cpu": cpu_bytes} if cpu_bytes is not None else {})}
     inventory = DeviceInventory.build(devices, simulate="always")
     conn = CountingConnection(EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
-    return ChunkManager(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES, arena=arena), conn
+    return ChunkMover(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES, arena=arena), conn
 
 
 def new_chunk(i: int, slots: int = 0) -> Chunk:
@@ -73,7 +73,7 @@ def new_chunk(i: int, slots: int = 0) -> Chunk:
     return chunk
 
 
-def assert_exact(manager: ChunkManager, conn: CountingConnection) -> None:
+def assert_exact(manager: ChunkMover, conn: CountingConnection) -> None:
     """The manager books exactly the chunks, plus on the CPU the idle pooled buffers and the
     host arena's bytes that are not chunk payloads."""
     usage = next(c["usage"] for c in conn.status()["clients"] if c["client_id"] == conn.client_id)

@@ -7,23 +7,23 @@ so it can be checked against torch's fused AdamW on a hand-made layout.
 import torch
 from torch import nn
 
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.layout import ChunkLayout
-from hybridps.client.optimizer import ChunkedAdam
-from hybridps.client.placement import PlacementPolicy
-from hybridps.client.states import TensorState
-from hybridps.client.store import ChunkStore, ParamInfo
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.layout import ChunkLayout
+from hybridps.client.chunks.states import TensorState
+from hybridps.client.chunks.store import ChunkStore, ParamInfo
+from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.placement import PlacementPolicy
+from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager.embedded import EmbeddedManager
 
 
-def _store(params: list[nn.Parameter], config: Config) -> tuple[ChunkStore, ChunkManager, PlacementPolicy]:
+def _store(params: list[nn.Parameter], config: Config) -> tuple[ChunkStore, ChunkMover, PlacementPolicy]:
     """Lay ``params`` out in chunks of 64 elements (param + master rows), as a client would."""
     inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
-    mover = ChunkManager(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
+    mover = ChunkMover(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
     store = ChunkStore(config, inventory.compute_device, mover, rank=0, world_size=1)
     policy = PlacementPolicy(inventory.compute_device)
     store.layout = ChunkLayout(64, config.alignment)

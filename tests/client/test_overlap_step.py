@@ -9,10 +9,10 @@ import torch
 
 import hybridps
 from hybridps import CapacityError, StateError
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.optimizer import overlap_step_on
-from hybridps.client.states import ChunkState
-from hybridps.client.step_worker import StepWorker
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.states import ChunkState
+from hybridps.client.optim.adam import overlap_step_on
+from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.devices import DeviceSpec
 from tests.dist import run_ranks
 from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens

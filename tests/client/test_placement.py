@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.placement import POLICIES, CpuOptimizerPolicy, PlacementPolicy, make_policy
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.memory.placement import POLICIES, CpuOptimizerPolicy, PlacementPolicy, make_policy
 from hybridps.common.config import PLACEMENTS
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import ConfigError

@@ -4,7 +4,7 @@ allocation)."""
 
 import torch
 
-from hybridps.client.pool import PayloadPool
+from hybridps.client.memory.pool import PayloadPool
 
 
 def _buf(numel: int, dtype=torch.float32) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
     gpu = manager._specs["cuda:0"]
     monkeypatch.setitem(manager._specs, "cuda:0", type(gpu)(name="cuda:0", capacity_bytes=gpu.capacity_bytes, simulated=False))
     monkeypatch.setattr(manager._specs["cuda:0"].__class__, "torch_device", property(lambda self: torch.device("cpu")))
-    from hybridps.client.chunk import Chunk
+    from hybridps.client.chunks.chunk import Chunk
 
     real = Chunk.new_buffer
     failures = {"left": 1}

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hybridps.client.sim_link import D2H, H2D, SimulatedLink
+from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
 from hybridps.common.devices import parse_link
 from hybridps.common.errors import ConfigError
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.layout import Slot
-from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, TensorState, transition
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.layout import Slot
+from hybridps.client.chunks.states import ALLOWED_TRANSITIONS, ChunkState, TensorState, transition
 from hybridps.common.errors import StateError
 
 S = TensorState
@@ -52,7 +52,7 @@ def test_a_chunk_state_is_derived_from_its_tensors():
 
 
 def test_a_reduced_grad_arrives_by_a_named_move_not_through_compute():
-    from hybridps.client.states import Move
+    from hybridps.client.chunks.states import Move
 
     chunk = Chunk(ChunkKind.PARAM, 0, 8, torch.float32, 0)
     slots = [Slot(index=i, chunk=0, offset=4 * i, numel=4) for i in range(2)]

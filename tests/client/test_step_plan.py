@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.step_plan import StepPlans, make_plan
-from hybridps.client.step_worker import THREAD_NAME, StepWorker
+from hybridps.client.optim.step_plan import StepPlans, make_plan
+from hybridps.client.optim.step_worker import THREAD_NAME, StepWorker
 from tests.training import SMALL_GPT, adamw_groups, gpt_pair, model_data_bytes, train_engine, train_plain
 
 

@@ -7,10 +7,10 @@ and an iteration that departs from the trace drops it.
 
 import torch
 
-from hybridps.client.chunk import ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.store import ChunkStore
-from hybridps.client.tracer import MemoryTracer
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.store import ChunkStore
+from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.tracer import MemoryTracer
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.protocol import ClientInfo
@@ -19,7 +19,7 @@ from hybridps.manager.embedded import EmbeddedManager
 
 def _setup():
     inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
-    mover = ChunkManager(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
+    mover = ChunkMover(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
     store = ChunkStore(Config(precision="fp32"), inventory.compute_device, mover, rank=0, world_size=1)
     chunks = []
     for index in range(3):

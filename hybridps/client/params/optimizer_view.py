@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridps.client.placeholder import GRAD_SCALER_MESSAGE
+from hybridps.client.params.placeholder import GRAD_SCALER_MESSAGE
 from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.optimizer import ChunkedAdam
+    from hybridps.client.optim.adam import ChunkedAdam
 
 #: hook dicts of a torch Optimizer that the view shares with the engine's optimizer
 _HOOK_DICTS = (

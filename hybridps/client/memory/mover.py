@@ -70,13 +70,13 @@ from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-from hybridps.client.arena import HostArena
-from hybridps.client.chunk import Chunk, ChunkKind, PayloadMove
-from hybridps.client.memory_trace import MemoryTrace, MomentTrace
-from hybridps.client.placement import PlacementPolicy
-from hybridps.client.pool import PayloadPool
-from hybridps.client.sim_link import D2H, H2D, SimulatedLink
-from hybridps.client.states import ChunkState
+from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
+from hybridps.client.chunks.states import ChunkState
+from hybridps.client.memory.arena import HostArena
+from hybridps.client.memory.placement import PlacementPolicy
+from hybridps.client.memory.pool import PayloadPool
+from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
+from hybridps.client.memory.trace import MemoryTrace, MomentTrace
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
 from hybridps.common.units import format_bytes
@@ -125,7 +125,7 @@ class _PoolPlan:
         return self.give_bytes + self.arena_give_bytes + self.grow_bytes - self.arena_bytes
 
 
-class ChunkManager:
+class ChunkMover:
     """Placement, movement and accounting of one client's chunks."""
 
     def __init__(

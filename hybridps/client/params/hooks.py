@@ -40,13 +40,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from hybridps.client.placeholder import ChunkedParameter
-from hybridps.client.states import TensorState
+from hybridps.client.chunks.states import TensorState
+from hybridps.client.params.placeholder import ChunkedParameter
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
-    from hybridps.client.tracer import MemoryTracer
+    from hybridps.client.memory.tracer import MemoryTracer
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

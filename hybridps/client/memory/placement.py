@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from hybridps.client.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import ConfigError
 

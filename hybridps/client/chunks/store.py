@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.chunk_manager import ChunkManager
-from hybridps.client.layout import ChunkLayout, Slot
-from hybridps.client.states import ChunkState, TensorState
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.layout import ChunkLayout, Slot
+from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.memory.mover import ChunkMover
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import RegistrationError
@@ -59,7 +59,7 @@ class ParamInfo:
 class ChunkStore:
     """The chunk rows and param records of one rank."""
 
-    def __init__(self, config: Config, compute: DeviceSpec, mover: ChunkManager, *, rank: int, world_size: int):
+    def __init__(self, config: Config, compute: DeviceSpec, mover: ChunkMover, *, rank: int, world_size: int):
         self.config = config
         self.compute = compute
         self.mover = mover

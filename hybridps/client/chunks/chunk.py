@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from hybridps.client.layout import Slot
-from hybridps.client.states import ALLOWED_TRANSITIONS, ChunkState, Move, TensorState, named_move, transition
+from hybridps.client.chunks.layout import Slot
+from hybridps.client.chunks.states import ALLOWED_TRANSITIONS, ChunkState, Move, TensorState, named_move, transition
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import StateError
 

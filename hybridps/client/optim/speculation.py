@@ -56,10 +56,10 @@ from hybridps.common.errors import CapacityError, StateError
 from hybridps.common.units import format_bytes
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk_manager import ChunkManager
-    from hybridps.client.states import TensorState
-    from hybridps.client.step_plan import StepPlan
-    from hybridps.client.store import ParamInfo
+    from hybridps.client.chunks.states import TensorState
+    from hybridps.client.chunks.store import ParamInfo
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.optim.step_plan import StepPlan
 
 #: where backups live (host memory)
 BACKUP_DEVICE = "cpu"
@@ -179,7 +179,7 @@ def chunk_norms(views: list[torch.Tensor], norm_type: float, low_precision: bool
 class Speculation:
     """The speculative early steps of one optimizer: mode, backups and their buffers."""
 
-    def __init__(self, mover: ChunkManager, *, enabled: bool = True):
+    def __init__(self, mover: ChunkMover, *, enabled: bool = True):
         self.mover = mover
         #: whether early steps may speculate at all; if not, a backward that would have to
         #: leaves every chunk to the step after it (Config.overlap_step="auto")

@@ -61,14 +61,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.chunk import Chunk
-from hybridps.client.chunk_manager import storage_key
-from hybridps.client.memory_trace import MomentTrace, TraceMode
+from hybridps.client.chunks.chunk import Chunk
+from hybridps.client.memory.mover import storage_key
+from hybridps.client.memory.trace import MomentTrace, TraceMode
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk_manager import ChunkManager
-    from hybridps.client.store import ChunkStore
+    from hybridps.client.chunks.store import ChunkStore
+    from hybridps.client.memory.mover import ChunkMover
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class _SavedTensor:
 class MemoryTracer:
     """Moments, non-model memory and chunk accesses of the training iterations of one client."""
 
-    def __init__(self, store: ChunkStore, mover: ChunkManager, *, enabled: bool = True):
+    def __init__(self, store: ChunkStore, mover: ChunkMover, *, enabled: bool = True):
         self.store = store
         self.mover = mover
         self.device = store.compute
@@ -111,7 +111,7 @@ class MemoryTracer:
         if not isinstance(trace, MomentTrace):
             raise ConfigError(
                 f"the mover holds a {type(trace).__name__} as its trace, which a MemoryTracer cannot drive: build the "
-                f"ChunkManager with trace=MomentTrace(compute) (or no trace) to trace its memory"
+                f"ChunkMover with trace=MomentTrace(compute) (or no trace) to trace its memory"
             )
         #: the figures this tracer writes and the mover reads (memory_trace.py)
         self.trace = trace

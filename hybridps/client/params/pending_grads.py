@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.chunk_manager import storage_key
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.memory.mover import storage_key
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk_manager import ChunkManager
-    from hybridps.client.store import ChunkStore, ParamInfo
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.memory.mover import ChunkMover
 
 
 class _Alias:
@@ -49,7 +49,7 @@ class _Alias:
 class PendingGrads:
     """Alias counts and waiting grads of one client."""
 
-    def __init__(self, store: ChunkStore, mover: ChunkManager, write: Callable[[ParamInfo, torch.Tensor], None]):
+    def __init__(self, store: ChunkStore, mover: ChunkMover, write: Callable[[ParamInfo, torch.Tensor], None]):
         self.store = store
         #: the mover's storage keys of every payload (device memory of model data)
         self._payload_ptrs = mover.payload_ptrs

@@ -16,7 +16,7 @@ any chunk move (chunk_manager.py).
 The mover asks the trace for the reserve of a device at every budget, and tells it when the
 chunk bytes on the compute device grew; the tracer needs the mover (its chunk bytes, its
 evictions). So the trace is built first, with the client, and passed to the mover's
-constructor (``ChunkManager(trace=...)``); the tracer takes the mover and drives the trace
+constructor (``ChunkMover(trace=...)``); the tracer takes the mover and drives the trace
 the mover holds (``start`` makes it measure). A mover built without one holds an idle trace,
 which answers a reserve of 0 and keeps no peaks until a tracer starts it.
 """
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryTrace(Protocol):
-    """What the mover asks of a trace (``ChunkManager(trace=...)``)."""
+    """What the mover asks of a trace (``ChunkMover(trace=...)``)."""
 
     def reserve_bytes(self, device: str, chunk_bytes: int) -> int:
         """Non-model bytes to keep free on ``device`` from now to the next moment, the chunks

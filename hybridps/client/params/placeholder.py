@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.store import ParamInfo
+    from hybridps.client.chunks.store import ParamInfo
     from hybridps.common.devices import DeviceSpec
 
 

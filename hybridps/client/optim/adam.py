@@ -65,21 +65,21 @@ import torch
 import torch.optim.adam as torch_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from hybridps.client.chunk import Chunk, ChunkKind
-from hybridps.client.loss_scaler import LossScaler
-from hybridps.client.placeholder import ReadOnlyCopy
-from hybridps.client.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
-from hybridps.client.states import TensorState
-from hybridps.client.step_plan import StepPlan, StepPlans
-from hybridps.client.step_worker import StepWorker
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.states import TensorState
+from hybridps.client.optim.loss_scaler import LossScaler
+from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
+from hybridps.client.optim.step_plan import StepPlan, StepPlans
+from hybridps.client.optim.step_worker import StepWorker
+from hybridps.client.params.placeholder import ReadOnlyCopy
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk_manager import ChunkManager
-    from hybridps.client.groups import ChunkGroups
-    from hybridps.client.pending_grads import PendingGrads
-    from hybridps.client.placement import PlacementPolicy
-    from hybridps.client.store import ChunkStore, ParamInfo
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.params.pending_grads import PendingGrads
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 
@@ -233,7 +233,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def __init__(
         self,
         store: ChunkStore,
-        mover: ChunkManager,
+        mover: ChunkMover,
         optimizer: torch.optim.Optimizer,
         *,
         placement: PlacementPolicy,

@@ -17,8 +17,8 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hybridps.client.chunk import Chunk
-    from hybridps.client.chunk_manager import ChunkManager
+    from hybridps.client.chunks.chunk import Chunk
+    from hybridps.client.memory.mover import ChunkMover
     from hybridps.common.devices import DeviceInventory
 
 
@@ -27,7 +27,7 @@ class EventRecorder:
 
     def __init__(
         self,
-        mover: ChunkManager,
+        mover: ChunkMover,
         inventory: DeviceInventory,
         *,
         rank: int,

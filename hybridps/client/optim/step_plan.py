@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hybridps.client.store import ParamInfo
+    from hybridps.client.chunks.store import ParamInfo
 
 
 @dataclasses.dataclass(frozen=True)
