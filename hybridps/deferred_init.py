@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._device import _device_constructors
 
-from hybridps.client.params.placeholder import written_arg
+from hybridps.client.chunks.read_only import written_arg
 from hybridps.common.errors import HybridPSError
 
 if TYPE_CHECKING:

@@ -125,3 +125,47 @@ def test_no_module_below_the_client_facade_imports_it():
     # and the collaborators are below it, not beside it
     for m in ("chunks.store", "memory.mover", "dist.groups", "optim.adam", "params.pending_grads", "memory.placement"):
         assert f"hybridps.client.{m}" in below
+
+
+#: the client's wings, bottom first: a module imports only its own wing and those before it
+WINGS = ("chunks", "memory", "dist", "optim", "params")
+#: the modules at the client's root, and the wings each may import
+ROOT_MODULES = {
+    "hybridps.client.client": set(WINGS) | {"prefetch", "remote"},
+    "hybridps.client.prefetch": {"chunks", "memory", "dist"},
+    "hybridps.client.remote": set(),
+    "hybridps.client": set(WINGS) | {"client"},
+}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["hybridps", "client"] else None
+
+
+def test_client_wings_import_only_downwards():
+    """chunks < memory < dist < optim < params < client.py, every import counted (type-only
+    and function-level included): no arrow up, none sideways into the root's modules."""
+    graph = _graph(module_level_only=False)
+    up = []
+    for module, deps in graph.items():
+        wing = _wing(module)
+        if wing is None:
+            continue
+        for dep in deps:
+            target = _wing(dep)
+            if target is None:
+                continue
+            if module in ROOT_MODULES:
+                allowed = ROOT_MODULES[module]
+                if target not in allowed:
+                    up.append(f"{module} -> {dep}")
+            elif wing in WINGS:
+                if target not in WINGS or WINGS.index(target) > WINGS.index(wing):
+                    up.append(f"{module} -> {dep}")
+    assert up == []
+
+
+def test_every_client_module_sits_in_a_wing_or_the_root():
+    stray = sorted(m for m in _modules() if _wing(m) is not None and _wing(m) not in WINGS and m not in ROOT_MODULES)
+    assert stray == []

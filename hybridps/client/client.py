@@ -112,9 +112,7 @@ class Client:
             arena=self._host_arena(host_registrar),
         )
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
-        self.store = ChunkStore(
-            self.config, self.compute, self.mover, rank=self.shard_layout.shard_rank, world_size=self.shard_size
-        )
+        self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
         self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.optimizer: ChunkedAdam | None = None
@@ -452,7 +450,7 @@ class Client:
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
         chunked = ChunkedAdam(
-            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, pending=self.pending
+            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, on_zero_grad=self.pending.drop
         )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []

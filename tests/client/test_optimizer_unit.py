@@ -24,7 +24,7 @@ def _store(params: list[nn.Parameter], config: Config) -> tuple[ChunkStore, Chun
     """Lay ``params`` out in chunks of 64 elements (param + master rows), as a client would."""
     inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
     mover = ChunkMover(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
-    store = ChunkStore(config, inventory.compute_device, mover, rank=0, world_size=1)
+    store = ChunkStore(config, inventory.compute_device, rank=0, world_size=1)
     policy = PlacementPolicy(inventory.compute_device)
     store.layout = ChunkLayout(64, config.alignment)
     for i, p in enumerate(params):

@@ -20,7 +20,7 @@ from hybridps.manager.embedded import EmbeddedManager
 def _setup():
     inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
     mover = ChunkMover(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
-    store = ChunkStore(Config(precision="fp32"), inventory.compute_device, mover, rank=0, world_size=1)
+    store = ChunkStore(Config(precision="fp32"), inventory.compute_device, rank=0, world_size=1)
     chunks = []
     for index in range(3):
         chunk = store.new_chunk(ChunkKind.PARAM, index, 1024)

@@ -3,14 +3,13 @@
 Owns: the params' records (``ParamInfo``: by identity, in registration order, and the
 managed tensors of ``allreduce``/``broadcast``), the chunk layout, the rows of chunks per kind
 (row ``kind`` index ``i`` is chunk ``i`` of that kind; every kind shares the param layout),
-which kinds exist and their dtypes, which chunk indices this rank owns, and whole-chunk
-access (slot states + asking the mover to bring the chunk).
+which kinds exist and their dtypes, which chunk indices this rank owns.
 
-Does not own: where chunks go or how they move (the mover, ``chunk_manager.py``), the
-collectives over chunk groups (``groups.py``), the optimizer's arithmetic
-(``optimizer.py``), registration and per-param access (``client.py``, the facade over
-all of them). Every user takes the store (and the mover) in its constructor, never the
-client, so nothing below ``client.py`` imports it.
+Does not own: where chunks go or how they move, whole-chunk access included (the mover,
+``memory/mover.py``: ``take``/``give_back``), the collectives over chunk groups
+(``dist/groups.py``), the optimizer's arithmetic (``optim/adam.py``), registration and
+per-param access (``params/``, under the ``client.py`` facade). Pure data: it imports no other
+wing of the client, and every user takes it in its constructor.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout, Slot
-from hybridps.client.chunks.states import ChunkState, TensorState
-from hybridps.client.memory.mover import ChunkMover
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import RegistrationError
@@ -59,10 +56,9 @@ class ParamInfo:
 class ChunkStore:
     """The chunk rows and param records of one rank."""
 
-    def __init__(self, config: Config, compute: DeviceSpec, mover: ChunkMover, *, rank: int, world_size: int):
+    def __init__(self, config: Config, compute: DeviceSpec, *, rank: int, world_size: int):
         self.config = config
         self.compute = compute
-        self.mover = mover
         self.rank, self.world_size = rank, world_size
         self.param_dtype = config.param_dtype
         self.layout: ChunkLayout | None = None
@@ -168,33 +164,3 @@ class ChunkStore:
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         """The grad of ``info`` as stored (its chunk must be allocated)."""
         return self.rows[self.grad_kind][info.chunk].view(info.slot)
-
-    # -- whole-chunk access (the optimizer, checkpoints) -----------------------------------
-
-    def access_chunk(self, kind: ChunkKind, index: int, device: str, *, who: str = "") -> list[TensorState]:
-        """Bring chunk ``index`` of ``kind`` to ``device`` with every slot in COMPUTE (the
-        optimizer works on whole chunks). Returns the slot states it had, for ``release_chunk``."""
-        chunk = self.rows[kind][index]
-        previous = list(chunk.states)
-        what = f"{kind.value} chunk {index}"
-        chunk.set_all_states(TensorState.COMPUTE, what)
-        try:
-            self.mover.bring(chunk, device, who=who or what)
-        except BaseException:
-            self.restore_states(chunk, previous)
-            raise
-        return previous
-
-    def release_chunk(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
-        """End a chunk access: every slot to ``state``, or back to the states in a list."""
-        if isinstance(state, TensorState):
-            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
-        else:
-            self.restore_states(chunk, state)
-        if chunk.state is ChunkState.FREE:
-            self.mover.free(chunk)
-
-    @staticmethod
-    def restore_states(chunk: Chunk, states: list[TensorState]) -> None:
-        for slot, state in zip(chunk.slots, states, strict=True):
-            chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")

@@ -71,7 +71,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
-from hybridps.client.chunks.states import ChunkState
+from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool
@@ -243,6 +243,31 @@ class ChunkMover:
             self._allocate(chunk, device, zero=zero, protect=protect, plan=plan)
         else:
             self._move(chunk, device, protect=protect)
+
+    # -- whole-chunk access (the optimizer, checkpoints) -----------------------------------
+
+    def take(self, chunk: Chunk, device: str, *, who: str = "") -> list[TensorState]:
+        """Bring ``chunk`` to ``device`` with every slot in COMPUTE (the optimizer works on
+        whole chunks). Returns the slot states it had, for ``give_back``."""
+        previous = list(chunk.states)
+        what = f"{chunk.kind.value} chunk {chunk.index}"
+        chunk.set_all_states(TensorState.COMPUTE, what)
+        try:
+            self.bring(chunk, device, who=who or what)
+        except BaseException:
+            _restore_states(chunk, previous)
+            raise
+        return previous
+
+    def give_back(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
+        """End a ``take``: every slot to ``state``, or back to the states in a list; a chunk
+        left all FREE drops its payload."""
+        if isinstance(state, TensorState):
+            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+        else:
+            _restore_states(chunk, state)
+        if chunk.state is ChunkState.FREE:
+            self.free(chunk)
 
     def prefetch(self, chunk: Chunk, device: str) -> bool:
         """Start bringing ``chunk`` to ``device`` ahead of its use, if it fits the budget or
@@ -867,3 +892,8 @@ class ChunkMover:
         if self.arena is not None:
             self.arena.close()
         self.release_pool()
+
+
+def _restore_states(chunk: Chunk, states: list[TensorState]) -> None:
+    for slot, state in zip(chunk.slots, states, strict=True):
+        chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")

@@ -66,12 +66,12 @@ import torch.optim.adam as torch_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.read_only import ReadOnlyCopy
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
 from hybridps.client.optim.step_plan import StepPlan, StepPlans
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.client.params.placeholder import ReadOnlyCopy
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
 
 if TYPE_CHECKING:
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.client.params.pending_grads import PendingGrads
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 
@@ -238,15 +237,15 @@ class ChunkedAdam(torch.optim.Optimizer):
         *,
         placement: PlacementPolicy,
         groups: ChunkGroups | None = None,
-        pending: PendingGrads | None = None,
+        on_zero_grad: Callable[[], None] | None = None,
     ):
         _validate(optimizer)
         self.store = store
         self.mover = mover
         self.placement = placement
         self.groups = groups
-        #: grads waiting beside their slots (pending_grads.py), dropped with the others
-        self.pending = pending
+        #: told when zero_grad drops every grad, so that their owner drops what it holds beside the slots
+        self.on_zero_grad = on_zero_grad
         self.inner = optimizer
         decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         self._check_params(optimizer)
@@ -561,7 +560,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             try:
                 for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
                     chunk = store.rows[kind][index]
-                    store.access_chunk(kind, index, chunk.device or BACKUP_DEVICE, who=who)
+                    self.mover.take(chunk, chunk.device or BACKUP_DEVICE, who=who)
                     taken.append((chunk, backup.param_states if kind is store.grad_kind else TensorState.HOLD))
                 payloads = [
                     store.rows[kind][index].payload for kind in (store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
@@ -574,7 +573,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self.mover.count_transfer(BACKUP_DEVICE, chunk.device, backup.used * chunk.dtype.itemsize)
             finally:
                 for chunk, after in reversed(taken):
-                    store.release_chunk(chunk, after)
+                    self.mover.give_back(chunk, after)
             for info, step in zip(backup.infos, backup.steps_before, strict=True):
                 self.steps[info.slot.index] = step
                 info.has_grad = True
@@ -621,7 +620,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         handed_over = False
         try:
             for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
-                previous = store.access_chunk(kind, index, device, who=f"optimizer step of chunk {index}")
+                previous = self.mover.take(store.rows[kind][index], device, who=f"optimizer step of chunk {index}")
                 after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
                 taken.append((store.rows[kind][index], after))
                 if kind is grad_kind and backup is not None:
@@ -850,7 +849,7 @@ class ChunkedAdam(torch.optim.Optimizer):
     def _release_step(self, index: int, taken: list) -> None:
         try:
             for chunk, after in reversed(taken):
-                self.store.release_chunk(chunk, after)
+                self.mover.give_back(chunk, after)
         finally:
             for listener in self.step_listeners:
                 listener("end", index)
@@ -1001,8 +1000,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self.mover.free(chunk)
         for info in store.params:
             info.has_grad = False
-        if self.pending is not None:
-            self.pending.drop()
+        if self.on_zero_grad is not None:
+            self.on_zero_grad()
         if self.speculation.mode is not SpeculationMode.IDLE:
             self._end_iteration(stepped=False)
         self._clip_coef = None
@@ -1163,9 +1162,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         chunk = store.rows[kind][info.chunk]
         device = chunk.device or "cpu"
-        previous = store.access_chunk(kind, info.chunk, device)
+        previous = self.mover.take(chunk, device)
         try:
             chunk.view(info.slot).copy_(value.reshape(-1))
         finally:
             after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
-            store.release_chunk(chunk, after)
+            self.mover.give_back(chunk, after)

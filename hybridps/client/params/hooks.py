@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -45,8 +45,34 @@ from hybridps.client.params.placeholder import ChunkedParameter
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
 if TYPE_CHECKING:
-    from hybridps.client.client import Client
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.tracer import MemoryTracer
+    from hybridps.client.optim.adam import ChunkedAdam
+    from hybridps.client.params.placeholder import ParamGuard
+    from hybridps.common.config import Config
+
+
+class ParamAccess(Protocol):
+    """What the hooks use of the per-rank side (the ``Client`` facade provides it): per-param
+    access and release, grads landing, and the collaborators they read."""
+
+    config: Config
+    store: ChunkStore
+    guard: ParamGuard
+    groups: ChunkGroups | None
+    optimizer: ChunkedAdam | None
+    early_step: Callable[[int], bool] | None
+    in_backward: bool
+    hook_handles: list
+
+    @property
+    def params(self) -> list[ParamInfo]: ...
+    def is_registered(self, param: torch.Tensor) -> bool: ...
+    def param_info(self, param: torch.Tensor) -> ParamInfo: ...
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor: ...
+    def release(self, param: nn.Parameter, state: TensorState = ...) -> None: ...
+    def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None: ...
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -98,7 +124,7 @@ class ModuleHooks:
 
     def __init__(
         self,
-        client: Client,
+        client: ParamAccess,
         module: nn.Module,
         tracer: MemoryTracer,
         *,

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hybridps.client.chunks.read_only import ReadOnlyCopy, mutates, op_name, written_arg
 from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
@@ -67,24 +68,6 @@ class ParamValues(Protocol):
 #: id(param) -> the guard of the client that holds it
 _GUARDS: dict[int, ParamGuard] = {}
 
-_INPLACE_DUNDERS = frozenset(
-    {
-        "__iadd__",
-        "__isub__",
-        "__imul__",
-        "__itruediv__",
-        "__ifloordiv__",
-        "__imod__",
-        "__ipow__",
-        "__iand__",
-        "__ior__",
-        "__ixor__",
-        "__ilshift__",
-        "__irshift__",
-        "__imatmul__",
-        "__setitem__",
-    }
-)
 #: in-place ops that change what a tensor *is* (its storage, shape or autograd identity)
 _STRUCTURAL = frozenset(
     {
@@ -185,34 +168,6 @@ GRAD_SCALER_MESSAGE = (
 )
 
 
-class ReadOnlyCopy(torch.Tensor):
-    """A copy of a value HybridPS keeps in a chunk, shown where PyTorch shows a live tensor:
-    every read works on it and every in-place op refuses, since an edit of a copy would be
-    lost. ``_hybridps_what`` names the value, ``_hybridps_fix`` says what to call instead."""
-
-    _hybridps_what = "a value"
-    _hybridps_fix = ""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _mutates(func, args, kwargs, lambda t: isinstance(t, ReadOnlyCopy)):
-            copies = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ReadOnlyCopy)]
-            refused = cls._refusal(func, copies)
-            if refused is not None:
-                raise refused
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @classmethod
-    def _refusal(cls, func, copies: list[ReadOnlyCopy]) -> HybridPSError | None:
-        names = sorted({t._hybridps_what for t in copies})
-        return HybridPSError(
-            f"{_name(func)} would edit {', '.join(names)}, which HybridPS keeps in a chunk; what PyTorch shows here is a "
-            f"read-only copy. {copies[0]._hybridps_fix}"
-        )
-
-
 class ReadOnlyGrad(ReadOnlyCopy):
     """What ``param.grad`` shows for a grad kept in a chunk: a copy of the (unscaled) grad
     (``torch.nn.utils.clip_grad_norm_`` on it would compute the right norm and clip nothing)."""
@@ -232,25 +187,6 @@ class ReadOnlyGrad(ReadOnlyCopy):
         if func is torch._amp_foreach_non_finite_check_and_unscale_:
             return HybridPSError(GRAD_SCALER_MESSAGE)
         return super()._refusal(func, copies)
-
-
-def _name(func) -> str:
-    name = getattr(func, "__name__", repr(func))
-    if name in ("__get__", "__set__", "__delete__"):
-        return f"{getattr(func.__self__, '__name__', '?')}.{name}"
-    return name
-
-
-def written_arg(func, args, kwargs) -> Any:
-    """What an in-place op writes into: its first argument, or, for functions that
-    ``handle_torch_function`` calls with keywords only (``nn.init.normal_(tensor=...)``), its
-    first tensor keyword; None for an op that is not in place."""
-    name = getattr(func, "__name__", "")
-    if not (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__") and name != "requires_grad_")):
-        return None
-    if args:
-        return args[0]
-    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
 
 
 def _inits_without_grad(func) -> bool:
@@ -276,15 +212,6 @@ def _conversion_target(op: str, args, kwargs) -> tuple[torch.dtype | None, torch
     if op == "empty_like":
         return None, None
     return None, torch.device(op)  # cuda, cpu, xpu, mps
-
-
-def _mutates(func, args, kwargs, is_target: Callable[[Any], bool]) -> bool:
-    """Whether ``func`` writes into a target among its arguments (in place or ``out=``)."""
-    out = kwargs.get("out")
-    if out is not None and any(is_target(t) for t in pytree.tree_leaves(out)):
-        return True
-    target = written_arg(func, args, kwargs)
-    return target is not None and any(is_target(t) for t in pytree.tree_leaves(target))
 
 
 #: conversions ``Module.to``/``cuda``/``cpu``/``half``/``float``/``to_empty``... apply to each param
@@ -332,7 +259,7 @@ def _dispatch(func, args, kwargs):
             return func(*args, **kwargs)
     if any(id(t) not in _GUARDS for t in targets):
         raise StateError(
-            f"{_name(func)} on a param whose HybridPS client was closed with restore=False: it has no value any more; "
+            f"{op_name(func)} on a param whose HybridPS client was closed with restore=False: it has no value any more; "
             f"close engines with restore=True (the default) to keep the model usable"
         )
     guard = _GUARDS[id(targets[0])]
@@ -448,9 +375,9 @@ class ParamGuard:
     # -- ops -------------------------------------------------------------------------------
 
     def apply(self, func, args, kwargs, targets: list[nn.Parameter]):
-        op = _name(func)
+        op = op_name(func)
         target_ids = {id(t) for t in targets}
-        writes = _mutates(func, args, kwargs, lambda t: id(t) in target_ids)
+        writes = mutates(func, args, kwargs, lambda t: id(t) in target_ids)
         if getattr(func, "__name__", "") in _STRUCTURAL:
             raise HybridPSError(
                 f"{op} on {self.describe(targets[0])}: HybridPS owns this param's storage and cannot let it be "
