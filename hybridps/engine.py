@@ -132,7 +132,7 @@ class Engine:
         self.phase = IterationPhase.IDLE
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
         self.global_step = 0
-        # the script's own optimizer object steps, saves and loads the engine's (optimizer_view.py)
+        # the script's own optimizer object steps, saves and loads the engine's (params/optimizer_view.py)
         optimizer_view.adopt(optimizer, self.optimizer)
         # an optimizer built later over these params would step them beside the engine (torch's
         # in-place kernels write through to the chunks): refused at its first step
@@ -253,7 +253,7 @@ class Engine:
     def _saved_tensors(self) -> contextlib.AbstractContextManager:
         """Hooks on what autograd saves in a training forward: the tracer's (activations on a
         simulated GPU) and, with grad reuse on one rank, the count of saved param aliases that
-        keeps a grad out of a slot whose value autograd still needs (pending_grads.py)."""
+        keeps a grad out of a slot whose value autograd still needs (params/pending_grads.py)."""
         tracer_hooks = self.tracer.saved_tensors()
         if not (self.config.grad_reuse and self.client.groups is None):
             return tracer_hooks

@@ -1,4 +1,4 @@
-"""Per-rank side of HybridPS: chunks, states, layout, chunk manager, hooks, optimizer, Client."""
+"""Per-rank side of HybridPS: chunks, states, layout, mover, hooks, optimizer, Client."""
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import ChunkState, TensorState

@@ -20,7 +20,7 @@ not, since they depend on its memory pressure, so only the gathers decide
 Owns the mechanics: when (at each moment of a replayed trace), the lookup of chunks by id,
 the record of the warm-up's gathers, starting the copies (``ChunkMover.prefetch``) and the
 gathers (``ChunkGroups.prefetch``). Does not own which chunks or groups go ahead
-(placement.py) nor the copies themselves (chunk_manager.py).
+(memory/placement.py) nor the copies themselves (memory/mover.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Prefetcher:
         self.mover = mover
         self.tracer = tracer
         self.window = window
-        #: decides what goes ahead (placement.py); the mover's policy unless given
+        #: decides what goes ahead (memory/placement.py); the mover's policy unless given
         self.placement = placement if placement is not None else mover.placement
         self._by_id: dict[int, Chunk] | None = None
         tracer.tick_listeners.append(self.on_tick)

@@ -3,7 +3,7 @@
 Owns one client's conversation with its node's ``hybridps-manager``: registering, the
 request path (timeouts, bounded retries on a fresh socket: the "lazy pirate" pattern), the
 background heartbeat that keeps the lease, and riding out a daemon restart (see
-[Note: restarts]). The chunk manager cannot tell it from the embedded manager.
+[Note: restarts]). The mover cannot tell it from the embedded manager.
 
 Does not own the wire format (common/protocol.py) or framing (common/transport.py).
 

@@ -6,7 +6,7 @@ size per segment, a free list per size), each slot's ``SlotState``, and the aren
 counts (held, lent, pinned, peak). The arena's cap is the client's (``Config.pinned_bytes``).
 
 Does not own which chunks get a slot, nor how the arena's bytes are booked with the node
-manager: the chunk manager does both (chunk_manager.py, [Note: the arena's booking]).
+manager: the mover does both (memory/mover.py, [Note: the arena's booking]).
 
 [Note: why an arena]
 Asynchronous host<->GPU copies need page-locked host memory. PyTorch's pinned allocator

@@ -2,7 +2,7 @@
 
 Owns two bounded logs: timed events (chunk accesses, moves with their copy time, evictions,
 optimizer steps per chunk, module moments) and a memory history (per moment: chunk bytes
-and non-model bytes per device). Listens to the chunk manager, the tracer and the
+and non-model bytes per device). Listens to the mover, the tracer and the
 optimizer; writes nothing unless asked. Recording costs a clock read and an append per
 event, so it is on only while ``enabled``.
 """
@@ -50,7 +50,7 @@ class EventRecorder:
 
     @enabled.setter
     def enabled(self, on: bool) -> None:
-        """Listen to the chunk manager only while recording: its hot path stays bare."""
+        """Listen to the mover only while recording: its hot path stays bare."""
         chunks = self.mover
         for listeners, fn in ((chunks.access_listeners, self._on_access), (chunks.move_listeners, self._on_move)):
             if on and fn not in listeners:

@@ -7,9 +7,9 @@ does not dictate (a new chunk, an evicted chunk) is chosen by the node manager, 
 atomic request per operation (see [Note: one request per chunk operation]); so a placement
 cannot lose room it was offered to another rank between a question and a booking.
 
-Does not own tensor or payload states (chunk.py), the budget formula or which chunk to evict
-(the placement policy, placement.py), or how much of the compute device activations need
-right now (the trace it is built with, memory_trace.py, ``reserve_bytes``).
+Does not own tensor or payload states (chunks/chunk.py), the budget formula or which chunk to evict
+(the placement policy, memory/placement.py), or how much of the compute device activations need
+right now (the trace it is built with, memory/trace.py, ``reserve_bytes``).
 
 [Note: budgets]
 A device's budget is the room chunks may take on it. For a GPU it is
@@ -32,7 +32,7 @@ CapacityError a real GPU of that size would raise as out-of-memory.
 A placement, a bring, a prefetch, an eviction or a free changes what this client holds in
 one ``update`` request to the node manager: it releases the chunk's bytes on its source and
 books them on its destination, dictated or chosen by the manager near a referred device.
-Idle pooled host buffers (pool.py) are host memory the client holds, booked on the CPU; a
+Idle pooled host buffers (memory/pool.py) are host memory the client holds, booked on the CPU; a
 chunk operation takes one of them for its new payload and gives its old payload to the pool,
 so before the request the operation takes the buffer and foresees the give
 (``PayloadPool.plan_give``), and the same request books the pool's new size, netted per
@@ -46,7 +46,7 @@ request settles the difference, so that after every operation the manager books 
 the chunks plus the host buffers outside them.
 
 [Note: the arena's booking]
-Param and grad chunks on the CPU take their payloads from the host arena (arena.py), page-
+Param and grad chunks on the CPU take their payloads from the host arena (memory/arena.py), page-
 locked when a real GPU computes. The whole arena is host memory this client holds, so the
 manager books all of it on the CPU, in two parts that always add up to the arena's held
 bytes: the slots that are chunk payloads now are booked as those chunks' bytes; every other
@@ -170,11 +170,11 @@ class ChunkMover:
         #: chunks a prefetch evicted (the trace used them after the chunk it brought)
         self.prefetch_evictions = 0
         self.margin_bytes = margin_bytes
-        #: decides which chunk leaves a full device (placement.py); the mover moves it
+        #: decides which chunk leaves a full device (memory/placement.py); the mover moves it
         self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
         #: the non-model bytes to keep free on a device now (``reserve_bytes``), told when the
         #: chunk bytes on the compute device grew (``chunks_grew``: the exact peak of chunks +
-        #: non-model there); the tracer drives it (memory_trace.py, [Note: who holds the
+        #: non-model there); the tracer drives it (memory/trace.py, [Note: who holds the
         #: trace]). Without one: an idle MomentTrace, a reserve of 0 until a tracer starts it.
         self.trace: MemoryTrace = trace if trace is not None else MomentTrace(self.compute, margin_bytes=margin_bytes)
         self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
@@ -572,7 +572,7 @@ class ChunkMover:
         When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
         of ``device`` (a prefetched gather, a reduction of grads) are waited for first: they
         finish anyway, and a chunk they release can leave (see [Note: reductions in flight]
-        in groups.py)."""
+        in dist/groups.py)."""
 
         def free_to_go(c: Chunk) -> bool:
             return c not in protect and c.state is not ChunkState.COMPUTE and not c.in_flight

@@ -8,7 +8,7 @@ Owns the decisions, one method each:
 - ``step_device``: where a chunk's optimizer step runs (where its master lies);
 - ``budget_bytes``: the room chunks may take on a device at a moment (the tidal budget:
   a GPU's capacity - the non-model bytes the trace reserves now - margin; the CPU's
-  capacity), see [Note: budgets] in chunk_manager.py;
+  capacity), see [Note: budgets] in memory/mover.py;
 - ``optimizer_room_bytes``: after the warm-up trace, how much of the compute GPU optimizer
   rows may take for good (the tidal formula: capacity - margin - the trace's non-model peak
   - the param and grad chunks every iteration brings);
@@ -25,10 +25,10 @@ Owns the decisions, one method each:
 
 Does not own: the mechanics (allocating, copying, booking with the manager, choosing the
 candidates a victim is taken from, whether a prefetch fits the budget: the mover,
-``chunk_manager.py``; starting the copies and gathers at each moment: ``prefetch.py``),
+``memory/mover.py``; starting the copies and gathers at each moment: ``prefetch.py``),
 the device an evicted chunk finally lands on (the node manager's ``policy.py`` schedules it
 near the one ``eviction_refer`` names),
-the reserve of a moment (the trace, memory_trace.py), or the node's arbitration between
+the reserve of a moment (the trace, memory/trace.py), or the node's arbitration between
 ranks.
 
 ``Config.placement`` names the policy: ``"tidal"`` (default) or ``"cpu_optimizer"`` (the

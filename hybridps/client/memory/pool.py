@@ -5,7 +5,7 @@ a chunk move (measured: 13.8 vs 24.7 GB/s for 16 MiB here). So payloads that lea
 buffer (a chunk moved to the GPU, a chunk dropped) wait here for the next chunk of the same
 size, up to a cap in bytes. CUDA payloads are not pooled: PyTorch's caching allocator
 already reuses them. Pinned payloads are not either: they are slots of the host arena,
-which keeps its own free slots (arena.py).
+which keeps its own free slots (memory/arena.py).
 
 A buffer is pooled only when nothing else refers to its storage: a view of the old payload
 saved by autograd for backward must keep seeing the old values, so such a buffer is left to
@@ -13,8 +13,8 @@ the garbage collector instead of being handed to another chunk.
 
 Pooled buffers are host memory their client holds, so the node manager books them on the
 CPU; the pool itself makes no request. ``plan_give`` tells, before a chunk operation, what a
-give will do, so that the chunk manager books the pool's bytes in the operation's one
-request (chunk_manager.py, [Note: one request per chunk operation]).
+give will do, so that the mover books the pool's bytes in the operation's one
+request (memory/mover.py, [Note: one request per chunk operation]).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PayloadPool:
         """What ``give(buf)`` would return, changing nothing, once ``views`` tensors that view
         ``buf`` now are gone (a chunk's cached views of its payload go with the payload): the
         bytes of older buffers it would let go, or None when it would not keep ``buf``.
-        The chunk manager books the pool's bytes from this before the give happens."""
+        The mover books the pool's bytes from this before the give happens."""
         if not self._keeps(buf, views=views):
             return None
         nbytes = buf.numel() * buf.element_size()

@@ -10,7 +10,7 @@ and eviction code runs on a CPU-only machine with its races, and the time comput
 for copies (``exposed_s``) can be measured against the time the link was busy
 (``busy_s``).
 
-Does not own which copies are made or when (the mover, ``chunk_manager.py``) or the
+Does not own which copies are made or when (the mover, ``memory/mover.py``) or the
 accounting of bytes (the mover and the node manager). Without a configured link
 (``Config.simulate_link=None``) simulated GPUs copy at once, as before.
 

@@ -2,15 +2,15 @@
 the mover reads it for its budgets.
 
 Owns the figures: the live non-model bytes (see [Note: measuring non-model memory] in
-tracer.py), the trace of moments (their labels and the non-model bytes at each, recorded in
+memory/tracer.py), the trace of moments (their labels and the non-model bytes at each, recorded in
 the warm-up iteration), where the iteration stands in it (``mode``, ``moment``), the reserve
 of a moment (``reserve_bytes``) and the peaks of chunks + non-model (``chunks_grew``,
 ``note_total``).
 
-Does not own: the hooks that drive it (the tracer, ``tracer.py``, is its only writer: it
+Does not own: the hooks that drive it (the tracer, ``memory/tracer.py``, is its only writer: it
 marks the moments, counts saved activations and starts and ends iterations), the chunk
-accesses and next uses (tracer.py), the budget formula (placement.py, ``budget_bytes``) or
-any chunk move (chunk_manager.py).
+accesses and next uses (memory/tracer.py), the budget formula (memory/placement.py, ``budget_bytes``) or
+any chunk move (memory/mover.py).
 
 [Note: who holds the trace]
 The mover asks the trace for the reserve of a device at every budget, and tells it when the
@@ -68,7 +68,7 @@ class MomentTrace:
     def _reset(self) -> None:
         #: a tracer drives this trace (``start``); until then every reserve is 0
         self.measuring = False
-        #: GPU memory the process held before HybridPS started (real GPUs; see tracer.py)
+        #: GPU memory the process held before HybridPS started (real GPUs; see memory/tracer.py)
         self.external_bytes = 0
         #: bytes of the storages autograd keeps saved now (simulated GPUs): the tracer's pack
         #: hook counts them here
@@ -175,7 +175,7 @@ class MomentTrace:
     def mark(self, label: Hashable, live: int) -> bool:
         """Moment ``label`` with ``live`` non-model bytes: record it (warm-up), or check it
         against the trace and keep the larger figure (replay). Returns whether the iteration
-        departed from the trace, which is dropped then (see [Note: re-tracing] in tracer.py)."""
+        departed from the trace, which is dropped then (see [Note: re-tracing] in memory/tracer.py)."""
         departed = False
         if self.mode is TraceMode.RECORD:
             self.labels.append(label)

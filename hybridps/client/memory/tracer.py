@@ -6,14 +6,14 @@ A *moment* is one module hook (forward pre/post, backward pre) or an engine even
 iteration the tracer records, per moment, the non-model bytes on the compute device and
 every chunk access. Afterwards it replays: the chunk budget of the compute device at each
 moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (the mover reads
-the reserve from the trace it holds, memory_trace.py, and the formula from the placement
+the reserve from the trace it holds, memory/trace.py, and the formula from the placement
 policy), and the eviction policy reads the access order.
 
 Owns the driving of the trace: the moments (``tick``), the saved-activation counting of a
 simulated GPU, the chunk accesses and next uses, fitting the chunks of the compute device to
 each moment. The figures themselves (non-model bytes per moment, where the iteration stands,
 the reserve, the peaks) live in the ``MomentTrace`` the mover was built with
-(memory_trace.py, [Note: who holds the trace]); this tracer is their only writer.
+(memory/trace.py, [Note: who holds the trace]); this tracer is their only writer.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
@@ -28,7 +28,7 @@ frame), so with checkpointing the simulated figure is a lower bound.
 [Note: the capacity of a simulated GPU is a hard limit]
 Chunks are fitted to the budget at each moment, but activations grow between moments,
 inside a module's forward. So the pack hook checks, per new saved storage, whether chunks +
-non-model would pass ``capacity - margin``; if so it has the chunk manager evict idle chunks
+non-model would pass ``capacity - margin``; if so it has the mover evict idle chunks
 before the activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
 and the activations exceed the capacity it raises the CapacityError a real GPU of that size
 would raise as out-of-memory (autograd passes an exception from a pack hook on unchanged).
@@ -113,7 +113,7 @@ class MemoryTracer:
                 f"the mover holds a {type(trace).__name__} as its trace, which a MemoryTracer cannot drive: build the "
                 f"ChunkMover with trace=MomentTrace(compute) (or no trace) to trace its memory"
             )
-        #: the figures this tracer writes and the mover reads (memory_trace.py)
+        #: the figures this tracer writes and the mover reads (memory/trace.py)
         self.trace = trace
         self.label: Hashable = None  # of the last moment
         self.accesses: list[tuple[int, int, str]] = []  # (moment, chunk_id, device) in order
