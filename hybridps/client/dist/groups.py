@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybridps.client.dist import group_phase
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.states import Move, TensorState
+from hybridps.client.dist import group_phase
 from hybridps.client.dist.comm import Collectives
 from hybridps.client.dist.group_phase import GroupMove, GroupPhase
-from hybridps.client.chunks.states import Move, TensorState
 from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.client.chunks.store import ChunkStore, ParamInfo
 
 logger = logging.getLogger(__name__)
 
