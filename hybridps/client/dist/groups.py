@@ -36,7 +36,7 @@ import torch.distributed as dist
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import Move, TensorState
 from hybridps.client.dist import group_phase
-from hybridps.client.dist.comm import Collectives
+from hybridps.client.dist.collectives import Collectives
 from hybridps.client.dist.group_phase import GroupMove, GroupPhase
 from hybridps.common.errors import StateError
 
@@ -724,7 +724,7 @@ class ChunkGroups:
 
     def check_order(self, what: str) -> None:
         """Every rank issued the same collectives so far: in its shard group, among its
-        replicas, and over the job (see comm.py's [Note: the watchdog])."""
+        replicas, and over the job (see watchdog.py's [Note: the watchdog])."""
         for comm in self._comms():
             comm.check_order(what)
 
