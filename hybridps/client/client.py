@@ -419,7 +419,7 @@ class Client:
 
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
-        return self.store.owns(index)
+        return self.store.ownership.owns(index)
 
     def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads

@@ -11,8 +11,8 @@ collective timeout (``own_group``).
 
 Does not own: the mesh of shard groups and replicas (``mesh.py``), the collectives run on
 these groups and their order digest (``collectives.py``), the watchdog's records
-(``watchdog.py``), which rank owns which chunk (``groups.py``). Imports nothing of the
-client.
+(``watchdog.py``), which rank owns which chunk (``chunks/ownership.py``). Imports
+nothing of the client.
 """
 
 from __future__ import annotations
