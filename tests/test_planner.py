@@ -519,7 +519,7 @@ def test_a_shard_group_size_that_does_not_divide_the_world_names_the_divisors():
 
 
 def test_owners_are_assigned_exactly_as_the_client_assigns_them():
-    from hybridps.client.dist.groups import assign_owners
+    from hybridps.client.chunks.ownership import assign_owners
 
     rng = random.Random(0)
     for world in (1, 2, 3, 8, 64):

@@ -18,7 +18,6 @@ last ``release``. The state given to the last release is the one the param ends 
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import os
@@ -33,9 +32,10 @@ from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout, Slot, choose_chunk_size
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
-from hybridps.client.dist.comm import Collectives
+from hybridps.client.dist.collectives import Collectives
 from hybridps.client.dist.groups import ChunkGroups
 from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
+from hybridps.client.dist.topology import _backend_device, _collectives_prefix, _store_of, _topology
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.placement import make_policy
@@ -419,7 +419,7 @@ class Client:
 
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
-        return self.store.owns(index)
+        return self.store.ownership.owns(index)
 
     def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
@@ -1068,65 +1068,6 @@ def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
         for p in mod.parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
     return owners
-
-
-def _topology(rank, local_rank, world_size, group) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size): given, else from torch.distributed, else torchrun's
-    environment, else a single rank."""
-    if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size(group)
-        else:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-            if world_size > 1:
-                raise StateError(
-                    f"WORLD_SIZE={world_size} but torch.distributed is not initialized; call "
-                    f"hybridps.init_distributed() (or torch.distributed.init_process_group) first"
-                )
-    if rank is None:
-        rank = dist.get_rank(group) if world_size > 1 else int(os.environ.get("RANK", "0"))
-    if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", str(rank if world_size > 1 else 0)))
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside world_size {world_size}")
-    return rank, local_rank, world_size
-
-
-def _store_of(group: dist.ProcessGroup | None):
-    """The store behind the default process group (for the collective watchdog), if any."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # a custom group without a store: no watchdog, only the backend's timeout
-        return None
-
-
-def _backend_device(group: dist.ProcessGroup | None, compute) -> torch.device:
-    """NCCL moves CUDA tensors only; gloo takes CPU tensors."""
-    try:
-        backend = dist.get_backend(group)
-    except Exception:
-        return torch.device("cpu")
-    if backend == "nccl" and compute.is_gpu and not compute.simulated:
-        return compute.torch_device
-    return torch.device("cpu")
-
-
-#: clients created so far per process group (None: the default group), in this process
-_CLIENTS_OF_GROUP: collections.Counter = collections.Counter()
-
-
-def _collectives_prefix(process_group) -> str:
-    """A store namespace of the collectives of one client: the n-th client on a process
-    group. Every rank creates its clients in the same order, so the ranks agree on n. Without
-    it a second client on the same group (an engine made after another was closed) reused
-    the first one's watchdog keys: a rank already in the new client's collective #k met a
-    slower rank's #k of the old one and reported a divergence that was not there."""
-    key = id(process_group) if process_group is not None else None
-    n = _CLIENTS_OF_GROUP[key]
-    _CLIENTS_OF_GROUP[key] += 1
-    return f"hybridps/c{n}"
 
 
 def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int) -> int:

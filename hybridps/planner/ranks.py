@@ -44,7 +44,7 @@ class RankShare:
     #: the largest group's param chunks (oversize chunks, of params larger than a chunk, included)
     largest_group_bytes: int
     #: the largest model data one rank owns, with the multi-rank layout and the owner
-    #: assignment the client uses (hybridps.client.dist.groups.assign_owners)
+    #: assignment the client uses (hybridps.client.chunks.ownership.assign_owners)
     owned_bytes: int
     #: the layout's model data over the shard size (what perfectly even shares would be)
     even_share_bytes: int
@@ -174,7 +174,7 @@ def gathered_at(
 
 
 def owners_by_bytes(weights: Sequence[int], world: int) -> list[int]:
-    """The owner of each chunk, exactly as ``hybridps.client.dist.groups.assign_owners`` assigns
+    """The owner of each chunk, exactly as ``hybridps.client.chunks.ownership.assign_owners`` assigns
     them (groups most uneven first; within a group the heaviest member to the least loaded
     rank), in O(world log world) per group: while a group is assigned, the loads of the
     ranks still free do not change, so its i-th heaviest member goes to the i-th least

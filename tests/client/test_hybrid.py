@@ -179,7 +179,7 @@ def test_shard_layout_arithmetic_and_bad_sizes():
 
 def test_the_owned_chunks_of_a_shard_group_cover_the_model_once():
     # ownership is per shard group: the same table in every replica
-    from hybridps.client.dist.groups import assign_owners
+    from hybridps.client.chunks.ownership import assign_owners
 
     owner_of, by_rank = assign_owners([10, 10, 10, 10, 30, 10], 2)
     assert sorted(owner_of.count(r) for r in (0, 1)) == [3, 3]

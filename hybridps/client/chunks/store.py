@@ -3,7 +3,8 @@
 Owns: the params' records (``ParamInfo``: by identity, in registration order, and the
 managed tensors of ``allreduce``/``broadcast``), the chunk layout, the rows of chunks per kind
 (row ``kind`` index ``i`` is chunk ``i`` of that kind; every kind shares the param layout),
-which kinds exist and their dtypes, which chunk indices this rank owns.
+which kinds exist and their dtypes, and the ownership table of the chunks (``ownership.py``:
+which chunk indices this rank keeps; the chunk groups read the same table).
 
 Does not own: where chunks go or how they move, whole-chunk access included (the mover,
 ``memory/mover.py``: ``take``/``give_back``), the collectives over chunk groups
@@ -22,6 +23,7 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout, Slot
+from hybridps.client.chunks.ownership import Ownership
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import RegistrationError
@@ -67,8 +69,8 @@ class ChunkStore:
         self.by_id: dict[int, ParamInfo] = {}
         self.params: list[ParamInfo] = []  # registration order
         self.buffers: list[ParamInfo] = []  # results of allreduce/broadcast
-        #: chunk index -> the rank that keeps it (several ranks; None: this rank keeps all)
-        self.owner_of: list[int] | None = None
+        #: which rank keeps each chunk: this rank keeps all until the chunk groups assign owners
+        self.ownership = Ownership(rank, world_size)
         self._next_chunk_id = 0
 
     # -- kinds -----------------------------------------------------------------------------
@@ -109,15 +111,8 @@ class ChunkStore:
         """A chunk of ``kind`` at ``index`` with a store-wide id (not yet in a row)."""
         chunk = Chunk(kind, index, capacity, dtype or self.kind_dtype(kind), self._next_chunk_id)
         self._next_chunk_id += 1
-        chunk.owned = kind is ChunkKind.BUFFER or self.owns(index)
+        chunk.owned = kind is ChunkKind.BUFFER or self.ownership.owns(index)
         return chunk
-
-    def owns(self, index: int) -> bool:
-        """Whether this rank keeps chunk ``index`` (always, on one rank)."""
-        return self.owner_of is None or self.owner_of[index] == self.rank
-
-    def owner(self, index: int) -> int:
-        return self.rank if self.owner_of is None else self.owner_of[index]
 
     def all_chunks(self) -> Iterator[Chunk]:
         for chunks in self.rows.values():

@@ -1,2 +1,4 @@
-"""Across ranks: chunk groups (gather, retain, drop, reduce), the collectives and their
-post-mortem, the device mesh and group phases. Imports ``memory`` and ``chunks``."""
+"""Between the ranks: the collectives (``collectives.py``) with their heartbeat watchdog
+(``watchdog.py``) and the post-mortem of one that failed (``postmortem.py``), who is where
+(``topology.py``, ``mesh.py``), and the chunk groups that gather and reduce chunks across a
+shard group (``groups.py``, ``group_phase.py``). Imports ``memory`` and ``chunks``."""

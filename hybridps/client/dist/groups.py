@@ -9,17 +9,19 @@ members to the ranks that own the fewest bytes so far, so shares stay balanced. 
 all-gathered; once every param of the group has been used by the forward (all slots
 HOLD_AFTER_FWD) the copies of other ranks' chunks are dropped; after backward the group's
 grads are reduce-scattered (averaged) to their owners; each owner steps its own chunks.
+Who owns which chunk is the store's ownership table (``chunks/ownership.py``), which
+``assign`` fills.
 With replicas (hybrid sharding), the owners of the same chunk in every shard group
 all-reduce (average) their reduced shard once per group and step alike; the initial
 weights go from shard group 0 to the others with one broadcast per group.
 Communication is the ZeRO-3 volume (params all-gathered twice, grads reduce-scattered once
 per step) in chunk-sized messages.
 
-Owns: ownership arithmetic, which groups are gathered, local grad bookkeeping per group,
-staging buffers for local grads when grad reuse is off, the initial distribution of rank
-0's weights. Every decision that leads to a collective depends only on the access order,
-never on memory pressure, so all ranks issue the same collectives in the same order
-(moving a gathered chunk off the GPU is local; dropping it would not be).
+Owns: which groups are gathered, local grad bookkeeping per group, staging buffers for
+local grads when grad reuse is off, the initial distribution of rank 0's weights. Every
+decision that leads to a collective depends only on the access order, never on memory
+pressure, so all ranks issue the same collectives in the same order (moving a gathered
+chunk off the GPU is local; dropping it would not be).
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybridps.client.dist import group_phase
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.dist.comm import Collectives
-from hybridps.client.dist.group_phase import GroupMove, GroupPhase
+from hybridps.client.chunks.ownership import Ownership
 from hybridps.client.chunks.states import Move, TensorState
+from hybridps.client.dist import group_phase
+from hybridps.client.dist.collectives import Collectives
+from hybridps.client.dist.group_phase import GroupMove, GroupPhase
 from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.client.chunks.store import ChunkStore, ParamInfo
 
 logger = logging.getLogger(__name__)
 
@@ -78,36 +81,6 @@ REDUCE_WINDOW = 1
 # a step before that is refused with a StateError naming the fix.
 
 _S = TensorState
-
-
-def assign_owners(weights: list[int], world: int) -> tuple[list[int], list[list[int]]]:
-    """Owners of chunks grouped ``world`` at a time: (owner of each chunk, each group's chunk
-    indices in the order of their owners' ranks).
-
-    Greedy and deterministic, so every rank (and the capacity planner) computes the same
-    table: groups are taken most uneven first, and within a group the heaviest member goes
-    to the least loaded rank. Equal weights give rank r member r of every group.
-    """
-    assert len(weights) % world == 0
-    n_groups = len(weights) // world
-    load = [0] * world
-    owner_of = [0] * len(weights)
-    by_rank = [[0] * world for _ in range(n_groups)]
-
-    def spread(g: int) -> int:
-        w = weights[g * world : (g + 1) * world]
-        return max(w) - min(w)
-
-    for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
-        members = sorted(range(g * world, (g + 1) * world), key=lambda i: (-weights[i], i))
-        free = list(range(world))
-        for index in members:
-            r = min(free, key=lambda q: (load[q], q))
-            free.remove(r)
-            owner_of[index] = r
-            by_rank[g][r] = index
-            load[r] += weights[index]
-    return owner_of, by_rank
 
 
 @dataclasses.dataclass(eq=False)
@@ -154,6 +127,8 @@ class ChunkGroups:
         self.everyone = everyone or comm
         self.rank = comm.rank
         self.world = comm.world_size
+        #: which rank owns each chunk: the store's table, read here and filled by ``assign``
+        self.ownership: Ownership = store.ownership
         #: the phase of each group's foreign copies (group_phase.py); absent: DROPPED
         self.phase: dict[int, GroupPhase] = {}
         self.grad_slots: list[int] = []  # per group: slots whose param requires grad
@@ -173,42 +148,39 @@ class ChunkGroups:
         self.retained: collections.OrderedDict[int, int] = collections.OrderedDict()
         #: bytes of chunk groups kept gathered after the forward used them (same on all ranks)
         self.live_cap_bytes = 0
-        self.owner_of: list[int] = []
         #: the work handles of ARRIVING groups' gathers
         self.in_flight: dict[int, list] = {}
         #: called with the group index after every gather (the prefetcher's trace)
         self.gather_listeners: list = []
         self.prefetched_gathers = 0
-        self.by_rank: list[list[int]] = []
         #: steps one owned chunk whose grads are final (Config.overlap_step); returns whether
         #: it stepped. Wired by the client when the optimizer is registered, else None
         self.early_step: Callable[[int], bool] | None = None
         #: owned chunks stepped early in this backward: their params have no grad left to step
         self.stepped_early: set[int] = set()
 
-    # -- arithmetic ------------------------------------------------------------------------
+    # -- ownership (the table's: chunks/ownership.py) --------------------------------------
 
     def assign(self, weights: list[int]) -> None:
-        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner);
-        the store answers ``owns`` from the same table."""
-        self.owner_of, self.by_rank = assign_owners(weights, self.world)
-        self.store.owner_of = self.owner_of
+        """Decide the owner of every chunk (``weights``: bytes each chunk costs its owner), in
+        the table the store reads too."""
+        self.ownership.assign(weights)
 
     def owner(self, index: int) -> int:
-        return self.owner_of[index]
+        return self.ownership.owner(index)
 
     def group_of(self, index: int) -> int:
-        return index // self.world
+        return self.ownership.group_of(index)
 
     def members(self, group: int) -> range:
-        return range(group * self.world, (group + 1) * self.world)
+        return self.ownership.members(group)
 
     def ranked(self, group: int) -> list[int]:
         """The group's chunk indices in the order of their owners' ranks (collective order)."""
-        return self.by_rank[group]
+        return self.ownership.ranked(group)
 
     def owns(self, index: int) -> bool:
-        return self.owner_of[index] == self.rank
+        return self.ownership.owns(index)
 
     @property
     def num_groups(self) -> int:
@@ -724,7 +696,7 @@ class ChunkGroups:
 
     def check_order(self, what: str) -> None:
         """Every rank issued the same collectives so far: in its shard group, among its
-        replicas, and over the job (see comm.py's [Note: the watchdog])."""
+        replicas, and over the job (see watchdog.py's [Note: the watchdog])."""
         for comm in self._comms():
             comm.check_order(what)
 

@@ -10,7 +10,7 @@ whole world and no mesh is built.
 
 Owns: resolving ``Config.shard_group_size`` against the world, the check that every rank
 resolved the same size, the DeviceMesh and the process groups of this rank's row and column.
-Does not own the collectives run on them (``comm.py``) or chunk ownership (``groups.py``).
+Does not own the collectives run on them (``collectives.py``) or chunk ownership (``chunks/ownership.py``).
 
 [Note: why the shard group defaults to the node]
 Gathered bytes per chunk group grow with the shard group's width (64 ranks x 64 MiB chunks

@@ -1,0 +1,403 @@
+"""Collectives between the data-parallel ranks of one process group, watched so that a
+failure names who is missing.
+
+Owns: the calls into ``torch.distributed`` (all-gather of chunk groups, reduce-scatter of
+their grads, reduce, all-reduce, broadcast, scatter, barrier), the bytes each moves, this
+rank's position (one sequence number per collective or compound operation), the running
+order digest and the recent history that ``check_order`` compares once per iteration, and
+waiting for a collective in slices so that a verdict of the heartbeat thread ends the wait.
+Knows nothing of chunks' meaning: callers pass tensors and a description ("params of chunk
+group 3").
+
+Does not own: the process group it runs on (``topology.own_group`` builds one with the
+collective timeout), the records in the store and the heartbeat thread (``watchdog.py``,
+see its [Note: the watchdog] and [Note: dead peers]), the error once a collective failed or
+the digests differ (``postmortem.py``), which chunks a group gathers (``groups.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import logging
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridps.client.dist.postmortem import CollectiveError, _rank_list, failure_in_group, order_message, store_lost
+from hybridps.client.dist.topology import own_group, store_address
+from hybridps.client.dist.watchdog import PeerWatch, Position, pos_key
+
+logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    """The handle of an asynchronous collective: ``wait()`` waits as a blocking call would,
+    watched (see watchdog.py's [Note: dead peers]), and raises CollectiveError naming the
+    ranks; then runs ``then`` (the averaging of a reduction), once."""
+
+    __slots__ = ("_comm", "_work", "_at", "_op", "_what", "_then")
+
+    def __init__(
+        self, comm: Collectives, work, at: tuple[int, str, str], op: str, what: str, then: Callable[[], object] | None = None
+    ):
+        self._comm, self._work, self._at, self._op, self._what, self._then = comm, work, at, op, what, then
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._comm._finish(self._work, self._at, self._op, self._what)
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class Collectives:
+    """The collectives of one rank in one process group."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        store: dist.Store | None = None,
+        timeout_s: float = 300.0,
+        prefix: str = "hybridps",
+        device: torch.device | None = None,
+        heartbeat_period_s: float = 2.0,
+        dead_after_s: float = 10.0,
+        history_len: int = 4096,
+        label: str = "",
+    ):
+        self.rank = rank
+        #: what these ranks are when they are not the whole job ("shard group 1"), for messages
+        self.label = label
+        #: where the backend wants tensors (CUDA for NCCL); small tensors are staged there
+        self.device = device or torch.device("cpu")
+        self.world_size = world_size
+        self.store = store
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self.heartbeat_period_s = heartbeat_period_s
+        self.dead_after_s = dead_after_s
+        #: position counter: one per collective or compound operation (``arrive``)
+        self.seq = 0
+        #: collectives issued, the ones inside compound operations too
+        self.issued = 0
+        self.order_checks = 0
+        self.position = Position()
+        #: running digest of (op, what, bytes) of every collective (watchdog.py's [Note: the watchdog])
+        self._digest = bytes(8)
+        #: the collectives since the last order check that passed (at most ``history_len``):
+        #: (issued, seq, op, what, bytes, running digest after it)
+        self.history: collections.deque[tuple[int, int, str, str, int, int]] = collections.deque(maxlen=history_len)
+        #: bytes this rank received per kind of collective (for all-reduce: the tensor size);
+        #: averaged over ranks this is the per-rank volume of the ZeRO analysis
+        self.bytes_received: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.store_address = store_address(store) if store is not None else None
+        watched = store is not None and world_size > 1
+        if watched:  # before the group is created: once it exists, every rank's record does too
+            try:
+                store.set(pos_key(prefix, rank), self.position.record(0))
+            except Exception as exc:
+                logger.debug("rank %d could not post its first position: %s", rank, exc)
+        self.group = own_group(group, world_size, timeout_s)
+        #: the job's rank of each rank of this group (torch.distributed's src/dst are those)
+        self.global_ranks: list[int] = list(range(world_size))
+        if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
+            self.global_ranks = dist.get_process_group_ranks(group)
+        #: the heartbeat thread, when the store can give it a connection of its own
+        self.watch: PeerWatch | None = None
+        if watched and heartbeat_period_s > 0:
+            try:
+                own = store.clone()
+            except Exception as exc:  # a store that cannot be cloned: only the timeout applies
+                logger.debug("no dead-peer detection (%s cannot be cloned: %s)", type(store).__name__, exc)
+            else:
+                self.watch = PeerWatch(
+                    store=own,
+                    rank=rank,
+                    world_size=world_size,
+                    prefix=prefix,
+                    position=self.position,
+                    period_s=heartbeat_period_s,
+                    dead_after_s=dead_after_s,
+                    global_ranks=self.global_ranks,
+                )
+                weakref.finalize(self, self.watch.stop)
+        #: CPU collectives wait in slices and can be abandoned for a dead peer (NCCL's wait
+        #: does not block the CPU; it has a watchdog of its own)
+        self._sliced = self.watch is not None and self.device.type == "cpu"
+        self._slice = datetime.timedelta(seconds=min(0.5, max(heartbeat_period_s / 2, 0.05)))
+
+    def close(self) -> None:
+        """Stop the heartbeat thread; its last record says this rank closed its collectives."""
+        if self.watch is not None:
+            self.watch.stop(post_closed=True)
+
+    # -- positions and the order digest ----------------------------------------------------
+
+    def _enter(self, op: str, what: str, nbytes: int, *, checked: bool = False) -> tuple[int, str, str]:
+        """Move this rank's position (unless ``checked``: a collective inside the compound
+        operation entered last) and fold the collective into the digest; in memory only."""
+        if not checked:
+            self.seq += 1
+            self.position.at = (self.seq, op, what)
+        self.issued += 1
+        self._digest = hashlib.blake2b(self._digest + f"{op}\x1f{what}\x1f{nbytes}".encode(), digest_size=8).digest()
+        self.history.append((self.issued, self.seq, op, what, nbytes, int.from_bytes(self._digest, "big")))
+        return self.position.at
+
+    def arrive(self, op: str, what: str) -> None:
+        """Enter a compound operation (several collectives that follow from one decision,
+        e.g. one broadcast per member of a chunk group), issued with ``checked=True``: one
+        position for all of them. Local: no store request."""
+        self._enter(op, what, 0)
+
+    @property
+    def digest(self) -> int:
+        """The running digest of this rank's collectives (equal across ranks in step)."""
+        return int.from_bytes(self._digest, "big")
+
+    def check_order(self, what: str) -> None:
+        """Fail with CollectiveError if the ranks issued different collectives so far (in
+        op, chunk group or size): one all-reduce of four int64, no store request. On a
+        mismatch every rank posts its recent collectives and the error names the first
+        where they differ."""
+        if self.world_size == 1:
+            return
+        d = self.digest
+        hi, lo = d >> 32, d & 0xFFFFFFFF
+        both = torch.tensor([hi, lo, -hi, -lo], dtype=torch.int64)
+        staged = self._staged(both)
+        self.order_checks += 1
+        self._collective(
+            "check_order",
+            what,
+            staged.numel() * staged.element_size(),
+            lambda a: dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=self.group, async_op=a),
+        )
+        self._count("check_order", staged.numel() * staged.element_size())
+        top_hi, top_lo, neg_hi, neg_lo = staged.tolist()
+        if top_hi == -neg_hi and top_lo == -neg_lo:
+            self.history.clear()  # every rank issued the same so far: only what follows can differ
+            return
+        raise CollectiveError(f"{order_message(self, what)}{self._numbering()}")
+
+    # -- running a collective --------------------------------------------------------------
+
+    def _collective(
+        self,
+        op: str,
+        what: str,
+        nbytes: int,
+        call: Callable[[bool], object],
+        *,
+        async_op: bool = False,
+        checked: bool = False,
+        then: Callable[[], object] | None = None,
+    ):
+        """Issue ``call(async_op)``; wait (watched) unless ``async_op``, then run ``then``;
+        with ``async_op`` return a handle whose ``wait()`` does both."""
+        at = self._enter(op, what, nbytes, checked=checked)
+        try:
+            work = call(async_op or self._sliced)
+        except Exception as exc:
+            raise self._failure(at, op, what, exc, time.monotonic()) from None
+        if async_op:
+            return _Pending(self, work, at, op, what, then)
+        if work is not None:
+            self._finish(work, at, op, what)
+        if then is not None:
+            then()
+        return None
+
+    def _finish(self, work, at: tuple[int, str, str], op: str, what: str) -> None:
+        """Wait for ``work``; on the CPU in slices, leaving when the heartbeat thread has
+        declared a peer that will not come (see watchdog.py's [Note: dead peers])."""
+        started = time.monotonic()
+        try:
+            if not self._sliced:
+                work.wait()
+                return
+            watch = self.watch
+            assert watch is not None
+            waiting = (*at, started, time.time())
+            self.position.waiting = waiting
+            try:
+                while True:
+                    try:
+                        work.wait(self._slice)
+                        return
+                    except Exception:
+                        if work.is_completed():  # finished meanwhile, or failed: its own outcome
+                            work.wait()
+                            return
+                    verdict = watch.verdict
+                    if verdict is not None and verdict[0] is waiting:
+                        self._post_failed(at, "a peer is dead or frozen")
+                        raise CollectiveError(f"{verdict[1]}{self._numbering()}")
+                    lost = store_lost(self.watch)
+                    if lost is not None:
+                        raise lost
+            finally:
+                self.position.waiting = None
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise self._failure(at, op, what, exc, started) from None
+
+    # -- post-mortems (postmortem.py) -------------------------------------------------------
+
+    def _post_failed(self, at: tuple[int, str, str], cause: str) -> None:
+        self.position.failed = (*at, cause)
+        if self.store is not None:
+            try:
+                self.store.set(pos_key(self.prefix, self.rank), self.position.record(self.watch.beats if self.watch else 0))
+            except Exception as exc:
+                logger.debug("rank %d could not post its failure: %s", self.rank, exc)
+
+    def _failure(self, at: tuple[int, str, str], op: str, what: str, exc: BaseException, started: float) -> CollectiveError:
+        """The error of a failed collective, saying which ranks its rank numbers mean when
+        this group is not the whole job."""
+        error = failure_in_group(self, at, op, what, exc, started)
+        return (
+            CollectiveError(f"{error}{self._numbering()}")
+            if self._numbering() and not isinstance(exc, CollectiveError)
+            else error
+        )
+
+    def _numbering(self) -> str:
+        if not self.label or self.global_ranks == list(range(self.world_size)):
+            return ""
+        return f" [in {self.label}: job ranks {_rank_list(self.global_ranks)}]"
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def _count(self, op: str, nbytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes_received[op] += nbytes
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor, *, what: str, async_op: bool = False):
+        """``outputs[r]`` <- rank r's ``mine`` (all the same size). With ``async_op`` it
+        returns a handle to ``wait()``: nothing may touch the tensors until then."""
+        nbytes = mine.numel() * mine.element_size()
+        outs = list(outputs)
+        work = self._collective(
+            "all_gather", what, nbytes, lambda a: dist.all_gather(outs, mine, group=self.group, async_op=a), async_op=async_op
+        )
+        self._count("all_gather", nbytes * (self.world_size - 1))
+        return work
+
+    def reduce_scatter_avg(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], *, what: str, async_op: bool = False):
+        """``output`` <- the average over ranks of their ``inputs[self.rank]``. With
+        ``async_op`` it returns a handle to ``wait()`` (which also averages): nothing may
+        touch the tensors until then."""
+        ins = list(inputs)
+        nbytes = output.numel() * output.element_size()
+        work = self._collective(
+            "reduce_scatter",
+            what,
+            nbytes,
+            lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            async_op=async_op,
+            then=lambda: output.div_(self.world_size),
+        )
+        self._count("reduce_scatter", nbytes * (self.world_size - 1))
+        return work
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == self.device else tensor.to(self.device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, what: str, checked: bool = False, async_op: bool = False):
+        nbytes = tensor.numel() * tensor.element_size()
+        if async_op:  # chunk payloads already live where the backend wants them
+            assert tensor.device == self.device, "an asynchronous broadcast cannot stage its tensor"
+            work = self._collective(
+                "broadcast",
+                what,
+                nbytes,
+                lambda a: dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=a),
+                async_op=True,
+                checked=checked,
+            )
+            self._count("broadcast", nbytes if self.rank != src else 0)
+            return work
+        staged = self._staged(tensor)
+        self._collective(
+            "broadcast",
+            what,
+            nbytes,
+            lambda a: dist.broadcast(staged, self.global_ranks[src], group=self.group, async_op=a),
+            checked=checked,
+        )
+        if staged is not tensor:
+            tensor.copy_(staged)
+        self._count("broadcast", nbytes if self.rank != src else 0)
+        return None
+
+    def reduce_avg(self, tensor: torch.Tensor, dst: int, *, what: str, checked: bool = False, async_op: bool = False):
+        """Average of every rank's ``tensor`` into ``dst``'s (others' are left undefined).
+        With ``async_op`` it returns a handle to ``wait()`` (which also averages)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        work = self._collective(
+            "reduce",
+            what,
+            nbytes,
+            lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            checked=checked,
+            async_op=async_op,
+            then=(lambda: tensor.div_(self.world_size)) if self.rank == dst else None,
+        )
+        self._count("reduce", nbytes * (self.world_size - 1) if self.rank == dst else 0)
+        return work
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, what: str) -> None:
+        staged = self._staged(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._collective("all_reduce", what, nbytes, lambda a: dist.all_reduce(staged, op=op, group=self.group, async_op=a))
+        if staged is not tensor:
+            tensor.copy_(staged)
+        self._count("all_reduce", nbytes)
+
+    def scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: int, *, what: str) -> None:
+        staged = self._staged(output)
+        outgoing = [self._staged(t) for t in inputs] if self.rank == src and inputs is not None else None
+        nbytes = output.numel() * output.element_size()
+        self._collective(
+            "scatter",
+            what,
+            nbytes,
+            lambda a: dist.scatter(staged, outgoing, src=self.global_ranks[src], group=self.group, async_op=a),
+        )
+        if staged is not output:
+            output.copy_(staged)
+        self._count("scatter", nbytes if self.rank != src else 0)
+
+    def barrier(self, *, what: str) -> None:
+        self._collective("barrier", what, 0, lambda a: dist.barrier(group=self.group, async_op=a))
+
+    def all_gather_object(self, obj: object, *, what: str) -> list:
+        """Every rank's ``obj`` (pickled; its size may differ between ranks and is not part
+        of the order digest). Blocking: a frozen peer is left to the group's timeout."""
+        out: list = [None] * self.world_size
+        self._collective("all_gather_object", what, 0, lambda a: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "bytes_received": dict(self.bytes_received),
+            "calls": dict(self.calls),
+            "collectives": self.seq,
+            "order_checks": self.order_checks,
+        }
