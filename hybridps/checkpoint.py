@@ -123,7 +123,7 @@ def save_checkpoint(
     groups = client.groups
     rank = client.rank
     # one shard file per rank of a shard group, written by the first replica: the other
-    # replicas own the same chunks with the same values (hybrid sharding, mesh.py)
+    # replicas own the same chunks with the same values (hybrid sharding, dist/mesh.py)
     shard, world = client.shard_layout.shard_rank, client.shard_size
     writes = client.shard_layout.replica == 0
     final = Path(path)
@@ -137,7 +137,38 @@ def save_checkpoint(
     if groups is not None:
         groups.everyone.barrier(what="checkpoint directory")
     keys, buffers = _keys_by_param(engine)
-    optimizer = engine.optimizer
+    weights, states, steps = _owned_tensors(client, engine.optimizer, keys, writes=writes)
+    if rank == 0:
+        for key, buf in buffers.items():
+            weights[key] = buf.detach().to("cpu", copy=True).contiguous()
+    model_file = _shard("model", shard, world)
+    if writes:
+        _fs_step(f"write {model_file}")
+        save_file(weights, str(partial / model_file), metadata={"format": "pt"})
+        _fs_step(f"write {_shard('optimizer', shard, world)}")
+        save_file(states, str(partial / _shard("optimizer", shard, world)), metadata={"format": "pt"})
+    shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps)
+    everyone = groups.everyone.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
+    if rank == 0:
+        if world > 1:
+            _write_index(partial, everyone)
+        meta = _meta(engine, everyone, world=world, generation=generation, lr_scheduler=lr_scheduler, client_state=client_state)
+        _commit(partial, meta)
+    if groups is not None:
+        groups.everyone.barrier(what="checkpoint files written")
+    if rank == 0:
+        _swap_in(partial, final)
+    if groups is not None:
+        groups.everyone.barrier(what="checkpoint in place")
+    logger.info("checkpoint written to %s", final)
+
+
+def _owned_tensors(
+    client: Client, optimizer: ChunkedAdam, keys: dict[int, list[str]], *, writes: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+    """What this rank writes of the params it owns (nothing unless it ``writes``: the first
+    replica of its shard place): the fp32 weights under each of their ``state_dict`` keys,
+    Adam's two states of each param that has taken a step, and every owned param's step count."""
     weights: dict[str, torch.Tensor] = {}
     states: dict[str, torch.Tensor] = {}
     steps: dict[str, int] = {}
@@ -152,63 +183,63 @@ def save_checkpoint(
         if step:
             states[f"{info.name}.exp_avg"] = optimizer._read(ChunkKind.MOMENTUM, info).contiguous()
             states[f"{info.name}.exp_avg_sq"] = optimizer._read(ChunkKind.VARIANCE, info).contiguous()
-    if rank == 0:
-        for key, buf in buffers.items():
-            weights[key] = buf.detach().to("cpu", copy=True).contiguous()
-    model_file = _shard("model", shard, world)
-    if writes:
-        _fs_step(f"write {model_file}")
-        save_file(weights, str(partial / model_file), metadata={"format": "pt"})
-        _fs_step(f"write {_shard('optimizer', shard, world)}")
-        save_file(states, str(partial / _shard("optimizer", shard, world)), metadata={"format": "pt"})
-    shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps)
-    everyone = groups.everyone.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
-    if rank == 0:
-        weight_map: dict[str, str] = {}
-        all_steps: dict[str, int] = {}
-        total = 0
-        for wmap, size, st in everyone:
-            weight_map.update(wmap)
-            all_steps.update(st)
-            total += size
-        if world > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            _fs_step("write model.safetensors.index.json")
-            (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        meta = {
-            "format": FORMAT_VERSION,
-            "generation": generation,
-            "world_size": world,
-            "precision": client.config.precision,
-            "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
-            "param_groups": [
-                {
-                    **{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
-                    "params": [client.param_info(p).name for p in g["params"]],
-                }
-                for g in optimizer.param_groups
-            ],
-            "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-            "engine": {"global_step": engine.global_step},
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "client_state": client_state,
-        }
-        tmp = partial / (META + ".tmp")
-        _fs_step(f"write {tmp.name}")
-        tmp.write_text(json.dumps(meta, indent=2, default=_json_default))
-        for f in partial.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fs_step(f"rename {tmp.name} to {META} (the commit point)")
-        tmp.rename(partial / META)
-        _fsync_dir(partial)
-    if groups is not None:
-        groups.everyone.barrier(what="checkpoint files written")
-    if rank == 0:
-        _swap_in(partial, final)
-    if groups is not None:
-        groups.everyone.barrier(what="checkpoint in place")
-    logger.info("checkpoint written to %s", final)
+    return weights, states, steps
+
+
+def _meta(
+    engine: EngineParts, everyone: list, *, world: int, generation: int, lr_scheduler: Any, client_state: dict | None
+) -> dict:
+    """The content of ``hybridps.json``, from every rank's ``(weight map, bytes, steps)`` in ``everyone``."""
+    client = engine.client
+    all_steps: dict[str, int] = {}
+    for _, _, st in everyone:
+        all_steps.update(st)
+    return {
+        "format": FORMAT_VERSION,
+        "generation": generation,
+        "world_size": world,
+        "precision": client.config.precision,
+        "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
+        "param_groups": [
+            {
+                **{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
+                "params": [client.param_info(p).name for p in g["params"]],
+            }
+            for g in engine.optimizer.param_groups
+        ],
+        "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "engine": {"global_step": engine.global_step},
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "client_state": client_state,
+    }
+
+
+def _write_index(partial: Path, everyone: list) -> None:
+    """``model.safetensors.index.json`` of a checkpoint written by several ranks: which shard
+    holds each weight, from every rank's ``(weight map, bytes, steps)`` in ``everyone``."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for wmap, size, _ in everyone:
+        weight_map.update(wmap)
+        total += size
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _fs_step("write model.safetensors.index.json")
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _commit(partial: Path, meta: dict) -> None:
+    """Make ``partial`` complete once every shard is in it (rank 0): ``hybridps.json``
+    written aside and renamed into place after every file is fsynced, the commit point of
+    [Note: crash safety]."""
+    tmp = partial / (META + ".tmp")
+    _fs_step(f"write {tmp.name}")
+    tmp.write_text(json.dumps(meta, indent=2, default=_json_default))
+    for f in partial.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fs_step(f"rename {tmp.name} to {META} (the commit point)")
+    tmp.rename(partial / META)
+    _fsync_dir(partial)
 
 
 def _swap_in(partial: Path, final: Path) -> None:
@@ -354,29 +385,9 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
     if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {src} has format {meta.get('format')!r}; this HybridPS reads format {FORMAT_VERSION}")
     keys, buffers = _keys_by_param(engine)
-    if (src / "model.safetensors.index.json").exists():
-        weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    else:
-        weight_map = {}
-        with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map = _weight_map(src)
     saved_params = meta["params"]
-    problems = []
-    for info in client.params:
-        entry = saved_params.get(info.name)
-        if entry is None:
-            problems.append(f"{info.name}: not in the checkpoint")
-        elif tuple(entry["shape"]) != tuple(info.shape):
-            problems.append(f"{info.name}: shape {tuple(entry['shape'])} in the checkpoint, {tuple(info.shape)} in the model")
-        elif keys.get(id(info.param), [info.name])[0] not in weight_map:
-            problems.append(f"{info.name}: no weights in the checkpoint")
-    extra = sorted(set(saved_params) - {i.name for i in client.params})
-    if extra:
-        problems.append(f"params in the checkpoint that the model lacks: {extra[:5]}")
-    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
-        problems.append(
-            f"{len(meta['param_groups'])} param groups in the checkpoint, {len(engine.optimizer.param_groups)} in the optimizer"
-        )
+    problems = _check_meta(engine, meta, keys, weight_map)
     handles: dict[str, Any] = {}
 
     def tensor(file: str, key: str) -> torch.Tensor:
@@ -400,11 +411,7 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
     if problems:
         raise ConfigError(f"checkpoint {src} does not match this model; nothing was loaded:\n  " + "\n  ".join(problems))
     optimizer = engine.optimizer
-    opt_files = [f for f in os.listdir(src) if f.startswith("optimizer-")]
-    opt_keys: dict[str, str] = {}
-    for f in opt_files:
-        with safe_open(str(src / f), framework="pt") as h:
-            opt_keys.update({k: f for k in h.keys()})
+    opt_keys = _optimizer_keys(src)
     with torch.no_grad():
         for info in client.params:
             if info.slot.index not in values:
@@ -429,3 +436,45 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
         lr_scheduler.load_state_dict(meta["lr_scheduler"])
     logger.info("checkpoint loaded from %s (written by %d ranks)", src, meta["world_size"])
     return meta.get("client_state")
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    """Each weight's name in checkpoint ``src`` -> the file holding it."""
+    if (src / "model.safetensors.index.json").exists():
+        return json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _optimizer_keys(src: Path) -> dict[str, str]:
+    """Each optimizer state's name (``<param>.exp_avg``, ``<param>.exp_avg_sq``) in checkpoint ``src`` -> its file."""
+    opt_keys: dict[str, str] = {}
+    for f in [f for f in os.listdir(src) if f.startswith("optimizer-")]:
+        with safe_open(str(src / f), framework="pt") as h:
+            opt_keys.update({k: f for k in h.keys()})
+    return opt_keys
+
+
+def _check_meta(engine: EngineParts, meta: dict, keys: dict[int, list[str]], weight_map: dict[str, str]) -> list[str]:
+    """What of the checkpoint's ``hybridps.json`` does not match the model, before any tensor
+    is read: params missing or of another shape, params the model lacks, the number of
+    param groups."""
+    client = engine.client
+    saved_params = meta["params"]
+    problems = []
+    for info in client.params:
+        entry = saved_params.get(info.name)
+        if entry is None:
+            problems.append(f"{info.name}: not in the checkpoint")
+        elif tuple(entry["shape"]) != tuple(info.shape):
+            problems.append(f"{info.name}: shape {tuple(entry['shape'])} in the checkpoint, {tuple(info.shape)} in the model")
+        elif keys.get(id(info.param), [info.name])[0] not in weight_map:
+            problems.append(f"{info.name}: no weights in the checkpoint")
+    extra = sorted(set(saved_params) - {i.name for i in client.params})
+    if extra:
+        problems.append(f"params in the checkpoint that the model lacks: {extra[:5]}")
+    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
+        problems.append(
+            f"{len(meta['param_groups'])} param groups in the checkpoint, {len(engine.optimizer.param_groups)} in the optimizer"
+        )
+    return problems

@@ -341,33 +341,66 @@ def format_status(status: dict) -> str:
     string is made safe to show first (``safe_data``), and so is each cell, whatever its type:
     the only control characters in the text are the newlines between its lines.
     """
-    status = safe_data(status)
-    missing: list[str] = []
+    cells = _StatusCells(safe_data(status))
+    lines = _status_header(cells)
+    devices = cells.section("devices", dict)
+    lines += ["", *_device_table(cells, devices)]
+    sources = [
+        f"  {name}: {cells.shown(d['capacity_source'])}"
+        for name, d in devices.items()
+        if isinstance(d, dict) and d.get("capacity_source")
+    ]
+    if sources:
+        lines += ["capacity from:", *sources]
+    lines += _client_lines(cells, list(devices))
+    missing = cells.missing
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        lines += ["", f"? = not in this daemon's status (another hybridps version?): {shown}"]
+    return "\n".join(lines)
 
+
+class _StatusCells:
+    """The cells of one daemon status (already through ``safe_data``), each made safe to
+    show; every field found absent or in another form is shown as ``?`` and noted in
+    ``missing``, in the order the text meets it."""
+
+    def __init__(self, status: object):
+        self.status = status
+        self.missing: list[str] = []
+
+    @staticmethod
     def shown(value: object) -> str:
         return safe_text(value, MAX_PEER_NAME_CHARS)
 
-    def field(mapping: object, key: str, where: str, fmt=str) -> str:
+    def field(self, mapping: object, key: str, where: str, fmt=str) -> str:
+        """``mapping[key]`` through ``fmt``, or ``?`` with ``where + key`` noted missing."""
         if isinstance(mapping, dict) and mapping.get(key) is not None:
             try:
-                return shown(fmt(mapping[key]))
+                return self.shown(fmt(mapping[key]))
             except (TypeError, ValueError, OverflowError):
                 pass
-        missing.append(f"{where}{key}")
+        self.missing.append(f"{where}{key}")
         return "?"
 
-    def held(usage: object, device: str, where: str) -> str:
+    def held(self, usage: object, device: str, where: str) -> str:
+        """The bytes a client's ``usage`` holds on ``device`` (0 B when the device is not in it)."""
         if not isinstance(usage, dict):
-            return "?"  # named once per client below
-        return field(usage, device, f"{where}usage.", format_bytes) if device in usage else format_bytes(0)
+            return "?"  # named once per client
+        return self.field(usage, device, f"{where}usage.", format_bytes) if device in usage else format_bytes(0)
 
-    def section(key: str, kind: type) -> object:
-        value = status.get(key) if isinstance(status, dict) else None
+    def section(self, key: str, kind: type) -> object:
+        """The status's top-level ``key`` when it is a ``kind``, else an empty one, noted missing."""
+        value = self.status.get(key) if isinstance(self.status, dict) else None
         if value is None or not isinstance(value, kind):
-            missing.append(key)
+            self.missing.append(key)
             return kind()
         return value
 
+
+def _status_header(cells: _StatusCells) -> list[str]:
+    """The daemon's line, its metrics address, and the recovery it is in, if any."""
+    status, field, shown = cells.status, cells.field, cells.shown
     lines = [
         f"hybridps-manager on {field(status, 'endpoint', '')}: pid {field(status, 'pid', '')}, instance "
         f"{field(status, 'instance_id', '')}, up {field(status, 'uptime_s', '', _duration)}, "
@@ -379,13 +412,18 @@ def format_status(status: dict) -> str:
     if isinstance(recovery, dict) and recovery.get("state") == "awaiting":
         awaiting = recovery.get("awaiting")
         if not isinstance(awaiting, list):
-            missing.append("recovery.awaiting")
+            cells.missing.append("recovery.awaiting")
             awaiting = []
         lines.append(
             f"recovering: new bookings wait up to {field(recovery, 'left_s', 'recovery.', lambda v: f'{float(v):.1f}')} s "
             f"for {len(awaiting)} client(s) of the earlier instance: {safe_text(', '.join(map(shown, awaiting)))}"
         )
-    devices = section("devices", dict)
+    return lines
+
+
+def _device_table(cells: _StatusCells, devices: dict) -> list[str]:
+    """One row per device (capacity, used, free, peak) and the node's totals."""
+    field = cells.field
     rows = [("DEVICE", "KIND", "CAPACITY", "USED", "FREE", "PEAK")]
     for name, d in devices.items():
         kind = "cpu" if name == "cpu" else ("simulated GPU" if isinstance(d, dict) and d.get("simulated") else "GPU")
@@ -399,7 +437,7 @@ def format_status(status: dict) -> str:
                 ),
             )
         )
-    totals = section("totals", dict)
+    totals = cells.section("totals", dict)
     if totals:
         rows.append(
             (
@@ -409,40 +447,34 @@ def format_status(status: dict) -> str:
                 "",
             )
         )
-    lines += ["", *_table(rows, right=(2, 3, 4, 5))]
-    sources = [
-        f"  {name}: {shown(d['capacity_source'])}"
-        for name, d in devices.items()
-        if isinstance(d, dict) and d.get("capacity_source")
-    ]
-    if sources:
-        lines += ["capacity from:", *sources]
-    clients = [c if isinstance(c, dict) else {} for c in section("clients", list)]
-    lines += ["", f"CLIENTS ({len(clients)})" if clients else "CLIENTS: none registered"]
-    if clients:
-        names = list(devices)
-        rows = [("RANK", "LOCAL", "PID", "HOST", "LAST SEEN", *names, "CLIENT ID")]
-        for c in sorted(clients, key=lambda c: (str(c.get("host", "")), _sort_key(c.get("rank")), _sort_key(c.get("pid")))):
-            where = f"clients[{shown(c.get('client_id', '?'))}]."
-            usage = c.get("usage")
-            if not isinstance(usage, dict):
-                missing.append(f"{where}usage")
-            rows.append(
-                (
-                    field(c, "rank", where),
-                    field(c, "local_rank", where),
-                    field(c, "pid", where),
-                    field(c, "host", where, lambda v: str(v) or "?"),
-                    field(c, "last_seen_age_s", where, lambda v: f"{float(v):.1f} s ago"),
-                    *(held(usage, n, where) for n in names),
-                    field(c, "client_id", where),
-                )
+    return _table(rows, right=(2, 3, 4, 5))
+
+
+def _client_lines(cells: _StatusCells, names: list) -> list[str]:
+    """The client table: one row per client, with what it holds on each of the devices ``names``."""
+    field, shown = cells.field, cells.shown
+    clients = [c if isinstance(c, dict) else {} for c in cells.section("clients", list)]
+    lines = ["", f"CLIENTS ({len(clients)})" if clients else "CLIENTS: none registered"]
+    if not clients:
+        return lines
+    rows = [("RANK", "LOCAL", "PID", "HOST", "LAST SEEN", *names, "CLIENT ID")]
+    for c in sorted(clients, key=lambda c: (str(c.get("host", "")), _sort_key(c.get("rank")), _sort_key(c.get("pid")))):
+        where = f"clients[{shown(c.get('client_id', '?'))}]."
+        usage = c.get("usage")
+        if not isinstance(usage, dict):
+            cells.missing.append(f"{where}usage")
+        rows.append(
+            (
+                field(c, "rank", where),
+                field(c, "local_rank", where),
+                field(c, "pid", where),
+                field(c, "host", where, lambda v: str(v) or "?"),
+                field(c, "last_seen_age_s", where, lambda v: f"{float(v):.1f} s ago"),
+                *(cells.held(usage, n, where) for n in names),
+                field(c, "client_id", where),
             )
-        lines += _table(rows, right=tuple(range(5, 5 + len(names))))
-    if missing:
-        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
-        lines += ["", f"? = not in this daemon's status (another hybridps version?): {shown}"]
-    return "\n".join(lines)
+        )
+    return lines + _table(rows, right=tuple(range(5, 5 + len(names))))
 
 
 def _sort_key(value: object) -> tuple[int, int, str]:

@@ -132,84 +132,13 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
     Returns the ids of the params that got values."""
     if record.replayed:
         raise HybridPSError("this meta_init recording was replayed already: build the model again under meta_init()")
-    params = {info.meta_key: info.param for info in client.params if info.meta_key is not None}
-    buffers: dict[int, list[tuple[torch.nn.Module, str]]] = {}
-    for mod in module.modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and buf.is_meta:
-                buffers.setdefault(_key(buf), []).append((mod, name))
-    last_use: dict[int, int] = {}
-    for i, op in enumerate(record.ops):
-        for t in pytree.tree_leaves((op.args, op.kwargs)):
-            if _is_meta(t):
-                last_use[_key(t)] = i
-    real: dict[int, torch.Tensor] = {}  # storage key -> real flat storage, for non-param tensors
-    touched: set[int] = set()
-    #: params whose storage only an uninitialized factory (torch.empty) made so far: nothing
-    #: is written to their chunks (which start zeroed) and a read gets fresh memory, as a CPU
-    #: build would. [Note: fresh params] saves a write and a read-back of every param that
-    #: is created empty and initialized by a later op, which is how nn modules build them.
-    fresh: set[int] = set()
+    run = _Replay(record, client, module)
     state = torch.get_rng_state()
     torch.set_rng_state(record.rng_state)
     try:
         for i, op in enumerate(record.ops):
-            loaded: dict[int, torch.Tensor] = {}  # param storages read for this op
-
-            def real_of(t: Any, loaded: dict = loaded, op: Any = op) -> Any:  # bound to this op
-                if not _is_meta(t):
-                    return t
-                key = _key(t)
-                base = real.get(key)
-                if base is None and key in params:
-                    base = loaded.get(key)
-                    if base is None and key in fresh:
-                        info = client.param_info(params[key])
-                        base = loaded[key] = torch.empty(info.shape.numel(), dtype=info.orig_dtype)
-                    elif base is None:
-                        base = loaded[key] = _param_value(client, params[key])
-                if base is None:
-                    raise HybridPSError(
-                        f"meta_init cannot replay {getattr(op.func, '__name__', op.func)}: it reads a meta tensor of shape "
-                        f"{tuple(t.shape)} that no recorded op created; build this model on the CPU"
-                    )
-                return base.as_strided(t.size(), t.stride(), t.storage_offset())
-
-            args, kwargs = pytree.tree_map(real_of, (op.args, op.kwargs))
-            if str(kwargs.get("device", "")) == "meta":  # an explicit meta device: the real op runs on the CPU
-                kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            with torch.no_grad():
-                out = op.func(*args, **kwargs)
-            for meta_out, real_out in zip(
-                op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)], strict=True
-            ):
-                key = _key(meta_out)
-                flat = _storage_of(real_out)
-                if key in params:
-                    loaded[key] = flat
-                else:
-                    real[key] = flat
-            uninitialized = getattr(op.func, "__name__", "") in _UNINITIALIZED_FACTORIES
-            for key in set(op.writes) | {_key(t) for t in op.outputs}:
-                if key in loaded:
-                    touched.add(id(params[key]))
-                    if uninitialized and key not in op.writes:
-                        fresh.add(key)
-                        continue
-                    fresh.discard(key)
-                    _write_param(client, params[key], loaded[key])
-            for t in pytree.tree_leaves((op.args, op.kwargs)):
-                if _is_meta(t) and last_use.get(_key(t)) == i and _key(t) not in buffers:
-                    real.pop(_key(t), None)
-        for key, places in buffers.items():
-            base = real.get(key)
-            if base is None:
-                raise HybridPSError(
-                    f"buffer {places[0][1]!r} of {type(places[0][0]).__name__} was never given values in meta_init"
-                )
-            for mod, name in places:
-                meta_buf = mod._buffers[name]
-                mod._buffers[name] = base.as_strided(meta_buf.size(), meta_buf.stride(), meta_buf.storage_offset()).clone()
+            run.op(i, op)
+        run.give_buffers_values()
     except BaseException:
         torch.set_rng_state(state)
         raise
@@ -217,10 +146,103 @@ def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> s
     for key in record._known:  # the meta tensors may go now; their addresses may be reused
         if _RECORDS.get(key) is record:
             del _RECORDS[key]
-    return touched
+    return run.touched
 
 
-#: factories whose output holds no values yet (see [Note: fresh params] in ``replay``)
+class _Replay:
+    """One replay of a recording into ``client``'s chunks and ``module``'s buffers: the real
+    storage of each meta tensor while an op still reads it, and the params given values."""
+
+    def __init__(self, record: MetaInitRecord, client: Client, module: torch.nn.Module):
+        self.client = client
+        #: storage key -> the registered param made from it
+        self.params = {info.meta_key: info.param for info in client.params if info.meta_key is not None}
+        #: storage key -> the (module, name) places of the meta buffers made from it
+        self.buffers: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for mod in module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.is_meta:
+                    self.buffers.setdefault(_key(buf), []).append((mod, name))
+        #: storage key -> index of the last op that reads it (its real storage can go after)
+        self.last_use: dict[int, int] = {}
+        for i, op in enumerate(record.ops):
+            for t in pytree.tree_leaves((op.args, op.kwargs)):
+                if _is_meta(t):
+                    self.last_use[_key(t)] = i
+        self.real: dict[int, torch.Tensor] = {}  # storage key -> real flat storage, for non-param tensors
+        self.touched: set[int] = set()
+        #: params whose storage only an uninitialized factory (torch.empty) made so far: nothing
+        #: is written to their chunks (which start zeroed) and a read gets fresh memory, as a CPU
+        #: build would. [Note: fresh params] saves a write and a read-back of every param that
+        #: is created empty and initialized by a later op, which is how nn modules build them.
+        self.fresh: set[int] = set()
+
+    def _real_of(self, t: Any, loaded: dict[int, torch.Tensor], op: _Op) -> Any:
+        """The real tensor standing for ``t`` in ``op`` (``t`` itself unless it is meta); a
+        param's value is read once per op into ``loaded``."""
+        if not _is_meta(t):
+            return t
+        key = _key(t)
+        base = self.real.get(key)
+        if base is None and key in self.params:
+            base = loaded.get(key)
+            if base is None and key in self.fresh:
+                info = self.client.param_info(self.params[key])
+                base = loaded[key] = torch.empty(info.shape.numel(), dtype=info.orig_dtype)
+            elif base is None:
+                base = loaded[key] = _param_value(self.client, self.params[key])
+        if base is None:
+            raise HybridPSError(
+                f"meta_init cannot replay {getattr(op.func, '__name__', op.func)}: it reads a meta tensor of shape "
+                f"{tuple(t.shape)} that no recorded op created; build this model on the CPU"
+            )
+        return base.as_strided(t.size(), t.stride(), t.storage_offset())
+
+    def op(self, i: int, op: _Op) -> None:
+        """Run the ``i``-th recorded op on real tensors, write the params it made or wrote
+        back to their chunks, and drop the storages no later op reads."""
+        loaded: dict[int, torch.Tensor] = {}  # param storages read for this op
+        args, kwargs = pytree.tree_map(lambda t: self._real_of(t, loaded, op), (op.args, op.kwargs))
+        if str(kwargs.get("device", "")) == "meta":  # an explicit meta device: the real op runs on the CPU
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        with torch.no_grad():
+            out = op.func(*args, **kwargs)
+        for meta_out, real_out in zip(
+            op.outputs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)][: len(op.outputs)], strict=True
+        ):
+            key = _key(meta_out)
+            flat = _storage_of(real_out)
+            if key in self.params:
+                loaded[key] = flat
+            else:
+                self.real[key] = flat
+        uninitialized = getattr(op.func, "__name__", "") in _UNINITIALIZED_FACTORIES
+        for key in set(op.writes) | {_key(t) for t in op.outputs}:
+            if key in loaded:
+                self.touched.add(id(self.params[key]))
+                if uninitialized and key not in op.writes:
+                    self.fresh.add(key)
+                    continue
+                self.fresh.discard(key)
+                _write_param(self.client, self.params[key], loaded[key])
+        for t in pytree.tree_leaves((op.args, op.kwargs)):
+            if _is_meta(t) and self.last_use.get(_key(t)) == i and _key(t) not in self.buffers:
+                self.real.pop(_key(t), None)
+
+    def give_buffers_values(self) -> None:
+        """Replace each meta buffer of the module by its replayed value."""
+        for key, places in self.buffers.items():
+            base = self.real.get(key)
+            if base is None:
+                raise HybridPSError(
+                    f"buffer {places[0][1]!r} of {type(places[0][0]).__name__} was never given values in meta_init"
+                )
+            for mod, name in places:
+                meta_buf = mod._buffers[name]
+                mod._buffers[name] = base.as_strided(meta_buf.size(), meta_buf.stride(), meta_buf.storage_offset()).clone()
+
+
+#: factories whose output holds no values yet (see [Note: fresh params] in ``_Replay``)
 _UNINITIALIZED_FACTORIES = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 

@@ -31,7 +31,7 @@ import logging
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -134,34 +134,12 @@ def load_pretrained(engine: EngineParts, path: str | os.PathLike, *, strict: boo
             keys_of.setdefault(id(value), []).append(key)
         else:
             buffers.append(key)
-    problems: list[str] = []
-    missing: list[str] = []
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(folder / f), framework="pt")) for f in sorted(set(names.values()))}
-
-        def meta(name: str) -> tuple[tuple[int, ...], str]:
-            piece = handles[names[name]].get_slice(name)
-            return tuple(piece.get_shape()), piece.get_dtype()
-
-        source: dict[int, str] = {}  # registration index -> name in the files
-        for info in client.params:
-            keys = keys_of.get(id(info.param), [info.name])
-            name = next((matched[k] for k in keys if k in matched), None)
-            if name is None:
-                missing.append(keys[0])
-                continue
-            shape, dtype = meta(name)
-            if shape != tuple(info.shape):
-                problems.append(f"{keys[0]}: shape {shape} in {names[name]}, {tuple(info.shape)} in the model")
-            elif dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
-                problems.append(f"{keys[0]}: dtype {dtype} in {names[name]} is not floating point")
-            else:
-                source[info.slot.index] = name
-        for key in buffers:
-            if key in matched:
-                shape, _ = meta(matched[key])
-                if shape != tuple(state[key].shape):
-                    problems.append(f"{key}: shape {shape} in {names[matched[key]]}, {tuple(state[key].shape)} in the model")
+        files = _OpenWeights(
+            {f: stack.enter_context(safe_open(str(folder / f), framework="pt")) for f in sorted(set(names.values()))}, names
+        )
+        source, missing, problems = _check_params(client, keys_of, matched, files)
+        problems += _check_buffers(buffers, state, matched, files)
         if strict and missing:
             problems.append(
                 f"{len(missing)} params are not in the files: {missing[:5]}{' ...' if len(missing) > 5 else ''} (strict=False keeps their values)"
@@ -173,28 +151,9 @@ def load_pretrained(engine: EngineParts, path: str | os.PathLike, *, strict: boo
         unexpected = sorted(n for n in names if n not in used)
         if unexpected:
             logger.warning("%d tensors at %s are not in the model and were skipped: %s", len(unexpected), folder, unexpected[:5])
-        loaded = read_bytes = 0
         with torch.no_grad():
-            for info in client.params:
-                name = source.get(info.slot.index)
-                if name is None or not client.owns(info.chunk):
-                    continue
-                value = handles[names[name]].get_tensor(name)
-                read_bytes += value.numel() * value.element_size()
-                client.write_param(info.param, value)
-                loaded += 1
-                del value
-            loaded_buffers = 0
-            device = client.compute.torch_device
-            for key in buffers:
-                if key in matched:
-                    value = handles[names[matched[key]]].get_tensor(matched[key])
-                    if state[key].is_meta:  # a buffer built on the meta device gets its tensor
-                        owner, _, name = key.rpartition(".")
-                        engine.module.get_submodule(owner)._buffers[name] = value.to(device=device, dtype=state[key].dtype)
-                    else:
-                        state[key].copy_(value)
-                    loaded_buffers += 1
+            loaded, read_bytes = _write_params(client, source, files)
+            loaded_buffers = _write_buffers(engine.module, state, buffers, matched, files, client.compute.torch_device)
     logger.info("loaded %d params (%d bytes) and %d buffers from %s", loaded, read_bytes, loaded_buffers, folder)
     return LoadReport(
         files=sorted(set(names.values())),
@@ -204,3 +163,97 @@ def load_pretrained(engine: EngineParts, path: str | os.PathLike, *, strict: boo
         unexpected=unexpected,
         read_bytes=read_bytes,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpenWeights:
+    """The open safetensors files of a pretrained folder (file name -> ``safe_open`` handle)
+    and the file holding each tensor name; headers are read without reading tensors."""
+
+    handles: dict[str, Any]
+    names: dict[str, str]
+
+    def file_of(self, name: str) -> str:
+        return self.names[name]
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        """Shape and safetensors dtype (``"F32"``, ...) of tensor ``name``, from its header."""
+        piece = self.handles[self.names[name]].get_slice(name)
+        return tuple(piece.get_shape()), piece.get_dtype()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.handles[self.names[name]].get_tensor(name)
+
+
+def _check_params(
+    client: Client, keys_of: dict[int, list[str]], matched: dict[str, str], files: _OpenWeights
+) -> tuple[dict[int, str], list[str], list[str]]:
+    """Each registered param's name in the files, checked by shape and dtype before anything
+    is written: (registration index -> name, the model keys the files lack, the problems)."""
+    source: dict[int, str] = {}  # registration index -> name in the files
+    missing: list[str] = []
+    problems: list[str] = []
+    for info in client.params:
+        keys = keys_of.get(id(info.param), [info.name])
+        name = next((matched[k] for k in keys if k in matched), None)
+        if name is None:
+            missing.append(keys[0])
+            continue
+        shape, dtype = files.meta(name)
+        if shape != tuple(info.shape):
+            problems.append(f"{keys[0]}: shape {shape} in {files.file_of(name)}, {tuple(info.shape)} in the model")
+        elif dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
+            problems.append(f"{keys[0]}: dtype {dtype} in {files.file_of(name)} is not floating point")
+        else:
+            source[info.slot.index] = name
+    return source, missing, problems
+
+
+def _check_buffers(buffers: list[str], state: dict[str, torch.Tensor], matched: dict[str, str], files: _OpenWeights) -> list[str]:
+    """The buffers (``state`` keys not registered with the client) whose shape in the files differs."""
+    problems = []
+    for key in buffers:
+        if key in matched:
+            shape, _ = files.meta(matched[key])
+            if shape != tuple(state[key].shape):
+                problems.append(f"{key}: shape {shape} in {files.file_of(matched[key])}, {tuple(state[key].shape)} in the model")
+    return problems
+
+
+def _write_params(client: Client, source: dict[int, str], files: _OpenWeights) -> tuple[int, int]:
+    """Write each param of the chunks this rank owns from the files, one tensor read at a
+    time (see [Note: memory while loading]): (params written, bytes read)."""
+    loaded = read_bytes = 0
+    for info in client.params:
+        name = source.get(info.slot.index)
+        if name is None or not client.owns(info.chunk):
+            continue
+        value = files.tensor(name)
+        read_bytes += value.numel() * value.element_size()
+        client.write_param(info.param, value)
+        loaded += 1
+        del value
+    return loaded, read_bytes
+
+
+def _write_buffers(
+    module: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    buffers: list[str],
+    matched: dict[str, str],
+    files: _OpenWeights,
+    device: torch.device,
+) -> int:
+    """Copy the matched buffers from the files (a buffer built on the meta device gets a
+    tensor on ``device``); the number written."""
+    loaded_buffers = 0
+    for key in buffers:
+        if key in matched:
+            value = files.tensor(matched[key])
+            if state[key].is_meta:  # a buffer built on the meta device gets its tensor
+                owner, _, name = key.rpartition(".")
+                module.get_submodule(owner)._buffers[name] = value.to(device=device, dtype=state[key].dtype)
+            else:
+                state[key].copy_(value)
+            loaded_buffers += 1
+    return loaded_buffers

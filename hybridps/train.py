@@ -23,6 +23,7 @@ streamed into each rank's chunks, the text tokenized with the folder's tokenizer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -31,10 +32,15 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridps.common.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from hybridps.common.config import Config
+    from hybridps.hf_task import HFCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +148,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     import hybridps
-    from hybridps.models import GPT, GPTConfig
 
     rank, local_rank, world = hybridps.init_distributed()
     base = hybridps.Config.from_file(args.config) if args.config else hybridps.Config()
@@ -152,44 +157,115 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     data = read_corpus(args.data, parse_bytes(args.data_bytes)) if args.data else stdlib_text(parse_bytes(args.data_bytes))
     micro = args.batch // world
-    hf_task = None
+    task = _build_task(args, data, micro)
+    model = task.model
+    # the fused kernel: several times faster than torch's default for-loop kernel on the CPU
+    optimizer = torch.optim.AdamW(task.groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world)
+    config = base.replace(
+        devices=devices,
+        precision=args.precision,
+        manager=args.manager or base.manager,
+        record=bool(args.plot or args.trace) or base.record,
+    )
+    engine = hybridps.initialize(model, optimizer, config)
+    if task.hf_task is not None:
+        task.hf_task.after_initialize(engine)
+
+    def loss_of(x, y):
+        return task.loss(engine, x, y)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, _lr_factor(args.warmup_steps, args.steps))
+    start = 0
+    if args.resume:
+        state = engine.load_checkpoint(args.resume, lr_scheduler=scheduler) or {}
+        start = int(state.get("next_step", engine.global_step))
+    stats0 = engine.memory_stats()
+    losses, tokens, elapsed = _train_steps(
+        args, engine, batches=task.batches, scheduler=scheduler, loss_of=loss_of, start=start, rank=rank, world=world
+    )
+    val = _validation_loss(engine, task.batches, micro, rank, world, loss_of)
+    if args.save:
+        task.hf_task.save(engine, model, args.save, rank)
+    if args.ckpt:
+        engine.save_checkpoint(args.ckpt, lr_scheduler=scheduler, client_state={"next_step": start + args.steps})
+    if args.plot and rank == 0:
+        engine.plot_memory(args.plot)
+    if args.trace:
+        engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
+    summary = _summary(args, task.n_params, world, losses, val, tokens, elapsed, engine.memory_stats(), stats0)
+    if rank == 0:
+        print(json.dumps(summary, indent=2) if args.json else _summary_text(summary))
+    engine.close()
+    return summary
+
+
+@dataclasses.dataclass
+class _Task:
+    """What one run trains: the model, its batches and param groups, its size, a rough
+    estimate of one micro-batch's fp32 activations, and its loss; ``hf_task`` for a Hugging
+    Face model (None for the byte-level GPT)."""
+
+    model: torch.nn.Module
+    batches: TokenBatches
+    groups: list
+    n_params: int
+    activations_fp32: int
+    hf_task: HFCausalLM | None = None
+
+    def loss(self, engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.hf_task is not None:
+            return self.hf_task.loss(engine, x, y)
+        return engine(x, y)[1]
+
+
+def _build_task(args: argparse.Namespace, data: bytes, micro: int) -> _Task:
+    """The model ``args`` ask for (a Hugging Face causal LM with ``--model`` or
+    ``--model-config``, else the byte-level GPT) on ``data``, batches of ``micro`` rows a rank."""
+    from hybridps.models import GPT, GPTConfig
+
     if args.model is not None or args.model_config is not None:
         from hybridps.hf_task import HFCausalLM
 
         hf_task = HFCausalLM(model_path=args.model, config_path=args.model_config, lora_rank=args.lora, seq_len=args.seq)
         model = hf_task.build()
-        batches = TokenBatches(hf_task.token_ids(data), args.seq)
-        groups = hf_task.param_groups(model)
-        n_params = hf_task.n_params(model)
-        activations_fp32 = hf_task.activation_estimate_bytes(micro)
-
-        def loss_of(x, y):
-            return hf_task.loss(engine, x, y)
-    else:
-        if args.lora or args.save:
-            raise SystemExit("--lora and --save need a Hugging Face model: --model PATH or --model-config FILE")
-        batches = ByteBatches(data, args.seq)
-        cfg = GPTConfig(
-            vocab_size=256,
-            seq_len=args.seq,
-            n_layer=args.layers,
-            n_head=args.heads,
-            d_model=args.d_model,
-            checkpoint=args.checkpointing,
+        return _Task(
+            model=model,
+            batches=TokenBatches(hf_task.token_ids(data), args.seq),
+            groups=hf_task.param_groups(model),
+            n_params=hf_task.n_params(model),
+            activations_fp32=hf_task.activation_estimate_bytes(micro),
+            hf_task=hf_task,
         )
-        model = GPT(cfg)
-        groups = [
-            {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        n_params = cfg.n_params
-        activations_fp32 = estimate_activation_bytes(cfg, micro)
+    if args.lora or args.save:
+        raise SystemExit("--lora and --save need a Hugging Face model: --model PATH or --model-config FILE")
+    batches = ByteBatches(data, args.seq)
+    cfg = GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.d_model,
+        checkpoint=args.checkpointing,
+    )
+    model = GPT(cfg)
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return _Task(
+        model=model,
+        batches=batches,
+        groups=groups,
+        n_params=cfg.n_params,
+        activations_fp32=estimate_activation_bytes(cfg, micro),
+    )
 
-        def loss_of(x, y):
-            return engine(x, y)[1]
 
-    # the fused kernel: several times faster than torch's default for-loop kernel on the CPU
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+def _device_capacities(args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int) -> dict:
+    """The ``Config.devices`` of the run: with no GPU visible a simulated GPU smaller than the
+    model data (``--gpu-capacity auto``) or of ``--gpu-capacity``; the config file's devices
+    unless ``--gpu-capacity`` is given."""
     per_param = 14 if args.precision != "fp32" else 16
     model_bytes = n_params * per_param // world
     devices: dict = {}
@@ -209,28 +285,29 @@ def run(args: argparse.Namespace) -> dict:
         devices = {"cuda:local": parse_bytes(args.gpu_capacity, what="--gpu-capacity")}
     if base.devices and args.gpu_capacity == "auto":
         devices = dict(base.devices)  # the file's, unless --gpu-capacity says otherwise
-    config = base.replace(
-        devices=devices,
-        precision=args.precision,
-        manager=args.manager or base.manager,
-        record=bool(args.plot or args.trace) or base.record,
-    )
-    engine = hybridps.initialize(model, optimizer, config)
-    if hf_task is not None:
-        hf_task.after_initialize(engine)
+    return devices
+
+
+def _lr_factor(warmup_steps: int, steps: int):
+    """The learning-rate factor of each step (``LambdaLR``'s): a linear warm-up over
+    ``warmup_steps``, then a cosine down to 0.1 at ``steps``."""
 
     def lr_at(step: int) -> float:
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_at)
-    start = 0
-    if args.resume:
-        state = engine.load_checkpoint(args.resume, lr_scheduler=scheduler) or {}
-        start = int(state.get("next_step", engine.global_step))
-    stats0 = engine.memory_stats()
+    return lr_at
+
+
+def _train_steps(
+    args: argparse.Namespace, engine, *, batches: TokenBatches, scheduler, loss_of, start: int, rank: int, world: int
+) -> tuple[list[float], int, float]:
+    """``args.steps`` training steps from step ``start``, each rank on its rows of the global
+    batch, with a progress bar on rank 0: (the loss of each step averaged over ranks, tokens
+    trained on, seconds)."""
+    micro = args.batch // world
     bar = _progress(args, rank, start)
     losses: list[float] = []
     t_start = time.perf_counter()
@@ -258,18 +335,23 @@ def run(args: argparse.Namespace) -> dict:
             print(f"step {step + 1}: loss {value:.4f}", file=sys.stderr)
     if bar is not None:
         bar.close()
-    elapsed = time.perf_counter() - t_start
-    val = _validation_loss(engine, batches, micro, rank, world, loss_of)
-    if args.save:
-        hf_task.save(engine, model, args.save, rank)
-    if args.ckpt:
-        engine.save_checkpoint(args.ckpt, lr_scheduler=scheduler, client_state={"next_step": start + args.steps})
-    if args.plot and rank == 0:
-        engine.plot_memory(args.plot)
-    if args.trace:
-        engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
-    stats = engine.memory_stats()
-    summary = {
+    return losses, tokens, time.perf_counter() - t_start
+
+
+def _summary(
+    args: argparse.Namespace,
+    n_params: int,
+    world: int,
+    losses: list[float],
+    val: float,
+    tokens: int,
+    elapsed: float,
+    stats: dict,
+    stats0: dict,
+) -> dict:
+    """The run's summary (printed, and returned by ``run``); ``stats0`` and ``stats`` are the
+    engine's memory stats before the first step and at the end."""
+    return {
         "params": n_params,
         "model": str(args.model or args.model_config or "byte-level GPT") + (f" + LoRA r={args.lora}" if args.lora else ""),
         "ranks": world,
@@ -297,10 +379,6 @@ def run(args: argparse.Namespace) -> dict:
         "checkpoint": str(args.ckpt) if args.ckpt else None,
         "saved": str(args.save) if args.save else None,
     }
-    if rank == 0:
-        print(json.dumps(summary, indent=2) if args.json else _summary_text(summary))
-    engine.close()
-    return summary
 
 
 def _mean_over_ranks(value: torch.Tensor, world: int) -> float:

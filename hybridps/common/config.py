@@ -15,7 +15,7 @@ import os
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -25,10 +25,16 @@ from hybridps.common.units import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-EVICTIONS = ("auto", "lru", "opt")
+#: the values ``Config.precision``, ``Config.eviction`` and ``Config.placement`` accept: types
+#: only, the values stay plain strings
+PrecisionName = Literal["fp32", "fp16", "bf16"]
+EvictionName = Literal["auto", "lru", "opt"]
 #: placement policies (hybridps/client/memory/placement.py, POLICIES)
-PLACEMENTS = ("tidal", "cpu_optimizer")
+PlacementName = Literal["tidal", "cpu_optimizer"]
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+EVICTIONS: tuple[str, ...] = get_args(EvictionName)
+PLACEMENTS: tuple[str, ...] = get_args(PlacementName)
 
 
 def _field(
@@ -50,7 +56,7 @@ class Config:
     in its ``doc`` below; docs/CONFIG.md shows them all (generated from these).
     """
 
-    precision: str = _field(
+    precision: PrecisionName = _field(
         "fp32",
         section="Model data layout",
         unit='`"fp32"`, `"fp16"`, `"bf16"`',
@@ -79,7 +85,7 @@ class Config:
             'machine has".'
         ),
     )
-    simulate: bool | str = _field(
+    simulate: bool | Literal["always", "meta"] = _field(
         True,
         section="Memory and devices",
         unit='`True`, `False`, `"always"`, `"meta"`',
@@ -137,7 +143,7 @@ class Config:
         unit="elements",
         doc="Offsets of tensors inside chunks are multiples of this.",
     )
-    eviction: str = _field(
+    eviction: EvictionName = _field(
         "auto",
         section="Placement and movement",
         unit='`"auto"`, `"opt"`, `"lru"`',
@@ -146,7 +152,7 @@ class Config:
             'recently used, `"auto"` = opt once a trace exists, lru before.'
         ),
     )
-    placement: str = _field(
+    placement: PlacementName = _field(
         "tidal",
         section="Placement and movement",
         unit='`"tidal"`, `"cpu_optimizer"`',
@@ -204,7 +210,7 @@ class Config:
             "chunks the trace uses after the one it brings, never one needed sooner."
         ),
     )
-    overlap_step: bool | str = _field(
+    overlap_step: bool | Literal["auto"] = _field(
         "auto",
         section="Placement and movement",
         unit='`"auto"`, `True`, `False`',

@@ -244,24 +244,15 @@ def derive_rank_share(
     s = sharding.shard_size
     lay = _group_layout(sim, s, node, margin_bytes=margin_bytes)
     param_elem = _param_elem_bytes(sim)
-    weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
-    owner_of = owners_by_bytes(weights, s)
-    shares = [0] * s
-    for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
-        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else param_elem)
+    shares = _place_shares(sim, lay, param_elem)
     owned = max(shares, default=0)
     even = math.ceil(sum(shares) / s)
     gathered, gathered_module = _gathered(sim, lay)
     gpu_need = sim.non_model_peak_bytes + gathered + margin_bytes
-    gpu_room = max(0, node.gpu_bytes - gpu_need)  # GPU bytes left for owned chunks at the tightest moment
-    # the arena's free slots beside a rank's param (and grad) chunks on the CPU
-    arena_idle = idle_bound_bytes(cap * param_elem for cap in set(lay.capacities))
-    cpu_of_place = [share - gpu_room + arena_idle if share > gpu_room else 0 for share in shares]
+    cpu_of_place = _cpu_of_places(shares, lay, param_elem, gpu_room_bytes=max(0, node.gpu_bytes - gpu_need))
     cpu = max(cpu_of_place, default=0)
-    rpn = node.ranks_per_node
-    offsets = sharding.node_offsets()
-    node_owned = max(sum(shares[(o + i) % s] for i in range(rpn)) for o in offsets)
-    cpu_node = max(sum(cpu_of_place[(o + i) % s] for i in range(rpn)) for o in offsets)
+    node_owned = _busiest_node(shares, sharding, node.ranks_per_node)
+    cpu_node = _busiest_node(cpu_of_place, sharding, node.ranks_per_node)
     fraction = owned / sim.model_data_bytes if sim.model_data_bytes and cpu else 0.0
     sim_gpu_peak = sim.gpu.peak_bytes if sim.gpu else 0
     return RankShare(
@@ -286,6 +277,36 @@ def derive_rank_share(
         moved_bytes_per_step={k: math.ceil(v * fraction) for k, v in sim.moved_bytes_per_step.items() if fraction},
         communication=Communication.of(sum(lay.capacities) * param_elem, sharding),
     )
+
+
+def _place_shares(sim: Simulation, lay: _GroupLayout, param_elem_bytes: int) -> list[int]:
+    """The bytes each place of a shard group owns in layout ``lay``, owners assigned by bytes
+    as the client assigns them: every kind of chunk of a chunk with params, only the param
+    chunk (``param_elem_bytes`` an element) of a padding chunk."""
+    weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
+    owner_of = owners_by_bytes(weights, lay.shard_size)
+    shares = [0] * lay.shard_size
+    for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
+        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else param_elem_bytes)
+    return shares
+
+
+def _cpu_of_places(shares: Sequence[int], lay: _GroupLayout, param_elem_bytes: int, *, gpu_room_bytes: int) -> list[int]:
+    """The CPU bytes of each place of a shard group: what of its share (``shares``) does not
+    fit in the ``gpu_room_bytes`` its GPU leaves for owned chunks, plus, when some does not,
+    the most the host arena holds beyond its lent slots."""
+    # the arena's free slots beside a rank's param (and grad) chunks on the CPU
+    arena_idle = idle_bound_bytes(cap * param_elem_bytes for cap in set(lay.capacities))
+    return [share - gpu_room_bytes + arena_idle if share > gpu_room_bytes else 0 for share in shares]
+
+
+def _busiest_node(bytes_of_place: Sequence[int], sharding: Sharding, ranks_per_node: int) -> int:
+    """The most bytes the ranks of one node hold together, given ``bytes_of_place`` for each
+    place of a shard group: a node's ranks are consecutive, so they sit at the places
+    ``offset .. offset + ranks_per_node - 1`` (modulo the shard size) of
+    ``sharding.node_offsets()``."""
+    s = sharding.shard_size
+    return max(sum(bytes_of_place[(o + i) % s] for i in range(ranks_per_node)) for o in sharding.node_offsets())
 
 
 def _param_elem_bytes(sim: Simulation) -> int:

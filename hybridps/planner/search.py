@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
-from hybridps.planner.host_peak import init_peak
+from hybridps.planner.host_peak import InitPeak, init_peak
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR, peer_bytes, peer_plans
@@ -401,6 +401,8 @@ class Planner:
         )
 
     def _hybridps_plan(self, ev: Evaluation, largest: LargestModel | None, refused: str | None) -> HybridPSPlan:
+        """HybridPS's figures for ``ev``: the simulated rank's own, or for a multi-rank job the
+        derived share's (the layout the clients use for the shard group)."""
         sim, share, node = ev.sim, ev.share, self.node
         itemsize = PRECISIONS[self.request.precision].itemsize
         total_elems = sum(sim.chunk_capacities)
@@ -412,28 +414,7 @@ class Planner:
             chunk_elems, chunks, padding = share.chunk_size_elements, share.chunks, share.padding_fraction
             working_set, working_module = share.gathered_bytes, share.gathered_module
         chunk_bytes = (chunk_elems or 0) * itemsize
-        warnings = []
-        if sim.gpu and sim.peak_total_warmup_bytes > node.gpu_bytes:
-            warnings.append(
-                f"during the warm-up iteration chunks + activations reach {format_bytes(sim.peak_total_warmup_bytes)} on "
-                f"a {format_bytes(node.gpu_bytes)} GPU (the budget follows activations only after warm-up); a real GPU "
-                f"needs that headroom once, so consider a margin of "
-                f"{format_bytes(sim.peak_total_warmup_bytes - node.gpu_bytes)}"
-            )
         init = init_peak(sim, share, node, simulated_gpus=self.request.simulated_gpus) if sim.completed else None
-        if init is not None and init.host_peak_bytes * node.ranks_per_node > node.cpu_bytes:
-            warnings.append(
-                f"building and loading the model takes {format_bytes(init.host_peak_bytes)} of host memory per rank "
-                f"({format_bytes(init.host_peak_bytes * node.ranks_per_node)} for the node's {node.ranks_per_node} ranks) "
-                f"of {format_bytes(node.cpu_bytes)}: build it under hybridps.meta_init() and load with "
-                f"engine.load_pretrained, and leave the host that much"
-            )
-        if share is not None and share.imbalance > 1.1:
-            warnings.append(
-                f"the largest rank owns {format_bytes(share.owned_bytes)}, {share.imbalance:.2f}x the even share "
-                f"{format_bytes(share.even_share_bytes)}: chunks are few per rank, or some tensors are larger than a "
-                f"chunk; more ranks per chunk group or a smaller chunk_size evens the shares"
-            )
         common = dict(
             fits=ev.fits,
             reason=ev.reason,
@@ -449,7 +430,7 @@ class Planner:
             else sim.non_model_peak_bytes + sim.min_compute_bytes + self.margin_bytes,
             simulation_failure=sim.failure,
             largest=largest,
-            warnings=tuple(warnings),
+            warnings=tuple(_plan_warnings(sim, share, init, node)),
             init=init,
             sharding=self.sharding,
             refused=refused,
@@ -466,38 +447,13 @@ class Planner:
                 moved_bytes_per_step=sim.moved_bytes_per_step,
                 **common,
             )
-        gpu = DeviceFigures(
-            device="cuda:0",
-            capacity_bytes=node.gpu_bytes,
-            # what of the share (and the gathered set) the GPU keeps beside peak activations
-            model_data_bytes=min(
-                share.gpu_peak_bytes,
-                share.owned_bytes + share.gathered_bytes,
-                max(0, node.gpu_bytes - share.gpu_need_bytes) + share.gathered_bytes,
-            ),
-            peak_bytes=share.gpu_peak_bytes,
-            non_model_peak_bytes=sim.non_model_peak_bytes,
-            # the tidal budget lets chunks fill what activations leave, as on one rank
-            peak_total_bytes=min(
-                node.gpu_bytes - self.margin_bytes,
-                share.owned_bytes + share.gathered_bytes + sim.non_model_peak_bytes,
-            ),
-            derived=True,
-        )
-        cpu = DeviceFigures(
-            device="cpu",
-            capacity_bytes=node.cpu_bytes // node.ranks_per_node,
-            model_data_bytes=share.cpu_bytes,
-            peak_bytes=share.cpu_bytes,
-            derived=True,
-        )
         return HybridPSPlan(
             derived=True,
             group_bytes=share.group_bytes,
             communication=share.communication,
             model_data_bytes=share.owned_bytes,
-            gpu=gpu,
-            cpu=cpu,
+            gpu=_derived_gpu(sim, share, node, self.margin_bytes),
+            cpu=_derived_cpu(share, node),
             cpu_node_bytes=share.cpu_node_bytes,
             moved_bytes_per_step=share.moved_bytes_per_step,
             rank_share=share,
@@ -703,3 +659,65 @@ def _on_line(line: Sequence[Simulation], n: int, value: Callable[[Simulation], i
         return float(value(a))
     slope = (value(b) - value(a)) / (b.n_layer - a.n_layer)
     return value(a) + slope * (n - a.n_layer)
+
+
+def _plan_warnings(sim: Simulation, share: RankShare | None, init: InitPeak | None, node: NodeSpec) -> list[str]:
+    """What a plan that fits may still run into on ``node``: the warm-up's GPU peak above the
+    GPU, the host peak of building and loading the model (``init``) above the host, and a
+    rank ``share`` well above the even one."""
+    warnings = []
+    if sim.gpu and sim.peak_total_warmup_bytes > node.gpu_bytes:
+        warnings.append(
+            f"during the warm-up iteration chunks + activations reach {format_bytes(sim.peak_total_warmup_bytes)} on "
+            f"a {format_bytes(node.gpu_bytes)} GPU (the budget follows activations only after warm-up); a real GPU "
+            f"needs that headroom once, so consider a margin of "
+            f"{format_bytes(sim.peak_total_warmup_bytes - node.gpu_bytes)}"
+        )
+    if init is not None and init.host_peak_bytes * node.ranks_per_node > node.cpu_bytes:
+        warnings.append(
+            f"building and loading the model takes {format_bytes(init.host_peak_bytes)} of host memory per rank "
+            f"({format_bytes(init.host_peak_bytes * node.ranks_per_node)} for the node's {node.ranks_per_node} ranks) "
+            f"of {format_bytes(node.cpu_bytes)}: build it under hybridps.meta_init() and load with "
+            f"engine.load_pretrained, and leave the host that much"
+        )
+    if share is not None and share.imbalance > 1.1:
+        warnings.append(
+            f"the largest rank owns {format_bytes(share.owned_bytes)}, {share.imbalance:.2f}x the even share "
+            f"{format_bytes(share.even_share_bytes)}: chunks are few per rank, or some tensors are larger than a "
+            f"chunk; more ranks per chunk group or a smaller chunk_size evens the shares"
+        )
+    return warnings
+
+
+def _derived_gpu(sim: Simulation, share: RankShare, node: NodeSpec, margin_bytes: int) -> DeviceFigures:
+    """One rank's GPU figures derived from its ``share`` of a multi-rank job, planned with
+    ``margin_bytes`` (the user's margin plus the transient allowance)."""
+    return DeviceFigures(
+        device="cuda:0",
+        capacity_bytes=node.gpu_bytes,
+        # what of the share (and the gathered set) the GPU keeps beside peak activations
+        model_data_bytes=min(
+            share.gpu_peak_bytes,
+            share.owned_bytes + share.gathered_bytes,
+            max(0, node.gpu_bytes - share.gpu_need_bytes) + share.gathered_bytes,
+        ),
+        peak_bytes=share.gpu_peak_bytes,
+        non_model_peak_bytes=sim.non_model_peak_bytes,
+        # the tidal budget lets chunks fill what activations leave, as on one rank
+        peak_total_bytes=min(
+            node.gpu_bytes - margin_bytes,
+            share.owned_bytes + share.gathered_bytes + sim.non_model_peak_bytes,
+        ),
+        derived=True,
+    )
+
+
+def _derived_cpu(share: RankShare, node: NodeSpec) -> DeviceFigures:
+    """One rank's CPU figures derived from its ``share``: its slice of the node's host memory."""
+    return DeviceFigures(
+        device="cpu",
+        capacity_bytes=node.cpu_bytes // node.ranks_per_node,
+        model_data_bytes=share.cpu_bytes,
+        peak_bytes=share.cpu_bytes,
+        derived=True,
+    )

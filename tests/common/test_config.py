@@ -1,8 +1,11 @@
 import dataclasses
+import typing
 
 import pytest
 
 from hybridps import Config, ConfigError
+from hybridps.common.config import EVICTIONS, PLACEMENTS, PRECISIONS
+from hybridps.common.devices import SIMULATE_MODES
 
 
 def test_capacities_in_human_units_become_bytes():
@@ -42,3 +45,32 @@ def test_bad_config_values_are_refused_naming_the_value(kwargs, fragment):
     with pytest.raises(ConfigError) as e:
         Config(**kwargs)
     assert fragment in str(e.value)
+
+
+def _literal_values(hint: object) -> set:
+    """The values a field's type admits: a Literal's, and True and False for bool."""
+    if hint is bool:
+        return {True, False}
+    if typing.get_origin(hint) is typing.Literal:
+        return set(typing.get_args(hint))
+    return set().union(*(_literal_values(arg) for arg in typing.get_args(hint)))
+
+
+#: what Config.__post_init__ checks each of these fields against
+_ACCEPTED = {
+    "precision": set(PRECISIONS),
+    "eviction": set(EVICTIONS),
+    "placement": set(PLACEMENTS),
+    "overlap_step": {True, False, "auto"},
+    "simulate": set(SIMULATE_MODES),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ACCEPTED))
+def test_a_fields_literal_type_names_exactly_the_values_its_validation_accepts(name):
+    values = _literal_values(typing.get_type_hints(Config)[name])
+    assert values == _ACCEPTED[name]
+    for value in values:
+        assert getattr(Config(**{name: value}), name) == value  # the value itself, a plain str or bool
+    with pytest.raises(ConfigError, match=f"{name}='nonsense'"):
+        Config(**{name: "nonsense"})
