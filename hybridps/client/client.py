@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.layout import ChunkLayout, Slot, choose_chunk_size
+from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_chunk_size
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.comm import Collectives
@@ -1127,18 +1127,3 @@ def _collectives_prefix(process_group) -> str:
     n = _CLIENTS_OF_GROUP[key]
     _CLIENTS_OF_GROUP[key] += 1
     return f"hybridps/c{n}"
-
-
-def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int) -> int:
-    """The chunk size a client uses for params of ``numels`` (``config.chunk_size`` if set)."""
-    if config.chunk_size is not None:
-        return config.chunk_size
-    cap = compute.capacity_bytes - config.margin if compute.is_gpu else None
-    return choose_chunk_size(
-        numels,
-        elem_bytes=config.param_dtype.itemsize,
-        capacity_bytes=cap,
-        alignment=config.alignment,
-        # several ranks: enough chunks that each rank owns a balanced share
-        min_chunks=4 if world_size == 1 else 8 * world_size,
-    )
