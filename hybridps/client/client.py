@@ -19,7 +19,6 @@ last ``release``. The state given to the last release is the one the param ends 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ from hybridps.client.dist.comm import Collectives
 from hybridps.client.dist.groups import ChunkGroups
 from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
+from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.placement import make_policy
 from hybridps.client.memory.sim_link import SimulatedLink
@@ -919,29 +919,11 @@ class Client:
         }
 
     def host_memory(self) -> dict:
-        """What this rank holds in host memory, by part, next to the process's RSS: chunks on
-        the CPU and on simulated GPUs (their payloads are host memory), idle pooled buffers,
-        the host arena's bytes that are not chunk payloads, the optimizer's fp32 staging
-        buffers and grads waiting beside their slots. RSS also
-        holds torch itself, activations and the allocator's free lists, so it exceeds
-        ``accounted_bytes`` by a fixed amount plus what a step allocates transiently."""
-        simulated = [d.name for d in self.inventory if d.simulated]
+        """What this rank holds in host memory, by part, next to the process's RSS (host_memory.py)."""
         buffers = self.optimizer._buffers.values() if self.optimizer is not None else ()
-        parts = {
-            "cpu_chunk_bytes": self.mover.used_bytes["cpu"],
-            "simulated_gpu_chunk_bytes": sum(self.mover.used_bytes[d] for d in simulated),
-            "pool_bytes": self.mover.pool.held_bytes,
-            # free slots of the arena, and slots a copy in flight or a view still holds
-            "arena_idle_bytes": self.mover.arena_idle_bytes,
-            "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
-            "pending_grad_bytes": self.pending.waiting_bytes(),
-        }
-        parts["accounted_bytes"] = sum(parts.values())
-        parts["rss_bytes"] = _rss_bytes()
-        # freed memory the C allocator keeps for reuse (activations and temporaries of the last
-        # step): not HybridPS's data, but most of what RSS holds beyond it and torch's baseline
-        parts["allocator_free_bytes"] = _allocator_free_bytes()
-        return parts
+        return host_breakdown(
+            self.mover, self.inventory, optimizer_buffers=buffers, pending_grad_bytes=self.pending.waiting_bytes()
+        )
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -1015,36 +997,6 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.store.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-def _allocator_free_bytes() -> int | None:
-    """Free bytes glibc's malloc holds in its arenas (``mallinfo2().fordblks``; glibc >=
-    2.33), None elsewhere. [Note] Measured at 91 M params after three steps: RSS growth
-    1.16x the accounted bytes, 1.02x once these were returned (malloc_trim); trimming every
-    step would cost re-faulting the next step's activations, so they are reported instead."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    return int(fn().fordblks)
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident set size (Linux), None where /proc is not there."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
