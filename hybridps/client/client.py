@@ -44,6 +44,7 @@ from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.params.grads import Grads
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
+from hybridps.client.params.values import Values
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
@@ -131,6 +132,10 @@ class Client:
         self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=world_size)
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = self.grads.pending
+        #: param values read, written and given back outside accesses (values.py)
+        self.values = Values(
+            self.store, self.mover, placement=self.placement, guard=self.guard, groups=self.groups, compute=self.compute
+        )
         #: an optimizer will be registered (the engine's case): registration counts Adam states too
         self.expect_optimizer = False
         self._closed = False
@@ -702,59 +707,24 @@ class Client:
         if self.groups is not None:
             self.groups.end_backward()
 
-    # -- values ----------------------------------------------------------------------------
+    # -- values (values.py) ----------------------------------------------------------------
 
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
-        With several ranks only for params in chunks this rank owns (see ``full_values``)."""
-        info = self.param_info(param)
-        if not self.owns(info.chunk):
-            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
-        chunk = self.store.rows[self.master_kind][info.chunk]
-        if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
-            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
-        if chunk.payload is None:
-            return torch.zeros(info.shape, dtype=chunk.dtype)
-        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+        return self.values.read_param(param)
 
-    @torch.no_grad()
     def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Set ``param``'s value (master copy and compute-precision copy)."""
-        self.guard.read_cache = None  # no copy read before this write may be handed out again
-        info = self.param_info(param)
-        if not self.owns(info.chunk):
-            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
-        if tuple(value.shape) != tuple(info.shape):
-            raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
-        kinds = (ChunkKind.PARAM, self.master_kind)
-        if info.has_grad and self.config.grad_reuse:
-            if self.master_kind is ChunkKind.PARAM:
-                raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
-            kinds = (self.master_kind,)  # the slot holds the grad; the step writes the new master back to it
-        for kind in dict.fromkeys(kinds):
-            chunk = self.store.rows[kind][info.chunk]
-            if chunk.payload is None:
-                self.mover.place(chunk, self.placement.home(kind))
-            chunk.view(info.slot).copy_(value.reshape(-1))
+        self.values.write_param(param, value)
 
     def read_value(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU copy of ``param``'s value as the user's model holds it: full precision, in the
-        dtype it was registered with."""
-        info = self.param_info(param)
-        if info.kind is ChunkKind.BUFFER:
-            return self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
-        return self.read_param(param).to(info.orig_dtype)
+        return self.values.read_value(param)
 
     def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Set ``param``'s value (master and compute copies; the buffer of a managed tensor)."""
-        info = self.param_info(param)
-        if info.kind is ChunkKind.BUFFER:
-            if tuple(value.shape) != tuple(info.shape):
-                raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
-            with torch.no_grad():
-                self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
-            return
-        self.write_param(param, value)
+        self.values.write_value(param, value)
+
+    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
+        """Every param's full-precision value (CPU), in registration order; with several ranks
+        every rank iterates it together (values.py)."""
+        return self.values.full_values()
 
     # -- stats -----------------------------------------------------------------------------
 
@@ -832,7 +802,7 @@ class Client:
             self.groups.settle_all()  # no collective may still write into a chunk being freed
         try:
             if restore:
-                self._restore_params()
+                self.values.restore_params()
             self.mover.release_all(self.all_chunks())
         finally:
             for info in [*self.params, *self.buffers]:
@@ -843,34 +813,6 @@ class Client:
             self.connection.close()
             if self.link is not None:
                 self.link.close()
-
-    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
-        """Every param's full-precision value (CPU), in registration order. With several ranks
-        every rank must iterate this together: values of other ranks' chunks are gathered one
-        chunk group at a time."""
-        if self.groups is None:
-            for info in self.params:
-                yield info, self.read_param(info.param)
-            return
-        for g in range(self.groups.num_groups):
-            rows = self.groups.gather_rows(self.master_kind, g)
-            for r, index in enumerate(self.groups.ranked(g)):
-                for slot in self.store.rows[ChunkKind.PARAM][index].slots:
-                    info = self.params[slot.index]
-                    yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
-
-    def _restore_params(self) -> None:
-        device = self.compute.torch_device
-        for info, value in self.full_values():
-            ParamGuard.materialize(info, value.to(device=device, dtype=info.orig_dtype))
-            self.guard.forget(info)
-            info.refs = 0
-        for info in self.buffers:
-            chunk = self.store.rows[ChunkKind.BUFFER][info.chunk]
-            assert chunk.payload is not None
-            ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
-            self.guard.forget(info)
-            info.refs = 0
 
     def __enter__(self) -> Client:
         return self
