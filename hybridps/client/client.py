@@ -43,6 +43,7 @@ from hybridps.client.memory.sim_link import SimulatedLink
 from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.params.grads import Grads
+from hybridps.client.params.managed import ManagedTensors
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.client.params.values import Values
 from hybridps.common.config import Config
@@ -114,7 +115,6 @@ class Client:
         )
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
-        self._buffer_layout: ChunkLayout | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.optimizer: ChunkedAdam | None = None
         #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
@@ -132,6 +132,17 @@ class Client:
         self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=world_size)
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = self.grads.pending
+        #: results of collectives kept in buffer chunks (managed.py)
+        self.managed = ManagedTensors(
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            world_size=world_size,
+            placeholder=self._placeholder,
+            check_open=self._check_open,
+        )
         #: param values read, written and given back outside accesses (values.py)
         self.values = Values(
             self.store, self.mover, placement=self.placement, guard=self.guard, groups=self.groups, compute=self.compute
@@ -625,71 +636,13 @@ class Client:
     def drop_grad(self, param: nn.Parameter) -> None:
         self.grads.drop_grad(param)
 
-    # -- collectives whose results HybridPS manages (the seed's "allreduce to me" / "broadcast from me")
+    # -- collectives whose results HybridPS manages (managed.py) ------------------------------
 
-    @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", name: str | None = None) -> nn.Parameter:
-        """All-reduce ``tensor`` over the ranks, chunk by chunk; return the result as a tensor
-        that lives in HybridPS chunks (``access``/``release`` it like a param)."""
-        if op not in ("avg", "sum"):
-            raise ConfigError(f"op={op!r}; use 'avg' or 'sum'")
-        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
-        if self.groups is not None:
-            for piece in self._pieces(flat):
-                self.groups.everyone.all_reduce(piece, what=f"allreduce of {name or 'a tensor'}")
-                if op == "avg":
-                    piece.div_(self.world_size)
-        return self._managed(flat.view(tensor.shape), name or "allreduce")
+        return self.managed.allreduce(tensor, op=op, name=name)
 
-    @torch.no_grad()
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str | None = None) -> nn.Parameter:
-        """Broadcast rank ``src``'s ``tensor`` (same shape and dtype on every rank), chunk by
-        chunk; return the result as a HybridPS-managed tensor."""
-        if not 0 <= src < self.world_size:
-            raise ConfigError(f"src={src} is not a rank of this world of {self.world_size}")
-        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
-        if self.groups is not None:
-            for piece in self._pieces(flat):
-                self.groups.everyone.broadcast(piece, src, what=f"broadcast of {name or 'a tensor'}")
-        return self._managed(flat.view(tensor.shape), name or "broadcast")
-
-    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        size = self.layout.chunk_size if self.layout is not None else max(1, flat.numel())
-        return [flat[i : i + size] for i in range(0, flat.numel(), size)] or [flat]
-
-    def _managed(self, value: torch.Tensor, name: str) -> nn.Parameter:
-        """Register ``value`` as a buffer tensor in chunks of its own list."""
-        self._check_open()
-        if not value.is_floating_point():
-            raise ConfigError(f"{name}: only floating-point tensors can be managed (got {value.dtype})")
-        if self._buffer_layout is None:
-            size = self.layout.chunk_size if self.layout is not None else max(value.numel(), 1)
-            self._buffer_layout = ChunkLayout(size, self.config.alignment)
-        chunks = self.store.rows.setdefault(ChunkKind.BUFFER, [])
-        slot = self._buffer_layout.add(value.numel())
-        while len(chunks) <= slot.chunk:
-            chunk = self.store.new_chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype)
-            self.mover.place(chunk, self.placement.home(ChunkKind.BUFFER))
-            chunks.append(chunk)
-        chunk = chunks[slot.chunk]
-        if chunk.dtype != value.dtype:
-            raise ConfigError(f"{name}: managed tensors of one client share a dtype ({chunk.dtype}); got {value.dtype}")
-        param = nn.Parameter(torch.empty(0, dtype=value.dtype), requires_grad=False)
-        info = ParamInfo(
-            param=param,
-            name=f"{name}#{len(self.buffers)}",
-            slot=slot,
-            shape=value.shape,
-            orig_dtype=value.dtype,
-            kind=ChunkKind.BUFFER,
-        )
-        chunk.add_slot(slot)
-        chunk.view(slot).copy_(value.reshape(-1))
-        chunk.set_slot_state(slot, TensorState.HOLD, info)
-        self.store.add(info)
-        self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(value.dtype))
-        return param
+        return self.managed.broadcast(tensor, src, name=name)
 
     def begin_forward(self) -> None:
         """A forward pass of the model starts (chunk groups count their params' uses anew)."""
