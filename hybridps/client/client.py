@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_chunk_size
+from hybridps.client.chunks.layout import ChunkLayout
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.comm import Collectives
@@ -44,11 +44,12 @@ from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.params.grads import Grads
 from hybridps.client.params.managed import ManagedTensors
-from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
+from hybridps.client.params.placeholder import ParamGuard
+from hybridps.client.params.registry import ParamRegistry, placeholders
 from hybridps.client.params.values import Values
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
-from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
+from hybridps.common.errors import ConfigError, StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
@@ -115,12 +116,8 @@ class Client:
         )
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self.optimizer: ChunkedAdam | None = None
-        #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
-        self.early_step: Callable[[int], bool] | None = None
-        self.min_compute_bytes = 0
-        self.min_compute_module = ""
+        #: the empty tensor of each dtype that released params' ``.data`` is (registry.py)
+        self._placeholder = placeholders(self.compute.torch_device)
         #: handles of hooks installed on the model (engine); removed by close().
         self.hook_handles: list = []
         self.groups: ChunkGroups | None = None
@@ -132,6 +129,19 @@ class Client:
         self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=world_size)
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = self.grads.pending
+        #: registration of params and the optimizer (registry.py)
+        self.registry = ParamRegistry(
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            inventory=self.inventory,
+            world_size=world_size,
+            shard_size=self.shard_size,
+            placeholder=self._placeholder,
+            on_zero_grad=self.pending.drop,
+        )
         #: results of collectives kept in buffer chunks (managed.py)
         self.managed = ManagedTensors(
             self.store,
@@ -147,11 +157,7 @@ class Client:
         self.values = Values(
             self.store, self.mover, placement=self.placement, guard=self.guard, groups=self.groups, compute=self.compute
         )
-        #: an optimizer will be registered (the engine's case): registration counts Adam states too
-        self.expect_optimizer = False
         self._closed = False
-        self._broken: str | None = None
-        self._chunk_size_auto = self.config.chunk_size is None
 
     def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
         """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
@@ -253,259 +259,45 @@ class Client:
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
         return self.store.kind_dtype(kind)
 
-    # -- registration ----------------------------------------------------------------------
-
-    def register_module(self, module: nn.Module) -> None:
-        """Move every param of ``module`` (shared params once) into chunks, in module order."""
-        self._check_open()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
-        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
-        if not named:
-            raise RegistrationError(f"{type(module).__name__} has no parameters that are not registered already")
-        owners = _param_owners(module)
-        self._register(named, owners)
-
-    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
-        """Move one ``nn.Parameter`` into chunks. Plain tensors are refused: their identity
-        would not survive the move (see the seed design: only Parameters can be redirected)."""
-        self._check_open()
-        if not isinstance(param, nn.Parameter):
-            raise TypeError(
-                f"register_param takes an nn.Parameter, got {type(param).__name__} of shape {tuple(param.shape)}"
-                if isinstance(param, torch.Tensor)
-                else f"register_param takes an nn.Parameter, got {type(param).__name__}"
-            )
-        if id(param) in self.store.by_id:
-            raise RegistrationError(f"{self.store.by_id[id(param)].describe()} is already registered")
-        label = name or f"param{len(self.params)}"
-        self._register([(label, param)], {id(param): [(label, None)]})
-
-    def _register(self, named: list[tuple[str, nn.Parameter]], owners: dict[int, list]) -> None:
-        if self.optimizer is not None:
-            raise StateError("register params before register_optim: optimizer states are laid out with the params")
-        if self.groups is not None and self.layout is not None:
-            raise StateError(
-                f"with {self.world_size} ranks the chunk groups are laid out once: register the whole model in one "
-                f"register_module call"
-            )
-        for name, p in named:
-            if isinstance(p, ChunkedParameter) or guard_of(p) is not None:
-                raise RegistrationError(
-                    f"param {name!r} (shape {tuple(p.shape)}) is already held by a HybridPS client (initialize called "
-                    f"twice on one model?); close the first engine (engine.close() gives the model its values back) "
-                    f"or build a fresh model"
-                )
-            if not p.is_floating_point():
-                raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
-        stale = [name for name, p in named if p.grad is not None]
-        if stale:
-            logger.warning(
-                "dropping the .grad that %d params had before registration (%s%s): HybridPS keeps grads in chunks and "
-                "starts from none, so a grad from a backward run before initialize is not added into the first step",
-                len(stale),
-                ", ".join(stale[:3]),
-                ", ..." if len(stale) > 3 else "",
-            )
-            for _, p in named:
-                p.grad = None
-        if self.layout is None:
-            self.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
-        plan = self.layout.copy()
-        slots = [plan.add(p.numel()) for _, p in named]
-        if self.groups is not None:
-            plan.pad_to_multiple(self.shard_size)
-        self._check_fits(plan, slots, named, owners)
-        if self.groups is not None:
-            self._register_distributed(named, slots, plan)
-            return
-        done: list[ParamInfo] = []
-        try:
-            for (name, p), slot in zip(named, slots, strict=True):
-                done.append(self._commit(name, p, slot, plan))
-        except BaseException as exc:
-            self._rollback(done)
-            self._broken = f"registration failed ({exc}); the params were given their data back"
-            raise
-        self.layout = plan
-        self._size_pool()
-
-    def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
-        """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
-        assert self.groups is not None
-        self.layout = plan
-        self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
-        for index in range(plan.num_chunks):
-            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
-        values: dict[int, torch.Tensor] = {}
-        for (name, p), slot in zip(named, slots, strict=True):
-            info = ParamInfo(
-                param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
-            )
-            self.store.add(info)
-            for kind in self.kinds:
-                self.store.rows[kind][slot.chunk].add_slot(slot)
-            if info.meta_key is None:
-                values[slot.index] = p.data
-        self.groups.distribute(values, sync=self.config.sync_module_states)
-        self.groups.setup()
-        self._size_pool()
-        for info in self.params:
-            if info.meta_key is not None:
-                _leave_meta(info.param, self.compute.torch_device)
-            self.guard.adopt(info)
-            self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
-
-    def _size_pool(self) -> None:
-        if self.config.pool_bytes is not None:
-            self.mover.pool.cap_bytes = self.config.pool_bytes
-        else:  # enough for a few moves in flight of the largest (fp32) chunks
-            largest = max((self.layout.capacity(i) for i in range(self.layout.num_chunks)), default=0)
-            self.mover.pool.cap_bytes = 4 * 4 * largest
-
-    def _pick_chunk_size(self, numels: list[int]) -> int:
-        size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
-        logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
-        return size
-
-    def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
-        """Refuse, before anything moves, a capacity that no module could run in."""
-        per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
-        slot_of = {id(p): s for (_, p), s in zip(named, slots, strict=True)}
-        for info in self.params:
-            slot_of[id(info.param)] = info.slot
-        by_module: dict[str, set[int]] = {}
-        for pid, mods in owners.items():
-            for mod_name, _ in mods:
-                chunk = slot_of[pid].chunk
-                if self.groups is None:
-                    by_module.setdefault(mod_name, set()).add(chunk)
-                else:  # a module computes with its whole chunk group gathered
-                    g = self.groups.group_of(chunk)
-                    by_module.setdefault(mod_name, set()).update(self.groups.members(g))
-        budget = self.compute.capacity_bytes - self.config.margin
-        for mod_name, chunk_ids in by_module.items():
-            need = sum(plan.capacity(c) for c in chunk_ids) * per_chunk
-            if need > self.min_compute_bytes:
-                self.min_compute_bytes, self.min_compute_module = need, mod_name
-        if self.compute.is_gpu and self.min_compute_bytes > budget:
-            what = "param + grad chunks" if not self.config.grad_reuse else "param chunks"
-            raise ConfigError(
-                f"{self.compute.name} capacity {format_bytes(self.compute.capacity_bytes)} ({self.compute.capacity_bytes} B"
-                f"{', minus margin' if self.config.margin else ''}) is below the minimum this model needs: module "
-                f"{self.min_compute_module!r} computes with {what} of {format_bytes(self.min_compute_bytes)} "
-                f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
-                + (" or lower chunk_size." if not self._chunk_size_auto else ".")
-            )
-        kinds = self.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
-        per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.shard_size for k in kinds}
-        total = sum(per_kind.values())
-        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
-        already = (
-            self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.shard_size if self.layout else 0
-        )
-        if total - already > room:
-            parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
-            raise CapacityError(
-                f"model data of {format_bytes(total)} ({parts}{', this rank' + chr(39) + 's share' if self.world_size > 1 else ''}) "
-                f"does not fit the {format_bytes(room)} free on {', '.join(self.inventory.names)}; give HybridPS more "
-                f"memory (Config.devices), or use more ranks per shard group (each keeps 1/shard_group_size)"
-            )
-
-    def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
-        while len(self.store.rows[ChunkKind.PARAM]) <= slot.chunk:
-            self._new_chunk_row(plan.capacity(len(self.store.rows[ChunkKind.PARAM])))
-        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
-        src = p.data.reshape(-1)
-        with torch.no_grad():
-            for kind in self.kinds:
-                chunk = self.store.rows[kind][slot.chunk]
-                chunk.add_slot(slot)
-                if kind is ChunkKind.GRAD:
-                    continue  # grads arrive in backward
-                if info.meta_key is None:
-                    chunk.view(slot).copy_(src)
-                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
-        self.store.add(info)
-        if info.meta_key is not None:
-            _leave_meta(p, self.compute.torch_device)
-        self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
-        return info
-
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
         return self.store.owns(index)
 
-    def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
-        """Create chunk i of every kind; param and master chunks this rank keeps get payloads
-        now (a padding row, which only fills a chunk group, needs its param chunk alone: it
-        takes part in the group's collectives)."""
-        index = len(self.store.rows[ChunkKind.PARAM])
-        for kind in self.kinds:
-            chunk = self.store.new_chunk(kind, index, capacity)
-            self.store.rows[kind].append(chunk)
-            if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
-                continue
-            if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
-                self.mover.place(chunk, self.placement.home(kind))
+    # -- registration (registry.py) ----------------------------------------------------------
 
-    def _rollback(self, done: list[ParamInfo]) -> None:
-        """Give the params of a failed registration their data back (nothing is lost)."""
-        for info in reversed(done):
-            source = self.store.rows[self.master_kind][info.chunk]
-            if source.payload is not None:
-                ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
-            self.guard.forget(info)
-            self.store.remove(info)
+    def register_module(self, module: nn.Module) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+        self._check_open()
+        self.registry.register_module(module)
+
+    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
+        """Move one ``nn.Parameter`` into chunks (plain tensors are refused)."""
+        self._check_open()
+        self.registry.register_param(param, name)
 
     def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
         optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
         self._check_open()
-        if self.optimizer is not None:
-            raise StateError("register_optim was called already; one optimizer per client")
-        chunked = ChunkedAdam(
-            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, on_zero_grad=self.pending.drop
-        )
-        for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
-            chunks = []
-            for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
-                chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
-                for slot in param_chunk.slots:
-                    chunk.add_slot(slot)
-                chunks.append(chunk)
-            self.store.rows[kind] = chunks
-        self._book_optimizer_states()
-        self.optimizer = chunked
-        # the one place the early step (Config.overlap_step) is wired: chunk groups call it
-        # when a group's grads are reduced, the engine's grad hooks on one rank
-        self.early_step = chunked.step_chunk_early if chunked.overlap_step else None
-        if self.groups is not None:
-            self.groups.early_step = self.early_step
-        chunked.attach_state()
-        return chunked
+        return self.registry.register_optim(optimizer)
 
-    def _book_optimizer_states(self) -> None:
-        """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
-        master chunks, now rather than at the first step: a model whose Adam states do not
-        fit fails at registration with the true figure instead of at its first step."""
-        rows = [
-            (self.store.rows[kind][i], self.store.rows[self.master_kind][i])
-            for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-            for i in range(len(self.store.rows[kind]))
-            if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
-        ]
-        need = sum(chunk.nbytes for chunk, _ in rows)
-        try:
-            for chunk, master in rows:
-                self.mover.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
-                chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
-        except CapacityError as exc:
-            raise CapacityError(
-                f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
-                f"the model's {format_bytes(self.model_data_bytes - need)}: {exc}"
-            ) from exc
+    @property
+    def optimizer(self) -> ChunkedAdam | None:
+        return self.registry.optimizer
+
+    @property
+    def early_step(self) -> Callable[[int], bool] | None:
+        """Steps one chunk whose grads are final, returns whether it did (Config.overlap_step)."""
+        return self.registry.early_step
+
+    @property
+    def expect_optimizer(self) -> bool:
+        """An optimizer will be registered (the engine's case): registration counts Adam states too."""
+        return self.registry.expect_optimizer
+
+    @expect_optimizer.setter
+    def expect_optimizer(self, value: bool) -> None:
+        self.registry.expect_optimizer = value
 
     # -- access / release ------------------------------------------------------------------
 
@@ -606,12 +398,6 @@ class Client:
         total = sum(c.nbytes for c in rows)
         on_gpu = sum(c.nbytes for c in rows if c.payload is not None and c.device == self.compute.name)
         return on_gpu / total if total and self.compute.is_gpu else 0.0
-
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        ph = self._placeholders.get(dtype)
-        if ph is None:
-            ph = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.compute.torch_device)
-        return ph
 
     # -- grads (grads.py) ------------------------------------------------------------------
 
@@ -717,8 +503,8 @@ class Client:
             "param_elements": sum(i.slot.numel for i in self.params),
             "chunk_size": self.layout.chunk_size if self.layout else self.config.chunk_size,
             "compute_device": self.compute.name,
-            "min_compute_bytes": self.min_compute_bytes,
-            "min_compute_module": self.min_compute_module,
+            "min_compute_bytes": self.registry.min_compute_bytes,
+            "min_compute_module": self.registry.min_compute_module,
             "optimizer_rows_on_gpu_fraction": self.optimizer_rows_on_gpu_fraction(),
             "optimizer_placement": dict(self.optimizer_placement) if self.optimizer_placement is not None else None,
             "kinds": kinds,
@@ -739,8 +525,8 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("this client is closed; create a new Client")
-        if self._broken:
-            raise StateError(f"this client cannot be used: {self._broken}; create a new Client")
+        if self.registry.broken:
+            raise StateError(f"this client cannot be used: {self.registry.broken}; create a new Client")
 
     def close(self, *, restore: bool = True) -> None:
         """Remove hooks and give every chunk back. With ``restore`` the params get their
@@ -778,29 +564,6 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.store.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
-
-
-def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
-    """Make a param built on the meta device an (empty) tensor on ``device``, keeping the
-    object: ``.data`` cannot be set across the meta boundary, so the tensors are swapped."""
-    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad))
-
-
-def _meta_key(p: nn.Parameter, compute) -> int | None:
-    """The storage key of a param built on the meta device (its values come from meta_init()'s
-    replay or from loaded weights), None for a param with values (or when planning on meta)."""
-    if p.device.type != "meta" or compute.meta:
-        return None
-    return p.untyped_storage()._cdata
-
-
-def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """For each param, the modules that hold it directly (a tied param has several)."""
-    owners: dict[int, list[tuple[str, nn.Module]]] = {}
-    for mod_name, mod in module.named_modules():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
-    return owners
 
 
 def _topology(rank, local_rank, world_size, group) -> tuple[int, int, int]:
