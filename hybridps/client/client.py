@@ -1,4 +1,4 @@
-"""Client: one per data-parallel rank; owns that rank's params and their chunks.
+"""Client: one per data-parallel rank; the facade over that rank's params and their chunks.
 
 The public surface is the seed's: ``register_module``, ``register_param``, ``register_optim``,
 ``access``, ``release`` (plus ``memory_stats`` and ``close``). Params are laid out into
@@ -6,14 +6,13 @@ chunk lists by kind (param, grad, master, momentum, variance) with one shared la
 param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
 slot in a chunk on the compute device.
 
-Owns: the param registry (slot, shape, access count, grad flag), the chunk lists, the
-placeholders. Delegates placement and movement to the chunk manager, memory authority to
-the node manager, and training mechanics to hooks/optimizer modules.
-
-[Note: access counting]
-``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
-recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
-last ``release``. The state given to the last release is the one the param ends in.
+Owns: building the rank's collaborators and wiring them (each takes what it uses in its
+constructor, never the client), the client's lifetime (``close``) and its figures
+(``memory_stats``). Delegates the rows and param records to the store (store.py), placement
+and movement to the mover, memory authority to the node manager, the chunk groups'
+collectives to groups.py, registration to registry.py, access and values to values.py
+(with [Note: access counting]), grads to grads.py, managed tensors to managed.py and
+training mechanics to the hooks and the optimizer.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout
-from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.comm import Collectives
 from hybridps.client.dist.groups import ChunkGroups
@@ -153,9 +152,15 @@ class Client:
             placeholder=self._placeholder,
             check_open=self._check_open,
         )
-        #: param values read, written and given back outside accesses (values.py)
+        #: param values: accessed for compute, read, written and given back (values.py)
         self.values = Values(
-            self.store, self.mover, placement=self.placement, guard=self.guard, groups=self.groups, compute=self.compute
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            compute=self.compute,
+            placeholder=self._placeholder,
         )
         self._closed = False
 
@@ -311,47 +316,12 @@ class Client:
         return self.store.grad_view(info)
 
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
-        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
-        info = self.store.by_id.get(id(param)) or self.param_info(param)
-        if info.refs == 0:
-            chunk = self.store.rows[info.kind][info.chunk]
-            if self.groups is not None and info.kind is ChunkKind.PARAM:
-                self.groups.ensure_gathered(info.chunk, who)
-            previous = chunk.slot_state(info.slot)
-            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
-            try:
-                self.mover.bring(chunk, self.compute.name, who=who or info)
-            except BaseException:
-                chunk.set_slot_state(info.slot, previous, info)
-                raise
-            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
-        info.refs += 1
-        return param.data
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data (values.py)."""
+        return self.values.access(param, who=who)
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
-        """End one access of ``param``; the last release puts it in ``state``."""
-        info = self.store.by_id.get(id(param)) or self.param_info(param)
-        chunk = self.store.rows[info.kind][info.chunk]
-        if not isinstance(state, TensorState):
-            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
-        if info.refs == 0:
-            raise StateError(
-                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
-                f"call access() first"
-            )
-        if state is TensorState.COMPUTE:
-            raise StateError(
-                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
-            )
-        info.refs -= 1
-        if info.refs:
-            return
-        chunk.set_slot_state(info.slot, state, info)
-        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
-        if self.groups is not None and info.kind is ChunkKind.PARAM:
-            self.groups.after_release(info, state)
-        elif chunk.state is ChunkState.FREE:
-            self.mover.free(chunk)
+        """End one access of ``param``; the last release puts it in ``state`` (values.py)."""
+        self.values.release(param, state)
 
     def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
         """After warm-up: move the optimizer rows (master, momentum, variance of one chunk

@@ -1,23 +1,32 @@
-"""Param values outside an access: reading a param's value out of its chunks, writing one
-into them, every value of the model at once (checkpoints, ``close``), and giving the params
-their values back as ordinary tensors.
+"""Param values: a param's value on the compute device while it is accessed, and its value
+read and written outside an access.
 
-Owns the rules of which copy is read and written (the master copy where one exists, the
-compute-precision copy beside it; a slot that holds its grad under grad reuse is neither read
-nor overwritten) and the gather of other ranks' values one chunk group at a time. Does not own
-accessing a param for compute (the Client's ``access``/``release``), grads (grads.py) or the
-placeholders and ops of released params (placeholder.py).
+Owns ``access``/``release`` (the access count, the slot's COMPUTE state while accessed, the
+param's ``.data`` pointed at its slot and back at its placeholder), the rules of which copy is
+read and written outside an access (the master copy where one exists, the compute-precision
+copy beside it; a slot that holds its grad under grad reuse is neither read nor overwritten),
+every value of the model at once (checkpoints, ``close``), gathered from other ranks one chunk
+group at a time, and giving the params their values back as ordinary tensors.
+
+Does not own where chunks go (the mover, the chunk groups' gathers), grads (grads.py) or what
+ops on a released param mean (placeholder.py).
+
+[Note: access counting]
+``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
+recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
+last ``release``. The state given to the last release is the one the param ends in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.params.placeholder import ParamGuard
 from hybridps.common.errors import ConfigError, StateError
 
@@ -30,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class Values:
-    """Full-precision values of one client's params (and its managed tensors), on the CPU."""
+    """The values of one client's params (and its managed tensors): accessed, read, written."""
 
     def __init__(
         self,
@@ -41,6 +50,7 @@ class Values:
         guard: ParamGuard,
         groups: ChunkGroups | None,
         compute: DeviceSpec,
+        placeholder: Callable[[torch.dtype], torch.Tensor],
     ):
         self.store = store
         self.mover = mover
@@ -49,6 +59,55 @@ class Values:
         self.groups = groups
         self.compute = compute
         self.config = store.config
+        #: the empty tensor of a dtype that a released param's ``.data`` is
+        self._placeholder = placeholder
+
+    # -- access for compute (see [Note: access counting]) -----------------------------------
+
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
+        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
+        if info.refs == 0:
+            chunk = self.store.rows[info.kind][info.chunk]
+            if self.groups is not None and info.kind is ChunkKind.PARAM:
+                self.groups.ensure_gathered(info.chunk, who)
+            previous = chunk.slot_state(info.slot)
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
+            try:
+                self.mover.bring(chunk, self.compute.name, who=who or info)
+            except BaseException:
+                chunk.set_slot_state(info.slot, previous, info)
+                raise
+            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
+        info.refs += 1
+        return param.data
+
+    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
+        """End one access of ``param``; the last release puts it in ``state``."""
+        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
+        chunk = self.store.rows[info.kind][info.chunk]
+        if not isinstance(state, TensorState):
+            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
+        if info.refs == 0:
+            raise StateError(
+                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
+                f"call access() first"
+            )
+        if state is TensorState.COMPUTE:
+            raise StateError(
+                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
+            )
+        info.refs -= 1
+        if info.refs:
+            return
+        chunk.set_slot_state(info.slot, state, info)
+        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
+        if self.groups is not None and info.kind is ChunkKind.PARAM:
+            self.groups.after_release(info, state)
+        elif chunk.state is ChunkState.FREE:
+            self.mover.free(chunk)
+
+    # -- values outside an access ----------------------------------------------------------
 
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
         """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
