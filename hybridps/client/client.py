@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.layout import ChunkLayout
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.comm import Collectives
@@ -54,6 +53,18 @@ from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 
 logger = logging.getLogger(__name__)
+
+
+def _of_store(name: str, *, settable: bool = False) -> property:
+    """A property of the client that is the store's attribute ``name`` (store.py)."""
+
+    def get(self: Client):
+        return getattr(self.store, name)
+
+    def put(self: Client, value) -> None:
+        setattr(self.store, name, value)
+
+    return property(get, put if settable else None)
 
 
 class Client:
@@ -93,26 +104,7 @@ class Client:
         if connection is None:
             connection = self._connect(info)
         self.connection = connection
-        #: the mover: allocates, copies and books chunks (chunk_manager.py); the rows are the store's
-        link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
-        #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
-        self.link = SimulatedLink(*link) if link is not None else None
-        #: where each kind of model data lives (placement.py)
-        self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
-        #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
-        #: trace's non-model peak, the room it left, the bytes moved; None before
-        self.optimizer_placement: dict[str, int] | None = None
-        self.mover = ChunkMover(
-            self.inventory,
-            connection,
-            margin_bytes=self.config.margin,
-            link=self.link,
-            placement=self.placement,
-            #: the non-model memory of the compute device, driven by the engine's tracer
-            #: (memory_trace.py, [Note: who holds the trace])
-            trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
-            arena=self._host_arena(host_registrar),
-        )
+        self.mover = self._mover(host_registrar)
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
         #: the empty tensor of each dtype that released params' ``.data`` is (registry.py)
@@ -124,8 +116,37 @@ class Client:
             self.groups = self._chunk_groups(process_group)
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
+        self._params_side()
+        self._closed = False
+
+    def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
+        """The mover: allocates, copies and books chunks (mover.py); the rows are the store's.
+        Sets the link and the placement it moves by."""
+        link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
+        #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
+        self.link = SimulatedLink(*link) if link is not None else None
+        #: where each kind of model data lives (placement.py)
+        self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
+        #: trace's non-model peak, the room it left, the bytes moved; None before
+        self.optimizer_placement: dict[str, int] | None = None
+        return ChunkMover(
+            self.inventory,
+            self.connection,
+            margin_bytes=self.config.margin,
+            link=self.link,
+            placement=self.placement,
+            #: the non-model memory of the compute device, driven by the engine's tracer
+            #: (memory_trace.py, [Note: who holds the trace])
+            trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
+            arena=self._host_arena(host_registrar),
+        )
+
+    def _params_side(self) -> None:
+        """The params' collaborators (params/): each takes the store, the mover and what else
+        it uses in its constructor, never the client."""
         #: grads landing in their slots, read back and dropped (grads.py)
-        self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=world_size)
+        self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=self.world_size)
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = self.grads.pending
         #: registration of params and the optimizer (registry.py)
@@ -136,7 +157,7 @@ class Client:
             guard=self.guard,
             groups=self.groups,
             inventory=self.inventory,
-            world_size=world_size,
+            world_size=self.world_size,
             shard_size=self.shard_size,
             placeholder=self._placeholder,
             on_zero_grad=self.pending.drop,
@@ -148,7 +169,7 @@ class Client:
             placement=self.placement,
             guard=self.guard,
             groups=self.groups,
-            world_size=world_size,
+            world_size=self.world_size,
             placeholder=self._placeholder,
             check_open=self._check_open,
         )
@@ -162,7 +183,6 @@ class Client:
             compute=self.compute,
             placeholder=self._placeholder,
         )
-        self._closed = False
 
     def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
         """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
@@ -228,38 +248,15 @@ class Client:
 
     # -- the store's figures, for callers of the facade -------------------------------------
 
-    @property
-    def layout(self) -> ChunkLayout | None:
-        return self.store.layout
-
-    @layout.setter
-    def layout(self, value: ChunkLayout | None) -> None:
-        self.store.layout = value
-
-    @property
-    def rows(self) -> dict[ChunkKind, list[Chunk]]:
-        """The store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)."""
-        return self.store.rows
-
-    @property
-    def params(self) -> list[ParamInfo]:
-        return self.store.params
-
-    @property
-    def buffers(self) -> list[ParamInfo]:
-        return self.store.buffers
-
-    @property
-    def kinds(self) -> list[ChunkKind]:
-        return self.store.kinds
-
-    @property
-    def master_kind(self) -> ChunkKind:
-        return self.store.master_kind
-
-    @property
-    def grad_kind(self) -> ChunkKind:
-        return self.store.grad_kind
+    layout = _of_store("layout", settable=True)
+    #: the store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)
+    rows = _of_store("rows")
+    params = _of_store("params")
+    buffers = _of_store("buffers")
+    kinds = _of_store("kinds")
+    master_kind = _of_store("master_kind")
+    grad_kind = _of_store("grad_kind")
+    model_data_bytes = _of_store("model_data_bytes")
 
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
         return self.store.kind_dtype(kind)
@@ -439,10 +436,6 @@ class Client:
 
     def all_chunks(self) -> Iterator[Chunk]:
         return self.store.all_chunks()
-
-    @property
-    def model_data_bytes(self) -> int:
-        return self.store.model_data_bytes
 
     def memory_stats(self) -> dict:
         kinds = {
