@@ -40,7 +40,7 @@ from hybridps.client.memory.placement import make_policy
 from hybridps.client.memory.sim_link import SimulatedLink
 from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
-from hybridps.client.params.grads import Grads
+from hybridps.client.params.grads import Grads, set_has_grad
 from hybridps.client.params.managed import ManagedTensors
 from hybridps.client.params.placeholder import ParamGuard
 from hybridps.client.params.registry import ParamRegistry, placeholders
@@ -219,7 +219,7 @@ class Client:
 
         everyone = collectives(self.rank, self.world_size, process_group, "")
         if not layout.hybrid:
-            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement)
+            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement, set_has_grad=set_has_grad)
         if process_group is not None and process_group != dist.group.WORLD:
             raise ConfigError(
                 f"shard_group_size={self.config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
@@ -237,7 +237,15 @@ class Client:
             f"/r{layout.shard_rank}",
             f"replicas of shard {layout.shard_rank}",
         )
-        return ChunkGroups(self.store, self.mover, shard, placement=self.placement, replicas=replicas, everyone=everyone)
+        return ChunkGroups(
+            self.store,
+            self.mover,
+            shard,
+            placement=self.placement,
+            set_has_grad=set_has_grad,
+            replicas=replicas,
+            everyone=everyone,
+        )
 
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:

@@ -28,6 +28,7 @@ from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_chunk_size
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.params.grads import set_has_grad
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
 from hybridps.common.units import format_bytes
@@ -318,7 +319,13 @@ class ParamRegistry:
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
         chunked = ChunkedAdam(
-            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, on_zero_grad=self._on_zero_grad
+            self.store,
+            self.mover,
+            optimizer,
+            placement=self.placement,
+            set_has_grad=set_has_grad,
+            groups=self.groups,
+            on_zero_grad=self._on_zero_grad,
         )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
