@@ -36,6 +36,7 @@ from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_sh
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.optimizer_rows import OptimizerRows
 from hybridps.client.memory.placement import make_policy
 from hybridps.client.memory.sim_link import SimulatedLink
 from hybridps.client.memory.trace import MomentTrace
@@ -107,6 +108,8 @@ class Client:
         self.mover = self._mover(host_registrar)
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
         self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
+        #: the optimizer rows moved to the GPU after warm-up (optimizer_rows.py)
+        self.optimizer_rows = OptimizerRows(self.store, self.mover, placement=self.placement, compute=self.compute)
         #: the empty tensor of each dtype that released params' ``.data`` is (registry.py)
         self._placeholder = placeholders(self.compute.torch_device)
         #: handles of hooks installed on the model (engine); removed by close().
@@ -127,9 +130,6 @@ class Client:
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
-        #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
-        #: trace's non-model peak, the room it left, the bytes moved; None before
-        self.optimizer_placement: dict[str, int] | None = None
         return ChunkMover(
             self.inventory,
             self.connection,
@@ -254,7 +254,7 @@ class Client:
 
         return connect_remote(self.config.manager, info, self.inventory)
 
-    # -- the store's figures, for callers of the facade -------------------------------------
+    # -- the store's figures, for callers of the facade ------------------------------------
 
     layout = _of_store("layout", settable=True)
     #: the store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)
@@ -273,7 +273,16 @@ class Client:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
         return self.store.owns(index)
 
-    # -- registration (registry.py) ----------------------------------------------------------
+    def param_info(self, param: torch.Tensor) -> ParamInfo:
+        return self.store.param_info(param)
+
+    def is_registered(self, param: torch.Tensor) -> bool:
+        return self.store.is_registered(param)
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        return self.store.grad_view(info)
+
+    # -- registration (registry.py) --------------------------------------------------------
 
     def register_module(self, module: nn.Module) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order."""
@@ -309,70 +318,21 @@ class Client:
     def expect_optimizer(self, value: bool) -> None:
         self.registry.expect_optimizer = value
 
-    # -- access / release ------------------------------------------------------------------
-
-    def param_info(self, param: torch.Tensor) -> ParamInfo:
-        return self.store.param_info(param)
-
-    def is_registered(self, param: torch.Tensor) -> bool:
-        return self.store.is_registered(param)
-
-    def grad_view(self, info: ParamInfo) -> torch.Tensor:
-        return self.store.grad_view(info)
-
-    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
-        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data (values.py)."""
-        return self.values.access(param, who=who)
-
-    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
-        """End one access of ``param``; the last release puts it in ``state`` (values.py)."""
-        self.values.release(param, state)
+    # -- optimizer rows on the GPU (optimizer_rows.py) -------------------------------------
 
     def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
-        """After warm-up: move the optimizer rows (master, momentum, variance of one chunk
-        index) the placement policy chooses to the compute GPU; return the bytes moved.
+        """After warm-up: move the optimizer rows the placement policy chooses to the compute
+        GPU; return the bytes moved."""
+        return self.optimizer_rows.place(non_model_peak_bytes=non_model_peak_bytes)
 
-        A row on the GPU steps there, so its param chunk never leaves the GPU for the
-        optimizer. How much room and which rows: ``placement.py``.
-        """
-        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.store.rows.get(k, []))
-        room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
-        self.optimizer_placement = {
-            "non_model_peak_bytes": non_model_peak_bytes,
-            "per_iteration_bytes": per_iteration,
-            "room_bytes": room,
-            "moved_bytes": 0,
-        }
-        if room <= 0:
-            return 0
-        kinds = self._optimizer_kinds()
-        away = {
-            index: [self.store.rows[k][index] for k in kinds if self.store.rows[k][index].device != self.compute.name]
-            for index in range(self.store.num_chunks)
-            if self.owns(index)
-        }
-        chosen = self.placement.optimizer_rows_for_gpu([(i, sum(c.nbytes for c in row)) for i, row in away.items()], room)
-        for index in chosen:
-            for chunk in away[index]:
-                if chunk.payload is not None:
-                    self.mover.bring(chunk, self.compute.name, who="optimizer state placement")
-        moved = sum(c.nbytes for i in chosen for c in away[i])
-        self.optimizer_placement["moved_bytes"] = moved
-        logger.info("optimizer states on %s after warm-up: %d B of %d B of room", self.compute.name, moved, room)
-        return moved
-
-    def _optimizer_kinds(self) -> list[ChunkKind]:
-        return [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
+    @property
+    def optimizer_placement(self) -> dict[str, int] | None:
+        """The warm-up's choice of optimizer rows for the GPU: the trace's non-model peak, the
+        room it left, the bytes moved; None before."""
+        return self.optimizer_rows.record
 
     def optimizer_rows_on_gpu_fraction(self) -> float:
-        """The fraction of this rank's optimizer rows (master, momentum, variance of its
-        chunks, by bytes) that lie on the compute GPU now: 0 before warm-up and under
-        ``placement="cpu_optimizer"``, up to 1 when every row fits beside the activations'
-        peak (docs/CONCEPTS.md, "Optimizer rows on the GPU")."""
-        rows = [self.store.rows[k][i] for k in self._optimizer_kinds() for i in range(self.store.num_chunks) if self.owns(i)]
-        total = sum(c.nbytes for c in rows)
-        on_gpu = sum(c.nbytes for c in rows if c.payload is not None and c.device == self.compute.name)
-        return on_gpu / total if total and self.compute.is_gpu else 0.0
+        return self.optimizer_rows.on_gpu_fraction()
 
     # -- grads (grads.py) ------------------------------------------------------------------
 
@@ -397,7 +357,7 @@ class Client:
     def drop_grad(self, param: nn.Parameter) -> None:
         self.grads.drop_grad(param)
 
-    # -- collectives whose results HybridPS manages (managed.py) ------------------------------
+    # -- collectives whose results HybridPS manages (managed.py) ---------------------------
 
     def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", name: str | None = None) -> nn.Parameter:
         return self.managed.allreduce(tensor, op=op, name=name)
@@ -421,7 +381,15 @@ class Client:
         if self.groups is not None:
             self.groups.end_backward()
 
-    # -- values (values.py) ----------------------------------------------------------------
+    # -- access and values (values.py) -----------------------------------------------------
+
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data (values.py)."""
+        return self.values.access(param, who=who)
+
+    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
+        """End one access of ``param``; the last release puts it in ``state`` (values.py)."""
+        self.values.release(param, state)
 
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
         return self.values.read_param(param)

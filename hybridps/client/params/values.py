@@ -62,7 +62,7 @@ class Values:
         #: the empty tensor of a dtype that a released param's ``.data`` is
         self._placeholder = placeholder
 
-    # -- access for compute (see [Note: access counting]) -----------------------------------
+    # -- access for compute (see [Note: access counting]) ----------------------------------
 
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
