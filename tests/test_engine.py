@@ -433,12 +433,12 @@ def test_memory_stats_account_host_memory_by_part():
 def _rss_growth_and_explained(rank, world):
     import ctypes
 
-    from hybridps.client.client import _rss_bytes
+    from hybridps.client.memory.host_memory import rss_bytes
 
     with hybridps.meta_init():  # torch's meta registrations are part of its baseline
         GPT(GPTConfig(n_layer=1, d_model=64, n_head=2, seq_len=16, vocab_size=64))
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _rss_bytes()
+    base = rss_bytes()
     cfg = GPTConfig(n_layer=8, d_model=512, n_head=8, seq_len=64, vocab_size=8192)  # 29 M params
     with hybridps.meta_init():
         model = GPT(cfg)

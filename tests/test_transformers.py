@@ -135,8 +135,7 @@ _SHAPES = {
 
 @pytest.mark.parametrize("name", sorted(_SHAPES))
 def test_llama_qwen2_and_mistral_shapes_are_laid_out_with_at_most_3_percent_padding(name):
-    from hybridps.client.chunks.layout import ChunkLayout
-    from hybridps.client.client import auto_chunk_size
+    from hybridps.client.chunks.layout import ChunkLayout, auto_chunk_size
     from hybridps.common.devices import DeviceSpec
 
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""Client: one per data-parallel rank; owns that rank's params and their chunks.
+"""Client: one per data-parallel rank; the facade over that rank's params and their chunks.
 
 The public surface is the seed's: ``register_module``, ``register_param``, ``register_optim``,
 ``access``, ``release`` (plus ``memory_stats`` and ``close``). Params are laid out into
@@ -6,19 +6,17 @@ chunk lists by kind (param, grad, master, momentum, variance) with one shared la
 param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
 slot in a chunk on the compute device.
 
-Owns: the param registry (slot, shape, access count, grad flag), the chunk lists, the
-placeholders. Delegates placement and movement to the chunk manager, memory authority to
-the node manager, and training mechanics to hooks/optimizer modules.
-
-[Note: access counting]
-``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
-recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
-last ``release``. The state given to the last release is the one the param ends in.
+Owns: building the rank's collaborators and wiring them (each takes what it uses in its
+constructor, never the client), the client's lifetime (``close``) and its figures
+(``memory_stats``). Delegates the rows and param records to the store (store.py), placement
+and movement to the mover, memory authority to the node manager, the chunk groups'
+collectives to groups.py, registration to registry.py, access and values to values.py
+(with [Note: access counting]), grads to grads.py, managed tensors to managed.py and
+training mechanics to the hooks and the optimizer.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import socket
@@ -29,29 +27,45 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.layout import ChunkLayout, Slot, choose_chunk_size
-from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.collectives import Collectives
 from hybridps.client.dist.groups import ChunkGroups
 from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
 from hybridps.client.dist.topology import _backend_device, _collectives_prefix, _store_of, _topology
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
+from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.optimizer_rows import OptimizerRows
 from hybridps.client.memory.placement import make_policy
 from hybridps.client.memory.sim_link import SimulatedLink
 from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
-from hybridps.client.params.pending_grads import PendingGrads
-from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
+from hybridps.client.params.grads import Grads, set_has_grad
+from hybridps.client.params.managed import ManagedTensors
+from hybridps.client.params.placeholder import ParamGuard
+from hybridps.client.params.registry import ParamRegistry, placeholders
+from hybridps.client.params.values import Values
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
-from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
+from hybridps.common.errors import ConfigError, StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 
 logger = logging.getLogger(__name__)
+
+
+def _of_store(name: str, *, settable: bool = False) -> property:
+    """A property of the client that is the store's attribute ``name`` (store.py)."""
+
+    def get(self: Client):
+        return getattr(self.store, name)
+
+    def put(self: Client, value) -> None:
+        setattr(self.store, name, value)
+
+    return property(get, put if settable else None)
 
 
 class Client:
@@ -91,18 +105,34 @@ class Client:
         if connection is None:
             connection = self._connect(info)
         self.connection = connection
-        #: the mover: allocates, copies and books chunks (chunk_manager.py); the rows are the store's
+        self.mover = self._mover(host_registrar)
+        #: the rank's chunk rows and param records (store.py): what every collaborator takes
+        self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
+        #: the optimizer rows moved to the GPU after warm-up (optimizer_rows.py)
+        self.optimizer_rows = OptimizerRows(self.store, self.mover, placement=self.placement, compute=self.compute)
+        #: the empty tensor of each dtype that released params' ``.data`` is (registry.py)
+        self._placeholder = placeholders(self.compute.torch_device)
+        #: handles of hooks installed on the model (engine); removed by close().
+        self.hook_handles: list = []
+        self.groups: ChunkGroups | None = None
+        if world_size > 1:
+            self.groups = self._chunk_groups(process_group)
+        #: what ops on released params mean (placeholder.py)
+        self.guard = ParamGuard(self)
+        self._params_side()
+        self._closed = False
+
+    def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
+        """The mover: allocates, copies and books chunks (mover.py); the rows are the store's.
+        Sets the link and the placement it moves by."""
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
-        #: the warm-up's choice of optimizer rows for the GPU (``place_optimizer_states``): the
-        #: trace's non-model peak, the room it left, the bytes moved; None before
-        self.optimizer_placement: dict[str, int] | None = None
-        self.mover = ChunkMover(
+        return ChunkMover(
             self.inventory,
-            connection,
+            self.connection,
             margin_bytes=self.config.margin,
             link=self.link,
             placement=self.placement,
@@ -111,31 +141,48 @@ class Client:
             trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
             arena=self._host_arena(host_registrar),
         )
-        #: the rank's chunk rows and param records (store.py): what every collaborator takes
-        self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
-        self._buffer_layout: ChunkLayout | None = None
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        self.optimizer: ChunkedAdam | None = None
-        #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
-        self.early_step: Callable[[int], bool] | None = None
-        self.min_compute_bytes = 0
-        self.min_compute_module = ""
-        #: handles of hooks installed on the model (engine); removed by close().
-        self.hook_handles: list = []
-        self.groups: ChunkGroups | None = None
-        if world_size > 1:
-            self.groups = self._chunk_groups(process_group)
-        #: what ops on released params mean (placeholder.py)
-        self.guard = ParamGuard(self)
+
+    def _params_side(self) -> None:
+        """The params' collaborators (params/): each takes the store, the mover and what else
+        it uses in its constructor, never the client."""
+        #: grads landing in their slots, read back and dropped (grads.py)
+        self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=self.world_size)
         #: grads that may not enter their slot yet (pending_grads.py)
-        self.pending = PendingGrads(self.store, self.mover, self._write_grad)
-        #: a backward of the engine is running (for error messages)
-        self.in_backward = False
-        #: an optimizer will be registered (the engine's case): registration counts Adam states too
-        self.expect_optimizer = False
-        self._closed = False
-        self._broken: str | None = None
-        self._chunk_size_auto = self.config.chunk_size is None
+        self.pending = self.grads.pending
+        #: registration of params and the optimizer (registry.py)
+        self.registry = ParamRegistry(
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            inventory=self.inventory,
+            world_size=self.world_size,
+            shard_size=self.shard_size,
+            placeholder=self._placeholder,
+            on_zero_grad=self.pending.drop,
+        )
+        #: results of collectives kept in buffer chunks (managed.py)
+        self.managed = ManagedTensors(
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            world_size=self.world_size,
+            placeholder=self._placeholder,
+            check_open=self._check_open,
+        )
+        #: param values: accessed for compute, read, written and given back (values.py)
+        self.values = Values(
+            self.store,
+            self.mover,
+            placement=self.placement,
+            guard=self.guard,
+            groups=self.groups,
+            compute=self.compute,
+            placeholder=self._placeholder,
+        )
 
     def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
         """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
@@ -172,7 +219,7 @@ class Client:
 
         everyone = collectives(self.rank, self.world_size, process_group, "")
         if not layout.hybrid:
-            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement)
+            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement, set_has_grad=set_has_grad)
         if process_group is not None and process_group != dist.group.WORLD:
             raise ConfigError(
                 f"shard_group_size={self.config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
@@ -190,7 +237,15 @@ class Client:
             f"/r{layout.shard_rank}",
             f"replicas of shard {layout.shard_rank}",
         )
-        return ChunkGroups(self.store, self.mover, shard, placement=self.placement, replicas=replicas, everyone=everyone)
+        return ChunkGroups(
+            self.store,
+            self.mover,
+            shard,
+            placement=self.placement,
+            set_has_grad=set_has_grad,
+            replicas=replicas,
+            everyone=everyone,
+        )
 
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:
@@ -199,299 +254,24 @@ class Client:
 
         return connect_remote(self.config.manager, info, self.inventory)
 
-    # -- the store's figures, for callers of the facade -------------------------------------
+    # -- the store's figures, for callers of the facade ------------------------------------
 
-    @property
-    def layout(self) -> ChunkLayout | None:
-        return self.store.layout
-
-    @layout.setter
-    def layout(self, value: ChunkLayout | None) -> None:
-        self.store.layout = value
-
-    @property
-    def rows(self) -> dict[ChunkKind, list[Chunk]]:
-        """The store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)."""
-        return self.store.rows
-
-    @property
-    def params(self) -> list[ParamInfo]:
-        return self.store.params
-
-    @property
-    def buffers(self) -> list[ParamInfo]:
-        return self.store.buffers
-
-    @property
-    def kinds(self) -> list[ChunkKind]:
-        return self.store.kinds
-
-    @property
-    def master_kind(self) -> ChunkKind:
-        return self.store.master_kind
-
-    @property
-    def grad_kind(self) -> ChunkKind:
-        return self.store.grad_kind
+    layout = _of_store("layout", settable=True)
+    #: the store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)
+    rows = _of_store("rows")
+    params = _of_store("params")
+    buffers = _of_store("buffers")
+    kinds = _of_store("kinds")
+    master_kind = _of_store("master_kind")
+    grad_kind = _of_store("grad_kind")
+    model_data_bytes = _of_store("model_data_bytes")
 
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
         return self.store.kind_dtype(kind)
 
-    # -- registration ----------------------------------------------------------------------
-
-    def register_module(self, module: nn.Module) -> None:
-        """Move every param of ``module`` (shared params once) into chunks, in module order."""
-        self._check_open()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
-        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
-        if not named:
-            raise RegistrationError(f"{type(module).__name__} has no parameters that are not registered already")
-        owners = _param_owners(module)
-        self._register(named, owners)
-
-    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
-        """Move one ``nn.Parameter`` into chunks. Plain tensors are refused: their identity
-        would not survive the move (see the seed design: only Parameters can be redirected)."""
-        self._check_open()
-        if not isinstance(param, nn.Parameter):
-            raise TypeError(
-                f"register_param takes an nn.Parameter, got {type(param).__name__} of shape {tuple(param.shape)}"
-                if isinstance(param, torch.Tensor)
-                else f"register_param takes an nn.Parameter, got {type(param).__name__}"
-            )
-        if id(param) in self.store.by_id:
-            raise RegistrationError(f"{self.store.by_id[id(param)].describe()} is already registered")
-        label = name or f"param{len(self.params)}"
-        self._register([(label, param)], {id(param): [(label, None)]})
-
-    def _register(self, named: list[tuple[str, nn.Parameter]], owners: dict[int, list]) -> None:
-        if self.optimizer is not None:
-            raise StateError("register params before register_optim: optimizer states are laid out with the params")
-        if self.groups is not None and self.layout is not None:
-            raise StateError(
-                f"with {self.world_size} ranks the chunk groups are laid out once: register the whole model in one "
-                f"register_module call"
-            )
-        for name, p in named:
-            if isinstance(p, ChunkedParameter) or guard_of(p) is not None:
-                raise RegistrationError(
-                    f"param {name!r} (shape {tuple(p.shape)}) is already held by a HybridPS client (initialize called "
-                    f"twice on one model?); close the first engine (engine.close() gives the model its values back) "
-                    f"or build a fresh model"
-                )
-            if not p.is_floating_point():
-                raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
-        stale = [name for name, p in named if p.grad is not None]
-        if stale:
-            logger.warning(
-                "dropping the .grad that %d params had before registration (%s%s): HybridPS keeps grads in chunks and "
-                "starts from none, so a grad from a backward run before initialize is not added into the first step",
-                len(stale),
-                ", ".join(stale[:3]),
-                ", ..." if len(stale) > 3 else "",
-            )
-            for _, p in named:
-                p.grad = None
-        if self.layout is None:
-            self.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
-        plan = self.layout.copy()
-        slots = [plan.add(p.numel()) for _, p in named]
-        if self.groups is not None:
-            plan.pad_to_multiple(self.shard_size)
-        self._check_fits(plan, slots, named, owners)
-        if self.groups is not None:
-            self._register_distributed(named, slots, plan)
-            return
-        done: list[ParamInfo] = []
-        try:
-            for (name, p), slot in zip(named, slots, strict=True):
-                done.append(self._commit(name, p, slot, plan))
-        except BaseException as exc:
-            self._rollback(done)
-            self._broken = f"registration failed ({exc}); the params were given their data back"
-            raise
-        self.layout = plan
-        self._size_pool()
-
-    def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
-        """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
-        assert self.groups is not None
-        self.layout = plan
-        self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
-        for index in range(plan.num_chunks):
-            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
-        values: dict[int, torch.Tensor] = {}
-        for (name, p), slot in zip(named, slots, strict=True):
-            info = ParamInfo(
-                param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
-            )
-            self.store.add(info)
-            for kind in self.kinds:
-                self.store.rows[kind][slot.chunk].add_slot(slot)
-            if info.meta_key is None:
-                values[slot.index] = p.data
-        self.groups.distribute(values, sync=self.config.sync_module_states)
-        self.groups.setup()
-        self._size_pool()
-        for info in self.params:
-            if info.meta_key is not None:
-                _leave_meta(info.param, self.compute.torch_device)
-            self.guard.adopt(info)
-            self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
-
-    def _size_pool(self) -> None:
-        if self.config.pool_bytes is not None:
-            self.mover.pool.cap_bytes = self.config.pool_bytes
-        else:  # enough for a few moves in flight of the largest (fp32) chunks
-            largest = max((self.layout.capacity(i) for i in range(self.layout.num_chunks)), default=0)
-            self.mover.pool.cap_bytes = 4 * 4 * largest
-
-    def _pick_chunk_size(self, numels: list[int]) -> int:
-        size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
-        logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
-        return size
-
-    def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
-        """Refuse, before anything moves, a capacity that no module could run in."""
-        per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
-        slot_of = {id(p): s for (_, p), s in zip(named, slots, strict=True)}
-        for info in self.params:
-            slot_of[id(info.param)] = info.slot
-        by_module: dict[str, set[int]] = {}
-        for pid, mods in owners.items():
-            for mod_name, _ in mods:
-                chunk = slot_of[pid].chunk
-                if self.groups is None:
-                    by_module.setdefault(mod_name, set()).add(chunk)
-                else:  # a module computes with its whole chunk group gathered
-                    g = self.groups.group_of(chunk)
-                    by_module.setdefault(mod_name, set()).update(self.groups.members(g))
-        budget = self.compute.capacity_bytes - self.config.margin
-        for mod_name, chunk_ids in by_module.items():
-            need = sum(plan.capacity(c) for c in chunk_ids) * per_chunk
-            if need > self.min_compute_bytes:
-                self.min_compute_bytes, self.min_compute_module = need, mod_name
-        if self.compute.is_gpu and self.min_compute_bytes > budget:
-            what = "param + grad chunks" if not self.config.grad_reuse else "param chunks"
-            raise ConfigError(
-                f"{self.compute.name} capacity {format_bytes(self.compute.capacity_bytes)} ({self.compute.capacity_bytes} B"
-                f"{', minus margin' if self.config.margin else ''}) is below the minimum this model needs: module "
-                f"{self.min_compute_module!r} computes with {what} of {format_bytes(self.min_compute_bytes)} "
-                f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
-                + (" or lower chunk_size." if not self._chunk_size_auto else ".")
-            )
-        kinds = self.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
-        per_kind = {k: plan.total_elements * self.kind_dtype(k).itemsize // self.shard_size for k in kinds}
-        total = sum(per_kind.values())
-        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
-        already = (
-            self.layout.total_elements * sum(self.kind_dtype(k).itemsize for k in kinds) // self.shard_size if self.layout else 0
-        )
-        if total - already > room:
-            parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
-            raise CapacityError(
-                f"model data of {format_bytes(total)} ({parts}{', this rank' + chr(39) + 's share' if self.world_size > 1 else ''}) "
-                f"does not fit the {format_bytes(room)} free on {', '.join(self.inventory.names)}; give HybridPS more "
-                f"memory (Config.devices), or use more ranks per shard group (each keeps 1/shard_group_size)"
-            )
-
-    def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
-        while len(self.store.rows[ChunkKind.PARAM]) <= slot.chunk:
-            self._new_chunk_row(plan.capacity(len(self.store.rows[ChunkKind.PARAM])))
-        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
-        src = p.data.reshape(-1)
-        with torch.no_grad():
-            for kind in self.kinds:
-                chunk = self.store.rows[kind][slot.chunk]
-                chunk.add_slot(slot)
-                if kind is ChunkKind.GRAD:
-                    continue  # grads arrive in backward
-                if info.meta_key is None:
-                    chunk.view(slot).copy_(src)
-                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
-        self.store.add(info)
-        if info.meta_key is not None:
-            _leave_meta(p, self.compute.torch_device)
-        self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
-        return info
-
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
         return self.store.ownership.owns(index)
-
-    def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
-        """Create chunk i of every kind; param and master chunks this rank keeps get payloads
-        now (a padding row, which only fills a chunk group, needs its param chunk alone: it
-        takes part in the group's collectives)."""
-        index = len(self.store.rows[ChunkKind.PARAM])
-        for kind in self.kinds:
-            chunk = self.store.new_chunk(kind, index, capacity)
-            self.store.rows[kind].append(chunk)
-            if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
-                continue
-            if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
-                self.mover.place(chunk, self.placement.home(kind))
-
-    def _rollback(self, done: list[ParamInfo]) -> None:
-        """Give the params of a failed registration their data back (nothing is lost)."""
-        for info in reversed(done):
-            source = self.store.rows[self.master_kind][info.chunk]
-            if source.payload is not None:
-                ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
-            self.guard.forget(info)
-            self.store.remove(info)
-
-    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
-        """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
-        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
-        self._check_open()
-        if self.optimizer is not None:
-            raise StateError("register_optim was called already; one optimizer per client")
-        chunked = ChunkedAdam(
-            self.store, self.mover, optimizer, placement=self.placement, groups=self.groups, on_zero_grad=self.pending.drop
-        )
-        for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
-            chunks = []
-            for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
-                chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
-                for slot in param_chunk.slots:
-                    chunk.add_slot(slot)
-                chunks.append(chunk)
-            self.store.rows[kind] = chunks
-        self._book_optimizer_states()
-        self.optimizer = chunked
-        # the one place the early step (Config.overlap_step) is wired: chunk groups call it
-        # when a group's grads are reduced, the engine's grad hooks on one rank
-        self.early_step = chunked.step_chunk_early if chunked.overlap_step else None
-        if self.groups is not None:
-            self.groups.early_step = self.early_step
-        chunked.attach_state()
-        return chunked
-
-    def _book_optimizer_states(self) -> None:
-        """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
-        master chunks, now rather than at the first step: a model whose Adam states do not
-        fit fails at registration with the true figure instead of at its first step."""
-        rows = [
-            (self.store.rows[kind][i], self.store.rows[self.master_kind][i])
-            for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-            for i in range(len(self.store.rows[kind]))
-            if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
-        ]
-        need = sum(chunk.nbytes for chunk, _ in rows)
-        try:
-            for chunk, master in rows:
-                self.mover.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
-                chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
-        except CapacityError as exc:
-            raise CapacityError(
-                f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
-                f"the model's {format_bytes(self.model_data_bytes - need)}: {exc}"
-            ) from exc
-
-    # -- access / release ------------------------------------------------------------------
 
     def param_info(self, param: torch.Tensor) -> ParamInfo:
         return self.store.param_info(param)
@@ -502,303 +282,88 @@ class Client:
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         return self.store.grad_view(info)
 
-    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
-        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
-        info = self.store.by_id.get(id(param)) or self.param_info(param)
-        if info.refs == 0:
-            chunk = self.store.rows[info.kind][info.chunk]
-            if self.groups is not None and info.kind is ChunkKind.PARAM:
-                self.groups.ensure_gathered(info.chunk, who)
-            previous = chunk.slot_state(info.slot)
-            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
-            try:
-                self.mover.bring(chunk, self.compute.name, who=who or info)
-            except BaseException:
-                chunk.set_slot_state(info.slot, previous, info)
-                raise
-            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
-        info.refs += 1
-        return param.data
+    # -- registration (registry.py) --------------------------------------------------------
 
-    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
-        """End one access of ``param``; the last release puts it in ``state``."""
-        info = self.store.by_id.get(id(param)) or self.param_info(param)
-        chunk = self.store.rows[info.kind][info.chunk]
-        if not isinstance(state, TensorState):
-            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
-        if info.refs == 0:
-            raise StateError(
-                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
-                f"call access() first"
-            )
-        if state is TensorState.COMPUTE:
-            raise StateError(
-                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
-            )
-        info.refs -= 1
-        if info.refs:
-            return
-        chunk.set_slot_state(info.slot, state, info)
-        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
-        if self.groups is not None and info.kind is ChunkKind.PARAM:
-            self.groups.after_release(info, state)
-        elif chunk.state is ChunkState.FREE:
-            self.mover.free(chunk)
+    def register_module(self, module: nn.Module) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+        self._check_open()
+        self.registry.register_module(module)
+
+    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
+        """Move one ``nn.Parameter`` into chunks (plain tensors are refused)."""
+        self._check_open()
+        self.registry.register_param(param, name)
+
+    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+        """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        self._check_open()
+        return self.registry.register_optim(optimizer)
+
+    @property
+    def optimizer(self) -> ChunkedAdam | None:
+        return self.registry.optimizer
+
+    @property
+    def early_step(self) -> Callable[[int], bool] | None:
+        """Steps one chunk whose grads are final, returns whether it did (Config.overlap_step)."""
+        return self.registry.early_step
+
+    @property
+    def expect_optimizer(self) -> bool:
+        """An optimizer will be registered (the engine's case): registration counts Adam states too."""
+        return self.registry.expect_optimizer
+
+    @expect_optimizer.setter
+    def expect_optimizer(self, value: bool) -> None:
+        self.registry.expect_optimizer = value
+
+    # -- optimizer rows on the GPU (optimizer_rows.py) -------------------------------------
 
     def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
-        """After warm-up: move the optimizer rows (master, momentum, variance of one chunk
-        index) the placement policy chooses to the compute GPU; return the bytes moved.
+        """After warm-up: move the optimizer rows the placement policy chooses to the compute
+        GPU; return the bytes moved."""
+        return self.optimizer_rows.place(non_model_peak_bytes=non_model_peak_bytes)
 
-        A row on the GPU steps there, so its param chunk never leaves the GPU for the
-        optimizer. How much room and which rows: ``placement.py``.
-        """
-        per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in self.store.rows.get(k, []))
-        room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
-        self.optimizer_placement = {
-            "non_model_peak_bytes": non_model_peak_bytes,
-            "per_iteration_bytes": per_iteration,
-            "room_bytes": room,
-            "moved_bytes": 0,
-        }
-        if room <= 0:
-            return 0
-        kinds = self._optimizer_kinds()
-        away = {
-            index: [self.store.rows[k][index] for k in kinds if self.store.rows[k][index].device != self.compute.name]
-            for index in range(self.store.num_chunks)
-            if self.owns(index)
-        }
-        chosen = self.placement.optimizer_rows_for_gpu([(i, sum(c.nbytes for c in row)) for i, row in away.items()], room)
-        for index in chosen:
-            for chunk in away[index]:
-                if chunk.payload is not None:
-                    self.mover.bring(chunk, self.compute.name, who="optimizer state placement")
-        moved = sum(c.nbytes for i in chosen for c in away[i])
-        self.optimizer_placement["moved_bytes"] = moved
-        logger.info("optimizer states on %s after warm-up: %d B of %d B of room", self.compute.name, moved, room)
-        return moved
-
-    def _optimizer_kinds(self) -> list[ChunkKind]:
-        return [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
+    @property
+    def optimizer_placement(self) -> dict[str, int] | None:
+        """The warm-up's choice of optimizer rows for the GPU: the trace's non-model peak, the
+        room it left, the bytes moved; None before."""
+        return self.optimizer_rows.record
 
     def optimizer_rows_on_gpu_fraction(self) -> float:
-        """The fraction of this rank's optimizer rows (master, momentum, variance of its
-        chunks, by bytes) that lie on the compute GPU now: 0 before warm-up and under
-        ``placement="cpu_optimizer"``, up to 1 when every row fits beside the activations'
-        peak (docs/CONCEPTS.md, "Optimizer rows on the GPU")."""
-        rows = [self.store.rows[k][i] for k in self._optimizer_kinds() for i in range(self.store.num_chunks) if self.owns(i)]
-        total = sum(c.nbytes for c in rows)
-        on_gpu = sum(c.nbytes for c in rows if c.payload is not None and c.device == self.compute.name)
-        return on_gpu / total if total and self.compute.is_gpu else 0.0
+        return self.optimizer_rows.on_gpu_fraction()
 
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        ph = self._placeholders.get(dtype)
-        if ph is None:
-            ph = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.compute.torch_device)
-        return ph
+    # -- grads (grads.py) ------------------------------------------------------------------
 
-    # -- grads -----------------------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        """A backward of the engine is running (for error messages)."""
+        return self.grads.in_backward
+
+    @in_backward.setter
+    def in_backward(self, value: bool) -> None:
+        self.grads.in_backward = value
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
-        param must be accessed, and its value no longer needed by autograd: else the grad
-        waits, see pending_grads.py), else its slot in the grad chunk, accumulating."""
-        info = self.param_info(param)
-        if self.groups is not None:
-            self._store_local_grad(info, grad)
-            if self.config.grad_reuse:
-                torch.autograd.graph.increment_version(param)  # the slot no longer holds the value
-            return
-        if self.config.grad_reuse:
-            if info.has_grad:
-                raise StateError(self._second_grad_message(info))
-            if self.pending.must_wait(info) or self.pending.waiting(info) is not None:
-                self.pending.add(info, grad)
-                return
-            if info.refs == 0:
-                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
-        self._write_grad(info, grad)
-
-    def _second_grad_message(self, info: ParamInfo) -> str:
-        if self.in_backward:
-            return (
-                f"a second grad for {info.describe()} in one backward, with grad_reuse=True (its slot holds one grad, "
-                f"and its value was still needed): the param is used in two segments of reentrant activation "
-                f"checkpointing (torch.utils.checkpoint with use_reentrant=True), each of which runs its own backward. "
-                f"Use use_reentrant=False, or set Config(grad_reuse=False)"
-            )
-        return (
-            f"{info.describe()} already holds a grad in its slot (grad_reuse=True) from an earlier backward; call "
-            f"step() (or zero_grad()) before the next backward, or set Config(grad_reuse=False) to accumulate "
-            f"gradients over micro-batches"
-        )
-
-    @torch.no_grad()
-    def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
-        """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
-        if self.config.grad_reuse:
-            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
-            chunk.wait_ready()
-            view = chunk.view(info.slot)
-            if info.has_grad:
-                view.add_(grad.reshape(-1))
-            else:
-                view.copy_(grad.reshape(-1))
-            # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
-            torch.autograd.graph.increment_version(info.param)
-        else:
-            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
-            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
-            self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
-            view = chunk.view(info.slot)
-            if info.has_grad:
-                view.add_(grad.reshape(-1))
-            else:
-                view.copy_(grad.reshape(-1))
-            chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
-        info.has_grad = True
+        self.grads.store_grad(param, grad)
 
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a grad that reached ``param`` through an op outside the forward (placeholder.py)."""
-        info = self.param_info(param)
-        if self.groups is not None:
-            raise StateError(
-                f"a grad reached {info.describe()} through an op outside the model's forward, with {self.world_size} "
-                f"ranks: grads are reduced per chunk group during backward. Compute that term inside the forward"
-            )
-        if self.config.grad_reuse and not info.has_grad:
-            self.pending.add(info, grad)  # the value may still be needed: into the slot at the end of backward
-        else:
-            self._write_grad(info, grad)
+        self.grads.add_grad(param, grad)
 
     def grad_value(self, param: nn.Parameter) -> torch.Tensor | None:
-        """A copy of ``param``'s grad as ``param.grad`` would show it (unscaled, clipped as far
-        as clip_grad_norm_ has asked, original dtype, compute device), or None."""
-        info = self.param_info(param)
-        waiting = self.pending.waiting(info)
-        if not info.has_grad and waiting is None:
-            return None
-        if self.groups is not None:
-            raise StateError(
-                f"reading the grad of {info.describe()} with {self.world_size} ranks: grads are reduce-scattered to "
-                f"the rank that owns each chunk. Use engine.clip_grad_norm_() for the global norm"
-            )
-        with torch.no_grad():
-            grad = torch.zeros(info.shape, dtype=torch.float32, device=self.compute.torch_device)
-            if info.has_grad:
-                grad.add_(self.grad_view(info).view(info.shape).to(grad.device, torch.float32))
-            if waiting is not None:
-                grad.add_(waiting.view(info.shape).to(grad.device, torch.float32))
-            if self.optimizer is not None:
-                grad = self.optimizer.as_user_grad(grad)
-        return grad.to(info.orig_dtype)
+        return self.grads.grad_value(param, self.optimizer)
 
-    @torch.no_grad()
     def drop_grad(self, param: nn.Parameter) -> None:
-        """Forget ``param``'s grad (``param.grad = None``); with grad reuse the slot gets the
-        param's value back from the master copy."""
-        info = self.param_info(param)
-        self.pending.drop(info)
-        if not info.has_grad:
-            return
-        if self.groups is not None:
-            raise StateError(
-                f"dropping the grad of {info.describe()} alone with {self.world_size} ranks; drop all grads together "
-                f"with engine.zero_grad()"
-            )
-        if self.config.grad_reuse:
-            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
-            chunk.view(info.slot).copy_(self.store.rows[self.master_kind][info.chunk].view(info.slot))
-        else:
-            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
-            if chunk.slot_state(info.slot) is not TensorState.FREE:
-                chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
-            if chunk.state is ChunkState.FREE:
-                self.mover.free(chunk)
-        info.has_grad = False
+        self.grads.drop_grad(param)
 
-    @torch.no_grad()
-    def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
-        """Multi-rank: the local grad waits in its slot of the gathered group (grad reuse) or
-        of a staging chunk until the group is reduce-scattered to its owner."""
-        assert self.groups is not None
-        if self.config.grad_reuse:
-            if info.refs == 0:
-                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
-            target = self.store.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
-        else:
-            target = self.groups.grad_slot_view(info)
-        if self.groups.local_flags[info.slot.index]:
-            target.add_(grad.reshape(-1))
-        else:
-            target.copy_(grad.reshape(-1))
-        self.groups.note_grad(info)
+    # -- collectives whose results HybridPS manages (managed.py) ---------------------------
 
-    # -- collectives whose results HybridPS manages (the seed's "allreduce to me" / "broadcast from me")
-
-    @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", name: str | None = None) -> nn.Parameter:
-        """All-reduce ``tensor`` over the ranks, chunk by chunk; return the result as a tensor
-        that lives in HybridPS chunks (``access``/``release`` it like a param)."""
-        if op not in ("avg", "sum"):
-            raise ConfigError(f"op={op!r}; use 'avg' or 'sum'")
-        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
-        if self.groups is not None:
-            for piece in self._pieces(flat):
-                self.groups.everyone.all_reduce(piece, what=f"allreduce of {name or 'a tensor'}")
-                if op == "avg":
-                    piece.div_(self.world_size)
-        return self._managed(flat.view(tensor.shape), name or "allreduce")
+        return self.managed.allreduce(tensor, op=op, name=name)
 
-    @torch.no_grad()
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str | None = None) -> nn.Parameter:
-        """Broadcast rank ``src``'s ``tensor`` (same shape and dtype on every rank), chunk by
-        chunk; return the result as a HybridPS-managed tensor."""
-        if not 0 <= src < self.world_size:
-            raise ConfigError(f"src={src} is not a rank of this world of {self.world_size}")
-        flat = tensor.detach().reshape(-1).to("cpu", copy=True)
-        if self.groups is not None:
-            for piece in self._pieces(flat):
-                self.groups.everyone.broadcast(piece, src, what=f"broadcast of {name or 'a tensor'}")
-        return self._managed(flat.view(tensor.shape), name or "broadcast")
-
-    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        size = self.layout.chunk_size if self.layout is not None else max(1, flat.numel())
-        return [flat[i : i + size] for i in range(0, flat.numel(), size)] or [flat]
-
-    def _managed(self, value: torch.Tensor, name: str) -> nn.Parameter:
-        """Register ``value`` as a buffer tensor in chunks of its own list."""
-        self._check_open()
-        if not value.is_floating_point():
-            raise ConfigError(f"{name}: only floating-point tensors can be managed (got {value.dtype})")
-        if self._buffer_layout is None:
-            size = self.layout.chunk_size if self.layout is not None else max(value.numel(), 1)
-            self._buffer_layout = ChunkLayout(size, self.config.alignment)
-        chunks = self.store.rows.setdefault(ChunkKind.BUFFER, [])
-        slot = self._buffer_layout.add(value.numel())
-        while len(chunks) <= slot.chunk:
-            chunk = self.store.new_chunk(ChunkKind.BUFFER, len(chunks), self._buffer_layout.capacity(len(chunks)), value.dtype)
-            self.mover.place(chunk, self.placement.home(ChunkKind.BUFFER))
-            chunks.append(chunk)
-        chunk = chunks[slot.chunk]
-        if chunk.dtype != value.dtype:
-            raise ConfigError(f"{name}: managed tensors of one client share a dtype ({chunk.dtype}); got {value.dtype}")
-        param = nn.Parameter(torch.empty(0, dtype=value.dtype), requires_grad=False)
-        info = ParamInfo(
-            param=param,
-            name=f"{name}#{len(self.buffers)}",
-            slot=slot,
-            shape=value.shape,
-            orig_dtype=value.dtype,
-            kind=ChunkKind.BUFFER,
-        )
-        chunk.add_slot(slot)
-        chunk.view(slot).copy_(value.reshape(-1))
-        chunk.set_slot_state(slot, TensorState.HOLD, info)
-        self.store.add(info)
-        self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(value.dtype))
-        return param
+        return self.managed.broadcast(tensor, src, name=name)
 
     def begin_forward(self) -> None:
         """A forward pass of the model starts (chunk groups count their params' uses anew)."""
@@ -816,68 +381,37 @@ class Client:
         if self.groups is not None:
             self.groups.end_backward()
 
-    # -- values ----------------------------------------------------------------------------
+    # -- access and values (values.py) -----------------------------------------------------
+
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data (values.py)."""
+        return self.values.access(param, who=who)
+
+    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
+        """End one access of ``param``; the last release puts it in ``state`` (values.py)."""
+        self.values.release(param, state)
 
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
-        With several ranks only for params in chunks this rank owns (see ``full_values``)."""
-        info = self.param_info(param)
-        if not self.owns(info.chunk):
-            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
-        chunk = self.store.rows[self.master_kind][info.chunk]
-        if self.master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
-            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
-        if chunk.payload is None:
-            return torch.zeros(info.shape, dtype=chunk.dtype)
-        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+        return self.values.read_param(param)
 
-    @torch.no_grad()
     def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Set ``param``'s value (master copy and compute-precision copy)."""
-        self.guard.read_cache = None  # no copy read before this write may be handed out again
-        info = self.param_info(param)
-        if not self.owns(info.chunk):
-            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
-        if tuple(value.shape) != tuple(info.shape):
-            raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
-        kinds = (ChunkKind.PARAM, self.master_kind)
-        if info.has_grad and self.config.grad_reuse:
-            if self.master_kind is ChunkKind.PARAM:
-                raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
-            kinds = (self.master_kind,)  # the slot holds the grad; the step writes the new master back to it
-        for kind in dict.fromkeys(kinds):
-            chunk = self.store.rows[kind][info.chunk]
-            if chunk.payload is None:
-                self.mover.place(chunk, self.placement.home(kind))
-            chunk.view(info.slot).copy_(value.reshape(-1))
+        self.values.write_param(param, value)
 
     def read_value(self, param: nn.Parameter) -> torch.Tensor:
-        """A CPU copy of ``param``'s value as the user's model holds it: full precision, in the
-        dtype it was registered with."""
-        info = self.param_info(param)
-        if info.kind is ChunkKind.BUFFER:
-            return self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
-        return self.read_param(param).to(info.orig_dtype)
+        return self.values.read_value(param)
 
     def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Set ``param``'s value (master and compute copies; the buffer of a managed tensor)."""
-        info = self.param_info(param)
-        if info.kind is ChunkKind.BUFFER:
-            if tuple(value.shape) != tuple(info.shape):
-                raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
-            with torch.no_grad():
-                self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
-            return
-        self.write_param(param, value)
+        self.values.write_value(param, value)
+
+    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
+        """Every param's full-precision value (CPU), in registration order; with several ranks
+        every rank iterates it together (values.py)."""
+        return self.values.full_values()
 
     # -- stats -----------------------------------------------------------------------------
 
     def all_chunks(self) -> Iterator[Chunk]:
         return self.store.all_chunks()
-
-    @property
-    def model_data_bytes(self) -> int:
-        return self.store.model_data_bytes
 
     def memory_stats(self) -> dict:
         kinds = {
@@ -908,8 +442,8 @@ class Client:
             "param_elements": sum(i.slot.numel for i in self.params),
             "chunk_size": self.layout.chunk_size if self.layout else self.config.chunk_size,
             "compute_device": self.compute.name,
-            "min_compute_bytes": self.min_compute_bytes,
-            "min_compute_module": self.min_compute_module,
+            "min_compute_bytes": self.registry.min_compute_bytes,
+            "min_compute_module": self.registry.min_compute_module,
             "optimizer_rows_on_gpu_fraction": self.optimizer_rows_on_gpu_fraction(),
             "optimizer_placement": dict(self.optimizer_placement) if self.optimizer_placement is not None else None,
             "kinds": kinds,
@@ -919,37 +453,19 @@ class Client:
         }
 
     def host_memory(self) -> dict:
-        """What this rank holds in host memory, by part, next to the process's RSS: chunks on
-        the CPU and on simulated GPUs (their payloads are host memory), idle pooled buffers,
-        the host arena's bytes that are not chunk payloads, the optimizer's fp32 staging
-        buffers and grads waiting beside their slots. RSS also
-        holds torch itself, activations and the allocator's free lists, so it exceeds
-        ``accounted_bytes`` by a fixed amount plus what a step allocates transiently."""
-        simulated = [d.name for d in self.inventory if d.simulated]
+        """What this rank holds in host memory, by part, next to the process's RSS (host_memory.py)."""
         buffers = self.optimizer._buffers.values() if self.optimizer is not None else ()
-        parts = {
-            "cpu_chunk_bytes": self.mover.used_bytes["cpu"],
-            "simulated_gpu_chunk_bytes": sum(self.mover.used_bytes[d] for d in simulated),
-            "pool_bytes": self.mover.pool.held_bytes,
-            # free slots of the arena, and slots a copy in flight or a view still holds
-            "arena_idle_bytes": self.mover.arena_idle_bytes,
-            "optimizer_buffer_bytes": sum(b.numel() * b.element_size() for b in buffers if b.device.type == "cpu"),
-            "pending_grad_bytes": self.pending.waiting_bytes(),
-        }
-        parts["accounted_bytes"] = sum(parts.values())
-        parts["rss_bytes"] = _rss_bytes()
-        # freed memory the C allocator keeps for reuse (activations and temporaries of the last
-        # step): not HybridPS's data, but most of what RSS holds beyond it and torch's baseline
-        parts["allocator_free_bytes"] = _allocator_free_bytes()
-        return parts
+        return host_breakdown(
+            self.mover, self.inventory, optimizer_buffers=buffers, pending_grad_bytes=self.pending.waiting_bytes()
+        )
 
     # -- lifetime --------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("this client is closed; create a new Client")
-        if self._broken:
-            raise StateError(f"this client cannot be used: {self._broken}; create a new Client")
+        if self.registry.broken:
+            raise StateError(f"this client cannot be used: {self.registry.broken}; create a new Client")
 
     def close(self, *, restore: bool = True) -> None:
         """Remove hooks and give every chunk back. With ``restore`` the params get their
@@ -964,7 +480,7 @@ class Client:
             self.groups.settle_all()  # no collective may still write into a chunk being freed
         try:
             if restore:
-                self._restore_params()
+                self.values.restore_params()
             self.mover.release_all(self.all_chunks())
         finally:
             for info in [*self.params, *self.buffers]:
@@ -975,34 +491,6 @@ class Client:
             self.connection.close()
             if self.link is not None:
                 self.link.close()
-
-    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
-        """Every param's full-precision value (CPU), in registration order. With several ranks
-        every rank must iterate this together: values of other ranks' chunks are gathered one
-        chunk group at a time."""
-        if self.groups is None:
-            for info in self.params:
-                yield info, self.read_param(info.param)
-            return
-        for g in range(self.groups.num_groups):
-            rows = self.groups.gather_rows(self.master_kind, g)
-            for r, index in enumerate(self.groups.ranked(g)):
-                for slot in self.store.rows[ChunkKind.PARAM][index].slots:
-                    info = self.params[slot.index]
-                    yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
-
-    def _restore_params(self) -> None:
-        device = self.compute.torch_device
-        for info, value in self.full_values():
-            ParamGuard.materialize(info, value.to(device=device, dtype=info.orig_dtype))
-            self.guard.forget(info)
-            info.refs = 0
-        for info in self.buffers:
-            chunk = self.store.rows[ChunkKind.BUFFER][info.chunk]
-            assert chunk.payload is not None
-            ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
-            self.guard.forget(info)
-            info.refs = 0
 
     def __enter__(self) -> Client:
         return self
@@ -1015,71 +503,3 @@ class Client:
             f"Client(compute={self.compute.name}, params={len(self.params)}, chunks="
             f"{sum(len(c) for c in self.store.rows.values())}, model_data={format_bytes(self.model_data_bytes)})"
         )
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-def _allocator_free_bytes() -> int | None:
-    """Free bytes glibc's malloc holds in its arenas (``mallinfo2().fordblks``; glibc >=
-    2.33), None elsewhere. [Note] Measured at 91 M params after three steps: RSS growth
-    1.16x the accounted bytes, 1.02x once these were returned (malloc_trim); trimming every
-    step would cost re-faulting the next step's activations, so they are reported instead."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    return int(fn().fordblks)
-
-
-def _rss_bytes() -> int | None:
-    """This process's resident set size (Linux), None where /proc is not there."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
-    """Make a param built on the meta device an (empty) tensor on ``device``, keeping the
-    object: ``.data`` cannot be set across the meta boundary, so the tensors are swapped."""
-    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad))
-
-
-def _meta_key(p: nn.Parameter, compute) -> int | None:
-    """The storage key of a param built on the meta device (its values come from meta_init()'s
-    replay or from loaded weights), None for a param with values (or when planning on meta)."""
-    if p.device.type != "meta" or compute.meta:
-        return None
-    return p.untyped_storage()._cdata
-
-
-def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """For each param, the modules that hold it directly (a tied param has several)."""
-    owners: dict[int, list[tuple[str, nn.Module]]] = {}
-    for mod_name, mod in module.named_modules():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
-    return owners
-
-
-def auto_chunk_size(numels: list[int], config: Config, compute, world_size: int) -> int:
-    """The chunk size a client uses for params of ``numels`` (``config.chunk_size`` if set)."""
-    if config.chunk_size is not None:
-        return config.chunk_size
-    cap = compute.capacity_bytes - config.margin if compute.is_gpu else None
-    return choose_chunk_size(
-        numels,
-        elem_bytes=config.param_dtype.itemsize,
-        capacity_bytes=cap,
-        alignment=config.alignment,
-        # several ranks: enough chunks that each rank owns a balanced share
-        min_chunks=4 if world_size == 1 else 8 * world_size,
-    )

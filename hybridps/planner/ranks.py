@@ -117,8 +117,7 @@ def _group_layout(
 ) -> _GroupLayout:
     """The client's layout for ``shard_size``: ``chunk_size`` if given, else the simulation's
     requested chunk size, else the one the client picks."""
-    from hybridps.client.chunks.layout import ChunkLayout
-    from hybridps.client.client import auto_chunk_size
+    from hybridps.client.chunks.layout import ChunkLayout, auto_chunk_size
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 

@@ -285,8 +285,9 @@ class Planner:
 
     def refusal(self, ev: Evaluation) -> str | None:
         """Why the client would refuse this model with this shard group at registration
-        (``Client._check_fits``: a module computes with its whole chunk groups gathered, and
-        they must fit the GPU's capacity minus the margin), with the fix; None when it would not."""
+        (``ParamRegistry._check_fits``, params/registry.py: a module computes with its whole
+        chunk groups gathered, and they must fit the GPU's capacity minus the margin), with the
+        fix; None when it would not."""
         share, node, req = ev.share, self.node, self.request
         budget = node.gpu_bytes - req.margin_bytes
         if share is None or share.gathered_bytes <= budget:

@@ -26,7 +26,7 @@ SHARD_GROUP_SIZES = ("node", "world")
 
 class ShardGroupTooLargeError(ConfigError):
     """A shard-group layout whose gathered chunk groups do not fit the GPU: the client would
-    refuse it at registration (``Client._check_fits``)."""
+    refuse it at registration (``ParamRegistry._check_fits``, params/registry.py)."""
 
 
 def parse_shard_group_size(text: str | int) -> int | str:

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from hybridps.client.chunks.layout import PACKED_SLACK, PAGE_BYTES, ChunkLayout, choose_chunk_size
-from hybridps.client.client import auto_chunk_size
+from hybridps.client.chunks.layout import PACKED_SLACK, PAGE_BYTES, ChunkLayout, auto_chunk_size, choose_chunk_size
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.models import GPT, GPTConfig

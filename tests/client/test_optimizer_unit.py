@@ -1,6 +1,7 @@
 """ChunkedAdam driven alone: a chunk store and a mover built by hand, no Client, no engine.
 
-The optimizer takes its collaborators in its constructor (store, mover, placement policy),
+The optimizer takes its collaborators in its constructor (store, mover, placement policy, the
+grads' owner's ``set_has_grad``),
 so it can be checked against torch's fused AdamW on a hand-made layout.
 """
 
@@ -14,6 +15,7 @@ from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.params.grads import set_has_grad
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.protocol import ClientInfo
@@ -62,14 +64,20 @@ def test_chunked_adam_on_a_hand_made_store_matches_fused_adamw():
     config = Config(precision="fp32", grad_reuse=True)
     store, mover, policy = _store(chunked, config)
     ref_opt = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
-    opt = ChunkedAdam(store, mover, torch.optim.AdamW(chunked, lr=1e-2, weight_decay=0.1, fused=True), placement=policy)
+    opt = ChunkedAdam(
+        store,
+        mover,
+        torch.optim.AdamW(chunked, lr=1e-2, weight_decay=0.1, fused=True),
+        placement=policy,
+        set_has_grad=set_has_grad,
+    )
     for step in range(3):
         grads = [torch.randn(s, generator=torch.Generator().manual_seed(10 * step + i)) for i, s in enumerate(shapes)]
         for p, g in zip(reference, grads, strict=True):
             p.grad = g.clone()
         for info, g in zip(store.params, grads, strict=True):  # grad reuse: the grad sits in the param slot
             store.rows[ChunkKind.PARAM][info.chunk].view(info.slot).copy_(g.reshape(-1))
-            info.has_grad = True
+            set_has_grad(info, True)
         ref_opt.step()
         opt.step()
         for info, p in zip(store.params, reference, strict=True):

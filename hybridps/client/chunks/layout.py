@@ -14,10 +14,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridps.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridps.common.config import Config
+    from hybridps.common.devices import DeviceSpec
 
 #: Upper bound of an automatically chosen chunk, in elements (128 MiB of fp16): large enough
 #: for full-bandwidth copies and collectives, small enough to place finely.
@@ -220,3 +225,18 @@ def choose_chunk_size(
     waste = [int(w) for w in layout_waste_many(numels, ordered, alignment)]
     best = min(range(len(ordered)), key=lambda k: (waste[k], -ordered[k]))
     return ordered[best]
+
+
+def auto_chunk_size(numels: list[int], config: Config, compute: DeviceSpec, world_size: int) -> int:
+    """The chunk size a client uses for params of ``numels`` (``config.chunk_size`` if set)."""
+    if config.chunk_size is not None:
+        return config.chunk_size
+    cap = compute.capacity_bytes - config.margin if compute.is_gpu else None
+    return choose_chunk_size(
+        numels,
+        elem_bytes=config.param_dtype.itemsize,
+        capacity_bytes=cap,
+        alignment=config.alignment,
+        # several ranks: enough chunks that each rank owns a balanced share
+        min_chunks=4 if world_size == 1 else 8 * world_size,
+    )

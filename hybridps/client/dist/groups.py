@@ -112,12 +112,16 @@ class ChunkGroups:
         comm: Collectives,
         *,
         placement: PlacementPolicy,
+        set_has_grad: Callable[[ParamInfo, bool], None],
         replicas: Collectives | None = None,
         everyone: Collectives | None = None,
     ):
         self.store = store
         self.mover = mover
         self.placement = placement
+        #: records whether a param holds a grad (the grads' owner, grads.py): the groups report
+        #: the flags a reduction or the end of backward settles instead of writing them
+        self._set_has_grad = set_has_grad
         self.config = store.config
         #: the collectives of this rank's shard group: gathers and reduce-scatters of chunk groups
         self.comm = comm
@@ -584,7 +588,7 @@ class ChunkGroups:
             # every rank saw every grad of the group: the owned params all have grads now
             for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
                 info = self.store.params[slot.index]
-                info.has_grad = info.param.requires_grad
+                self._set_has_grad(info, info.param.requires_grad)
             if self.early_step(own_index):
                 self.stepped_early.add(own_index)
 
@@ -614,9 +618,9 @@ class ChunkGroups:
         for info in self.store.params:
             if self.owns(info.chunk):
                 if flags[info.slot.index] and info.chunk not in self.stepped_early:
-                    info.has_grad = True
+                    self._set_has_grad(info, True)
             else:
-                info.has_grad = False
+                self._set_has_grad(info, False)
         self.stepped_early.clear()
         self.local_flags.zero_()
         self.end_forward(keep_retained=False)

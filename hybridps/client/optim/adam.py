@@ -236,6 +236,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         placement: PlacementPolicy,
+        set_has_grad: Callable[[ParamInfo, bool], None],
         groups: ChunkGroups | None = None,
         on_zero_grad: Callable[[], None] | None = None,
     ):
@@ -244,6 +245,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.mover = mover
         self.placement = placement
         self.groups = groups
+        #: records whether a param holds a grad (the grads' owner, grads.py): a step, a roll-back
+        #: and zero_grad report the flags they change instead of writing them
+        self._set_has_grad = set_has_grad
         #: told when zero_grad drops every grad, so that their owner drops what it holds beside the slots
         self.on_zero_grad = on_zero_grad
         self.inner = optimizer
@@ -521,7 +525,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 for info in infos:
                     self.steps[info.slot.index] += 1
                     if self.store.config.grad_reuse:
-                        info.has_grad = False  # the grad slot now holds the param again
+                        self._set_has_grad(info, False)  # the grad slot now holds the param again
             if self.scaler is not None:
                 self.scaler.update(False)
         finally:
@@ -576,7 +580,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self.mover.give_back(chunk, after)
             for info, step in zip(backup.infos, backup.steps_before, strict=True):
                 self.steps[info.slot.index] = step
-                info.has_grad = True
+                self._set_has_grad(info, True)
             self._stepped_early.discard(index)
             spec.drop(index)
             spec.rolled_back += 1
@@ -911,7 +915,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             raise
         for info in infos:
             self.steps[info.slot.index] += 1
-            info.has_grad = False
+            self._set_has_grad(info, False)
         self._stepped_early.add(index)
         if self.groups is not None:
             self.groups.write_back.discard(index)
@@ -969,7 +973,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._write_back(index, self.store.layout.used(index))
         for infos in grads.values():
             for info in infos:
-                info.has_grad = False
+                self._set_has_grad(info, False)
 
     # -- grads lifetime --------------------------------------------------------------------
 
@@ -999,7 +1003,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                         chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
                 self.mover.free(chunk)
         for info in store.params:
-            info.has_grad = False
+            self._set_has_grad(info, False)
         if self.on_zero_grad is not None:
             self.on_zero_grad()
         if self.speculation.mode is not SpeculationMode.IDLE:

@@ -1,0 +1,188 @@
+"""Grads landing: where a param's grad goes when autograd (or an op outside the forward)
+hands it over, how it is read back as ``param.grad`` and how it is dropped.
+
+Owns the writes of grads into their slots (the param's own slot under grad reuse, else its
+slot in the grad chunk; with several ranks, the gathered group or a staging chunk until the
+group is reduce-scattered), the pending grads that may not enter their slot yet
+(pending_grads.py) and every write of ``ParamInfo.has_grad``: the optimizer and the chunk
+groups report theirs through ``set_has_grad``, given to their constructors.
+
+Does not own the slots themselves (the store), the reductions of chunk groups (groups.py),
+the optimizer's view of a grad (unscaling, clipping: ``ChunkedAdam.as_user_grad``) or when
+backward begins and ends (the engine).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.params.pending_grads import PendingGrads
+from hybridps.common.errors import StateError
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.optim.adam import ChunkedAdam
+    from hybridps.common.devices import DeviceSpec
+
+
+def set_has_grad(info: ParamInfo, flag: bool) -> None:
+    """Record whether ``info``'s slot holds a grad: the one writer of ``ParamInfo.has_grad``."""
+    info.has_grad = flag
+
+
+class Grads:
+    """The grads of one client's params: storing, adding, reading and dropping them."""
+
+    def __init__(self, store: ChunkStore, mover: ChunkMover, *, groups: ChunkGroups | None, compute: DeviceSpec, world_size: int):
+        self.store = store
+        self.mover = mover
+        self.groups = groups
+        self.config = store.config
+        self.compute = compute
+        self.world_size = world_size
+        #: grads that may not enter their slot yet (pending_grads.py)
+        self.pending = PendingGrads(store, mover, self._write_grad)
+        #: a backward of the engine is running (for error messages)
+        self.in_backward = False
+
+    def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
+        param must be accessed, and its value no longer needed by autograd: else the grad
+        waits, see pending_grads.py), else its slot in the grad chunk, accumulating."""
+        info = self.store.param_info(param)
+        if self.groups is not None:
+            self._store_local_grad(info, grad)
+            if self.config.grad_reuse:
+                torch.autograd.graph.increment_version(param)  # the slot no longer holds the value
+            return
+        if self.config.grad_reuse:
+            if info.has_grad:
+                raise StateError(self._second_grad_message(info))
+            if self.pending.must_wait(info) or self.pending.waiting(info) is not None:
+                self.pending.add(info, grad)
+                return
+            if info.refs == 0:
+                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
+        self._write_grad(info, grad)
+
+    def _second_grad_message(self, info: ParamInfo) -> str:
+        if self.in_backward:
+            return (
+                f"a second grad for {info.describe()} in one backward, with grad_reuse=True (its slot holds one grad, "
+                f"and its value was still needed): the param is used in two segments of reentrant activation "
+                f"checkpointing (torch.utils.checkpoint with use_reentrant=True), each of which runs its own backward. "
+                f"Use use_reentrant=False, or set Config(grad_reuse=False)"
+            )
+        return (
+            f"{info.describe()} already holds a grad in its slot (grad_reuse=True) from an earlier backward; call "
+            f"step() (or zero_grad()) before the next backward, or set Config(grad_reuse=False) to accumulate "
+            f"gradients over micro-batches"
+        )
+
+    @torch.no_grad()
+    def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
+        if self.config.grad_reuse:
+            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
+            chunk.wait_ready()
+            view = chunk.view(info.slot)
+            if info.has_grad:
+                view.add_(grad.reshape(-1))
+            else:
+                view.copy_(grad.reshape(-1))
+            # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
+            torch.autograd.graph.increment_version(info.param)
+        else:
+            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
+            self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
+            view = chunk.view(info.slot)
+            if info.has_grad:
+                view.add_(grad.reshape(-1))
+            else:
+                view.copy_(grad.reshape(-1))
+            chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
+        set_has_grad(info, True)
+
+    def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a grad that reached ``param`` through an op outside the forward (placeholder.py)."""
+        info = self.store.param_info(param)
+        if self.groups is not None:
+            raise StateError(
+                f"a grad reached {info.describe()} through an op outside the model's forward, with {self.world_size} "
+                f"ranks: grads are reduced per chunk group during backward. Compute that term inside the forward"
+            )
+        if self.config.grad_reuse and not info.has_grad:
+            self.pending.add(info, grad)  # the value may still be needed: into the slot at the end of backward
+        else:
+            self._write_grad(info, grad)
+
+    def grad_value(self, param: nn.Parameter, optimizer: ChunkedAdam | None) -> torch.Tensor | None:
+        """A copy of ``param``'s grad as ``param.grad`` would show it (unscaled, clipped as far
+        as clip_grad_norm_ has asked by ``optimizer``, original dtype, compute device), or None."""
+        info = self.store.param_info(param)
+        waiting = self.pending.waiting(info)
+        if not info.has_grad and waiting is None:
+            return None
+        if self.groups is not None:
+            raise StateError(
+                f"reading the grad of {info.describe()} with {self.world_size} ranks: grads are reduce-scattered to "
+                f"the rank that owns each chunk. Use engine.clip_grad_norm_() for the global norm"
+            )
+        with torch.no_grad():
+            grad = torch.zeros(info.shape, dtype=torch.float32, device=self.compute.torch_device)
+            if info.has_grad:
+                grad.add_(self.store.grad_view(info).view(info.shape).to(grad.device, torch.float32))
+            if waiting is not None:
+                grad.add_(waiting.view(info.shape).to(grad.device, torch.float32))
+            if optimizer is not None:
+                grad = optimizer.as_user_grad(grad)
+        return grad.to(info.orig_dtype)
+
+    @torch.no_grad()
+    def drop_grad(self, param: nn.Parameter) -> None:
+        """Forget ``param``'s grad (``param.grad = None``); with grad reuse the slot gets the
+        param's value back from the master copy."""
+        info = self.store.param_info(param)
+        self.pending.drop(info)
+        if not info.has_grad:
+            return
+        if self.groups is not None:
+            raise StateError(
+                f"dropping the grad of {info.describe()} alone with {self.world_size} ranks; drop all grads together "
+                f"with engine.zero_grad()"
+            )
+        if self.config.grad_reuse:
+            chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
+            chunk.view(info.slot).copy_(self.store.rows[self.store.master_kind][info.chunk].view(info.slot))
+        else:
+            chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
+            if chunk.slot_state(info.slot) is not TensorState.FREE:
+                chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
+            if chunk.state is ChunkState.FREE:
+                self.mover.free(chunk)
+        set_has_grad(info, False)
+
+    @torch.no_grad()
+    def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """Multi-rank: the local grad waits in its slot of the gathered group (grad reuse) or
+        of a staging chunk until the group is reduce-scattered to its owner."""
+        assert self.groups is not None
+        if self.config.grad_reuse:
+            if info.refs == 0:
+                raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
+            target = self.store.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
+        else:
+            target = self.groups.grad_slot_view(info)
+        if self.groups.local_flags[info.slot.index]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+        self.groups.note_grad(info)

@@ -1,0 +1,390 @@
+"""Registration: params (a module's, or one at a time) and the optimizer enter the chunks.
+
+Owns the checks before anything moves (params held already, non-float params, a capacity no
+module could compute in, model data that does not fit the devices), the layout of the
+params into chunk rows (on one rank, or in chunk groups of which this rank keeps its own),
+the rollback of a registration that failed partway, the pool's cap, the optimizer's
+momentum and variance rows and where the early step is wired, and the figures of the
+largest module's working set (``min_compute_bytes``). Also the empty placeholder tensors a
+param's ``.data`` is while it is not accessed (``placeholders``).
+
+Does not own the rows and records once made (the store), how chunks move (the mover), the
+chunk groups' collectives (groups.py), the optimizer's step (adam.py), or access and release
+(the Client).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_chunk_size
+from hybridps.client.chunks.states import TensorState
+from hybridps.client.chunks.store import ParamInfo
+from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.params.grads import set_has_grad
+from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
+from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
+from hybridps.common.units import format_bytes
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore
+    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.common.devices import DeviceInventory, DeviceSpec
+
+#: registration logs as the client it registers for (its records kept their name when it moved here)
+logger = logging.getLogger("hybridps.client.client")
+
+
+def placeholders(device: torch.device) -> Callable[[torch.dtype], torch.Tensor]:
+    """One empty tensor per dtype on ``device``, made at its first use: the ``.data`` of every
+    registered param (and managed tensor) of that dtype while it is not accessed."""
+
+    @functools.cache
+    def placeholder(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=device)
+
+    return placeholder
+
+
+class ParamRegistry:
+    """Registration of one client's params and optimizer."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkMover,
+        *,
+        placement: PlacementPolicy,
+        guard: ParamGuard,
+        groups: ChunkGroups | None,
+        inventory: DeviceInventory,
+        world_size: int,
+        shard_size: int,
+        placeholder: Callable[[torch.dtype], torch.Tensor],
+        on_zero_grad: Callable[[], None],
+    ):
+        self.store = store
+        self.mover = mover
+        self.placement = placement
+        self.guard = guard
+        self.groups = groups
+        self.inventory = inventory
+        self.compute = inventory.compute_device
+        self.config = store.config
+        self.param_dtype = self.config.param_dtype
+        self.world_size = world_size
+        #: ranks that hold one copy of the model data between them
+        self.shard_size = shard_size
+        #: the empty tensor of a dtype that a released param's ``.data`` is
+        self._placeholder = placeholder
+        #: told by the optimizer when zero_grad drops every grad (the pending grads' owner)
+        self._on_zero_grad = on_zero_grad
+        self.optimizer: ChunkedAdam | None = None
+        #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
+        self.early_step: Callable[[int], bool] | None = None
+        #: the largest param (+ grad) chunks one module computes with, and that module
+        self.min_compute_bytes = 0
+        self.min_compute_module = ""
+        #: an optimizer will be registered (the engine's case): registration counts Adam states too
+        self.expect_optimizer = False
+        #: why the client cannot be used after a failed registration, None while it can
+        self.broken: str | None = None
+        self._chunk_size_auto = self.config.chunk_size is None
+
+    # -- params ----------------------------------------------------------------------------
+
+    def register_module(self, module: nn.Module) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
+        if not named:
+            raise RegistrationError(f"{type(module).__name__} has no parameters that are not registered already")
+        owners = _param_owners(module)
+        self._register(named, owners)
+
+    def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
+        """Move one ``nn.Parameter`` into chunks. Plain tensors are refused: their identity
+        would not survive the move (see the seed design: only Parameters can be redirected)."""
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(
+                f"register_param takes an nn.Parameter, got {type(param).__name__} of shape {tuple(param.shape)}"
+                if isinstance(param, torch.Tensor)
+                else f"register_param takes an nn.Parameter, got {type(param).__name__}"
+            )
+        if id(param) in self.store.by_id:
+            raise RegistrationError(f"{self.store.by_id[id(param)].describe()} is already registered")
+        label = name or f"param{len(self.store.params)}"
+        self._register([(label, param)], {id(param): [(label, None)]})
+
+    def _register(self, named: list[tuple[str, nn.Parameter]], owners: dict[int, list]) -> None:
+        if self.optimizer is not None:
+            raise StateError("register params before register_optim: optimizer states are laid out with the params")
+        if self.groups is not None and self.store.layout is not None:
+            raise StateError(
+                f"with {self.world_size} ranks the chunk groups are laid out once: register the whole model in one "
+                f"register_module call"
+            )
+        for name, p in named:
+            if isinstance(p, ChunkedParameter) or guard_of(p) is not None:
+                raise RegistrationError(
+                    f"param {name!r} (shape {tuple(p.shape)}) is already held by a HybridPS client (initialize called "
+                    f"twice on one model?); close the first engine (engine.close() gives the model its values back) "
+                    f"or build a fresh model"
+                )
+            if not p.is_floating_point():
+                raise RegistrationError(f"param {name!r} has dtype {p.dtype}; only floating-point params can be chunked")
+        stale = [name for name, p in named if p.grad is not None]
+        if stale:
+            logger.warning(
+                "dropping the .grad that %d params had before registration (%s%s): HybridPS keeps grads in chunks and "
+                "starts from none, so a grad from a backward run before initialize is not added into the first step",
+                len(stale),
+                ", ".join(stale[:3]),
+                ", ..." if len(stale) > 3 else "",
+            )
+            for _, p in named:
+                p.grad = None
+        if self.store.layout is None:
+            self.store.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
+        plan = self.store.layout.copy()
+        slots = [plan.add(p.numel()) for _, p in named]
+        if self.groups is not None:
+            plan.pad_to_multiple(self.shard_size)
+        self._check_fits(plan, slots, named, owners)
+        if self.groups is not None:
+            self._register_distributed(named, slots, plan)
+            return
+        done: list[ParamInfo] = []
+        try:
+            for (name, p), slot in zip(named, slots, strict=True):
+                done.append(self._commit(name, p, slot, plan))
+        except BaseException as exc:
+            self._rollback(done)
+            self.broken = f"registration failed ({exc}); the params were given their data back"
+            raise
+        self.store.layout = plan
+        self._size_pool()
+
+    def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
+        """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
+        assert self.groups is not None
+        self.store.layout = plan
+        self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
+        for index in range(plan.num_chunks):
+            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
+        values: dict[int, torch.Tensor] = {}
+        for (name, p), slot in zip(named, slots, strict=True):
+            info = ParamInfo(
+                param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
+            )
+            self.store.add(info)
+            for kind in self.store.kinds:
+                self.store.rows[kind][slot.chunk].add_slot(slot)
+            if info.meta_key is None:
+                values[slot.index] = p.data
+        self.groups.distribute(values, sync=self.config.sync_module_states)
+        self.groups.setup()
+        self._size_pool()
+        for info in self.store.params:
+            if info.meta_key is not None:
+                _leave_meta(info.param, self.compute.torch_device)
+            self.guard.adopt(info)
+            self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
+
+    def _size_pool(self) -> None:
+        if self.config.pool_bytes is not None:
+            self.mover.pool.cap_bytes = self.config.pool_bytes
+        else:  # enough for a few moves in flight of the largest (fp32) chunks
+            layout = self.store.layout
+            largest = max((layout.capacity(i) for i in range(layout.num_chunks)), default=0)
+            self.mover.pool.cap_bytes = 4 * 4 * largest
+
+    def _pick_chunk_size(self, numels: list[int]) -> int:
+        size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
+        logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
+        return size
+
+    def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
+        """Refuse, before anything moves, a capacity that no module could run in, or model
+        data that does not fit the devices."""
+        self._check_compute_fits(plan, slots, named, owners)
+        self._check_model_data_fits(plan)
+
+    def _check_compute_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
+        per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
+        slot_of = {id(p): s for (_, p), s in zip(named, slots, strict=True)}
+        for info in self.store.params:
+            slot_of[id(info.param)] = info.slot
+        by_module: dict[str, set[int]] = {}
+        for pid, mods in owners.items():
+            for mod_name, _ in mods:
+                chunk = slot_of[pid].chunk
+                if self.groups is None:
+                    by_module.setdefault(mod_name, set()).add(chunk)
+                else:  # a module computes with its whole chunk group gathered
+                    g = self.groups.group_of(chunk)
+                    by_module.setdefault(mod_name, set()).update(self.groups.members(g))
+        budget = self.compute.capacity_bytes - self.config.margin
+        for mod_name, chunk_ids in by_module.items():
+            need = sum(plan.capacity(c) for c in chunk_ids) * per_chunk
+            if need > self.min_compute_bytes:
+                self.min_compute_bytes, self.min_compute_module = need, mod_name
+        if self.compute.is_gpu and self.min_compute_bytes > budget:
+            what = "param + grad chunks" if not self.config.grad_reuse else "param chunks"
+            raise ConfigError(
+                f"{self.compute.name} capacity {format_bytes(self.compute.capacity_bytes)} ({self.compute.capacity_bytes} B"
+                f"{', minus margin' if self.config.margin else ''}) is below the minimum this model needs: module "
+                f"{self.min_compute_module!r} computes with {what} of {format_bytes(self.min_compute_bytes)} "
+                f"({self.min_compute_bytes} B). Raise the capacity to at least {self.min_compute_bytes} B"
+                + (" or lower chunk_size." if not self._chunk_size_auto else ".")
+            )
+
+    def _check_model_data_fits(self, plan: ChunkLayout) -> None:
+        store = self.store
+        kinds = store.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
+        per_kind = {k: plan.total_elements * store.kind_dtype(k).itemsize // self.shard_size for k in kinds}
+        total = sum(per_kind.values())
+        room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
+        already = (
+            store.layout.total_elements * sum(store.kind_dtype(k).itemsize for k in kinds) // self.shard_size
+            if store.layout
+            else 0
+        )
+        if total - already > room:
+            parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
+            raise CapacityError(
+                f"model data of {format_bytes(total)} ({parts}{', this rank' + chr(39) + 's share' if self.world_size > 1 else ''}) "
+                f"does not fit the {format_bytes(room)} free on {', '.join(self.inventory.names)}; give HybridPS more "
+                f"memory (Config.devices), or use more ranks per shard group (each keeps 1/shard_group_size)"
+            )
+
+    def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
+        while len(self.store.rows[ChunkKind.PARAM]) <= slot.chunk:
+            self._new_chunk_row(plan.capacity(len(self.store.rows[ChunkKind.PARAM])))
+        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
+        src = p.data.reshape(-1)
+        with torch.no_grad():
+            for kind in self.store.kinds:
+                chunk = self.store.rows[kind][slot.chunk]
+                chunk.add_slot(slot)
+                if kind is ChunkKind.GRAD:
+                    continue  # grads arrive in backward
+                if info.meta_key is None:
+                    chunk.view(slot).copy_(src)
+                chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
+        self.store.add(info)
+        if info.meta_key is not None:
+            _leave_meta(p, self.compute.torch_device)
+        self.guard.adopt(info)
+        self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
+        return info
+
+    def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
+        """Create chunk i of every kind; param and master chunks this rank keeps get payloads
+        now (a padding row, which only fills a chunk group, needs its param chunk alone: it
+        takes part in the group's collectives)."""
+        index = len(self.store.rows[ChunkKind.PARAM])
+        for kind in self.store.kinds:
+            chunk = self.store.new_chunk(kind, index, capacity)
+            self.store.rows[kind].append(chunk)
+            if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
+                continue
+            if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
+                self.mover.place(chunk, self.placement.home(kind))
+
+    def _rollback(self, done: list[ParamInfo]) -> None:
+        """Give the params of a failed registration their data back (nothing is lost)."""
+        for info in reversed(done):
+            source = self.store.rows[self.store.master_kind][info.chunk]
+            if source.payload is not None:
+                ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
+            self.guard.forget(info)
+            self.store.remove(info)
+
+    # -- the optimizer ---------------------------------------------------------------------
+
+    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+        """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        if self.optimizer is not None:
+            raise StateError("register_optim was called already; one optimizer per client")
+        chunked = ChunkedAdam(
+            self.store,
+            self.mover,
+            optimizer,
+            placement=self.placement,
+            set_has_grad=set_has_grad,
+            groups=self.groups,
+            on_zero_grad=self._on_zero_grad,
+        )
+        for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
+            chunks = []
+            for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
+                chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
+                for slot in param_chunk.slots:
+                    chunk.add_slot(slot)
+                chunks.append(chunk)
+            self.store.rows[kind] = chunks
+        self._book_optimizer_states()
+        self.optimizer = chunked
+        # the one place the early step (Config.overlap_step) is wired: chunk groups call it
+        # when a group's grads are reduced, the engine's grad hooks on one rank
+        self.early_step = chunked.step_chunk_early if chunked.overlap_step else None
+        if self.groups is not None:
+            self.groups.early_step = self.early_step
+        chunked.attach_state()
+        return chunked
+
+    def _book_optimizer_states(self) -> None:
+        """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
+        master chunks, now rather than at the first step: a model whose Adam states do not
+        fit fails at registration with the true figure instead of at its first step."""
+        rows = [
+            (self.store.rows[kind][i], self.store.rows[self.store.master_kind][i])
+            for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+            for i in range(len(self.store.rows[kind]))
+            if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
+        ]
+        need = sum(chunk.nbytes for chunk, _ in rows)
+        try:
+            for chunk, master in rows:
+                self.mover.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
+                chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
+        except CapacityError as exc:
+            raise CapacityError(
+                f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
+                f"the model's {format_bytes(self.store.model_data_bytes - need)}: {exc}"
+            ) from exc
+
+
+def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
+    """Make a param built on the meta device an (empty) tensor on ``device``, keeping the
+    object: ``.data`` cannot be set across the meta boundary, so the tensors are swapped."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad))
+
+
+def _meta_key(p: nn.Parameter, compute: DeviceSpec) -> int | None:
+    """The storage key of a param built on the meta device (its values come from meta_init()'s
+    replay or from loaded weights), None for a param with values (or when planning on meta)."""
+    if p.device.type != "meta" or compute.meta:
+        return None
+    return p.untyped_storage()._cdata
+
+
+def _param_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """For each param, the modules that hold it directly (a tied param has several)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mod_name, mod in module.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name or type(module).__name__, mod))
+    return owners

@@ -1,0 +1,194 @@
+"""Param values: a param's value on the compute device while it is accessed, and its value
+read and written outside an access.
+
+Owns ``access``/``release`` (the access count, the slot's COMPUTE state while accessed, the
+param's ``.data`` pointed at its slot and back at its placeholder), the rules of which copy is
+read and written outside an access (the master copy where one exists, the compute-precision
+copy beside it; a slot that holds its grad under grad reuse is neither read nor overwritten),
+every value of the model at once (checkpoints, ``close``), gathered from other ranks one chunk
+group at a time, and giving the params their values back as ordinary tensors.
+
+Does not own where chunks go (the mover, the chunk groups' gathers), grads (grads.py) or what
+ops on a released param mean (placeholder.py).
+
+[Note: access counting]
+``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
+recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
+last ``release``. The state given to the last release is the one the param ends in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.params.placeholder import ParamGuard
+from hybridps.common.errors import ConfigError, StateError
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.common.devices import DeviceSpec
+
+
+class Values:
+    """The values of one client's params (and its managed tensors): accessed, read, written."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkMover,
+        *,
+        placement: PlacementPolicy,
+        guard: ParamGuard,
+        groups: ChunkGroups | None,
+        compute: DeviceSpec,
+        placeholder: Callable[[torch.dtype], torch.Tensor],
+    ):
+        self.store = store
+        self.mover = mover
+        self.placement = placement
+        self.guard = guard
+        self.groups = groups
+        self.compute = compute
+        self.config = store.config
+        #: the empty tensor of a dtype that a released param's ``.data`` is
+        self._placeholder = placeholder
+
+    # -- access for compute (see [Note: access counting]) ----------------------------------
+
+    def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
+        """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
+        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
+        if info.refs == 0:
+            chunk = self.store.rows[info.kind][info.chunk]
+            if self.groups is not None and info.kind is ChunkKind.PARAM:
+                self.groups.ensure_gathered(info.chunk, who)
+            previous = chunk.slot_state(info.slot)
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
+            try:
+                self.mover.bring(chunk, self.compute.name, who=who or info)
+            except BaseException:
+                chunk.set_slot_state(info.slot, previous, info)
+                raise
+            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
+        info.refs += 1
+        return param.data
+
+    def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
+        """End one access of ``param``; the last release puts it in ``state``."""
+        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
+        chunk = self.store.rows[info.kind][info.chunk]
+        if not isinstance(state, TensorState):
+            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
+        if info.refs == 0:
+            raise StateError(
+                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
+                f"call access() first"
+            )
+        if state is TensorState.COMPUTE:
+            raise StateError(
+                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
+            )
+        info.refs -= 1
+        if info.refs:
+            return
+        chunk.set_slot_state(info.slot, state, info)
+        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
+        if self.groups is not None and info.kind is ChunkKind.PARAM:
+            self.groups.after_release(info, state)
+        elif chunk.state is ChunkState.FREE:
+            self.mover.free(chunk)
+
+    # -- values outside an access ----------------------------------------------------------
+
+    def read_param(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
+        With several ranks only for params in chunks this rank owns (see ``full_values``)."""
+        info = self.store.param_info(param)
+        master_kind = self.store.master_kind
+        if not self.store.ownership.owns(info.chunk):
+            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
+        chunk = self.store.rows[master_kind][info.chunk]
+        if master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
+            raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
+        if chunk.payload is None:
+            return torch.zeros(info.shape, dtype=chunk.dtype)
+        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+
+    @torch.no_grad()
+    def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``param``'s value (master copy and compute-precision copy)."""
+        self.guard.read_cache = None  # no copy read before this write may be handed out again
+        info = self.store.param_info(param)
+        master_kind = self.store.master_kind
+        if not self.store.ownership.owns(info.chunk):
+            raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
+        if tuple(value.shape) != tuple(info.shape):
+            raise ConfigError(f"{info.describe()}: cannot load a value of shape {tuple(value.shape)}")
+        kinds = (ChunkKind.PARAM, master_kind)
+        if info.has_grad and self.config.grad_reuse:
+            if master_kind is ChunkKind.PARAM:
+                raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() before loading values")
+            kinds = (master_kind,)  # the slot holds the grad; the step writes the new master back to it
+        for kind in dict.fromkeys(kinds):
+            chunk = self.store.rows[kind][info.chunk]
+            if chunk.payload is None:
+                self.mover.place(chunk, self.placement.home(kind))
+            chunk.view(info.slot).copy_(value.reshape(-1))
+
+    def read_value(self, param: nn.Parameter) -> torch.Tensor:
+        """A CPU copy of ``param``'s value as the user's model holds it: full precision, in the
+        dtype it was registered with."""
+        info = self.store.param_info(param)
+        if info.kind is ChunkKind.BUFFER:
+            return self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).view(info.shape).to("cpu", copy=True)
+        return self.read_param(param).to(info.orig_dtype)
+
+    def write_value(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``param``'s value (master and compute copies; the buffer of a managed tensor)."""
+        info = self.store.param_info(param)
+        if info.kind is ChunkKind.BUFFER:
+            if tuple(value.shape) != tuple(info.shape):
+                raise ConfigError(f"{info.describe()}: cannot write a value of shape {tuple(value.shape)}")
+            with torch.no_grad():
+                self.store.rows[ChunkKind.BUFFER][info.chunk].view(info.slot).copy_(value.reshape(-1))
+            return
+        self.write_param(param, value)
+
+    def full_values(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
+        """Every param's full-precision value (CPU), in registration order. With several ranks
+        every rank must iterate this together: values of other ranks' chunks are gathered one
+        chunk group at a time."""
+        if self.groups is None:
+            for info in self.store.params:
+                yield info, self.read_param(info.param)
+            return
+        for g in range(self.groups.num_groups):
+            rows = self.groups.gather_rows(self.store.master_kind, g)
+            for r, index in enumerate(self.groups.ranked(g)):
+                for slot in self.store.rows[ChunkKind.PARAM][index].slots:
+                    info = self.store.params[slot.index]
+                    yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
+
+    def restore_params(self) -> None:
+        """Give every param (and managed tensor) its value back as an ordinary tensor on the
+        compute device, in the dtype it was registered with."""
+        device = self.compute.torch_device
+        for info, value in self.full_values():
+            ParamGuard.materialize(info, value.to(device=device, dtype=info.orig_dtype))
+            self.guard.forget(info)
+            info.refs = 0
+        for info in self.store.buffers:
+            chunk = self.store.rows[ChunkKind.BUFFER][info.chunk]
+            assert chunk.payload is not None
+            ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
+            self.guard.forget(info)
+            info.refs = 0
