@@ -68,6 +68,8 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.read_only import ReadOnlyCopy
 from hybridps.client.chunks.states import TensorState
+from hybridps.client.optim import grad_norm
+from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
 from hybridps.client.optim.step_plan import StepPlan, StepPlans
@@ -260,9 +262,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self.param_group_of[store.param_info(p).slot.index] = g
         self.steps: list[int] = [0] * n
         self.scaler: LossScaler | None = None
-        self._clip_coef: torch.Tensor | None = None
-        #: (max_norm, norm_type, total norm) of this step's clip: a second clip returns the same norm
-        self._clipped: tuple[float, float, torch.Tensor] | None = None
+        #: this step's clip (grad_norm.py): a second clip returns the same norm
+        self._clip: Clip | None = None
+        #: whether a grad overflowed, as this step's clip found it under fp16 (None: not known yet)
         self._found_inf: bool | None = None
         #: what ``step()`` runs: the engine's step (which ends its iteration) once an engine drives
         #: this optimizer, so ``engine.optimizer.step()`` and ``engine.step()`` are the same
@@ -354,15 +356,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         their speculation holds is decided at the step.
         """
         self.worker.drain()
-        if self._clipped is not None:
-            first_max, first_type, first_total = self._clipped
-            if (float(max_norm), float(norm_type)) != (first_max, first_type):
-                raise StateError(
-                    f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) after clip_grad_norm_(max_norm="
-                    f"{first_max}, norm_type={first_type}) in the same step: HybridPS folds clipping into the step, "
-                    f"once. Clip once per step with the bound you want"
-                )
-            return first_total
+        if self._clip is not None:
+            return self._clip.again(max_norm, norm_type)
         final = sorted(self._stepped_early - set(self.speculation.backups))
         if final:
             raise StateError(
@@ -371,96 +366,21 @@ class ChunkedAdam(torch.optim.Optimizer):
                 f"Clip in every iteration (from the iteration after a clip, early steps speculate and can be undone), "
                 f"or set Config(overlap_step=False)"
             )
-        sources = self._norm_sources()
-        groups = self.groups
-        if not sources and groups is None:
+        sources = grad_norm.norm_sources(self.store.params, self.param_group_of, self.speculation.backups)
+        if not sources and self.groups is None:
             return torch.tensor(0.0)
-        low = self.store.param_dtype != torch.float32
-        norms: list[torch.Tensor] = []
-        first_device = None
-        for infos, backup in sources:
-            if backup is None:
-                views = [self.store.grad_view(i) for i in infos]
-                first_device = first_device or views[0].device
-                norms.extend(chunk_norms(views, norm_type, low))
-            else:
-                ahead = backup.norms.get(float(norm_type))
-                first_device = first_device or (ahead[0].device if ahead else backup.grad.device)
-                norms.extend(ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low))
-        if groups is None:
-            total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
-        else:
-            total = self._global_norm(norms, norm_type)
+        scale = None if self.scaler is None else self.scaler.scale
+        clip = grad_norm.clip(self.store, sources, max_norm, norm_type, groups=self.groups, scale=scale)
         if self.scaler is not None:
-            total = total / self.scaler.scale
-        finite = True if total.is_meta else bool(torch.isfinite(total))
-        if self.scaler is not None:
-            self._found_inf = not finite
-        if error_if_nonfinite and not finite:
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip_coef = coef
-        self._clipped = (float(max_norm), float(norm_type), total)
-        return total
-
-    def _norm_sources(self) -> list[tuple[list[ParamInfo], Backup | None]]:
-        """The grads of this step by chunk, in the order ``_grad_infos`` gives them without
-        early steps: a chunk's live grads, or the backup of its speculative early step."""
-        backups = self.speculation.backups
-        stepped = {i.slot.index: b for b in backups.values() for i in b.infos}
-        out: dict[int, tuple[list[ParamInfo], Backup | None]] = {}
-        for info in self.store.params:
-            if self.param_group_of[info.slot.index] is None:
-                continue
-            if info.has_grad:
-                out.setdefault(info.chunk, ([], None))[0].append(info)
-            elif info.slot.index in stepped:
-                out.setdefault(info.chunk, ([], stepped[info.slot.index]))
-        return list(out.values())
+            self._found_inf = not clip.finite
+        if error_if_nonfinite:
+            clip.refuse_nonfinite(norm_type)
+        self._clip = clip
+        return clip.total
 
     def as_user_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """An fp32 grad as stored -> as ``param.grad`` would show it: unscaled under fp16, times
-        the clip coefficient once clip_grad_norm_ has run."""
-        if self.scaler is not None:
-            grad = grad / self.scaler.scale
-        if self._clip_coef is not None:
-            grad = grad * self._clip_coef.to(grad.device)
-        return grad
-
-    def _global_norm(self, norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The norm over every rank's grads: each owner contributes the norms of its own."""
-        groups = self.groups
-        assert groups is not None
-        if norm_type == float("inf"):
-            local = torch.stack([n.cpu() for n in norms]).max() if norms else torch.tensor(0.0)
-            groups.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, what="grad norm")
-            return local
-        local = torch.stack([n.cpu() ** norm_type for n in norms]).sum() if norms else torch.tensor(0.0)
-        local = local.to(torch.float64)
-        groups.comm.all_reduce(local, what="grad norm")
-        return (local ** (1.0 / norm_type)).to(torch.float32)
-
-    def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
-        """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk (taken
-        before the step for chunks stepped early)."""
-        if self.store.compute.meta:
-            return False  # no values to overflow (capacity planning)
-        extremes = [torch.zeros(2)]
-        for index in grads:
-            chunk = self.store.rows[self.store.grad_kind][index]
-            assert chunk.payload is not None
-            # min and max see NaN, +inf and -inf, in the grads' own dtype: half the work of
-            # an fp32-accumulating sum
-            lo, hi = torch.aminmax(chunk.payload[: self.store.layout.used(index)])
-            extremes.append(torch.stack([lo, hi]).float().cpu())
-        # chunks stepped early in this backward: their grads' extremes, taken before the step
-        extremes.extend(b.extremes.cpu() for b in self.speculation.backups.values() if b.extremes is not None)
-        found = torch.tensor(0 if bool(torch.isfinite(torch.cat(extremes)).all()) else 1, dtype=torch.uint8)
-        if self.groups is not None:
-            self.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
-        return bool(found)
+        """An fp32 grad as stored -> as ``param.grad`` would show it (grad_norm.py)."""
+        return grad_norm.as_user_grad(grad, None if self.scaler is None else self.scaler.scale, self._clip)
 
     # -- step ------------------------------------------------------------------------------
 
@@ -490,9 +410,11 @@ class ChunkedAdam(torch.optim.Optimizer):
                 return loss
             found_inf = False
             if self.scaler is not None:
-                found_inf = self._found_inf if self._found_inf is not None else self._overflow(grads)
+                found_inf = self._found_inf
+                if found_inf is None:
+                    found_inf = grad_norm.found_overflow(self.store, grads, self.speculation.backups, self.groups)
             if self.speculation.backups:
-                if found_inf or not self._clip_is_one():
+                if found_inf or not (self._clip is None or self._clip.coef_is_one()):
                     self._roll_back()
                     grads = self._grad_infos()
                 # else the speculation held: the backups go at the end of the iteration
@@ -508,11 +430,12 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self._restore_params(grads)
                 return loss
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
+            clip_coef = None if self._clip is None else self._clip.coef
             order = list(grads.items())
             for n, (index, infos) in enumerate(order):
                 if n + 1 < len(order):
                     self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
-                self._step_chunk(index, infos, inv_scale, self._clip_coef)
+                self._step_chunk(index, infos, inv_scale, clip_coef)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(groups.write_back - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
@@ -528,21 +451,14 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._end_iteration()
         return loss
 
-    def _clip_is_one(self) -> bool:
-        """Whether this step's clip coefficient is exactly 1 (or there is no clip): what a
-        speculative early step assumed."""
-        coef = self._clip_coef
-        return coef is None or coef.is_meta or bool(coef == 1.0)
-
     def _end_iteration(self, *, stepped: bool = True) -> None:
-        clipped = self._clipped
+        clip = self._clip
         self.speculation.end_iteration(
-            clipped=(clipped is not None) if stepped else None,
-            norm_type=None if clipped is None else clipped[1],
+            clipped=(clip is not None) if stepped else None,
+            norm_type=None if clip is None else clip.norm_type,
             loss_scaled=self.scaler is not None,
         )
-        self._clip_coef = None
-        self._clipped = None
+        self._clip = None
         self._found_inf = None
         self._stepped_early.clear()
         self._per_step.clear()
@@ -1004,8 +920,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             self.on_zero_grad()
         if self.speculation.mode is not SpeculationMode.IDLE:
             self._end_iteration(stepped=False)
-        self._clip_coef = None
-        self._clipped = None
+        self._clip = None
         self._found_inf = None
         for listener in self.zero_grad_listeners:
             listener()
