@@ -27,18 +27,6 @@ step); the fused one is several times faster on the CPU, so an offloaded run wan
 clipping is computed as ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the
 norm of those).
 
-[Note: a rank's share of the state]
-With several ranks a rank keeps the Adam states of its own chunks only, so ``state_dict()``
-(what a script saves from rank 0, what Trainer saves) cannot be the whole state without a
-collective every rank would have to join. It is the rank's share, and says so: its param
-groups list only the params it covers, so a plain torch optimizer refuses to load it (the
-group sizes differ) instead of loading part of a state and starting the rest from zero, and
-``SHARD_KEY`` names the rank. ``load_state_dict`` takes a whole state dict on any rank (each
-keeps its own entries) or a share that covers every param the loading rank keeps (the
-writing rank's, on the same layout); anything else is refused with the fix:
-``engine.save_checkpoint`` / ``load_checkpoint`` write every rank's share and load on any
-number of ranks.
-
 [Note: early steps]
 With ``Config.overlap_step`` a chunk steps during backward once every grad of it is final
 (``step_chunk_early``; the backward hooks call it on one rank, the chunk groups after a
@@ -58,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,9 +54,9 @@ import torch.optim.adam as torch_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.read_only import ReadOnlyCopy
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.optim import grad_norm
+from hybridps.client.optim import adam_state, grad_norm
+from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
@@ -148,86 +136,6 @@ def _scalar(x):
     return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
-#: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
-SHARD_KEY = "hybridps_shard"
-#: key of the fp16 loss scaler's state in a state dict
-LOSS_SCALER_KEY = "hybridps_loss_scaler"
-
-
-class ReadOnlyState(ReadOnlyCopy):
-    """A tensor of ``optimizer.state[param]``: a copy of an Adam state kept in a chunk."""
-
-    _hybridps_fix = "Change optimizer states with optimizer.load_state_dict(state_dict)"
-
-
-class AdamStateView(Mapping):
-    """``optimizer.state`` as torch shows it: param -> {"step", "exp_avg", "exp_avg_sq"} (and
-    "master" under 16-bit precision) for each param this rank steps that has stepped, read from
-    the chunks on each access as read-only CPU copies. Assigning entries raises: the states
-    live in chunks (``load_state_dict`` writes them)."""
-
-    def __init__(self, optimizer: ChunkedAdam):
-        self._optimizer = optimizer
-
-    def _info(self, param) -> ParamInfo | None:
-        info = self._optimizer.store.by_id.get(id(param))
-        return info if info is not None and info.param is param else None
-
-    def __getitem__(self, param) -> dict[str, torch.Tensor]:
-        opt = self._optimizer
-        info = self._info(param)
-        if info is None:
-            raise KeyError(param)
-        groups = opt.groups
-        if groups is not None and not groups.owns(info.chunk):
-            raise StateError(
-                f"optimizer.state of {info.describe()}: its Adam states live on rank {groups.owner(info.chunk)} "
-                f"(each rank keeps its own chunks). Read them there, or save every rank's with engine.save_checkpoint(dir)"
-            )
-        opt.worker.drain()
-        entry = opt.state_of(info)
-        if entry is None:
-            raise KeyError(param)
-        for key, value in entry.items():
-            copy = value.as_subclass(ReadOnlyState)
-            copy._hybridps_what = f"optimizer.state[{info.name}][{key!r}]"
-            entry[key] = copy
-        return entry
-
-    def _held(self) -> list[ParamInfo]:
-        opt = self._optimizer
-        groups = opt.groups
-        return [
-            i
-            for i in opt.store.params
-            if opt.steps[i.slot.index]
-            and opt.param_group_of[i.slot.index] is not None
-            and (groups is None or groups.owns(i.chunk))
-        ]
-
-    def __iter__(self) -> Iterator:
-        return iter([i.param for i in self._held()])
-
-    def __len__(self) -> int:
-        return len(self._held())
-
-    def __contains__(self, param) -> bool:
-        info = self._info(param)
-        return info is not None and any(i is info for i in self._held())
-
-    def __setitem__(self, param, value) -> None:
-        raise StateError(
-            "optimizer.state[param] = ... under HybridPS: the Adam states live in chunks, and this mapping shows copies. "
-            "Change them with optimizer.load_state_dict(state_dict)"
-        )
-
-    def __delitem__(self, param) -> None:
-        self.__setitem__(param, None)
-
-    def __repr__(self) -> str:
-        return f"<Adam states of {len(self)} params, kept in HybridPS chunks>"
-
-
 class ChunkedAdam(torch.optim.Optimizer):
     """Adam/AdamW over chunks; a torch Optimizer wherever users touch it."""
 
@@ -298,7 +206,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = []
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
-        #: ``optimizer.state`` as torch shows it, read from the chunks (optimizer_view.py)
+        #: ``optimizer.state`` as torch shows it, read from the chunks (adam_state.py)
         self.state = AdamStateView(self)  # type: ignore[assignment]
 
     def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
@@ -943,143 +851,28 @@ class ChunkedAdam(torch.optim.Optimizer):
         loss scaler under fp16 (``LOSS_SCALER_KEY``; plain torch ignores it).
 
         With several ranks each rank holds the states of its own chunks only, and this is that
-        share (see [Note: a rank's share of the state]): its param groups list only the
-        params it covers, and ``SHARD_KEY`` says so."""
+        share (adam_state.py, [Note: a rank's share of the state]): its param groups list only
+        the params it covers, and ``SHARD_KEY`` says so."""
         self.worker.drain()
-        store = self.store
-        index_of: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index_of.setdefault(id(p), len(index_of))
-        covered = self._covered()
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [index_of[id(p)] for p in group["params"] if covered is None or id(p) in covered]
-            groups.append(packed)
-        state: dict[int, dict] = {}
-        with torch.no_grad():
-            for info in store.params:
-                idx = index_of.get(id(info.param))
-                entry = None if idx is None or (covered is not None and id(info.param) not in covered) else self.state_of(info)
-                if entry is not None:
-                    state[idx] = entry
-        out: dict = {"state": state, "param_groups": groups}
-        if covered is not None:
-            assert self.groups is not None
-            out[SHARD_KEY] = {"rank": self.groups.rank, "world_size": self.groups.world}
-        if self.scaler is not None:
-            out[LOSS_SCALER_KEY] = self.scaler.state_dict()
-        return out
-
-    def _covered(self) -> set[int] | None:
-        """ids of the params whose states this rank holds, or None where it holds them all."""
-        if self.groups is None:
-            return None
-        return {id(i.param) for i in self.store.params if self.groups.owns(i.chunk)}
-
-    def state_of(self, info: ParamInfo) -> dict[str, torch.Tensor] | None:
-        """The torch-style state entry of one param (CPU copies), or None before its first
-        step; the param's chunk must be this rank's."""
-        steps = self.steps[info.slot.index]
-        if steps == 0 or self.param_group_of[info.slot.index] is None:
-            return None
-        entry = {"step": torch.tensor(float(steps))}
-        for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE)):
-            entry[key] = self._read(kind, info)
-        if self.store.param_dtype != torch.float32:
-            entry["master"] = self._read(self.store.master_kind, info)
-        return entry
-
-    def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
-        chunk = self.store.rows[kind][info.chunk]
-        if chunk.payload is None:
-            return torch.zeros(info.shape, dtype=torch.float32)
-        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+        return adam_state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
         same params). Everything is checked before anything is written. With several ranks
         each rank keeps the entries of its own chunks from a whole state dict, or loads its
-        own share (see [Note: a rank's share of the state])."""
+        own share (adam_state.py, [Note: a rank's share of the state])."""
         self.worker.drain()
-        store = self.store
-        groups = state_dict["param_groups"]
-        shard = state_dict.get(SHARD_KEY)
-        if len(groups) != len(self.param_groups):
-            raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        index_of: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index_of.setdefault(id(p), len(index_of))
-        by_index = {i: store.param_info(p) for group in self.param_groups for p in group["params"] for i in [index_of[id(p)]]}
-        params: dict[int, ParamInfo] = {}
-        for g, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
-            if shard is None and len(saved["params"]) != len(group["params"]):
-                raise ConfigError(
-                    f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}"
-                )
-            if shard is None:
-                params.update({idx: store.param_info(p) for idx, p in zip(saved["params"], group["params"], strict=True)})
-            else:
-                params.update({int(idx): by_index[int(idx)] for idx in saved["params"] if int(idx) in by_index})
-        if shard is not None:
-            self._check_share(shard, params)
-        for idx, entry in state_dict["state"].items():
-            info = params.get(int(idx))
-            if info is None:
-                raise ConfigError(f"state dict has state for param index {idx}, which no param group lists")
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                if key in entry and tuple(entry[key].shape) != tuple(info.shape):
-                    raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
-        mine = self._covered()
-        with torch.no_grad():
-            for saved, group in zip(groups, self.param_groups, strict=True):
-                for k, v in saved.items():
-                    if k != "params":
-                        group[k] = v
-            for info in store.params:
-                self.steps[info.slot.index] = 0
-            for idx, entry in state_dict["state"].items():
-                info = params[int(idx)]
-                if mine is not None and id(info.param) not in mine:
-                    continue  # another rank's chunk: that rank keeps it
-                self.steps[info.slot.index] = int(entry["step"])
-                for key, kind in (
-                    ("exp_avg", ChunkKind.MOMENTUM),
-                    ("exp_avg_sq", ChunkKind.VARIANCE),
-                    ("master", store.master_kind),
-                ):
-                    if key in entry and (key != "master" or store.param_dtype != torch.float32):
-                        self._write(kind, info, entry[key])
-                if "master" in entry and store.param_dtype != torch.float32:
-                    self._write(ChunkKind.PARAM, info, entry["master"])
-            if self.scaler is not None and state_dict.get(LOSS_SCALER_KEY) is not None:
-                self.scaler.load_state_dict(state_dict[LOSS_SCALER_KEY])
+        adam_state.load_state_dict(self, state_dict)
 
-    def _check_share(self, shard: dict, params: dict[int, ParamInfo]) -> None:
-        """A rank's share loads only where it covers every param this rank keeps."""
-        mine = self._covered()
-        held = {id(i.param) for i in params.values()}
-        missing = [i for i in self.store.params if (mine is None or id(i.param) in mine) and id(i.param) not in held]
-        missing = [i for i in missing if self.param_group_of[i.slot.index] is not None]
-        if missing:
-            here = "one rank" if self.groups is None else f"rank {self.groups.rank} of {self.groups.world}"
-            raise ConfigError(
-                f"this optimizer state is the share of rank {shard.get('rank')} of {shard.get('world_size')} (each rank "
-                f"holds the Adam states of its own chunks), and it lacks {len(missing)} params that {here} keeps "
-                f"({', '.join(i.name for i in missing[:3])}{', ...' if len(missing) > 3 else ''}). Load each rank's own "
-                f"share on the same layout, or save with engine.save_checkpoint(dir) and load with "
-                f"engine.load_checkpoint(dir), which loads on any number of ranks"
-            )
+    def state_of(self, info: ParamInfo) -> dict[str, torch.Tensor] | None:
+        """The torch-style state entry of one param (CPU copies), or None before its first
+        step; the param's chunk must be this rank's."""
+        return adam_state.state_entry(self, info)
+
+    # one param's states in one row, for the checkpoint (checkpoint.py)
+
+    def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
+        return adam_state.read(self.store, kind, info)
 
     def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
-        store = self.store
-        chunk = store.rows[kind][info.chunk]
-        device = chunk.device or "cpu"
-        previous = self.mover.take(chunk, device)
-        try:
-            chunk.view(info.slot).copy_(value.reshape(-1))
-        finally:
-            after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
-            self.mover.give_back(chunk, after)
+        adam_state.write(self.store, self.mover, kind, info, value)
