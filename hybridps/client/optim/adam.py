@@ -7,11 +7,15 @@ master copy lies (device-aware: CPU chunks on the CPU, GPU chunks on the GPU), w
 torch kernels a plain optimizer would use, applied to whole runs of params at once. After a
 chunk steps, its low-precision params are written back into the param chunk in one copy.
 
-Owns: step counts per param, gradient clipping by global norm (folded into the step),
-overflow checks for fp16 (one reduction per chunk), the torch-compatible ``state_dict``, and
-early steps during backward (``Config.overlap_step``): which chunk steps when, on which thread
-(step_worker.py), and their validation (speculation.py). Does not own chunk placement (the
-chunk manager) or the loss scale value (loss_scaler.py).
+Owns: the torch surface (``step``, ``zero_grad``, ``clip_grad_norm_``, ``state_dict``,
+``optimizer.state``), step counts per param, one chunk's step (its kernel calls, the fp32
+grads it steps with, the write-back) and when it runs: after backward, or during backward on
+this thread or the step worker (step_worker.py), validated or undone at the step. Does not
+own, beside it: the grad norm, the clip and the fp16 overflow check (grad_norm.py); the
+translation of the Adam states to and from torch's shape (adam_state.py); which chunk may
+step early and the undoing of speculative steps (early_step.py, [Note: early steps]); the
+backups themselves (speculation.py); the runs of a chunk (step_plan.py); chunk placement
+(the mover and the placement policy) or the loss scale value (loss_scaler.py).
 
 [Note: exactness]
 Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
@@ -26,20 +30,6 @@ step); the fused one is several times faster on the CPU, so an offloaded run wan
 ``fused=True`` (``hybridps train`` and the benchmarks ask for it). The global norm for
 clipping is computed as ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the
 norm of those).
-
-[Note: early steps]
-With ``Config.overlap_step`` a chunk steps during backward once every grad of it is final
-(``step_chunk_early``; the backward hooks call it on one rank, the chunk groups after a
-group's grads were reduced on several). Where that step runs on the CPU while a real GPU
-computes, the calling thread only takes the chunks and chooses the runs; the Adam and the
-write-back run on the step worker (step_worker.py), at most two chunks in flight, and the
-chunks stay taken until this thread sees the compute done. Every entry point that reads
-optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,
-``load_state_dict``) first waits for the worker, and an access of a chunk in flight (the
-mover's access listeners) waits for its compute. Clipping and fp16 are kept exact by
-speculation and validation (speculation.py, [Note: speculation then validation]): an early
-step assumes a clip coefficient of 1 and no overflow and keeps a backup; ``step_chunks``
-restores and steps again the chunks whose speculation failed.
 """
 
 from __future__ import annotations
@@ -55,11 +45,11 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.optim import adam_state, grad_norm
+from hybridps.client.optim import adam_state, early_step, grad_norm
 from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
-from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
+from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
 from hybridps.client.optim.step_plan import StepPlan, StepPlans
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.errors import ConfigError, RegistrationError, StateError
@@ -69,8 +59,6 @@ if TYPE_CHECKING:
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.common.config import Config
-    from hybridps.common.devices import DeviceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +67,6 @@ SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
 STEP_WORKER_WINDOW = 2
 #: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
 STEP_TENSORS_KEPT = 64
-
-
-def overlap_step_on(config: Config, compute: DeviceSpec) -> bool:
-    """``Config.overlap_step`` resolved for this client: ``"auto"`` is on where grads reuse
-    their param slots and a real CUDA GPU computes (not a simulated or meta one)."""
-    if config.overlap_step == "auto":
-        return config.grad_reuse and compute.is_gpu and not compute.simulated and not compute.meta
-    return bool(config.overlap_step)
 
 
 def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
@@ -182,7 +162,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._buffers: dict[str, torch.Tensor] = {}
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
-        #: the compute of early steps on the CPU, beside backward (see [Note: early steps])
+        #: the compute of early steps on the CPU, beside backward (early_step.py, [Note: early steps])
         self.worker = StepWorker(window=STEP_WORKER_WINDOW)
         #: whether early steps on the CPU run on the worker: where a real GPU computes, so the
         #: CPU's Adam does not hold back the launch of backward's kernels (tests force it)
@@ -198,7 +178,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._zeros: dict[torch.device, torch.Tensor] = {}
         self._per_step: dict[tuple, torch.Tensor] = {}
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
-        self.overlap_step = overlap_step_on(store.config, compute)
+        self.overlap_step = early_step.overlap_step_on(store.config, compute)
         #: backups of speculative early steps and whether to speculate (speculation.py)
         self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
         if self.overlap_step:
@@ -372,38 +352,14 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._per_step.clear()
 
     def _roll_back(self) -> None:
-        """Undo every speculative early step of this backward: master, momentum, variance,
-        grads and step counts as they were before it (speculation.py). The chunks then hold
-        grads again and step (or are skipped) with the others."""
-        store = self.store
-        spec = self.speculation
-        for index in sorted(spec.backups):
-            backup = spec.backups[index]
-            who = f"the roll-back of chunk {index}'s early step"
-            taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
-            try:
-                for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
-                    chunk = store.rows[kind][index]
-                    self.mover.take(chunk, chunk.device or BACKUP_DEVICE, who=who)
-                    taken.append((chunk, backup.param_states if kind is store.grad_kind else TensorState.HOLD))
-                payloads = [
-                    store.rows[kind][index].payload for kind in (store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-                ]
-                grad = store.rows[store.grad_kind][index].payload
-                assert grad is not None and all(p is not None for p in payloads)
-                backup.restore(*payloads, grad)
-                for chunk, _ in taken:
-                    assert chunk.device is not None
-                    self.mover.count_transfer(BACKUP_DEVICE, chunk.device, backup.used * chunk.dtype.itemsize)
-            finally:
-                for chunk, after in reversed(taken):
-                    self.mover.give_back(chunk, after)
-            for info, step in zip(backup.infos, backup.steps_before, strict=True):
-                self.steps[info.slot.index] = step
-                info.has_grad = True
-            self._stepped_early.discard(index)
-            spec.drop(index)
-            spec.rolled_back += 1
+        """Undo every speculative early step of this backward (early_step.py)."""
+        early_step.roll_back(
+            store=self.store,
+            mover=self.mover,
+            speculation=self.speculation,
+            steps=self.steps,
+            stepped_early=self._stepped_early,
+        )
 
     def _bring_ahead(self, index: int) -> None:
         """Start moving chunk ``index``'s rows (master, momentum, variance, grads) to where it
@@ -688,43 +644,25 @@ class ChunkedAdam(torch.optim.Optimizer):
         any chunk once there is no room for backups, is left to the step after backward."""
         self.worker.reap()
         store = self.store
-        all_infos = [i for i in store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
-        if not all_infos or not all(i.has_grad for i in all_infos if i.param.requires_grad):
+        early = early_step.choose(
+            index,
+            store=store,
+            mover=self.mover,
+            placement=self.placement,
+            speculation=self.speculation,
+            param_group_of=self.param_group_of,
+            steps=self.steps,
+            loss_scaled=self.scaler is not None,
+        )
+        if early is None:
             return False
-        if store.rows[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
-            return False  # a frozen param of it is still needed by backward: step it with the rest
-        mode = self.speculation.begin(loss_scaled=self.scaler is not None)
-        if mode is SpeculationMode.STOPPED:
-            return False
-        infos = [i for i in all_infos if i.has_grad]
-        device = self.placement.step_device(store.rows[store.master_kind][index])
-        backup = None
-        if mode is SpeculationMode.SPECULATING:
-            if not self._host_memory(device):
-                return False  # see speculation.py: no backup of a real GPU's chunk
-            ordered = sorted(infos, key=lambda i: i.slot.index)
-            backup = self.speculation.new_backup(
-                index,
-                ordered,
-                [self.steps[i.slot.index] for i in ordered],
-                store.layout.used(index),
-                store.kind_dtype(store.grad_kind),
-                [],
-            )
-            if backup is None:
-                return False  # no room: this chunk and the rest step after backward
-            grad_chunk = store.rows[store.grad_kind][index]
-            assert grad_chunk.payload is not None
-            if not self._host_memory(grad_chunk.device):
-                # the norms where the grads lie, as clip_grad_norm_ would take them there
-                grad_chunk.wait_ready()
-                views = [grad_chunk.view(i.slot) for i in ordered]
-                low = store.param_dtype != torch.float32
-                backup.norms[self.speculation.norm_type] = chunk_norms(views, self.speculation.norm_type, low)
+        infos, backup = early.infos, early.backup
         # on the worker only a chunk whose every param is stepped now: no frozen param of it
         # can be accessed again by this backward while its compute runs
         beside = (
-            self.cpu_steps_beside_backward and device == "cpu" and len(infos) == len(store.rows[ChunkKind.PARAM][index].slots)
+            self.cpu_steps_beside_backward
+            and early.device == "cpu"
+            and len(infos) == len(store.rows[ChunkKind.PARAM][index].slots)
         )
         inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
         try:
@@ -740,10 +678,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         if self.groups is not None:
             self.groups.write_back.discard(index)
         return True
-
-    def _host_memory(self, device: str) -> bool:
-        """Whether payloads on ``device`` are host memory (the CPU, a simulated GPU)."""
-        return self.mover.inventory[device].torch_device.type == "cpu"
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
         """A chunk is about to be accessed: if a step on the worker still computes on it,
