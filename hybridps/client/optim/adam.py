@@ -45,14 +45,14 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.optim import adam_state, early_step, grad_norm
+from hybridps.client.optim import adam_state, early_step, grad_norm, registration
 from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
 from hybridps.client.optim.step_plan import StepPlan, StepPlans
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.common.errors import ConfigError, RegistrationError, StateError
+from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
 #: early CPU steps in flight on the step worker at most (each holds its four chunks taken)
 STEP_WORKER_WINDOW = 2
 #: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
@@ -78,19 +77,6 @@ def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
         if foreach and isinstance(group["lr"], torch.Tensor):
             foreach = False  # torch's own rule: a tensor lr runs the for-loop kernel unless capturable
     return bool(fused), bool(foreach)
-
-
-def _validate(optimizer: object) -> None:
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        cls = type(optimizer)
-        name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
-        raise ConfigError(f"unsupported optimizer {name}; HybridPS steps {' and '.join(SUPPORTED_OPTIMIZERS)} over chunks")
-    for i, group in enumerate(optimizer.param_groups):
-        for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
-            if group.get(key, False) == bad:
-                raise ConfigError(
-                    f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
-                )
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,7 +115,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         groups: ChunkGroups | None = None,
         on_zero_grad: Callable[[], None] | None = None,
     ):
-        _validate(optimizer)
+        registration.check_optimizer(optimizer)
         self.store = store
         self.mover = mover
         self.placement = placement
@@ -138,7 +124,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.on_zero_grad = on_zero_grad
         self.inner = optimizer
         decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        self._check_params(optimizer)
+        registration.check_params(store, optimizer)
         imported = optimizer.state_dict() if len(optimizer.state) else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
         for group in self.param_groups:
@@ -188,26 +174,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
         #: ``optimizer.state`` as torch shows it, read from the chunks (adam_state.py)
         self.state = AdamStateView(self)  # type: ignore[assignment]
-
-    def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
-        store = self.store
-        in_optim: dict[int, torch.Tensor] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                in_optim[id(p)] = p
-        foreign = [p for pid, p in in_optim.items() if not store.is_registered(p)]
-        if foreign:
-            shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
-            raise RegistrationError(
-                f"the optimizer holds {len(foreign)} params that are not the model's (shapes {shapes}"
-                f"{', ...' if len(foreign) > 5 else ''}); build it over model.parameters() of the registered model"
-            )
-        missing = [i.name for i in store.params if i.param.requires_grad and id(i.param) not in in_optim]
-        if missing:
-            raise RegistrationError(
-                f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''}); pass model.parameters() or set requires_grad=False on frozen params"
-            )
 
     def attach_state(self) -> None:
         """Load a state the wrapped optimizer already had (called once chunks exist)."""
