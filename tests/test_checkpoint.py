@@ -277,7 +277,7 @@ def test_a_save_after_a_crash_between_the_renames_never_loses_the_unswapped_chec
 
 
 def _shares_of_the_optimizer(rank, world, path):
-    from hybridps.client.optim.adam import SHARD_KEY
+    from hybridps.client.optim.adam_state import SHARD_KEY
 
     engine, sched = _engine()
     _steps(engine, sched, 0, 3, rank, world)

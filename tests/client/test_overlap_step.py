@@ -11,7 +11,7 @@ import hybridps
 from hybridps import CapacityError, StateError
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState
-from hybridps.client.optim.adam import overlap_step_on
+from hybridps.client.optim.early_step import overlap_step_on
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.devices import DeviceSpec
 from tests.dist import run_ranks

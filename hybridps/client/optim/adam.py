@@ -7,11 +7,15 @@ master copy lies (device-aware: CPU chunks on the CPU, GPU chunks on the GPU), w
 torch kernels a plain optimizer would use, applied to whole runs of params at once. After a
 chunk steps, its low-precision params are written back into the param chunk in one copy.
 
-Owns: step counts per param, gradient clipping by global norm (folded into the step),
-overflow checks for fp16 (one reduction per chunk), the torch-compatible ``state_dict``, and
-early steps during backward (``Config.overlap_step``): which chunk steps when, on which thread
-(step_worker.py), and their validation (speculation.py). Does not own chunk placement (the
-chunk manager) or the loss scale value (loss_scaler.py).
+Owns: the torch surface (``step``, ``zero_grad``, ``clip_grad_norm_``, ``state_dict``,
+``optimizer.state``), step counts per param, one chunk's step (its kernel calls, the fp32
+grads it steps with, the write-back) and when it runs: after backward, or during backward on
+this thread or the step worker (step_worker.py), validated or undone at the step. Does not
+own, beside it: the grad norm, the clip and the fp16 overflow check (grad_norm.py); the
+translation of the Adam states to and from torch's shape (adam_state.py); which chunk may
+step early and the undoing of speculative steps (early_step.py, [Note: early steps]); the
+backups themselves (speculation.py); the runs of a chunk (step_plan.py); chunk placement
+(the mover and the placement policy) or the loss scale value (loss_scaler.py).
 
 [Note: exactness]
 Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
@@ -26,39 +30,13 @@ step); the fused one is several times faster on the CPU, so an offloaded run wan
 ``fused=True`` (``hybridps train`` and the benchmarks ask for it). The global norm for
 clipping is computed as ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the
 norm of those).
-
-[Note: a rank's share of the state]
-With several ranks a rank keeps the Adam states of its own chunks only, so ``state_dict()``
-(what a script saves from rank 0, what Trainer saves) cannot be the whole state without a
-collective every rank would have to join. It is the rank's share, and says so: its param
-groups list only the params it covers, so a plain torch optimizer refuses to load it (the
-group sizes differ) instead of loading part of a state and starting the rest from zero, and
-``SHARD_KEY`` names the rank. ``load_state_dict`` takes a whole state dict on any rank (each
-keeps its own entries) or a share that covers every param the loading rank keeps (the
-writing rank's, on the same layout); anything else is refused with the fix:
-``engine.save_checkpoint`` / ``load_checkpoint`` write every rank's share and load on any
-number of ranks.
-
-[Note: early steps]
-With ``Config.overlap_step`` a chunk steps during backward once every grad of it is final
-(``step_chunk_early``; the backward hooks call it on one rank, the chunk groups after a
-group's grads were reduced on several). Where that step runs on the CPU while a real GPU
-computes, the calling thread only takes the chunks and chooses the runs; the Adam and the
-write-back run on the step worker (step_worker.py), at most two chunks in flight, and the
-chunks stay taken until this thread sees the compute done. Every entry point that reads
-optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,
-``load_state_dict``) first waits for the worker, and an access of a chunk in flight (the
-mover's access listeners) waits for its compute. Clipping and fp16 are kept exact by
-speculation and validation (speculation.py, [Note: speculation then validation]): an early
-step assumes a clip coefficient of 1 and no overflow and keeps a backup; ``step_chunks``
-restores and steps again the chunks whose speculation failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,37 +44,28 @@ import torch.optim.adam as torch_adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.read_only import ReadOnlyCopy
 from hybridps.client.chunks.states import TensorState
+from hybridps.client.optim import adam_state, early_step, grad_norm, registration
+from hybridps.client.optim.adam_state import AdamStateView
+from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
-from hybridps.client.optim.speculation import BACKUP_DEVICE, Backup, Speculation, SpeculationMode, chunk_norms
+from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
 from hybridps.client.optim.step_plan import StepPlan, StepPlans
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.common.errors import ConfigError, RegistrationError, StateError
+from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.common.config import Config
-    from hybridps.common.devices import DeviceSpec
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
 #: early CPU steps in flight on the step worker at most (each holds its four chunks taken)
 STEP_WORKER_WINDOW = 2
 #: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
 STEP_TENSORS_KEPT = 64
-
-
-def overlap_step_on(config: Config, compute: DeviceSpec) -> bool:
-    """``Config.overlap_step`` resolved for this client: ``"auto"`` is on where grads reuse
-    their param slots and a real CUDA GPU computes (not a simulated or meta one)."""
-    if config.overlap_step == "auto":
-        return config.grad_reuse and compute.is_gpu and not compute.simulated and not compute.meta
-    return bool(config.overlap_step)
 
 
 def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
@@ -108,19 +77,6 @@ def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
         if foreach and isinstance(group["lr"], torch.Tensor):
             foreach = False  # torch's own rule: a tensor lr runs the for-loop kernel unless capturable
     return bool(fused), bool(foreach)
-
-
-def _validate(optimizer: object) -> None:
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        cls = type(optimizer)
-        name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
-        raise ConfigError(f"unsupported optimizer {name}; HybridPS steps {' and '.join(SUPPORTED_OPTIMIZERS)} over chunks")
-    for i, group in enumerate(optimizer.param_groups):
-        for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
-            if group.get(key, False) == bad:
-                raise ConfigError(
-                    f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
-                )
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,86 +102,6 @@ def _scalar(x):
     return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
-#: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
-SHARD_KEY = "hybridps_shard"
-#: key of the fp16 loss scaler's state in a state dict
-LOSS_SCALER_KEY = "hybridps_loss_scaler"
-
-
-class ReadOnlyState(ReadOnlyCopy):
-    """A tensor of ``optimizer.state[param]``: a copy of an Adam state kept in a chunk."""
-
-    _hybridps_fix = "Change optimizer states with optimizer.load_state_dict(state_dict)"
-
-
-class AdamStateView(Mapping):
-    """``optimizer.state`` as torch shows it: param -> {"step", "exp_avg", "exp_avg_sq"} (and
-    "master" under 16-bit precision) for each param this rank steps that has stepped, read from
-    the chunks on each access as read-only CPU copies. Assigning entries raises: the states
-    live in chunks (``load_state_dict`` writes them)."""
-
-    def __init__(self, optimizer: ChunkedAdam):
-        self._optimizer = optimizer
-
-    def _info(self, param) -> ParamInfo | None:
-        info = self._optimizer.store.by_id.get(id(param))
-        return info if info is not None and info.param is param else None
-
-    def __getitem__(self, param) -> dict[str, torch.Tensor]:
-        opt = self._optimizer
-        info = self._info(param)
-        if info is None:
-            raise KeyError(param)
-        groups = opt.groups
-        if groups is not None and not groups.owns(info.chunk):
-            raise StateError(
-                f"optimizer.state of {info.describe()}: its Adam states live on rank {groups.owner(info.chunk)} "
-                f"(each rank keeps its own chunks). Read them there, or save every rank's with engine.save_checkpoint(dir)"
-            )
-        opt.worker.drain()
-        entry = opt.state_of(info)
-        if entry is None:
-            raise KeyError(param)
-        for key, value in entry.items():
-            copy = value.as_subclass(ReadOnlyState)
-            copy._hybridps_what = f"optimizer.state[{info.name}][{key!r}]"
-            entry[key] = copy
-        return entry
-
-    def _held(self) -> list[ParamInfo]:
-        opt = self._optimizer
-        groups = opt.groups
-        return [
-            i
-            for i in opt.store.params
-            if opt.steps[i.slot.index]
-            and opt.param_group_of[i.slot.index] is not None
-            and (groups is None or groups.owns(i.chunk))
-        ]
-
-    def __iter__(self) -> Iterator:
-        return iter([i.param for i in self._held()])
-
-    def __len__(self) -> int:
-        return len(self._held())
-
-    def __contains__(self, param) -> bool:
-        info = self._info(param)
-        return info is not None and any(i is info for i in self._held())
-
-    def __setitem__(self, param, value) -> None:
-        raise StateError(
-            "optimizer.state[param] = ... under HybridPS: the Adam states live in chunks, and this mapping shows copies. "
-            "Change them with optimizer.load_state_dict(state_dict)"
-        )
-
-    def __delitem__(self, param) -> None:
-        self.__setitem__(param, None)
-
-    def __repr__(self) -> str:
-        return f"<Adam states of {len(self)} params, kept in HybridPS chunks>"
-
-
 class ChunkedAdam(torch.optim.Optimizer):
     """Adam/AdamW over chunks; a torch Optimizer wherever users touch it."""
 
@@ -240,7 +116,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         groups: ChunkGroups | None = None,
         on_zero_grad: Callable[[], None] | None = None,
     ):
-        _validate(optimizer)
+        registration.check_optimizer(optimizer)
         self.store = store
         self.mover = mover
         self.placement = placement
@@ -252,7 +128,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.on_zero_grad = on_zero_grad
         self.inner = optimizer
         decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        self._check_params(optimizer)
+        registration.check_params(store, optimizer)
         imported = optimizer.state_dict() if len(optimizer.state) else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
         for group in self.param_groups:
@@ -264,9 +140,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self.param_group_of[store.param_info(p).slot.index] = g
         self.steps: list[int] = [0] * n
         self.scaler: LossScaler | None = None
-        self._clip_coef: torch.Tensor | None = None
-        #: (max_norm, norm_type, total norm) of this step's clip: a second clip returns the same norm
-        self._clipped: tuple[float, float, torch.Tensor] | None = None
+        #: this step's clip (grad_norm.py): a second clip returns the same norm
+        self._clip: Clip | None = None
+        #: whether a grad overflowed, as this step's clip found it under fp16 (None: not known yet)
         self._found_inf: bool | None = None
         #: what ``step()`` runs: the engine's step (which ends its iteration) once an engine drives
         #: this optimizer, so ``engine.optimizer.step()`` and ``engine.step()`` are the same
@@ -276,7 +152,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._buffers: dict[str, torch.Tensor] = {}
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
-        #: the compute of early steps on the CPU, beside backward (see [Note: early steps])
+        #: the compute of early steps on the CPU, beside backward (early_step.py, [Note: early steps])
         self.worker = StepWorker(window=STEP_WORKER_WINDOW)
         #: whether early steps on the CPU run on the worker: where a real GPU computes, so the
         #: CPU's Adam does not hold back the launch of backward's kernels (tests force it)
@@ -292,7 +168,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._zeros: dict[torch.device, torch.Tensor] = {}
         self._per_step: dict[tuple, torch.Tensor] = {}
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
-        self.overlap_step = overlap_step_on(store.config, compute)
+        self.overlap_step = early_step.overlap_step_on(store.config, compute)
         #: backups of speculative early steps and whether to speculate (speculation.py)
         self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
         if self.overlap_step:
@@ -300,28 +176,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = []
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
-        #: ``optimizer.state`` as torch shows it, read from the chunks (optimizer_view.py)
+        #: ``optimizer.state`` as torch shows it, read from the chunks (adam_state.py)
         self.state = AdamStateView(self)  # type: ignore[assignment]
-
-    def _check_params(self, optimizer: torch.optim.Optimizer) -> None:
-        store = self.store
-        in_optim: dict[int, torch.Tensor] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                in_optim[id(p)] = p
-        foreign = [p for pid, p in in_optim.items() if not store.is_registered(p)]
-        if foreign:
-            shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
-            raise RegistrationError(
-                f"the optimizer holds {len(foreign)} params that are not the model's (shapes {shapes}"
-                f"{', ...' if len(foreign) > 5 else ''}); build it over model.parameters() of the registered model"
-            )
-        missing = [i.name for i in store.params if i.param.requires_grad and id(i.param) not in in_optim]
-        if missing:
-            raise RegistrationError(
-                f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''}); pass model.parameters() or set requires_grad=False on frozen params"
-            )
 
     def attach_state(self) -> None:
         """Load a state the wrapped optimizer already had (called once chunks exist)."""
@@ -358,15 +214,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         their speculation holds is decided at the step.
         """
         self.worker.drain()
-        if self._clipped is not None:
-            first_max, first_type, first_total = self._clipped
-            if (float(max_norm), float(norm_type)) != (first_max, first_type):
-                raise StateError(
-                    f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) after clip_grad_norm_(max_norm="
-                    f"{first_max}, norm_type={first_type}) in the same step: HybridPS folds clipping into the step, "
-                    f"once. Clip once per step with the bound you want"
-                )
-            return first_total
+        if self._clip is not None:
+            return self._clip.again(max_norm, norm_type)
         final = sorted(self._stepped_early - set(self.speculation.backups))
         if final:
             raise StateError(
@@ -375,96 +224,21 @@ class ChunkedAdam(torch.optim.Optimizer):
                 f"Clip in every iteration (from the iteration after a clip, early steps speculate and can be undone), "
                 f"or set Config(overlap_step=False)"
             )
-        sources = self._norm_sources()
-        groups = self.groups
-        if not sources and groups is None:
+        sources = grad_norm.norm_sources(self.store.params, self.param_group_of, self.speculation.backups)
+        if not sources and self.groups is None:
             return torch.tensor(0.0)
-        low = self.store.param_dtype != torch.float32
-        norms: list[torch.Tensor] = []
-        first_device = None
-        for infos, backup in sources:
-            if backup is None:
-                views = [self.store.grad_view(i) for i in infos]
-                first_device = first_device or views[0].device
-                norms.extend(chunk_norms(views, norm_type, low))
-            else:
-                ahead = backup.norms.get(float(norm_type))
-                first_device = first_device or (ahead[0].device if ahead else backup.grad.device)
-                norms.extend(ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low))
-        if groups is None:
-            total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
-        else:
-            total = self._global_norm(norms, norm_type)
+        scale = None if self.scaler is None else self.scaler.scale
+        clip = grad_norm.clip(self.store, sources, max_norm, norm_type, groups=self.groups, scale=scale)
         if self.scaler is not None:
-            total = total / self.scaler.scale
-        finite = True if total.is_meta else bool(torch.isfinite(total))
-        if self.scaler is not None:
-            self._found_inf = not finite
-        if error_if_nonfinite and not finite:
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); cannot clip"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._clip_coef = coef
-        self._clipped = (float(max_norm), float(norm_type), total)
-        return total
-
-    def _norm_sources(self) -> list[tuple[list[ParamInfo], Backup | None]]:
-        """The grads of this step by chunk, in the order ``_grad_infos`` gives them without
-        early steps: a chunk's live grads, or the backup of its speculative early step."""
-        backups = self.speculation.backups
-        stepped = {i.slot.index: b for b in backups.values() for i in b.infos}
-        out: dict[int, tuple[list[ParamInfo], Backup | None]] = {}
-        for info in self.store.params:
-            if self.param_group_of[info.slot.index] is None:
-                continue
-            if info.has_grad:
-                out.setdefault(info.chunk, ([], None))[0].append(info)
-            elif info.slot.index in stepped:
-                out.setdefault(info.chunk, ([], stepped[info.slot.index]))
-        return list(out.values())
+            self._found_inf = not clip.finite
+        if error_if_nonfinite:
+            clip.refuse_nonfinite(norm_type)
+        self._clip = clip
+        return clip.total
 
     def as_user_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """An fp32 grad as stored -> as ``param.grad`` would show it: unscaled under fp16, times
-        the clip coefficient once clip_grad_norm_ has run."""
-        if self.scaler is not None:
-            grad = grad / self.scaler.scale
-        if self._clip_coef is not None:
-            grad = grad * self._clip_coef.to(grad.device)
-        return grad
-
-    def _global_norm(self, norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The norm over every rank's grads: each owner contributes the norms of its own."""
-        groups = self.groups
-        assert groups is not None
-        if norm_type == float("inf"):
-            local = torch.stack([n.cpu() for n in norms]).max() if norms else torch.tensor(0.0)
-            groups.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, what="grad norm")
-            return local
-        local = torch.stack([n.cpu() ** norm_type for n in norms]).sum() if norms else torch.tensor(0.0)
-        local = local.to(torch.float64)
-        groups.comm.all_reduce(local, what="grad norm")
-        return (local ** (1.0 / norm_type)).to(torch.float32)
-
-    def _overflow(self, grads: dict[int, list[ParamInfo]]) -> bool:
-        """True if any grad (on any rank) is inf or NaN: one min/max reduction per chunk (taken
-        before the step for chunks stepped early)."""
-        if self.store.compute.meta:
-            return False  # no values to overflow (capacity planning)
-        extremes = [torch.zeros(2)]
-        for index in grads:
-            chunk = self.store.rows[self.store.grad_kind][index]
-            assert chunk.payload is not None
-            # min and max see NaN, +inf and -inf, in the grads' own dtype: half the work of
-            # an fp32-accumulating sum
-            lo, hi = torch.aminmax(chunk.payload[: self.store.layout.used(index)])
-            extremes.append(torch.stack([lo, hi]).float().cpu())
-        # chunks stepped early in this backward: their grads' extremes, taken before the step
-        extremes.extend(b.extremes.cpu() for b in self.speculation.backups.values() if b.extremes is not None)
-        found = torch.tensor(0 if bool(torch.isfinite(torch.cat(extremes)).all()) else 1, dtype=torch.uint8)
-        if self.groups is not None:
-            self.groups.comm.all_reduce(found, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
-        return bool(found)
+        """An fp32 grad as stored -> as ``param.grad`` would show it (grad_norm.py)."""
+        return grad_norm.as_user_grad(grad, None if self.scaler is None else self.scaler.scale, self._clip)
 
     # -- step ------------------------------------------------------------------------------
 
@@ -494,9 +268,11 @@ class ChunkedAdam(torch.optim.Optimizer):
                 return loss
             found_inf = False
             if self.scaler is not None:
-                found_inf = self._found_inf if self._found_inf is not None else self._overflow(grads)
+                found_inf = self._found_inf
+                if found_inf is None:
+                    found_inf = grad_norm.found_overflow(self.store, grads, self.speculation.backups, self.groups)
             if self.speculation.backups:
-                if found_inf or not self._clip_is_one():
+                if found_inf or not (self._clip is None or self._clip.coef_is_one()):
                     self._roll_back()
                     grads = self._grad_infos()
                 # else the speculation held: the backups go at the end of the iteration
@@ -512,11 +288,12 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self._restore_params(grads)
                 return loss
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
+            clip_coef = None if self._clip is None else self._clip.coef
             order = list(grads.items())
             for n, (index, infos) in enumerate(order):
                 if n + 1 < len(order):
                     self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
-                self._step_chunk(index, infos, inv_scale, self._clip_coef)
+                self._step_chunk(index, infos, inv_scale, clip_coef)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(groups.write_back - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
@@ -532,58 +309,28 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._end_iteration()
         return loss
 
-    def _clip_is_one(self) -> bool:
-        """Whether this step's clip coefficient is exactly 1 (or there is no clip): what a
-        speculative early step assumed."""
-        coef = self._clip_coef
-        return coef is None or coef.is_meta or bool(coef == 1.0)
-
     def _end_iteration(self, *, stepped: bool = True) -> None:
-        clipped = self._clipped
+        clip = self._clip
         self.speculation.end_iteration(
-            clipped=(clipped is not None) if stepped else None,
-            norm_type=None if clipped is None else clipped[1],
+            clipped=(clip is not None) if stepped else None,
+            norm_type=None if clip is None else clip.norm_type,
             loss_scaled=self.scaler is not None,
         )
-        self._clip_coef = None
-        self._clipped = None
+        self._clip = None
         self._found_inf = None
         self._stepped_early.clear()
         self._per_step.clear()
 
     def _roll_back(self) -> None:
-        """Undo every speculative early step of this backward: master, momentum, variance,
-        grads and step counts as they were before it (speculation.py). The chunks then hold
-        grads again and step (or are skipped) with the others."""
-        store = self.store
-        spec = self.speculation
-        for index in sorted(spec.backups):
-            backup = spec.backups[index]
-            who = f"the roll-back of chunk {index}'s early step"
-            taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
-            try:
-                for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
-                    chunk = store.rows[kind][index]
-                    self.mover.take(chunk, chunk.device or BACKUP_DEVICE, who=who)
-                    taken.append((chunk, backup.param_states if kind is store.grad_kind else TensorState.HOLD))
-                payloads = [
-                    store.rows[kind][index].payload for kind in (store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
-                ]
-                grad = store.rows[store.grad_kind][index].payload
-                assert grad is not None and all(p is not None for p in payloads)
-                backup.restore(*payloads, grad)
-                for chunk, _ in taken:
-                    assert chunk.device is not None
-                    self.mover.count_transfer(BACKUP_DEVICE, chunk.device, backup.used * chunk.dtype.itemsize)
-            finally:
-                for chunk, after in reversed(taken):
-                    self.mover.give_back(chunk, after)
-            for info, step in zip(backup.infos, backup.steps_before, strict=True):
-                self.steps[info.slot.index] = step
-                self._set_has_grad(info, True)
-            self._stepped_early.discard(index)
-            spec.drop(index)
-            spec.rolled_back += 1
+        """Undo every speculative early step of this backward (early_step.py)."""
+        early_step.roll_back(
+            store=self.store,
+            mover=self.mover,
+            speculation=self.speculation,
+            steps=self.steps,
+            stepped_early=self._stepped_early,
+            set_has_grad=self._set_has_grad,
+        )
 
     def _bring_ahead(self, index: int) -> None:
         """Start moving chunk ``index``'s rows (master, momentum, variance, grads) to where it
@@ -868,43 +615,25 @@ class ChunkedAdam(torch.optim.Optimizer):
         any chunk once there is no room for backups, is left to the step after backward."""
         self.worker.reap()
         store = self.store
-        all_infos = [i for i in store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
-        if not all_infos or not all(i.has_grad for i in all_infos if i.param.requires_grad):
+        early = early_step.choose(
+            index,
+            store=store,
+            mover=self.mover,
+            placement=self.placement,
+            speculation=self.speculation,
+            param_group_of=self.param_group_of,
+            steps=self.steps,
+            loss_scaled=self.scaler is not None,
+        )
+        if early is None:
             return False
-        if store.rows[ChunkKind.PARAM][index].counts[TensorState.COMPUTE]:
-            return False  # a frozen param of it is still needed by backward: step it with the rest
-        mode = self.speculation.begin(loss_scaled=self.scaler is not None)
-        if mode is SpeculationMode.STOPPED:
-            return False
-        infos = [i for i in all_infos if i.has_grad]
-        device = self.placement.step_device(store.rows[store.master_kind][index])
-        backup = None
-        if mode is SpeculationMode.SPECULATING:
-            if not self._host_memory(device):
-                return False  # see speculation.py: no backup of a real GPU's chunk
-            ordered = sorted(infos, key=lambda i: i.slot.index)
-            backup = self.speculation.new_backup(
-                index,
-                ordered,
-                [self.steps[i.slot.index] for i in ordered],
-                store.layout.used(index),
-                store.kind_dtype(store.grad_kind),
-                [],
-            )
-            if backup is None:
-                return False  # no room: this chunk and the rest step after backward
-            grad_chunk = store.rows[store.grad_kind][index]
-            assert grad_chunk.payload is not None
-            if not self._host_memory(grad_chunk.device):
-                # the norms where the grads lie, as clip_grad_norm_ would take them there
-                grad_chunk.wait_ready()
-                views = [grad_chunk.view(i.slot) for i in ordered]
-                low = store.param_dtype != torch.float32
-                backup.norms[self.speculation.norm_type] = chunk_norms(views, self.speculation.norm_type, low)
+        infos, backup = early.infos, early.backup
         # on the worker only a chunk whose every param is stepped now: no frozen param of it
         # can be accessed again by this backward while its compute runs
         beside = (
-            self.cpu_steps_beside_backward and device == "cpu" and len(infos) == len(store.rows[ChunkKind.PARAM][index].slots)
+            self.cpu_steps_beside_backward
+            and early.device == "cpu"
+            and len(infos) == len(store.rows[ChunkKind.PARAM][index].slots)
         )
         inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
         try:
@@ -920,10 +649,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         if self.groups is not None:
             self.groups.write_back.discard(index)
         return True
-
-    def _host_memory(self, device: str) -> bool:
-        """Whether payloads on ``device`` are host memory (the CPU, a simulated GPU)."""
-        return self.mover.inventory[device].torch_device.type == "cpu"
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
         """A chunk is about to be accessed: if a step on the worker still computes on it,
@@ -1008,8 +733,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             self.on_zero_grad()
         if self.speculation.mode is not SpeculationMode.IDLE:
             self._end_iteration(stepped=False)
-        self._clip_coef = None
-        self._clipped = None
+        self._clip = None
         self._found_inf = None
         for listener in self.zero_grad_listeners:
             listener()
@@ -1032,143 +756,28 @@ class ChunkedAdam(torch.optim.Optimizer):
         loss scaler under fp16 (``LOSS_SCALER_KEY``; plain torch ignores it).
 
         With several ranks each rank holds the states of its own chunks only, and this is that
-        share (see [Note: a rank's share of the state]): its param groups list only the
-        params it covers, and ``SHARD_KEY`` says so."""
+        share (adam_state.py, [Note: a rank's share of the state]): its param groups list only
+        the params it covers, and ``SHARD_KEY`` says so."""
         self.worker.drain()
-        store = self.store
-        index_of: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index_of.setdefault(id(p), len(index_of))
-        covered = self._covered()
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = [index_of[id(p)] for p in group["params"] if covered is None or id(p) in covered]
-            groups.append(packed)
-        state: dict[int, dict] = {}
-        with torch.no_grad():
-            for info in store.params:
-                idx = index_of.get(id(info.param))
-                entry = None if idx is None or (covered is not None and id(info.param) not in covered) else self.state_of(info)
-                if entry is not None:
-                    state[idx] = entry
-        out: dict = {"state": state, "param_groups": groups}
-        if covered is not None:
-            assert self.groups is not None
-            out[SHARD_KEY] = {"rank": self.groups.rank, "world_size": self.groups.world}
-        if self.scaler is not None:
-            out[LOSS_SCALER_KEY] = self.scaler.state_dict()
-        return out
-
-    def _covered(self) -> set[int] | None:
-        """ids of the params whose states this rank holds, or None where it holds them all."""
-        if self.groups is None:
-            return None
-        return {id(i.param) for i in self.store.params if self.groups.owns(i.chunk)}
-
-    def state_of(self, info: ParamInfo) -> dict[str, torch.Tensor] | None:
-        """The torch-style state entry of one param (CPU copies), or None before its first
-        step; the param's chunk must be this rank's."""
-        steps = self.steps[info.slot.index]
-        if steps == 0 or self.param_group_of[info.slot.index] is None:
-            return None
-        entry = {"step": torch.tensor(float(steps))}
-        for key, kind in (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE)):
-            entry[key] = self._read(kind, info)
-        if self.store.param_dtype != torch.float32:
-            entry["master"] = self._read(self.store.master_kind, info)
-        return entry
-
-    def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
-        chunk = self.store.rows[kind][info.chunk]
-        if chunk.payload is None:
-            return torch.zeros(info.shape, dtype=torch.float32)
-        return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
+        return adam_state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict written by ``state_dict`` (or by a plain torch Adam/AdamW over the
         same params). Everything is checked before anything is written. With several ranks
         each rank keeps the entries of its own chunks from a whole state dict, or loads its
-        own share (see [Note: a rank's share of the state])."""
+        own share (adam_state.py, [Note: a rank's share of the state])."""
         self.worker.drain()
-        store = self.store
-        groups = state_dict["param_groups"]
-        shard = state_dict.get(SHARD_KEY)
-        if len(groups) != len(self.param_groups):
-            raise ConfigError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        index_of: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index_of.setdefault(id(p), len(index_of))
-        by_index = {i: store.param_info(p) for group in self.param_groups for p in group["params"] for i in [index_of[id(p)]]}
-        params: dict[int, ParamInfo] = {}
-        for g, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
-            if shard is None and len(saved["params"]) != len(group["params"]):
-                raise ConfigError(
-                    f"param group {g}: state dict has {len(saved['params'])} params, this optimizer {len(group['params'])}"
-                )
-            if shard is None:
-                params.update({idx: store.param_info(p) for idx, p in zip(saved["params"], group["params"], strict=True)})
-            else:
-                params.update({int(idx): by_index[int(idx)] for idx in saved["params"] if int(idx) in by_index})
-        if shard is not None:
-            self._check_share(shard, params)
-        for idx, entry in state_dict["state"].items():
-            info = params.get(int(idx))
-            if info is None:
-                raise ConfigError(f"state dict has state for param index {idx}, which no param group lists")
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                if key in entry and tuple(entry[key].shape) != tuple(info.shape):
-                    raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
-        mine = self._covered()
-        with torch.no_grad():
-            for saved, group in zip(groups, self.param_groups, strict=True):
-                for k, v in saved.items():
-                    if k != "params":
-                        group[k] = v
-            for info in store.params:
-                self.steps[info.slot.index] = 0
-            for idx, entry in state_dict["state"].items():
-                info = params[int(idx)]
-                if mine is not None and id(info.param) not in mine:
-                    continue  # another rank's chunk: that rank keeps it
-                self.steps[info.slot.index] = int(entry["step"])
-                for key, kind in (
-                    ("exp_avg", ChunkKind.MOMENTUM),
-                    ("exp_avg_sq", ChunkKind.VARIANCE),
-                    ("master", store.master_kind),
-                ):
-                    if key in entry and (key != "master" or store.param_dtype != torch.float32):
-                        self._write(kind, info, entry[key])
-                if "master" in entry and store.param_dtype != torch.float32:
-                    self._write(ChunkKind.PARAM, info, entry["master"])
-            if self.scaler is not None and state_dict.get(LOSS_SCALER_KEY) is not None:
-                self.scaler.load_state_dict(state_dict[LOSS_SCALER_KEY])
+        adam_state.load_state_dict(self, state_dict)
 
-    def _check_share(self, shard: dict, params: dict[int, ParamInfo]) -> None:
-        """A rank's share loads only where it covers every param this rank keeps."""
-        mine = self._covered()
-        held = {id(i.param) for i in params.values()}
-        missing = [i for i in self.store.params if (mine is None or id(i.param) in mine) and id(i.param) not in held]
-        missing = [i for i in missing if self.param_group_of[i.slot.index] is not None]
-        if missing:
-            here = "one rank" if self.groups is None else f"rank {self.groups.rank} of {self.groups.world}"
-            raise ConfigError(
-                f"this optimizer state is the share of rank {shard.get('rank')} of {shard.get('world_size')} (each rank "
-                f"holds the Adam states of its own chunks), and it lacks {len(missing)} params that {here} keeps "
-                f"({', '.join(i.name for i in missing[:3])}{', ...' if len(missing) > 3 else ''}). Load each rank's own "
-                f"share on the same layout, or save with engine.save_checkpoint(dir) and load with "
-                f"engine.load_checkpoint(dir), which loads on any number of ranks"
-            )
+    def state_of(self, info: ParamInfo) -> dict[str, torch.Tensor] | None:
+        """The torch-style state entry of one param (CPU copies), or None before its first
+        step; the param's chunk must be this rank's."""
+        return adam_state.state_entry(self, info)
+
+    # one param's states in one row, for the checkpoint (checkpoint.py)
+
+    def _read(self, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
+        return adam_state.read(self.store, kind, info)
 
     def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
-        store = self.store
-        chunk = store.rows[kind][info.chunk]
-        device = chunk.device or "cpu"
-        previous = self.mover.take(chunk, device)
-        try:
-            chunk.view(info.slot).copy_(value.reshape(-1))
-        finally:
-            after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
-            self.mover.give_back(chunk, after)
+        adam_state.write(self.store, self.mover, kind, info, value)

@@ -16,7 +16,8 @@ Owns: the mode of the current backward (``SpeculationMode`` and its named moves)
 backups, their host buffers (reused from iteration to iteration, and whether there is room
 for another), and whether the next backward should speculate (it clipped last iteration,
 or runs fp16). Does not own the arithmetic of a step, the chunks' access or placement
-(optimizer.py, store.py), nor the clip or overflow decisions themselves (optimizer.py).
+(adam.py, early_step.py, store.py), nor the clip or overflow decisions themselves (adam.py,
+grad_norm.py).
 
 [Note: speculation then validation]
 - Which chunks: those that step where payloads are host memory (the CPU, or a simulated
@@ -118,7 +119,7 @@ class Backup:
     param_states: list[TensorState]
     #: norm type -> per-param norms of the grads, in slot order, as clip_grad_norm_ makes them
     norms: dict[float, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
-    #: (min, max) of the grad chunk under fp16, as ChunkedAdam._overflow reads it
+    #: (min, max) of the grad chunk under fp16, as grad_norm.found_overflow reads it
     extremes: torch.Tensor | None = None
     #: the host buffers behind the tensors above, given back when the backup is dropped
     buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)

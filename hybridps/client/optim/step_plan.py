@@ -1,7 +1,7 @@
 """StepPlan: how one chunk's optimizer step cuts its rows into runs, worked out once and kept.
 
 A chunk steps as *runs*: maximal stretches of neighbouring params of one param group at one
-step count, each a flat view of the chunk's rows (optimizer.py, [Note: exactness]). Finding
+step count, each a flat view of the chunk's rows (adam.py, [Note: exactness]). Finding
 the runs is a Python loop over the chunk's params, and slicing the four rows (master,
 grads, momentum, variance) into views is a Python call per run and row. Where the step runs
 on the step worker beside backward, every such call holds the GIL that the thread launching
@@ -15,7 +15,7 @@ say which runs each kernel call takes, and ``param_bounds`` cut the grads into p
 views (the norms that speculation computes ahead).
 
 Owns: the plans, one per chunk index, and when the kept one serves. Does not own the step
-counts, the param groups or the arithmetic (optimizer.py), nor where params sit (layout.py:
+counts, the param groups or the arithmetic (adam.py), nor where params sit (layout.py:
 a plan reads their slots).
 
 [Note: the GIL beside backward]

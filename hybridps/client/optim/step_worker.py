@@ -16,7 +16,7 @@ compute succeeded or raised. An exception raised on the worker is raised again o
 calling thread when its task is finished (never swallowed), once every other task in
 flight was finished too, so no chunk stays taken.
 
-Does not own what a task computes or which chunks it holds (optimizer.py decides both).
+Does not own what a task computes or which chunks it holds (adam.py decides both).
 
 [Note: a task's life]
 ``submit`` -> RUNNING (on the worker) -> DONE (the compute ended) -> FINISHED (``finish``
