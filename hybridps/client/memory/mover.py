@@ -1,4 +1,4 @@
-"""Chunk manager: where every chunk of one client lives, and the moves that change it.
+"""ChunkMover: where every chunk of one client lives, and the moves that change it.
 
 Owns placement of new chunks, bringing a chunk to a device (evicting others to make room),
 freeing payloads, this client's per-device accounting (used, peak) and movement statistics.
@@ -72,6 +72,7 @@ import torch
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
 from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.memory import reports
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool
@@ -825,48 +826,46 @@ class ChunkMover:
         pinned = [c for c in resident if c.state is ChunkState.COMPUTE]
         held = [c for c in resident if c.in_flight and c not in pinned]
         needed = [c for c in resident if c in protect and c not in pinned and c not in held]
-
-        def part(chunks: list[Chunk], what: str) -> str:
-            return f"{len(chunks)} {what}, {format_bytes(sum(c.nbytes for c in chunks))}"
-
-        where = f" for {who}" if who else ""
-        return (
-            f"{device} has no room{where}: needs {format_bytes(size)} ({size} B) more, chunks in use there hold "
-            f"{format_bytes(self.used_bytes[device])} ({part(pinned, 'in COMPUTE')}; {part(held, 'under a collective')}; "
-            f"{part(needed, 'needed by the same operation')}), budget now {format_bytes(budget)} = capacity "
-            f"{format_bytes(self.inventory[device].capacity_bytes)} - non-model {format_bytes(self.reserve_bytes(device))}"
-            f" - margin {format_bytes(self.margin_bytes)}. Raise the capacity of {device}, lower chunk_size, or "
-            f"reduce activations (smaller batch, activation checkpointing).\n{self.memory_report()}"
+        return reports.no_room_message(
+            device,
+            size_bytes=size,
+            budget_bytes=budget,
+            who=who,
+            used_bytes=self.used_bytes[device],
+            parts=[(pinned, "in COMPUTE"), (held, "under a collective"), (needed, "needed by the same operation")],
+            capacity_bytes=self.inventory[device].capacity_bytes,
+            non_model_bytes=self.reserve_bytes(device),
+            margin_bytes=self.margin_bytes,
+            report=self.memory_report(),
         )
 
     def _out_of_memory_message(self, device: str, staying_bytes: int, non_model_bytes: int, who: str) -> str:
-        spec = self._specs[device]
         resident = list(self.resident[device].values())
-        computing = sum(1 for c in resident if c.state is ChunkState.COMPUTE)
-        held = sum(1 for c in resident if c.in_flight and c.state is not ChunkState.COMPUTE)
-        total_bytes = staying_bytes + non_model_bytes
-        return (
-            f"{device} is out of memory: no room for {who}. The activations saved for backward (non-model memory) "
-            f"would hold {format_bytes(non_model_bytes)} ({non_model_bytes} B) while the chunks that must stay there "
-            f"({computing} in COMPUTE, {held} under a collective) hold {format_bytes(staying_bytes)} ({staying_bytes} B): "
-            f"{format_bytes(total_bytes)} ({total_bytes} B) in all, over the capacity of {device}, "
-            f"{format_bytes(spec.capacity_bytes)} ({spec.capacity_bytes} B), even with every other chunk evicted; on a "
-            f"GPU of that size this is a CUDA out-of-memory error. Give {device} more capacity, use a smaller batch or "
-            f"shorter sequences, or checkpoint activations (torch.utils.checkpoint) so fewer of them are kept for "
-            f"backward.\n{self.memory_report()}"
+        return reports.out_of_memory_message(
+            device,
+            who=who,
+            staying_bytes=staying_bytes,
+            non_model_bytes=non_model_bytes,
+            computing=sum(1 for c in resident if c.state is ChunkState.COMPUTE),
+            held=sum(1 for c in resident if c.in_flight and c.state is not ChunkState.COMPUTE),
+            capacity_bytes=self._specs[device].capacity_bytes,
+            report=self.memory_report(),
         )
 
     def memory_report(self) -> str:
-        lines = ["memory report:"]
-        for d in self.inventory:
-            chunks = self.resident[d.name].values()
-            computing = sum(1 for c in chunks if c.state is ChunkState.COMPUTE)
-            lines.append(
-                f"  {d.name:8s} capacity {format_bytes(d.capacity_bytes):>11s}  chunks {len(chunks):4d} "
-                f"({computing} COMPUTE) {format_bytes(self.used_bytes[d.name]):>11s}  non-model "
-                f"{format_bytes(self.reserve_bytes(d.name)):>11s}"
-            )
-        return "\n".join(lines)
+        return reports.memory_report(
+            [
+                reports.DeviceLine(
+                    name=d.name,
+                    capacity_bytes=d.capacity_bytes,
+                    chunks=len(self.resident[d.name]),
+                    computing=sum(1 for c in self.resident[d.name].values() if c.state is ChunkState.COMPUTE),
+                    used_bytes=self.used_bytes[d.name],
+                    non_model_bytes=self.reserve_bytes(d.name),
+                )
+                for d in self.inventory
+            ]
+        )
 
     def device_stats(self) -> dict[str, dict]:
         """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
