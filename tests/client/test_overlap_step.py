@@ -1,6 +1,7 @@
 """Early steps during backward (Config.overlap_step): on the step worker, and speculative
 under clipping and fp16, every outcome bit-equal to stepping after backward."""
 
+import functools
 import threading
 import time
 
@@ -336,3 +337,44 @@ def test_speculative_early_steps_on_two_ranks_match_stepping_after_backward():
         assert (results[0][(name, True)]["rolled_back"] > 0) == (name != "clip-holds")
         want, got = results[0][(name, False)], results[0][(name, True)]
         _assert_same(got, want)
+
+
+def test_a_backward_hands_every_cpu_step_to_the_worker_without_waiting_and_they_share_one_buffer(monkeypatch):
+    """With the worker held up for the whole backward, backward still hands every early step
+    over (a full window would make the thread that launches backward wait for the worker),
+    the steps share one fp32 grad buffer, and the iteration equals stepping after backward."""
+    want, _ = _run(False, steps=2, clip=None, precision="bf16")
+    engine = _engine(True, worker=True, precision="bf16")
+    mover, worker = engine.client.mover, engine.optimizer.worker
+    buffers = []
+    scratch = mover.scratch
+    monkeypatch.setattr(
+        mover, "scratch", lambda numel, dtype, device, who: buffers.append(who) or scratch(numel, dtype, device, who)
+    )
+    try:
+        losses, handed_over = [], []
+        for step in range(2):
+            gate, gate_timed_out = threading.Event(), []
+            held_up = functools.partial(_hold_up, gate, gate_timed_out)
+            worker.submit(held_up, lambda: None, frozenset(), "a gate")
+            x, y = tokens(step, batch=4)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            handed_over.append(worker.in_flight - 1)
+            gate.set()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+            assert gate_timed_out == [False], "backward waited for the held-up worker"
+        weights = engine.state_dict()
+    finally:
+        engine.close()
+    assert min(handed_over) > 2, handed_over  # more than the old window of 2, none waiting
+    assert sum("step worker" in who for who in buffers) == 1, buffers
+    assert losses == want["losses"]
+    for key, value in want["weights"].items():
+        assert torch.equal(weights[key], value), key
+
+
+def _hold_up(gate: threading.Event, timed_out: list) -> None:
+    timed_out.append(not gate.wait(120))
