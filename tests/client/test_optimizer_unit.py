@@ -66,6 +66,17 @@ def _train(client, optimizer, params, reference, ref_opt, steps: range, clip: fl
         ref_opt.step()
         optimizer.step()
         _assert_same_params(client, params, reference, f"step {step}")
+        _assert_same_states(client, params, reference, ref_opt, f"step {step}")
+
+
+def _assert_same_states(client, params, reference, ref_opt, what: str) -> None:
+    """Momentum and variance bit-equal too: a param's last elements (a numel that is no
+    multiple of the CPU's vector width) step in the kernel's scalar tail in torch, and must in
+    a run of the chunk too (step_plan.py, [Note: the kernels' tails])."""
+    for p, ref in zip(params, reference, strict=True):
+        state = ref_opt.state[ref]
+        assert torch.equal(_row(client, ChunkKind.MOMENTUM, p), state["exp_avg"]), f"{what}: momentum of {p.shape}"
+        assert torch.equal(_row(client, ChunkKind.VARIANCE, p), state["exp_avg_sq"]), f"{what}: variance of {p.shape}"
 
 
 def test_the_layout_shares_chunks_and_keeps_the_adam_rows_on_the_cpu():

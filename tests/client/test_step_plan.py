@@ -8,13 +8,17 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.optim.step_plan import StepPlans, make_plan
+from hybridps.client.optim.step_plan import TAIL_WIDTH_ELEMENTS, StepPlans, make_plan
 from hybridps.client.optim.step_worker import THREAD_NAME, StepWorker
 from tests.training import SMALL_GPT, adamw_groups, gpt_pair, model_data_bytes, train_engine, train_plain
 
+#: offsets and sizes below are in units of the kernels' vector width, so no param has a tail
+U = TAIL_WIDTH_ELEMENTS
 
-def _info(index, offset, end):
-    return SimpleNamespace(slot=SimpleNamespace(index=index, offset=offset, end=end))
+
+def _info(index, offset, end, unit=U):
+    offset, end = offset * unit, end * unit
+    return SimpleNamespace(slot=SimpleNamespace(index=index, offset=offset, end=end, numel=end - offset))
 
 
 def _infos():
@@ -25,28 +29,41 @@ def _infos():
 def test_runs_join_neighbours_of_one_group_and_step_count():
     group_of = [0, 0, 1, 1, 0, 0, 0]
     plan = make_plan(_infos(), [5] * 7, group_of)
-    assert [(r.group, r.step_offset, r.start, r.end) for r in plan.runs] == [
+    assert [(r.group, r.step_offset, r.start // U, r.end // U) for r in plan.runs] == [
         (0, 0, 0, 14),
         (1, 0, 16, 30),
         (0, 0, 30, 31),
         (0, 0, 40, 44),  # param 5 is not stepped: a run of its own
     ]
-    assert plan.bounds == (0, 14, 16, 30, 30, 31, 40, 44)
+    assert plan.bounds == tuple(U * b for b in (0, 14, 16, 30, 30, 31, 40, 44))
     # the fused kernel: one call per group; the others: one per group and step count
     assert [(c.group, c.runs, c.pieces) for c in plan.by_group] == [(0, (0, 2, 3), (1, 5, 7)), (1, (1,), (3,))]
     assert [(c.group, c.step_offset, c.runs) for c in plan.by_step] == [(0, 0, (0, 2, 3)), (1, 0, (1,))]
-    row = torch.arange(50.0)
+    row = torch.arange(50.0 * U)
     pieces = plan.cut(row)
     assert [pieces[k].tolist() for k in plan.run_pieces] == [
-        row[a:b].tolist() for a, b in ((0, 14), (16, 30), (30, 31), (40, 44))
+        row[a * U : b * U].tolist() for a, b in ((0, 14), (16, 30), (30, 31), (40, 44))
     ]
     assert [v.tolist() for v in plan.param_views(row)] == [row[i.slot.offset : i.slot.end].tolist() for i in _infos()]
+
+
+def test_a_param_with_a_tail_ends_its_run_and_a_misaligned_one_starts_its_own():
+    """[Note: the kernels' tails]: elements that torch steps in a kernel's scalar tail stay
+    in one; an offset no multiple of the width inside a run would move a tail."""
+    infos = [
+        _info(0, 0, 100, unit=1),  # 100 elements: a tail of 36 (of 64) ends the run
+        _info(1, 104, 168, unit=1),
+        _info(2, 168, 232, unit=1),  # no tail before it, 64 from the run's start: joins
+        _info(3, 240, 304, unit=1),  # 136 from the run's start: a run of its own
+    ]
+    plan = make_plan(infos, [1] * 4, [0] * 4)
+    assert [(r.start, r.end) for r in plan.runs] == [(0, 100), (104, 232), (240, 304)]
 
 
 def test_runs_split_where_step_counts_differ():
     steps = [3, 3, 4, 4, 4, 4, 3]
     plan = make_plan(_infos(), steps, [0] * 7)
-    assert [(r.step_offset, r.start, r.end) for r in plan.runs] == [(0, 0, 14), (1, 16, 31), (0, 40, 44)]
+    assert [(r.step_offset, r.start // U, r.end // U) for r in plan.runs] == [(0, 0, 14), (1, 16, 31), (0, 40, 44)]
     assert [(c.step_offset, c.runs) for c in plan.by_step] == [(0, (0, 2)), (1, (1,))]
     assert [c.runs for c in plan.by_group] == [(0, 1, 2)]
 

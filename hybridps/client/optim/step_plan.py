@@ -14,7 +14,7 @@ of one iteration serves the next), and kept: ``bounds`` cut a row into every run
 say which runs each kernel call takes, and ``param_bounds`` cut the grads into per-param
 views (the norms that speculation computes ahead).
 
-Owns: the plans, one per chunk index, and when the kept one serves. Does not own the step
+Owns: the plans, one per chunk index, where a run must end (see [Note: the kernels' tails]), and when the kept one serves. Does not own the step
 counts, the param groups or the arithmetic (adam.py), nor where params sit (layout.py:
 a plan reads their slots).
 
@@ -31,6 +31,16 @@ write-back copy, none of it looping over params (fp32, the fused kernel, two par
 3 Python calls and about 9 native ones per chunk, against about 100 and 60 before). The loops (which params, which runs, the kernels' arguments) run on the
 calling thread before the chunk is handed over, and ``scripts/bench_gil.py`` measures what
 is left (docs/BENCHMARKS.md, "The GIL beside backward").
+
+[Note: the kernels' tails]
+Elementwise CPU kernels (the fused Adam, and the ops of the for-loop and foreach ones) run a
+tensor in vectors and finish its last ``numel % width`` elements one by one, and the two
+paths round differently (the variance differs by an ulp). Stepped alone, as torch steps it,
+a param whose numel is no multiple of the width has such a tail; inside a longer run the
+same elements would go through the vector path. So a run ends after such a param, and a
+param joins a run only where its offset in the run is a multiple of the width (else, ending
+the run, its own last elements would fall in the run's tail). ``TAIL_WIDTH_ELEMENTS`` is a
+multiple of every CPU's vector width in fp32 (8 with AVX2, 16 with AVX-512).
 """
 
 from __future__ import annotations
@@ -43,6 +53,11 @@ import torch
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ParamInfo
+
+
+#: runs are cut so that a param's elements fall in a kernel's vector path or its scalar tail
+#: as they would stepped alone ([Note: the kernels' tails])
+TAIL_WIDTH_ELEMENTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +127,24 @@ def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequen
     offsets = tuple(steps[s] - base for s in slots)
     runs: list[Run] = []
     prev_slot = None
+    prev_has_tail = False
     for info, offset in zip(infos, offsets, strict=True):
         group = group_of[info.slot.index]
         assert group is not None
         last = runs[-1] if runs else None
-        if last is not None and last.group == group and last.step_offset == offset and prev_slot == info.slot.index - 1:
+        if (
+            last is not None
+            and last.group == group
+            and last.step_offset == offset
+            and prev_slot == info.slot.index - 1
+            and not prev_has_tail
+            and (info.slot.offset - last.start) % TAIL_WIDTH_ELEMENTS == 0
+        ):
             runs[-1] = dataclasses.replace(last, end=info.slot.end)
         else:
             runs.append(Run(group, offset, info.slot.offset, info.slot.end))
         prev_slot = info.slot.index
+        prev_has_tail = info.slot.numel % TAIL_WIDTH_ELEMENTS != 0
     by_group: dict[int, list[int]] = {}
     by_step: dict[tuple[int, int], list[int]] = {}
     for k, run in enumerate(runs):
