@@ -27,6 +27,7 @@ backward approaches the max; one that runs them in turn, the sum.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -47,16 +48,42 @@ MODES = {
 CLIPS = {"no_clip": None, "clip_holds": 1e6, "clip_triggers": 1e-3}
 
 
-def run_modes(args, *, clip: float | None) -> dict:
+def profile_step(args, label: str, step) -> None:
+    """One more step under torch's profiler: the ops that took the most time on the CPU
+    (self) and on the GPU, as tables, and the timeline (Chrome trace, gzipped)."""
+    import gzip
+    import pathlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = pathlib.Path(args.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=30) for key in ("self_cpu_time_total", "self_device_time_total")]
+    (out / f"{label}.txt").write_text("\n\n".join(tables))
+    trace = out / f"{label}.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(out / f"{label}.json.gz", "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+
+
+def run_modes(args, *, clip: float | None, case: str = "") -> dict:
     """Every mode on the same batches. On a simulated GPU the modes run one step each in
     turn, so that they share the machine's noise (other processes on the same cores); on a
     real GPU one after the other (its allocator is shared, and each engine counts what it
     did not allocate as activations)."""
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
     real_gpu = args.device.startswith("cuda") and torch.cuda.is_available()
-    exposed_s = {name: [] for name in MODES}
-    step_s = {name: [] for name in MODES}
-    losses = {name: [] for name in MODES}
+    modes = ["off"] + [m for m in dict.fromkeys(args.modes.split(",")) if m != "off"]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
+    exposed_s = {name: [] for name in modes}
+    step_s = {name: [] for name in modes}
+    losses = {name: [] for name in modes}
     out: dict[str, dict] = {}
 
     def make(name: str) -> hybridps.Engine:
@@ -73,7 +100,7 @@ def run_modes(args, *, clip: float | None) -> dict:
         engine.optimizer.cpu_steps_beside_backward = mode["worker"]
         return engine
 
-    def one_step(name: str, engine: hybridps.Engine, step: int) -> None:
+    def one_step(name: str, engine: hybridps.Engine, step: int, *, record: bool = True) -> None:
         x, y = batch(step, args.batch, args.seq, args.vocab)
         _sync(args.device)
         t0 = time.perf_counter()
@@ -87,6 +114,8 @@ def run_modes(args, *, clip: float | None) -> dict:
         _sync(args.device)
         t2 = time.perf_counter()
         engine.zero_grad()
+        if not record:
+            return
         losses[name].append(loss.item())
         if step >= args.warmup:
             exposed_s[name].append(t2 - t1)
@@ -105,13 +134,16 @@ def run_modes(args, *, clip: float | None) -> dict:
         engine.close()
 
     if real_gpu:
-        for name in MODES:
+        for name in modes:
             engine = make(name)
             for step in range(args.warmup + args.steps):
                 one_step(name, engine, step)
+            if args.profile_dir is not None:
+                last = functools.partial(one_step, name, engine, args.warmup + args.steps, record=False)
+                profile_step(args, f"{case}_{name}", last)
             close(name, engine)
     else:
-        engines = {name: make(name) for name in MODES}
+        engines = {name: make(name) for name in modes}
         for step in range(args.warmup + args.steps):
             for name, engine in engines.items():
                 one_step(name, engine, step)
@@ -120,6 +152,9 @@ def run_modes(args, *, clip: float | None) -> dict:
     off = out["off"]
     for name, result in out.items():
         result["losses_equal_to_off"] = losses[name] == losses["off"]
+        result["max_rel_loss_diff_vs_off"] = max(
+            (abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[name], losses["off"], strict=True)), default=0.0
+        )
         if name != "off":
             result["exposed_vs_off"] = round(result["exposed_optimizer_s"] / off["exposed_optimizer_s"], 3)
             result["step_vs_off"] = round(result["step_s"] / off["step_s"], 3)
@@ -200,9 +235,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="a simulated GPU unless one is visible")
     ap.add_argument("--clips", default=",".join(CLIPS), help="which clipping cases to run")
     ap.add_argument("--components", action="store_true", help="also time compute, link and CPU Adam alone")
+    ap.add_argument("--profile-dir", default=None, help="on a real GPU: profile one more step of each mode into this folder")
+    ap.add_argument("--modes", default=",".join(MODES), help="which modes to run (off is always run: the reference)")
     args = ap.parse_args()
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
-    cases = {name: run_modes(args, clip=CLIPS[name]) for name in args.clips.split(",")}
+    cases = {name: run_modes(args, clip=CLIPS[name], case=name) for name in args.clips.split(",")}
     parts = components(args, cfg) if args.components else None
     if parts:
         for case in cases.values():
