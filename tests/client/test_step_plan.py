@@ -128,3 +128,47 @@ def test_early_steps_on_the_worker_are_bit_equal_to_torch_with_the_same_kernel(k
         assert optim.plans.made <= 2 * engine.client.store.num_chunks
     finally:
         engine.close()
+
+
+def test_blocks_tile_the_runs_cut_at_the_kernels_width_from_each_run_start():
+    infos = [_info(0, 0, 1000, unit=1), _info(1, 1000, 5000, unit=1), _info(2, 5000, 5100, unit=1)]
+    plan = make_plan(infos, [1] * 3, [0] * 3)
+    blocks = plan.blocks(2048)
+    assert plan.blocks(2048) is blocks  # worked out once per size
+    assert [(b.start, b.end) for b in blocks] == [(0, 2088), (2088, 4136), (4136, 5100)]
+    pieces = [(r.start, r.end) for b in blocks for r in b.plan.runs]
+    # run 1 starts at 1000 (param 0 has a tail): cut at 1000 + 17 x 64 and 1000 + 49 x 64
+    assert pieces == [(0, 1000), (1000, 2088), (2088, 4136), (4136, 5000), (5000, 5100)]
+    assert all((a - r.start) % TAIL_WIDTH_ELEMENTS == 0 for r in plan.runs for a, _ in pieces if r.start < a < r.end)
+    assert [(b.start, b.end) for b in plan.blocks(0)] == [(0, 5100)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("worker", [False, True])
+def test_blocked_cpu_steps_give_the_bits_of_one_pass(precision, worker):
+    """Low-precision grads step block by block on the CPU (step_plan.py, [Note: blocks]):
+    small blocks, with and without early steps on the worker, train bit for bit like one
+    pass over each chunk (losses, weights, Adam states)."""
+
+    def run(block_elements):
+        model, _ = gpt_pair()
+        engine = hybridps.initialize(
+            model,
+            adamw_groups(model, lr=1e-3, fused=True),
+            hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, precision=precision, overlap_step=worker),
+        )
+        engine.optimizer.block_elements = block_elements
+        engine.optimizer.cpu_steps_beside_backward = worker
+        try:
+            losses = train_engine(engine, 3, clip=1.0 if not worker else 0.0)
+            return losses, engine.state_dict(), engine.optimizer.state_dict()["state"]
+        finally:
+            engine.close()
+
+    one_pass, blocked = run(0), run(1000)  # 1000: cuts inside params, off the width
+    assert blocked[0] == one_pass[0]
+    for key, value in one_pass[1].items():
+        assert torch.equal(blocked[1][key], value), key
+    for i, entry in one_pass[2].items():
+        for key, value in entry.items():
+            assert torch.equal(blocked[2][i][key], value), (i, key)
