@@ -17,10 +17,11 @@ training mechanics to the hooks and the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,10 @@ from torch import nn
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
-from hybridps.client.dist.collectives import Collectives
+from hybridps.client.dist.build_groups import build_groups
 from hybridps.client.dist.groups import ChunkGroups
-from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
-from hybridps.client.dist.topology import _backend_device, _collectives_prefix, _store_of, _topology
+from hybridps.client.dist.mesh import ShardLayout, resolve_shard_size
+from hybridps.client.dist.topology import _topology
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
@@ -48,7 +49,7 @@ from hybridps.client.params.registry import ParamRegistry, placeholders
 from hybridps.client.params.values import Values
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
-from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.errors import StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
@@ -116,7 +117,16 @@ class Client:
         self.hook_handles: list = []
         self.groups: ChunkGroups | None = None
         if world_size > 1:
-            self.groups = self._chunk_groups(process_group)
+            self.groups = build_groups(
+                self.store,
+                self.mover,
+                layout=self.shard_layout,
+                rank=rank,
+                world_size=world_size,
+                placement=self.placement,
+                set_has_grad=set_has_grad,
+                process_group=process_group,
+            )
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
         self._params_side()
@@ -197,56 +207,6 @@ class Client:
             registrar = CudaHostRegistrar()
         return HostArena(cap, device=self.inventory.cpu.torch_device, registrar=registrar)
 
-    def _chunk_groups(self, process_group: dist.ProcessGroup | None) -> ChunkGroups:
-        """The data-parallel side: collectives over the whole job and, with hybrid sharding,
-        over this rank's shard group and its replicas (a 2-D DeviceMesh, mesh.py)."""
-        layout = self.shard_layout
-        agree(layout, self.config.shard_group_size, process_group)
-        prefix = _collectives_prefix(process_group)
-        device = _backend_device(process_group, self.compute)
-
-        def collectives(rank: int, world: int, group, tag: str, label: str = "") -> Collectives:
-            return Collectives(
-                rank=rank,
-                world_size=world,
-                group=group,
-                store=_store_of(process_group),
-                prefix=prefix + tag,
-                timeout_s=self.config.collective_timeout_s,
-                device=device,
-                label=label,
-            )
-
-        everyone = collectives(self.rank, self.world_size, process_group, "")
-        if not layout.hybrid:
-            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement, set_has_grad=set_has_grad)
-        if process_group is not None and process_group != dist.group.WORLD:
-            raise ConfigError(
-                f"shard_group_size={self.config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
-                f"needs the default process group: the mesh of shard groups and replicas is built over the whole job. "
-                f'Pass no process_group, or shard_group_size="world"'
-            )
-        mesh = build_mesh(layout, device.type)
-        shard = collectives(
-            layout.shard_rank, layout.shard_size, mesh.get_group("shard"), f"/s{layout.replica}", f"shard group {layout.replica}"
-        )
-        replicas = collectives(
-            layout.replica,
-            layout.replicas,
-            mesh.get_group("replicate"),
-            f"/r{layout.shard_rank}",
-            f"replicas of shard {layout.shard_rank}",
-        )
-        return ChunkGroups(
-            self.store,
-            self.mover,
-            shard,
-            placement=self.placement,
-            set_has_grad=set_has_grad,
-            replicas=replicas,
-            everyone=everyone,
-        )
-
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:
             return EmbeddedManager(self.inventory).connect(info)
@@ -284,21 +244,23 @@ class Client:
 
     # -- registration (registry.py) --------------------------------------------------------
 
-    def register_module(self, module: nn.Module) -> None:
-        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+    def register_module(self, module: nn.Module, *, optimizer_follows: bool = False) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order;
+        ``optimizer_follows``: an Adam is registered next, so the fit check counts its states."""
         self._check_open()
-        self.registry.register_module(module)
+        self.registry.register_module(module, optimizer_follows=optimizer_follows)
 
     def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
         """Move one ``nn.Parameter`` into chunks (plain tensors are refused)."""
         self._check_open()
         self.registry.register_param(param, name)
 
-    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+    def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
-        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
+        ``wiring``: ``ChunkedAdam``'s ``scaler``, ``step_driver`` and listeners (registry.py)."""
         self._check_open()
-        return self.registry.register_optim(optimizer)
+        return self.registry.register_optim(optimizer, **wiring)
 
     @property
     def optimizer(self) -> ChunkedAdam | None:
@@ -308,15 +270,6 @@ class Client:
     def early_step(self) -> Callable[[int], bool] | None:
         """Steps one chunk whose grads are final, returns whether it did (Config.overlap_step)."""
         return self.registry.early_step
-
-    @property
-    def expect_optimizer(self) -> bool:
-        """An optimizer will be registered (the engine's case): registration counts Adam states too."""
-        return self.registry.expect_optimizer
-
-    @expect_optimizer.setter
-    def expect_optimizer(self, value: bool) -> None:
-        self.registry.expect_optimizer = value
 
     # -- optimizer rows on the GPU (optimizer_rows.py) -------------------------------------
 
@@ -341,9 +294,13 @@ class Client:
         """A backward of the engine is running (for error messages)."""
         return self.grads.in_backward
 
-    @in_backward.setter
-    def in_backward(self, value: bool) -> None:
-        self.grads.in_backward = value
+    def backward_running(self) -> contextlib.AbstractContextManager:
+        """The engine's backward runs inside this block."""
+        return self.grads.backward_running()
+
+    def holds_grads(self) -> bool:
+        """Whether any param holds a grad, or one waits beside its slot."""
+        return self.grads.holding()
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         self.grads.store_grad(param, grad)
@@ -365,10 +322,19 @@ class Client:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str | None = None) -> nn.Parameter:
         return self.managed.broadcast(tensor, src, name=name)
 
-    def begin_forward(self) -> None:
-        """A forward pass of the model starts (chunk groups count their params' uses anew)."""
+    def before_forward(self) -> int:
+        """A forward is asked for: no read cache is left by a state_dict an error cut short.
+        Returns the model conversions (model.to/cpu/...) seen so far (placeholder.py)."""
+        self.guard.end_read_cache()
+        return self.guard.conversions
+
+    def begin_forward(self, saved: contextlib.AbstractContextManager | None = None) -> contextlib.AbstractContextManager | None:
+        """A forward pass of the model starts (chunk groups count their params' uses anew).
+        ``saved``: the tracer's hooks on what autograd saves in a training forward (None when
+        not training); returns them with the pending grads' count added where it is kept."""
         if self.groups is not None:
             self.groups.begin_forward()
+        return None if saved is None else self.grads.saved_tensors(saved)
 
     def end_forward(self) -> None:
         """The forward of an iteration returned (drops gathered groups it no longer needs)."""
@@ -379,7 +345,9 @@ class Client:
         """Backward returned: reduce what is left and agree across ranks on which params have grads."""
         self.pending.end_backward()
         if self.groups is not None:
-            self.groups.end_backward()
+            landed = self.groups.end_backward()
+            if self.optimizer is not None:
+                self.optimizer.grads_landed(landed)
 
     # -- access and values (values.py) -----------------------------------------------------
 
@@ -407,6 +375,14 @@ class Client:
         """Every param's full-precision value (CPU), in registration order; with several ranks
         every rank iterates it together (values.py)."""
         return self.values.full_values()
+
+    def load_model_state(self, own: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], *, strict: bool) -> None:
+        """Load ``state_dict`` into the model whose ``state_dict(keep_vars=True)`` is ``own`` (values.py)."""
+        self.values.load_state_dict(own, state_dict, strict)
+
+    def gathered(self, params: Iterable[nn.Parameter], *, modify: bool) -> contextlib.AbstractContextManager:
+        """``params`` materialized with their full-precision values for a block (values.py)."""
+        return self.values.gathered(params, modify=modify)
 
     # -- stats -----------------------------------------------------------------------------
 
