@@ -6,13 +6,12 @@ chunk lists by kind (param, grad, master, momentum, variance) with one shared la
 param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
 slot in a chunk on the compute device.
 
-Owns: building the rank's collaborators and wiring them (each takes what it uses in its
-constructor, never the client), the client's lifetime (``close``) and its figures
-(``memory_stats``). Delegates the rows and param records to the store (store.py), placement
-and movement to the mover, memory authority to the node manager, the chunk groups'
-collectives to groups.py, registration to registry.py, access and values to values.py
-(with [Note: access counting]), grads to grads.py, managed tensors to managed.py and
-training mechanics to the hooks and the optimizer.
+Owns: building the rank's collaborators (each takes what it uses in its constructor, never
+the client; the engine's parts are built over it by assembly.py), the client's lifetime
+(``close``) and its figures (``memory_stats``). Delegates the rows and param records to the
+store, movement to the mover, memory authority to the node manager, collectives to the chunk
+groups, and registration, values (see [Note: access counting]), grads and managed tensors to
+params/.
 """
 
 from __future__ import annotations
@@ -27,14 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.chunk import Chunk
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.build_groups import build_groups
 from hybridps.client.dist.groups import ChunkGroups
 from hybridps.client.dist.mesh import ShardLayout, resolve_shard_size
 from hybridps.client.dist.topology import _topology
-from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
+from hybridps.client.memory.arena import HostRegistrar, host_arena
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.optimizer_rows import OptimizerRows
@@ -57,16 +56,10 @@ from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 logger = logging.getLogger(__name__)
 
 
-def _of_store(name: str, *, settable: bool = False) -> property:
-    """A property of the client that is the store's attribute ``name`` (store.py)."""
-
-    def get(self: Client):
-        return getattr(self.store, name)
-
-    def put(self: Client, value) -> None:
-        setattr(self.store, name, value)
-
-    return property(get, put if settable else None)
+def _of_store(name: str) -> property:
+    """A read-only property of the client that is the store's attribute ``name`` (store.py):
+    the store's writers are registration and the collaborators that take the store."""
+    return property(lambda self: getattr(self.store, name))
 
 
 class Client:
@@ -149,7 +142,7 @@ class Client:
             #: the non-model memory of the compute device, driven by the engine's tracer
             #: (memory_trace.py, [Note: who holds the trace])
             trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
-            arena=self._host_arena(host_registrar),
+            arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
         )
 
     def _params_side(self) -> None:
@@ -194,19 +187,6 @@ class Client:
             placeholder=self._placeholder,
         )
 
-    def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
-        """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
-        computes and ``Config.pinned_bytes`` is not 0: page-locked on a real GPU; carved the
-        same way, unpinned, on simulated GPUs and on meta (the planner), so that every run
-        books the host memory a run on a real GPU would."""
-        cap = self.config.pinned_bytes
-        cap = self.inventory.cpu.capacity_bytes // 4 if cap is None else cap
-        if not self.compute.is_gpu or cap == 0:
-            return None
-        if registrar is None and not self.compute.simulated and torch.cuda.is_available():
-            registrar = CudaHostRegistrar()
-        return HostArena(cap, device=self.inventory.cpu.torch_device, registrar=registrar)
-
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:
             return EmbeddedManager(self.inventory).connect(info)
@@ -216,7 +196,7 @@ class Client:
 
     # -- the store's figures, for callers of the facade ------------------------------------
 
-    layout = _of_store("layout", settable=True)
+    layout = _of_store("layout")
     #: the store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)
     rows = _of_store("rows")
     params = _of_store("params")
@@ -225,9 +205,6 @@ class Client:
     master_kind = _of_store("master_kind")
     grad_kind = _of_store("grad_kind")
     model_data_bytes = _of_store("model_data_bytes")
-
-    def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
-        return self.store.kind_dtype(kind)
 
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
@@ -399,17 +376,7 @@ class Client:
             for kind, chunks in self.store.rows.items()
         }
         return {
-            "devices": self.mover.device_stats(),
-            "moved_bytes": dict(self.mover.moved_bytes),
-            "moves": self.mover.moves,
-            "evictions": self.mover.evictions,
-            "prefetches": self.mover.prefetches,
-            "prefetch_hits": self.mover.prefetch_hits,
-            "prefetch_evictions": self.mover.prefetch_evictions,
-            "pool": self.mover.pool.stats(),
-            **({"link": self.link.stats()} if self.link is not None else {}),
-            "pinned_bytes": self.mover.arena.pinned_bytes if self.mover.arena is not None else 0,
-            **({"arena": self.mover.arena.stats()} if self.mover.arena is not None else {}),
+            **self.mover.stats(),
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,

@@ -879,6 +879,23 @@ class ChunkMover:
             ]
         )
 
+    def stats(self) -> dict:
+        """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
+        pool, the simulated link and the host arena."""
+        return {
+            "devices": self.device_stats(),
+            "moved_bytes": dict(self.moved_bytes),
+            "moves": self.moves,
+            "evictions": self.evictions,
+            "prefetches": self.prefetches,
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_evictions": self.prefetch_evictions,
+            "pool": self.pool.stats(),
+            **({"link": self.link.stats()} if self.link is not None else {}),
+            "pinned_bytes": self.arena.pinned_bytes if self.arena is not None else 0,
+            **({"arena": self.arena.stats()} if self.arena is not None else {}),
+        }
+
     def device_stats(self) -> dict[str, dict]:
         """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
         books for this client there (``booked_bytes``: chunks, plus on the CPU idle pooled
