@@ -1,8 +1,9 @@
 """Meta-device init: build a model without memory, give it the values a CPU build would have.
 
 Owns the record of what a model's construction does to its tensors (``meta_init()``) and the
-replay of that record into the chunks of a registered model (``replay``). Does not own the
-chunks or the layout (the client) nor loading weights from files (pretrained.py).
+replay of that record into the chunks of a registered model (``replay``, ``give_values``).
+Does not own the chunks or the layout (the client) nor loading weights from files
+(pretrained.py).
 
 [Note: why record and replay]
 Every rank building a 50B model in fp32 on the CPU before registering it needs 200 GB of host
@@ -29,6 +30,7 @@ order; a param that is a view into a larger tensor; an op whose meta output cann
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +43,8 @@ from hybridps.common.errors import HybridPSError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
+
+logger = logging.getLogger(__name__)
 
 #: storage key of every meta tensor a recording created -> that recording
 _RECORDS: dict[int, MetaInitRecord] = {}
@@ -125,6 +129,29 @@ def record_of(module: torch.nn.Module) -> MetaInitRecord | None:
         if p.is_meta:
             return _RECORDS.get(_key(p))
     return None
+
+
+def give_values(record: MetaInitRecord | None, client: Client, module: torch.nn.Module) -> set[int]:
+    """Give the registered params built on the meta device their values: replay their recorded
+    init (``record``), or leave them for load_pretrained. Returns the ids still without values."""
+    metas = [i for i in client.params if i.meta_key is not None]
+    if not metas:
+        return set()
+    if record is None:
+        logger.info(
+            "%d params were built on the meta device without meta_init(): load their weights with engine.load_pretrained",
+            len(metas),
+        )
+        return {id(i.param) for i in metas}
+    if client.groups is not None:  # every rank draws rank 0's random stream, as sync_module_states would give
+        state = record.rng_state.clone()
+        client.groups.everyone.broadcast(state, 0, what="meta_init generator state")
+        record.rng_state = state
+    touched = replay(record, client, module)
+    device = client.compute.torch_device
+    for buf in module.buffers():
+        buf.data = buf.data.to(device)
+    return {id(i.param) for i in metas if id(i.param) not in touched}
 
 
 def replay(record: MetaInitRecord, client: Client, module: torch.nn.Module) -> set[int]:

@@ -1,8 +1,9 @@
 """``hybridps.initialize`` and the ``Engine``: single-rank training over chunks.
 
-The engine wires a model and an Adam/AdamW optimizer to a Client: it registers the model
-(params into chunks) and the optimizer (master, momentum, variance chunks), installs the
-module hooks, the memory tracer and, for fp16, the loss scaler, and offers the training
+The engine puts a model and an Adam/AdamW optimizer under a Client through the client's
+composition root (``hybridps.client.build``: the model's params into chunks, the optimizer's
+master, momentum and variance chunks, the module hooks, the memory tracer, the prefetcher, the
+event recorder and, for fp16, the loss scaler), keeps the handles, and offers the training
 loop's verbs (forward, backward, clip_grad_norm_, step, zero_grad).
 
 It owns the iteration's order (forward -> backward -> step) and the checks on it; chunk
@@ -18,18 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hybridps import deferred_init
-from hybridps.client.client import Client
-from hybridps.client.memory.events import EventRecorder
-from hybridps.client.memory.tracer import MemoryTracer
-from hybridps.client.optim.adam import ChunkedAdam
-from hybridps.client.optim.loss_scaler import LossScaler
-from hybridps.client.params import optimizer_view
-from hybridps.client.params.hooks import ModelHook, ModuleHooks
-from hybridps.client.params.placeholder import ParamGuard
-from hybridps.client.prefetch import Prefetcher
+from hybridps.client import Client, build
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError, StateError
 from hybridps.iteration_phase import IterationPhase
@@ -65,78 +56,37 @@ class Engine:
     """The training loop's verbs over a model whose data lives in chunks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *, client: Client | None = None):
-        optimizer_view.refuse_adopted(optimizer)
         self.config = config
-        self.client = client or Client(config)
         self.module = model
-        record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
         self._conversions_seen = 0
-        try:
-            self._buffers_to_compute_device()
-            self.client.expect_optimizer = True  # registration counts the Adam states it will need
-            self.client.register_module(model)
-            self.optimizer: ChunkedAdam = self.client.register_optim(optimizer)
-            #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
-            self.unset_params: set[int] = self._initialize_meta(record)
-        except BaseException:
-            self.client.close()
-            raise
-        self.tracer = MemoryTracer(self.client.store, self.client.mover, enabled=config.trace)
-        if config.eviction in ("opt", "auto"):
-            self.client.placement.use_trace(self.tracer.next_use, self.tracer.replaying)
-        self.hooks = ModuleHooks(self.client, model, self.tracer, on_bare_backward=self._finish_bare_backward)
-        self.hooks.install()
         #: the model's calls under way, outermost first: (whether this call opened the engine's
         #: forward, its saved-tensor hooks); see [Note: the model's own call]
         self._calls: list[tuple[bool, contextlib.AbstractContextManager | None]] = []
-        self.client.hook_handles += [
-            model.register_forward_pre_hook(ModelHook(self.hooks, self._call_begins), prepend=True, with_kwargs=True),
-            model.register_forward_hook(ModelHook(self.hooks, self._call_ends), always_call=True),
-        ]
-        self.prefetcher = (
-            Prefetcher(
-                self.client.store, self.client.mover, self.tracer, groups=self.client.groups, window=config.prefetch_window
-            )
-            if config.prefetch_window
-            else None
-        )
-        self.events = EventRecorder(self.client.mover, self.client.inventory, rank=self.client.rank)
-        self.events.enabled = config.record
-        self.tracer.tick_listeners.append(self.events.on_moment)
-        self.optimizer.step_listeners.append(self.events.on_step)
-        if config.precision == "fp16":
-            self.optimizer.scaler = LossScaler(
-                scale=config.static_loss_scale or config.initial_loss_scale,
-                growth_factor=config.loss_scale_growth_factor,
-                backoff_factor=config.loss_scale_backoff_factor,
-                growth_interval=config.loss_scale_growth_interval,
-                min_scale=config.min_loss_scale,
-                dynamic=config.static_loss_scale is None,
-            )
-        self.optimizer.step_driver = self._driven_step
-        self.optimizer.zero_grad_listeners.append(self._grads_dropped)
-        guard = self.client.guard
-
-        def state_dict_begins(module, prefix, keep_vars):  # a tied param is read once, as one tensor
-            guard.read_cache = {}
-
-        def state_dict_ends(module, state_dict, prefix, local_metadata):
-            guard.read_cache = None
-
-        self.client.hook_handles += [
-            model.register_state_dict_pre_hook(state_dict_begins),
-            model.register_state_dict_post_hook(state_dict_ends),
-        ]
         self._gathered = 0  # gathered_parameters contexts open
         #: where the iteration stands (iteration_phase.py): named moves, one field
         self.phase = IterationPhase.IDLE
         #: optimizer steps taken (skipped fp16 steps included), saved in checkpoints
         self.global_step = 0
-        # the script's own optimizer object steps, saves and loads the engine's (params/optimizer_view.py)
-        optimizer_view.adopt(optimizer, self.optimizer)
-        # an optimizer built later over these params would step them beside the engine (torch's
-        # in-place kernels write through to the chunks): refused at its first step
-        self.client.hook_handles.append(register_optimizer_step_pre_hook(self._refuse_other_optimizer))
+        parts = build(
+            config,
+            model,
+            optimizer,
+            client=client,
+            step_driver=self._driven_step,
+            on_zero_grad=self._grads_dropped,
+            on_bare_backward=self._finish_bare_backward,
+            call_begins=self._call_begins,
+            call_ends=self._call_ends,
+        )
+        self.client = parts.client
+        #: the chunked optimizer; the script's own optimizer object is a view of it
+        self.optimizer = parts.optimizer
+        self.tracer = parts.tracer
+        self.hooks = parts.hooks
+        self.prefetcher = parts.prefetcher
+        self.events = parts.events
+        #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
+        self.unset_params: set[int] = parts.unset_params
 
     def _buffers_to_compute_device(self) -> None:
         device = self.client.compute.torch_device
@@ -144,33 +94,11 @@ class Engine:
             if not buf.is_meta and buf.device != device:
                 buf.data = buf.data.to(device)
 
-    def _initialize_meta(self, record) -> set[int]:
-        """Give params built on the meta device their values: replay their recorded init (see
-        deferred_init.py), or leave them for load_pretrained. Returns the ids still without values."""
-        client = self.client
-        metas = [i for i in client.params if i.meta_key is not None]
-        if not metas:
-            return set()
-        if record is None:
-            logger.info(
-                "%d params were built on the meta device without meta_init(): load their weights with engine.load_pretrained",
-                len(metas),
-            )
-            return {id(i.param) for i in metas}
-        if client.groups is not None:  # every rank draws rank 0's random stream, as sync_module_states would give
-            state = record.rng_state.clone()
-            client.groups.everyone.broadcast(state, 0, what="meta_init generator state")
-            record.rng_state = state
-        touched = deferred_init.replay(record, client, self.module)
-        device = client.compute.torch_device
-        for buf in self.module.buffers():
-            buf.data = buf.data.to(device)
-        return {id(i.param) for i in metas if id(i.param) not in touched}
-
     # -- the loop --------------------------------------------------------------------------
 
     @property
-    def scaler(self) -> LossScaler | None:
+    def scaler(self):
+        """The fp16 loss scaler (optim/loss_scaler.py), None under other precisions."""
         return self.optimizer.scaler
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -201,8 +129,7 @@ class Engine:
         if training and not self.phase.iteration_open:
             self.tracer.start_iteration()
             self.phase = self.phase.forward_opens()
-        self.client.begin_forward()
-        saved = self._saved_tensors() if training else None
+        saved = self.client.begin_forward(self.tracer.saved_tensors() if training else None)
         if saved is not None:
             saved.__enter__()
         self._calls.append((True, saved))
@@ -228,10 +155,9 @@ class Engine:
                 "forward inside engine.gathered_parameters(): the gathered params hold copies that the forward would "
                 "replace with their chunks; leave the with-block first"
             )
-        guard = self.client.guard
-        guard.read_cache = None  # a state_dict cut short by an error leaves none behind
-        if guard.conversions != self._conversions_seen:  # model.to(...)/cpu() moved the buffers, not the params
-            self._conversions_seen = guard.conversions
+        conversions = self.client.before_forward()  # (a state_dict cut short by an error leaves no read cache)
+        if conversions != self._conversions_seen:  # model.to(...)/cpu() moved the buffers, not the params
+            self._conversions_seen = conversions
             self._buffers_to_compute_device()
         if self.unset_params:
             names = [i.name for i in self.client.params if id(i.param) in self.unset_params]
@@ -250,26 +176,8 @@ class Engine:
                 "to drop the grads) first, or set Config(grad_reuse=False) to accumulate gradients over micro-batches"
             )
 
-    def _saved_tensors(self) -> contextlib.AbstractContextManager:
-        """Hooks on what autograd saves in a training forward: the tracer's (activations on a
-        simulated GPU) and, with grad reuse on one rank, the count of saved param aliases that
-        keeps a grad out of a slot whose value autograd still needs (params/pending_grads.py)."""
-        tracer_hooks = self.tracer.saved_tensors()
-        if not (self.config.grad_reuse and self.client.groups is None):
-            return tracer_hooks
-        pending = self.client.pending
-        if isinstance(tracer_hooks, torch.autograd.graph.saved_tensors_hooks):
-            inner_pack, inner_unpack = tracer_hooks.pack_hook, tracer_hooks.unpack_hook
-
-            def pack(t: torch.Tensor):
-                inner = inner_pack(t)  # the tracer hands model data back as itself, activations wrapped
-                return pending.pack(t, t) if inner is t else inner
-
-            return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: inner_unpack(pending.unpack(h)))
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: pending.pack(t, t), pending.unpack)
-
     def _prepare_inputs(self, obj: Any) -> Any:
-        device, dtype = self.client.compute.torch_device, self.client.param_dtype
+        device, dtype = self.client.compute.torch_device, self.config.param_dtype
         if isinstance(obj, torch.Tensor):
             if obj.is_floating_point() and obj.dtype != dtype:
                 obj = obj.to(dtype)
@@ -299,11 +207,10 @@ class Engine:
                 "grad reuse each grad overwrites its param"
             )
         scaled = loss.float() * self.scaler.scale if self.scaler is not None else loss
-        self.client.in_backward = True
         try:
-            scaled.backward()
+            with self.client.backward_running():
+                scaled.backward()
         finally:
-            self.client.in_backward = False
             self.hooks.end_backward()
             self.phase = self.phase.backward_ends()
         self._end_backward()
@@ -323,9 +230,7 @@ class Engine:
 
     def _grads_from_plain_backward(self) -> bool:
         """Grads arrived since the last step without engine.backward (a bare loss.backward())."""
-        return not self.phase.grads_since_step and (
-            any(i.has_grad for i in self.client.params) or bool(self.client.pending._waiting)
-        )
+        return not self.phase.grads_since_step and self.client.holds_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global grad norm (as ``torch.nn.utils.clip_grad_norm_``); returns the norm."""
@@ -335,24 +240,6 @@ class Engine:
         """Optimizer step over every chunk that holds grads; ends the iteration.
         ``engine.optimizer.step()`` (as Trainer-style loops call it) is the same call."""
         self.optimizer.step()  # through torch's step wrapper (LR schedulers count it), to _step
-
-    def _refuse_other_optimizer(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        """A global step pre-hook: a torch optimizer other than the engine's that holds params
-        of this engine must not step them (it would run its own Adam on the chunks' values)."""
-        if optimizer is self.optimizer:
-            return
-        by_id = self.client.store.by_id
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                info = by_id.get(id(p))
-                if info is not None and info.param is p:
-                    raise StateError(
-                        f"{type(optimizer).__name__}.step() over {info.describe()}, a param HybridPS holds, by an optimizer "
-                        f"that was not passed to hybridps.initialize: it would run its own update on the chunks beside "
-                        f"the engine's Adam. Keep stepping the optimizer passed to initialize (or engine.optimizer): change "
-                        f"the lr in its param_groups, restart Adam with load_state_dict; build the optimizer over every "
-                        f"param to train before initialize"
-                    )
 
     def _driven_step(self, closure=None):
         loss = None
@@ -448,25 +335,7 @@ class Engine:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load model weights (e.g. from ``state_dict`` or a plain ``model.state_dict()``).
         Every key and shape is checked before anything is written."""
-        own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise ConfigError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for key, value in state_dict.items():
-            if key in own:
-                expected = self.client.param_info(own[key]).shape if self.client.is_registered(own[key]) else own[key].shape
-                if tuple(value.shape) != tuple(expected):
-                    raise ConfigError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(expected)} in the model")
-        with torch.no_grad():
-            for key, value in state_dict.items():
-                if key not in own:
-                    continue
-                if self.client.is_registered(own[key]):
-                    if self.client.owns(self.client.param_info(own[key]).chunk):
-                        self.client.write_param(own[key], value)
-                else:
-                    own[key].copy_(value)
+        self.client.load_model_state(self.module.state_dict(keep_vars=True), state_dict, strict=strict)
 
     @contextlib.contextmanager
     def gathered_parameters(
@@ -482,70 +351,18 @@ class Engine:
         the compute device while the block runs: name a few params at a time for a large model.
         With several ranks every rank enters the block together; edits of rank 0 are kept.
         """
-        if self.hooks._running:
+        if self.hooks.forward_running:
             raise StateError("gathered_parameters inside a forward: the running modules already have their params")
-        infos = self._infos_of(params)
-        client = self.client
-        device = client.compute.torch_device
-        if client.groups is not None:
-            wanted = {id(i.param) for i in infos}
-            values = {
-                id(i.param): v.to(device=device, dtype=i.orig_dtype) for i, v in client.full_values() if id(i.param) in wanted
-            }
-        else:
-            values = {id(i.param): client.read_value(i.param).to(device) for i in infos}
-        for info in infos:
-            ParamGuard.materialize(info, values[id(info.param)])
-        self._gathered += 1
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            self._gathered -= 1
-            held = {id(i.param): i.param.data for i in infos}
-            placeholder = client._placeholder(client.param_dtype)
-            for info in infos:
-                ParamGuard.unmaterialize(info, placeholder)
-            if ok:
-                self._write_gathered(infos, held, modify)
-
-    def _write_gathered(self, infos: list, held: dict, modify: bool) -> None:
-        client = self.client
-        groups = client.groups
-        changed = []
-        with torch.no_grad():
-            for info in infos:
-                value = held[id(info.param)]
-                if tuple(value.shape) != tuple(info.shape):
-                    raise ConfigError(f"{info.describe()}: its .data was given shape {tuple(value.shape)} in gathered_parameters")
-                if groups is not None and modify:  # rank 0's edits are the ones kept
-                    value = value.to("cpu", torch.float32, copy=True)
-                    groups.everyone.broadcast(value, 0, what=f"gathered_parameters write-back of {info.name}")
-                if not client.owns(info.chunk):
-                    continue
-                if modify:
-                    client.write_value(info.param, value)
-                elif not torch.equal(value.cpu().to(info.orig_dtype), client.read_value(info.param)):
-                    changed.append(info.describe())
-        if changed:
-            raise StateError(
-                f"{len(changed)} params were changed inside gathered_parameters(modify=False) ({', '.join(changed[:3])}"
-                f"{', ...' if len(changed) > 3 else ''}); the change is not kept. Use gathered_parameters(..., modify=True)"
-            )
-
-    def _infos_of(self, params) -> list:
         if params is None:
             params = self.module
         if isinstance(params, nn.Module):
             params = params.parameters()
-        infos, seen = [], set()
-        for p in params:
-            info = self.client.param_info(p)
-            if id(p) not in seen:
-                seen.add(id(p))
-                infos.append(info)
-        return infos
+        with self.client.gathered(params, modify=modify):
+            self._gathered += 1
+            try:
+                yield
+            finally:
+                self._gathered -= 1
 
     def load_pretrained(self, path, *, strict: bool = True):
         """Load Hugging Face safetensors weights (a pretrained folder, sharded or not, or one

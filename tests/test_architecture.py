@@ -134,7 +134,8 @@ ROOT_MODULES = {
     "hybridps.client.client": set(WINGS) | {"prefetch", "remote"},
     "hybridps.client.prefetch": {"chunks", "memory", "dist"},
     "hybridps.client.remote": set(),
-    "hybridps.client": set(WINGS) | {"client"},
+    "hybridps.client.assembly": set(WINGS) | {"client", "prefetch"},
+    "hybridps.client": set(WINGS) | {"client", "assembly"},
 }
 
 
@@ -169,3 +170,80 @@ def test_client_wings_import_only_downwards():
 def test_every_client_module_sits_in_a_wing_or_the_root():
     stray = sorted(m for m in _modules() if _wing(m) is not None and _wing(m) not in WINGS and m not in ROOT_MODULES)
     assert stray == []
+
+
+#: the most public names of the client the engine may use (see ``_engine_client_uses``)
+ENGINE_CLIENT_NAMES = 15
+#: what of ``hybridps/client/`` the engine imports: the facade (with ``build``) and the hooks
+ENGINE_CLIENT_IMPORTS = {"hybridps.client", "hybridps.client.params.hooks"}
+
+
+def _client_uses(source: str) -> tuple[set[str], list[str], list[str]]:
+    """What ``source`` (the engine's) uses of its client, from the AST: the names read on
+    ``self.client`` (or on a local bound to it or to one of its parts), the private names
+    reached anywhere down such a chain, and every assignment (``=``, ``+=``, ``del``) to an
+    attribute down such a chain."""
+    tree = ast.parse(source)
+    aliases: dict[str, list[str]] = {}
+
+    def chain(node) -> list[str] | None:
+        """``self.client.a.b`` -> ["a", "b"]; None where the chain does not start at the client."""
+        names = []
+        while isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr == "client":
+                return names[::-1]
+            names.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in aliases:
+            return aliases[node.id] + names[::-1]
+        return None
+
+    for _ in range(2):  # locals bound to the client or to a part of it (an alias of an alias too)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                path = chain(node.value)
+                if path is not None:
+                    aliases[node.targets[0].id] = path
+    names: set[str] = set()
+    private: set[str] = set()
+    assigned: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            path = chain(node)
+            if path:
+                names.add(path[0])
+                if any(p.startswith("_") for p in path):
+                    private.add(".".join(path))
+                if isinstance(node.ctx, (ast.Store, ast.Del)):
+                    assigned.append(".".join(path))
+    return names, sorted(private), assigned
+
+
+def test_the_engine_uses_a_small_public_surface_of_the_client_and_assigns_none_of_it():
+    names, private, assigned = _client_uses((ROOT / "engine.py").read_text())
+    assert private == [] and assigned == []
+    assert len(names) <= ENGINE_CLIENT_NAMES, sorted(names)
+
+
+def test_the_engine_reaches_the_client_through_the_facade_and_the_hooks_only():
+    graph = _graph(module_level_only=False)
+    reached = {m for m in graph["hybridps.engine"] if m == "hybridps.client" or m.startswith("hybridps.client.")}
+    assert reached <= ENGINE_CLIENT_IMPORTS, sorted(reached - ENGINE_CLIENT_IMPORTS)
+
+
+def test_the_count_of_the_client_surface_sees_aliases_reach_ins_and_assignments():
+    source = """
+class Engine:
+    def f(self):
+        client = self.client
+        guard = client.guard
+        guard.read_cache = None
+        self.client.in_backward = True
+        self.client.hook_handles += [1]
+        client._placeholder(client.param_dtype)
+        return self.client.pending._waiting
+"""
+    names, private, assigned = _client_uses(source)
+    assert names == {"guard", "in_backward", "hook_handles", "_placeholder", "param_dtype", "pending"}
+    assert private == ["_placeholder", "pending._waiting"]
+    assert sorted(assigned) == ["guard.read_cache", "hook_handles", "in_backward"]

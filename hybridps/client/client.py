@@ -6,34 +6,34 @@ chunk lists by kind (param, grad, master, momentum, variance) with one shared la
 param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
 slot in a chunk on the compute device.
 
-Owns: building the rank's collaborators and wiring them (each takes what it uses in its
-constructor, never the client), the client's lifetime (``close``) and its figures
-(``memory_stats``). Delegates the rows and param records to the store (store.py), placement
-and movement to the mover, memory authority to the node manager, the chunk groups'
-collectives to groups.py, registration to registry.py, access and values to values.py
-(with [Note: access counting]), grads to grads.py, managed tensors to managed.py and
-training mechanics to the hooks and the optimizer.
+Owns: building the rank's collaborators (each takes what it uses in its constructor, never
+the client; the engine's parts are built over it by assembly.py), the client's lifetime
+(``close``) and its figures (``memory_stats``). Delegates the rows and param records to the
+store, movement to the mover, memory authority to the node manager, collectives to the chunk
+groups, and registration, values (see [Note: access counting]), grads and managed tensors to
+params/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.chunk import Chunk
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
-from hybridps.client.dist.collectives import Collectives
+from hybridps.client.dist.build_groups import build_groups
 from hybridps.client.dist.groups import ChunkGroups
-from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh, resolve_shard_size
-from hybridps.client.dist.topology import _backend_device, _collectives_prefix, _store_of, _topology
-from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, HostRegistrar
+from hybridps.client.dist.mesh import ShardLayout, resolve_shard_size
+from hybridps.client.dist.topology import _topology
+from hybridps.client.memory.arena import HostRegistrar, host_arena
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.optimizer_rows import OptimizerRows
@@ -48,7 +48,7 @@ from hybridps.client.params.registry import ParamRegistry, placeholders
 from hybridps.client.params.values import Values
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
-from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.errors import StateError
 from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
@@ -56,16 +56,10 @@ from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 logger = logging.getLogger(__name__)
 
 
-def _of_store(name: str, *, settable: bool = False) -> property:
-    """A property of the client that is the store's attribute ``name`` (store.py)."""
-
-    def get(self: Client):
-        return getattr(self.store, name)
-
-    def put(self: Client, value) -> None:
-        setattr(self.store, name, value)
-
-    return property(get, put if settable else None)
+def _of_store(name: str) -> property:
+    """A read-only property of the client that is the store's attribute ``name`` (store.py):
+    the store's writers are registration and the collaborators that take the store."""
+    return property(lambda self: getattr(self.store, name))
 
 
 class Client:
@@ -116,7 +110,16 @@ class Client:
         self.hook_handles: list = []
         self.groups: ChunkGroups | None = None
         if world_size > 1:
-            self.groups = self._chunk_groups(process_group)
+            self.groups = build_groups(
+                self.store,
+                self.mover,
+                layout=self.shard_layout,
+                rank=rank,
+                world_size=world_size,
+                placement=self.placement,
+                set_has_grad=set_has_grad,
+                process_group=process_group,
+            )
         #: what ops on released params mean (placeholder.py)
         self.guard = ParamGuard(self)
         self._params_side()
@@ -139,7 +142,7 @@ class Client:
             #: the non-model memory of the compute device, driven by the engine's tracer
             #: (memory_trace.py, [Note: who holds the trace])
             trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
-            arena=self._host_arena(host_registrar),
+            arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
         )
 
     def _params_side(self) -> None:
@@ -184,69 +187,6 @@ class Client:
             placeholder=self._placeholder,
         )
 
-    def _host_arena(self, registrar: HostRegistrar | None) -> HostArena | None:
-        """The arena of the host payloads of param and grad chunks (arena.py), when a GPU
-        computes and ``Config.pinned_bytes`` is not 0: page-locked on a real GPU; carved the
-        same way, unpinned, on simulated GPUs and on meta (the planner), so that every run
-        books the host memory a run on a real GPU would."""
-        cap = self.config.pinned_bytes
-        cap = self.inventory.cpu.capacity_bytes // 4 if cap is None else cap
-        if not self.compute.is_gpu or cap == 0:
-            return None
-        if registrar is None and not self.compute.simulated and torch.cuda.is_available():
-            registrar = CudaHostRegistrar()
-        return HostArena(cap, device=self.inventory.cpu.torch_device, registrar=registrar)
-
-    def _chunk_groups(self, process_group: dist.ProcessGroup | None) -> ChunkGroups:
-        """The data-parallel side: collectives over the whole job and, with hybrid sharding,
-        over this rank's shard group and its replicas (a 2-D DeviceMesh, mesh.py)."""
-        layout = self.shard_layout
-        agree(layout, self.config.shard_group_size, process_group)
-        prefix = _collectives_prefix(process_group)
-        device = _backend_device(process_group, self.compute)
-
-        def collectives(rank: int, world: int, group, tag: str, label: str = "") -> Collectives:
-            return Collectives(
-                rank=rank,
-                world_size=world,
-                group=group,
-                store=_store_of(process_group),
-                prefix=prefix + tag,
-                timeout_s=self.config.collective_timeout_s,
-                device=device,
-                label=label,
-            )
-
-        everyone = collectives(self.rank, self.world_size, process_group, "")
-        if not layout.hybrid:
-            return ChunkGroups(self.store, self.mover, everyone, placement=self.placement, set_has_grad=set_has_grad)
-        if process_group is not None and process_group != dist.group.WORLD:
-            raise ConfigError(
-                f"shard_group_size={self.config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
-                f"needs the default process group: the mesh of shard groups and replicas is built over the whole job. "
-                f'Pass no process_group, or shard_group_size="world"'
-            )
-        mesh = build_mesh(layout, device.type)
-        shard = collectives(
-            layout.shard_rank, layout.shard_size, mesh.get_group("shard"), f"/s{layout.replica}", f"shard group {layout.replica}"
-        )
-        replicas = collectives(
-            layout.replica,
-            layout.replicas,
-            mesh.get_group("replicate"),
-            f"/r{layout.shard_rank}",
-            f"replicas of shard {layout.shard_rank}",
-        )
-        return ChunkGroups(
-            self.store,
-            self.mover,
-            shard,
-            placement=self.placement,
-            set_has_grad=set_has_grad,
-            replicas=replicas,
-            everyone=everyone,
-        )
-
     def _connect(self, info: ClientInfo) -> ManagerConnection:
         if self.config.manager is None:
             return EmbeddedManager(self.inventory).connect(info)
@@ -256,7 +196,7 @@ class Client:
 
     # -- the store's figures, for callers of the facade ------------------------------------
 
-    layout = _of_store("layout", settable=True)
+    layout = _of_store("layout")
     #: the store's chunk rows by kind (``rows[kind][index]`` is chunk ``index`` of ``kind``)
     rows = _of_store("rows")
     params = _of_store("params")
@@ -265,9 +205,6 @@ class Client:
     master_kind = _of_store("master_kind")
     grad_kind = _of_store("grad_kind")
     model_data_bytes = _of_store("model_data_bytes")
-
-    def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
-        return self.store.kind_dtype(kind)
 
     def owns(self, index: int) -> bool:
         """Whether this rank keeps chunk ``index`` (always, on one rank)."""
@@ -284,21 +221,23 @@ class Client:
 
     # -- registration (registry.py) --------------------------------------------------------
 
-    def register_module(self, module: nn.Module) -> None:
-        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+    def register_module(self, module: nn.Module, *, optimizer_follows: bool = False) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order;
+        ``optimizer_follows``: an Adam is registered next, so the fit check counts its states."""
         self._check_open()
-        self.registry.register_module(module)
+        self.registry.register_module(module, optimizer_follows=optimizer_follows)
 
     def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
         """Move one ``nn.Parameter`` into chunks (plain tensors are refused)."""
         self._check_open()
         self.registry.register_param(param, name)
 
-    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+    def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
-        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
+        ``wiring``: ``ChunkedAdam``'s ``scaler``, ``step_driver`` and listeners (registry.py)."""
         self._check_open()
-        return self.registry.register_optim(optimizer)
+        return self.registry.register_optim(optimizer, **wiring)
 
     @property
     def optimizer(self) -> ChunkedAdam | None:
@@ -308,15 +247,6 @@ class Client:
     def early_step(self) -> Callable[[int], bool] | None:
         """Steps one chunk whose grads are final, returns whether it did (Config.overlap_step)."""
         return self.registry.early_step
-
-    @property
-    def expect_optimizer(self) -> bool:
-        """An optimizer will be registered (the engine's case): registration counts Adam states too."""
-        return self.registry.expect_optimizer
-
-    @expect_optimizer.setter
-    def expect_optimizer(self, value: bool) -> None:
-        self.registry.expect_optimizer = value
 
     # -- optimizer rows on the GPU (optimizer_rows.py) -------------------------------------
 
@@ -341,9 +271,13 @@ class Client:
         """A backward of the engine is running (for error messages)."""
         return self.grads.in_backward
 
-    @in_backward.setter
-    def in_backward(self, value: bool) -> None:
-        self.grads.in_backward = value
+    def backward_running(self) -> contextlib.AbstractContextManager:
+        """The engine's backward runs inside this block."""
+        return self.grads.backward_running()
+
+    def holds_grads(self) -> bool:
+        """Whether any param holds a grad, or one waits beside its slot."""
+        return self.grads.holding()
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         self.grads.store_grad(param, grad)
@@ -365,10 +299,19 @@ class Client:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, name: str | None = None) -> nn.Parameter:
         return self.managed.broadcast(tensor, src, name=name)
 
-    def begin_forward(self) -> None:
-        """A forward pass of the model starts (chunk groups count their params' uses anew)."""
+    def before_forward(self) -> int:
+        """A forward is asked for: no read cache is left by a state_dict an error cut short.
+        Returns the model conversions (model.to/cpu/...) seen so far (placeholder.py)."""
+        self.guard.end_read_cache()
+        return self.guard.conversions
+
+    def begin_forward(self, saved: contextlib.AbstractContextManager | None = None) -> contextlib.AbstractContextManager | None:
+        """A forward pass of the model starts (chunk groups count their params' uses anew).
+        ``saved``: the tracer's hooks on what autograd saves in a training forward (None when
+        not training); returns them with the pending grads' count added where it is kept."""
         if self.groups is not None:
             self.groups.begin_forward()
+        return None if saved is None else self.grads.saved_tensors(saved)
 
     def end_forward(self) -> None:
         """The forward of an iteration returned (drops gathered groups it no longer needs)."""
@@ -379,7 +322,9 @@ class Client:
         """Backward returned: reduce what is left and agree across ranks on which params have grads."""
         self.pending.end_backward()
         if self.groups is not None:
-            self.groups.end_backward()
+            landed = self.groups.end_backward()
+            if self.optimizer is not None:
+                self.optimizer.grads_landed(landed)
 
     # -- access and values (values.py) -----------------------------------------------------
 
@@ -408,6 +353,14 @@ class Client:
         every rank iterates it together (values.py)."""
         return self.values.full_values()
 
+    def load_model_state(self, own: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], *, strict: bool) -> None:
+        """Load ``state_dict`` into the model whose ``state_dict(keep_vars=True)`` is ``own`` (values.py)."""
+        self.values.load_state_dict(own, state_dict, strict)
+
+    def gathered(self, params: Iterable[nn.Parameter], *, modify: bool) -> contextlib.AbstractContextManager:
+        """``params`` materialized with their full-precision values for a block (values.py)."""
+        return self.values.gathered(params, modify=modify)
+
     # -- stats -----------------------------------------------------------------------------
 
     def all_chunks(self) -> Iterator[Chunk]:
@@ -423,17 +376,7 @@ class Client:
             for kind, chunks in self.store.rows.items()
         }
         return {
-            "devices": self.mover.device_stats(),
-            "moved_bytes": dict(self.mover.moved_bytes),
-            "moves": self.mover.moves,
-            "evictions": self.mover.evictions,
-            "prefetches": self.mover.prefetches,
-            "prefetch_hits": self.mover.prefetch_hits,
-            "prefetch_evictions": self.mover.prefetch_evictions,
-            "pool": self.mover.pool.stats(),
-            **({"link": self.link.stats()} if self.link is not None else {}),
-            "pinned_bytes": self.mover.arena.pinned_bytes if self.mover.arena is not None else 0,
-            **({"arena": self.mover.arena.stats()} if self.mover.arena is not None else {}),
+            **self.mover.stats(),
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,

@@ -55,12 +55,12 @@ class Prefetcher:
         #: decides what goes ahead (memory/placement.py); the mover's policy unless given
         self.placement = placement if placement is not None else mover.placement
         self._by_id: dict[int, Chunk] | None = None
-        tracer.tick_listeners.append(self.on_tick)
+        tracer.on_tick(self.on_tick)
         self.groups = groups
         self._gathers_at: dict[int, list[int]] = {}  # moment -> chunk groups gathered then (warm-up)
         self._trace_id = -1
         if self.groups is not None:
-            self.groups.gather_listeners.append(self._on_gather)
+            self.groups.on_gather(self._on_gather)
 
     def _on_gather(self, g: int) -> None:
         if self.tracer.mode.value != "record":

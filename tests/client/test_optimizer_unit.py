@@ -18,15 +18,16 @@ SHAPES = [(5, 7), (20,), (6, 6), (4,), (50,)]
 HYPER = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
 
 
-def _registered(**config):
-    """A Client over a tiny model and its ChunkedAdam, and a plain copy of the model's params
-    with torch's fused AdamW over them."""
+def _registered(wiring: dict | None = None, **config):
+    """A Client over a tiny model and its ChunkedAdam (``wiring``: its scaler and listeners, as
+    registration passes them), and a plain copy of the model's params with torch's fused AdamW
+    over them."""
     torch.manual_seed(0)
     model = nn.ParameterList([nn.Parameter(torch.randn(s)) for s in SHAPES])
     reference = [nn.Parameter(p.detach().clone()) for p in model]
     client = Client(Config(**{"precision": "fp32", "chunk_size": 64, "devices": {"cuda:0": "1MiB"}, **config}))
     client.register_module(model)
-    optimizer = client.register_optim(torch.optim.AdamW(model.parameters(), **HYPER))
+    optimizer = client.register_optim(torch.optim.AdamW(model.parameters(), **HYPER), **(wiring or {}))
     return client, optimizer, list(model), reference, torch.optim.AdamW(reference, **HYPER)
 
 
@@ -164,11 +165,10 @@ def test_optimizer_state_is_a_read_only_view():
 
 
 def test_zero_grad_drops_grads_gives_the_slots_their_params_back_and_announces_it():
-    client, optimizer, params, reference, _ = _registered()
     announced, listened = [], []
+    client, optimizer, params, reference, _ = _registered({"zero_grad_listeners": [lambda: listened.append(True)]})
     drop = optimizer.on_zero_grad
     optimizer.on_zero_grad = lambda: (announced.append(True), drop())
-    optimizer.zero_grad_listeners.append(lambda: listened.append(True))
     _backward(client, params, _grads(0))
     assert all(client.param_info(p).has_grad for p in params)
     optimizer.zero_grad()
@@ -180,8 +180,7 @@ def test_zero_grad_drops_grads_gives_the_slots_their_params_back_and_announces_i
 
 
 def test_an_fp16_overflow_skips_the_step_and_backs_the_scale_off():
-    client, optimizer, params, _, _ = _registered(precision="fp16")
-    optimizer.scaler = LossScaler(scale=1024.0)
+    client, optimizer, params, _, _ = _registered({"scaler": LossScaler(scale=1024.0)}, precision="fp16")
     before = [_row(client, ChunkKind.MASTER, p).clone() for p in params]
     grads = _grads(0)
     grads[3][1] = float("inf")

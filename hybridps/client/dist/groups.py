@@ -143,7 +143,9 @@ class ChunkGroups:
         self.reducing: collections.OrderedDict[int, _Reduction] = collections.OrderedDict()
         #: reductions landed, by what landed them (and those waited for early, for room)
         self.reductions_landed: collections.Counter[str] = collections.Counter()
-        self.write_back: set[int] = set()  # owned chunks whose param slots need the master copy
+        #: owned chunks whose param slots took reduced grads in this backward (grad reuse): handed
+        #: to the caller by ``end_backward`` / ``abandon_backward``, whose step writes them back
+        self._landed: set[int] = set()
         self.staging: dict[int, Chunk] = {}  # local grads when grad reuse is off
         self._next_staging_id = -1
         self.gathers = 0
@@ -155,13 +157,24 @@ class ChunkGroups:
         #: the work handles of ARRIVING groups' gathers
         self.in_flight: dict[int, list] = {}
         #: called with the group index after every gather (the prefetcher's trace)
-        self.gather_listeners: list = []
+        self.gather_listeners: list[Callable[[int], None]] = []
         self.prefetched_gathers = 0
         #: steps one owned chunk whose grads are final (Config.overlap_step); returns whether
-        #: it stepped. Wired by the client when the optimizer is registered, else None
-        self.early_step: Callable[[int], bool] | None = None
+        #: it stepped. Given by registration when the optimizer steps early (``step_early_with``)
+        self._early_step: Callable[[int], bool] | None = None
         #: owned chunks stepped early in this backward: their params have no grad left to step
         self.stepped_early: set[int] = set()
+
+    # -- who listens ---------------------------------------------------------------------
+
+    def on_gather(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(group)`` after every gather from now on (the prefetcher records them)."""
+        self.gather_listeners.append(fn)
+
+    def step_early_with(self, early_step: Callable[[int], bool]) -> None:
+        """The optimizer registered after these groups steps owned chunks early
+        (Config.overlap_step): call ``early_step(index)`` once a chunk's reduced grads are final."""
+        self._early_step = early_step
 
     # -- ownership (the table's: chunks/ownership.py) --------------------------------------
 
@@ -561,7 +574,7 @@ class ChunkGroups:
             if own.payload is not result:
                 own.payload.copy_(result)
             if own.slots:  # a padding row has no params to write back
-                self.write_back.add(own_index)
+                self._landed.add(own_index)
             for slot in own.slots:
                 own.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
         else:
@@ -579,18 +592,19 @@ class ChunkGroups:
                     self.mover.free(chunk)
         self._drop(g)
         self.reduces += 1
-        if reuse and self.early_step is not None:
+        if reuse and self._early_step is not None:
             # an early step applies what this backward computed: first make sure every rank
             # issued the same collectives so far (one small all-reduce; every rank takes this
             # branch, which depends on the config only)
             self.check_order(f"early step of chunk group {g}")
-        if red.complete and reuse and self.early_step is not None:
+        if red.complete and reuse and self._early_step is not None:
             # every rank saw every grad of the group: the owned params all have grads now
             for slot in self.store.rows[ChunkKind.PARAM][own_index].slots:
                 info = self.store.params[slot.index]
                 self._set_has_grad(info, info.param.requires_grad)
-            if self.early_step(own_index):
+            if self._early_step(own_index):
                 self.stepped_early.add(own_index)
+                self._landed.discard(own_index)  # its step wrote the params back
 
     def _accumulate(self, index: int, reduced: torch.Tensor) -> None:
         """Owner's grad chunk += reduced grads (accumulation over micro-batches)."""
@@ -606,8 +620,10 @@ class ChunkGroups:
         for slot in chunk.slots:
             chunk.apply(slot, Move.REDUCED_GRAD_ARRIVES, "reduced grad")
 
-    def end_backward(self) -> None:
-        """Reduce groups whose grads did not all arrive, then agree on which params have grads."""
+    def end_backward(self) -> set[int]:
+        """Reduce groups whose grads did not all arrive, then agree on which params have grads.
+        Returns the owned chunks whose param slots took reduced grads in this backward (grad
+        reuse), which the step writes back from the master copy."""
         self.check_order("end of backward")
         for g in sorted(self.pending):
             self.reduce(g)
@@ -624,6 +640,8 @@ class ChunkGroups:
         self.stepped_early.clear()
         self.local_flags.zero_()
         self.end_forward(keep_retained=False)
+        landed, self._landed = self._landed, set()
+        return landed
 
     # -- a backward that raised (see [Note: a backward that raised]) -----------------------
 
@@ -640,11 +658,13 @@ class ChunkGroups:
             )
 
     @torch.no_grad()
-    def abandon_backward(self) -> None:
-        """Drop what a backward that raised partway left (a no-op after a complete one); the
-        caller (zero_grad) then restores the params of ``write_back`` from the master copy."""
+    def abandon_backward(self) -> set[int]:
+        """Drop what a backward that raised partway left (a no-op after a complete one).
+        Returns the owned chunks whose params the caller (zero_grad) restores from the master
+        copy: those whose slots took reduced or local grads."""
+        landed, self._landed = self._landed, set()
         if not self.backward_unfinished():
-            return
+            return landed
         touched = set(self.pending) | set(self.reducing)
         for index in self.local_flags.nonzero().flatten().tolist():
             touched.add(self.group_of(self.store.params[index].chunk))
@@ -667,7 +687,7 @@ class ChunkGroups:
             if not own.slots:
                 continue
             if self.config.grad_reuse:
-                self.write_back.add(own.index)  # its slots may hold local grads
+                landed.add(own.index)  # its slots may hold local grads
             for slot, state in zip(own.slots, list(own.states), strict=True):
                 if state is _S.HOLD_AFTER_BWD:
                     own.set_slot_state(slot, _S.HOLD, "grads of a backward that raised, dropped")
@@ -682,6 +702,7 @@ class ChunkGroups:
             "restored from the master copy",
             len(touched),
         )
+        return landed
 
     @torch.no_grad()
     def gather_rows(self, kind: ChunkKind, g: int) -> list[torch.Tensor]:

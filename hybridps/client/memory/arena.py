@@ -57,12 +57,15 @@ import mmap
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from hybridps.common.errors import ConfigError, StateError
 from hybridps.common.units import format_bytes
+
+if TYPE_CHECKING:
+    from hybridps.common.devices import DeviceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -375,3 +378,18 @@ class HostArena:
                 "released": self.released,
                 "lends": self.lends,
             }
+
+
+def host_arena(
+    pinned_bytes: int | None, *, cpu: DeviceSpec, compute: DeviceSpec, registrar: HostRegistrar | None
+) -> HostArena | None:
+    """The arena of a client's host payloads of param and grad chunks, when a GPU computes and
+    ``Config.pinned_bytes`` is not 0 (None: a quarter of the host's capacity): page-locked on a
+    real GPU; carved the same way, unpinned, on simulated GPUs and on meta (the planner), so
+    that every run books the host memory a run on a real GPU would."""
+    cap = cpu.capacity_bytes // 4 if pinned_bytes is None else pinned_bytes
+    if not compute.is_gpu or cap == 0:
+        return None
+    if registrar is None and not compute.simulated and torch.cuda.is_available():
+        registrar = CudaHostRegistrar()
+    return HostArena(cap, device=cpu.torch_device, registrar=registrar)

@@ -51,12 +51,8 @@ class EventRecorder:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         """Listen to the mover only while recording: its hot path stays bare."""
-        chunks = self.mover
-        for listeners, fn in ((chunks.access_listeners, self._on_access), (chunks.move_listeners, self._on_move)):
-            if on and fn not in listeners:
-                listeners.append(fn)
-            elif not on and fn in listeners:
-                listeners.remove(fn)
+        self.mover.watch_accesses(self._on_access, on)
+        self.mover.watch_moves(self._on_move, on)
         self._enabled = on
 
     def _now_us(self) -> float:

@@ -195,6 +195,18 @@ class ChunkMover:
         #: storage addresses of every payload, to tell model data from other tensors.
         self.payload_ptrs: set[int] = set()
 
+    # -- listeners ---------------------------------------------------------------------------
+
+    def watch_accesses(self, fn: Callable[[Chunk, str], None], on: bool = True) -> None:
+        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop). Listeners
+        come and go with what they record (the warm-up's accesses, a trace export), so the
+        hot path stays bare while nobody records."""
+        _follow(self.access_listeners, fn, on)
+
+    def watch_moves(self, fn: Callable[[Chunk, str, str, float, bool], None], on: bool = True) -> None:
+        """Call ``fn(chunk, src, dst, seconds, evicted)`` after every move from now on (``on=False``: stop)."""
+        _follow(self.move_listeners, fn, on)
+
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
@@ -867,6 +879,23 @@ class ChunkMover:
             ]
         )
 
+    def stats(self) -> dict:
+        """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
+        pool, the simulated link and the host arena."""
+        return {
+            "devices": self.device_stats(),
+            "moved_bytes": dict(self.moved_bytes),
+            "moves": self.moves,
+            "evictions": self.evictions,
+            "prefetches": self.prefetches,
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_evictions": self.prefetch_evictions,
+            "pool": self.pool.stats(),
+            **({"link": self.link.stats()} if self.link is not None else {}),
+            "pinned_bytes": self.arena.pinned_bytes if self.arena is not None else 0,
+            **({"arena": self.arena.stats()} if self.arena is not None else {}),
+        }
+
     def device_stats(self) -> dict[str, dict]:
         """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
         books for this client there (``booked_bytes``: chunks, plus on the CPU idle pooled
@@ -896,3 +925,11 @@ class ChunkMover:
 def _restore_states(chunk: Chunk, states: list[TensorState]) -> None:
     for slot, state in zip(chunk.slots, states, strict=True):
         chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
+
+
+def _follow(listeners: list, fn: Callable, on: bool) -> None:
+    """Add ``fn`` to ``listeners`` once (``on``), or take it out."""
+    if on and fn not in listeners:
+        listeners.append(fn)
+    elif not on and fn in listeners:
+        listeners.remove(fn)

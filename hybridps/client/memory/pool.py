@@ -39,7 +39,7 @@ class PayloadPool:
     """Reusable host buffers by (dtype, elements), up to ``cap_bytes`` in total."""
 
     def __init__(self, cap_bytes: int, *, per_size: int = 4):
-        self.cap_bytes = cap_bytes
+        self._cap_bytes = cap_bytes
         self.per_size = per_size
         self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
         #: every pooled buffer, oldest first: when the pool is full, the oldest go to make room
@@ -49,6 +49,15 @@ class PayloadPool:
         self.hits = 0
         self.misses = 0
         self.dropped = 0
+
+    @property
+    def cap_bytes(self) -> int:
+        return self._cap_bytes
+
+    def resize(self, cap_bytes: int) -> None:
+        """Hold up to ``cap_bytes`` from now on (registration sizes the pool by the largest
+        chunk once the layout is known); buffers beyond it go as they are given back."""
+        self._cap_bytes = cap_bytes
 
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         bucket = self._free.get((dtype, numel))
@@ -71,7 +80,7 @@ class PayloadPool:
         nbytes = buf.numel() * buf.element_size()
         held_bytes, dropped = self.held_bytes, 0
         for dtype, numel in self._age.values():  # oldest first, as give lets them go
-            if held_bytes + nbytes <= self.cap_bytes:
+            if held_bytes + nbytes <= self._cap_bytes:
                 break
             size = numel * dtype.itemsize
             held_bytes -= size
@@ -84,7 +93,7 @@ class PayloadPool:
         if not buf.is_cpu or _UNSHARED is None:
             return False
         bucket = self._free.get((buf.dtype, buf.numel()), ())
-        if buf.numel() * buf.element_size() > self.cap_bytes or len(bucket) >= self.per_size:
+        if buf.numel() * buf.element_size() > self._cap_bytes or len(bucket) >= self.per_size:
             return False
         count = _use_count(buf)
         return count is not None and count <= _UNSHARED + views  # more: a view of it is alive (e.g. saved for backward)
@@ -105,7 +114,7 @@ class PayloadPool:
         nbytes = buf.numel() * buf.element_size()
         key = (buf.dtype, buf.numel())
         dropped = 0
-        while self.held_bytes + nbytes > self.cap_bytes:
+        while self.held_bytes + nbytes > self._cap_bytes:
             old_id, old_key = self._age.popitem(last=False)
             bucket = self._free[old_key]
             index = next(i for i, t in enumerate(bucket) if id(t) == old_id)
@@ -130,7 +139,7 @@ class PayloadPool:
     def stats(self) -> dict:
         return {
             "held_bytes": self.held_bytes,
-            "cap_bytes": self.cap_bytes,
+            "cap_bytes": self._cap_bytes,
             "hits": self.hits,
             "misses": self.misses,
             "dropped": self.dropped,

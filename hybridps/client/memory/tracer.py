@@ -56,7 +56,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,7 +102,14 @@ class _SavedTensor:
 class MemoryTracer:
     """Moments, non-model memory and chunk accesses of the training iterations of one client."""
 
-    def __init__(self, store: ChunkStore, mover: ChunkMover, *, enabled: bool = True):
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkMover,
+        *,
+        enabled: bool = True,
+        tick_listeners: Iterable[Callable[[Hashable, int], None]] = (),
+    ):
         self.store = store
         self.mover = mover
         self.device = store.compute
@@ -130,8 +137,8 @@ class MemoryTracer:
         self._payload_ptrs = mover.payload_ptrs
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
-        #: called as on_tick(label, non_model_bytes) at every moment (event recorder)
-        self.tick_listeners: list = []
+        #: called as on_tick(label, non_model_bytes) at every moment (prefetcher, event recorder)
+        self.tick_listeners: list[Callable[[Hashable, int], None]] = list(tick_listeners)
         #: GPU memory this process held before HybridPS started (other models, an EMA copy,
         #: a reference): not the training's, and not counted against the capacity, which is
         #: what HybridPS may use beyond it (the default capacity is read from the free memory)
@@ -255,11 +262,7 @@ class MemoryTracer:
             self._listen(True)  # chunk accesses are recorded during warm-up only
 
     def _listen(self, on: bool) -> None:
-        listeners = self.mover.access_listeners
-        if on and self._on_access not in listeners:
-            listeners.append(self._on_access)
-        elif not on and self._on_access in listeners:
-            listeners.remove(self._on_access)
+        self.mover.watch_accesses(self._on_access, on)
 
     def end_iteration(self) -> None:
         self._listen(False)
@@ -278,6 +281,11 @@ class MemoryTracer:
             len(self.accesses),
             max(self.non_model, default=0),
         )
+
+    def on_tick(self, fn: Callable[[Hashable, int], None]) -> None:
+        """Call ``fn(label, non_model_bytes)`` at every moment from now on, after the listeners
+        before it (for a listener built over this tracer, as the prefetcher is)."""
+        self.tick_listeners.append(fn)
 
     def tick(self, label: Hashable) -> None:
         """Mark a moment; keep the chunks of the compute device within this moment's budget."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,7 +130,15 @@ class ChunkedAdam(torch.optim.Optimizer):
         set_has_grad: Callable[[ParamInfo, bool], None],
         groups: ChunkGroups | None = None,
         on_zero_grad: Callable[[], None] | None = None,
+        scaler: LossScaler | None = None,
+        step_driver: Callable | None = None,
+        step_listeners: Iterable[Callable[[str, int], None]] = (),
+        zero_grad_listeners: Iterable[Callable[[], None]] = (),
     ):
+        """``scaler``: the fp16 loss scaler (None: no loss scaling); ``step_driver``: what
+        ``step()`` runs instead of the plain step (the engine's step, which ends its
+        iteration); ``step_listeners`` are called as ``("start" | "end", index)`` around each
+        chunk's step, ``zero_grad_listeners`` after every zero_grad."""
         registration.check_optimizer(optimizer)
         self.store = store
         self.mover = mover
@@ -154,17 +162,20 @@ class ChunkedAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 self.param_group_of[store.param_info(p).slot.index] = g
         self.steps: list[int] = [0] * n
-        self.scaler: LossScaler | None = None
+        self.scaler = scaler
         #: this step's clip (grad_norm.py): a second clip returns the same norm
         self._clip: Clip | None = None
         #: whether a grad overflowed, as this step's clip found it under fp16 (None: not known yet)
         self._found_inf: bool | None = None
-        #: what ``step()`` runs: the engine's step (which ends its iteration) once an engine drives
+        #: what ``step()`` runs: the engine's step (which ends its iteration) where an engine drives
         #: this optimizer, so ``engine.optimizer.step()`` and ``engine.step()`` are the same
-        self.step_driver: Callable | None = None
+        self.step_driver = step_driver
         #: called after every zero_grad (the engine resets its iteration)
-        self.zero_grad_listeners: list[Callable[[], None]] = []
+        self.zero_grad_listeners: list[Callable[[], None]] = list(zero_grad_listeners)
         self._buffers: dict[str, torch.Tensor] = {}
+        #: owned chunks whose param slots took reduced grads (grad reuse, several ranks), as the
+        #: chunk groups reported them at the end of backward: the step writes them back
+        self._landed: set[int] = set()
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
         #: the compute of early steps on the CPU, beside backward (early_step.py, [Note: early steps])
@@ -190,9 +201,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: backups of speculative early steps and whether to speculate (speculation.py)
         self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
         if self.overlap_step:
-            mover.access_listeners.append(self._on_access)
+            mover.watch_accesses(self._on_access)
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
-        self.step_listeners: list[Callable[[str, int], None]] = []
+        self.step_listeners: list[Callable[[str, int], None]] = list(step_listeners)
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
         #: ``optimizer.state`` as torch shows it, read from the chunks (adam_state.py)
         self.state = AdamStateView(self)  # type: ignore[assignment]
@@ -313,9 +324,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                     self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
                 self._step_chunk(index, infos, inv_scale, clip_coef)
             if groups is not None:  # reduced chunks whose params all lacked grads
-                for index in sorted(groups.write_back - set(grads)):
+                for index in sorted(self._landed - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
-                groups.write_back.clear()
+                self._landed.clear()
             for infos in grads.values():
                 for info in infos:
                     self.steps[info.slot.index] += 1
@@ -711,9 +722,13 @@ class ChunkedAdam(torch.optim.Optimizer):
             self.steps[info.slot.index] += 1
             self._set_has_grad(info, False)
         self._stepped_early.add(index)
-        if self.groups is not None:
-            self.groups.write_back.discard(index)
         return True
+
+    def grads_landed(self, indices: set[int]) -> None:
+        """The chunk groups' report at the end of backward: owned chunks whose param slots
+        took reduced grads (grad reuse). The step writes their params back from the master
+        copy (those it does not step too), or zero_grad does."""
+        self._landed |= indices
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
         """A chunk is about to be accessed: if a step on the worker still computes on it,
@@ -757,10 +772,8 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
         """After a skipped step under grad reuse, give the param slots their values back."""
-        indices = set(grads)
-        if self.groups is not None:
-            indices |= self.groups.write_back
-            self.groups.write_back.clear()
+        indices = set(grads) | self._landed
+        self._landed.clear()
         for index in sorted(indices):
             self._write_back(index, self.store.layout.used(index))
         for infos in grads.values():
@@ -778,13 +791,13 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         # Early steps without a backup cannot be undone: the skipped step is not skipped for them.
         final = sorted(self._stepped_early - set(self.speculation.backups))
-        if self.groups is not None:
-            self.groups.abandon_backward()  # a no-op unless a backward raised partway
+        if self.groups is not None:  # what a backward that raised partway left, if one did
+            self._landed |= self.groups.abandon_backward()
         if self.speculation.backups:
             self._roll_back()
         grads = {i: infos for i, infos in self._grad_infos().items()}
         if store.config.grad_reuse:
-            if grads or (self.groups is not None and self.groups.write_back):
+            if grads or self._landed:
                 self._restore_params(grads)
         else:
             for chunk in store.rows[ChunkKind.GRAD]:

@@ -14,6 +14,8 @@ backward begins and ends (the engine).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,8 +51,43 @@ class Grads:
         self.world_size = world_size
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = PendingGrads(store, mover, self._write_grad)
-        #: a backward of the engine is running (for error messages)
-        self.in_backward = False
+        #: a backward of the engine is running (for error messages): ``backward_running``
+        self._in_backward = False
+
+    @property
+    def in_backward(self) -> bool:
+        """A backward of the engine is running (for error messages)."""
+        return self._in_backward
+
+    @contextlib.contextmanager
+    def backward_running(self) -> Iterator[None]:
+        """The engine's backward runs inside this block."""
+        self._in_backward = True
+        try:
+            yield
+        finally:
+            self._in_backward = False
+
+    def holding(self) -> bool:
+        """Whether any param holds a grad, or one waits beside its slot."""
+        return any(i.has_grad for i in self.store.params) or self.pending.any_waiting()
+
+    def saved_tensors(self, tracer_hooks: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
+        """Hooks on what autograd saves in a training forward: ``tracer_hooks`` (activations
+        on a simulated GPU) and, with grad reuse on one rank, the count of saved param aliases
+        that keeps a grad out of a slot whose value autograd still needs (pending_grads.py)."""
+        if not (self.config.grad_reuse and self.groups is None):
+            return tracer_hooks
+        pending = self.pending
+        if isinstance(tracer_hooks, torch.autograd.graph.saved_tensors_hooks):
+            inner_pack, inner_unpack = tracer_hooks.pack_hook, tracer_hooks.unpack_hook
+
+            def pack(t: torch.Tensor):
+                inner = inner_pack(t)  # the tracer hands model data back as itself, activations wrapped
+                return pending.pack(t, t) if inner is t else inner
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: inner_unpack(pending.unpack(h)))
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pending.pack(t, t), pending.unpack)
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the
@@ -73,7 +110,7 @@ class Grads:
         self._write_grad(info, grad)
 
     def _second_grad_message(self, info: ParamInfo) -> str:
-        if self.in_backward:
+        if self._in_backward:
             return (
                 f"a second grad for {info.describe()} in one backward, with grad_reuse=True (its slot holds one grad, "
                 f"and its value was still needed): the param is used in two segments of reentrant activation "

@@ -62,10 +62,12 @@ class ParamAccess(Protocol):
     guard: ParamGuard
     groups: ChunkGroups | None
     optimizer: ChunkedAdam | None
-    early_step: Callable[[int], bool] | None
-    in_backward: bool
     hook_handles: list
 
+    @property
+    def early_step(self) -> Callable[[int], bool] | None: ...
+    @property
+    def in_backward(self) -> bool: ...
     @property
     def params(self) -> list[ParamInfo]: ...
     def is_registered(self, param: torch.Tensor) -> bool: ...
@@ -159,7 +161,12 @@ class ModuleHooks:
         #: grads sit in the params' own slots from their backward to the step (Config.grad_reuse)
         self.grad_reuse = client.config.grad_reuse
         self.handles: list = []
-        client.guard.borrow = self.borrow
+        client.guard.borrow_with(self.borrow)
+
+    @property
+    def forward_running(self) -> bool:
+        """Whether a forward of a module of the model is under way."""
+        return bool(self._running)
 
     def install(self) -> None:
         pre_hook, post_hook = ModelHook(self, self._pre_forward), ModelHook(self, self._post_forward)

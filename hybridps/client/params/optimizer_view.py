@@ -43,11 +43,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridps.client.params.placeholder import GRAD_SCALER_MESSAGE
 from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore
     from hybridps.client.optim.adam import ChunkedAdam
 
 #: hook dicts of a torch Optimizer that the view shares with the engine's optimizer
@@ -160,3 +162,27 @@ def adopt(optimizer: torch.optim.Optimizer, engine_optimizer: ChunkedAdam) -> No
 def engine_optimizer_of(optimizer: Any) -> ChunkedAdam | None:
     """The engine optimizer behind a user's optimizer that ``adopt`` made a view, else None."""
     return optimizer.__dict__.get("_hybridps_engine_optimizer") if isinstance(optimizer, OptimizerView) else None
+
+
+def refuse_other_optimizers(store: ChunkStore, engine_optimizer: ChunkedAdam):
+    """A global step pre-hook (its handle returned): a torch optimizer other than the engine's
+    that holds params of ``store`` must not step them (torch's in-place kernels would write
+    through to the chunks, its own Adam beside the engine's): refused at its first step."""
+
+    def refuse(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if optimizer is engine_optimizer:
+            return
+        by_id = store.by_id
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                info = by_id.get(id(p))
+                if info is not None and info.param is p:
+                    raise StateError(
+                        f"{type(optimizer).__name__}.step() over {info.describe()}, a param HybridPS holds, by an optimizer "
+                        f"that was not passed to hybridps.initialize: it would run its own update on the chunks beside "
+                        f"the engine's Adam. Keep stepping the optimizer passed to initialize (or engine.optimizer): change "
+                        f"the lr in its param_groups, restart Adam with load_state_dict; build the optimizer over every "
+                        f"param to train before initialize"
+                    )
+
+    return register_optimizer_step_pre_hook(refuse)

@@ -111,6 +111,9 @@ class PendingGrads:
         grad = grad.detach()
         self._waiting[info.slot.index] = (info, grad if held is None else held[1] + grad)
 
+    def any_waiting(self) -> bool:
+        return bool(self._waiting)
+
     def waiting_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for _, g in self._waiting.values())
 

@@ -269,19 +269,33 @@ def _dispatch(func, args, kwargs):
 class ParamGuard:
     """The meaning of ops on one client's unmaterialized params.
 
-    ``borrow`` is set by the module hooks: called with a param that an op of the running
-    forward needs, it accesses the param for the running module and returns True, or returns
-    False when no forward runs.
+    ``borrow`` is given by the module hooks (``borrow_with``): called with a param that an op
+    of the running forward needs, it accesses the param for the running module and returns
+    True, or returns False when no forward runs.
     """
 
     def __init__(self, client: ParamValues):
         self.client = client
-        self.borrow: Callable[[nn.Parameter], bool] = lambda param: False
+        self._borrow: Callable[[nn.Parameter], bool] = lambda param: False
         self._shadows: dict[int, torch.Tensor] = {}
         #: while a state_dict is taken: id(param) -> the copy already read (one tensor per tied param)
-        self.read_cache: dict[int, torch.Tensor] | None = None
+        self._read_cache: dict[int, torch.Tensor] | None = None
         #: module conversions seen (model.to/cuda/cpu/float: see [Note: converting a model under HybridPS])
         self.conversions = 0
+
+    def borrow_with(self, borrow: Callable[[nn.Parameter], bool]) -> None:
+        """The module hooks built over this guard lend released params to the running
+        forward through ``borrow`` (hooks.py, [Note: borrowed params])."""
+        self._borrow = borrow
+
+    def begin_read_cache(self) -> None:
+        """A state_dict is being taken: a tied param is read once, as one tensor."""
+        self._read_cache = {}
+
+    def end_read_cache(self) -> None:
+        """No copy read before may be handed out again (the state_dict ended, values change,
+        or a forward starts after a state_dict cut short by an error)."""
+        self._read_cache = None
 
     # -- the class swap (hot path) ---------------------------------------------------------
 
@@ -358,7 +372,7 @@ class ParamGuard:
         return grad
 
     def data_of(self, param: nn.Parameter) -> torch.Tensor:
-        if self.borrow(param):
+        if self._borrow(param):
             return param.data
         raise HybridPSError(
             f"{self.describe(param)}.data outside forward: its value lives in HybridPS chunks, and an edit of a "
@@ -383,7 +397,7 @@ class ParamGuard:
                 f"{op} on {self.describe(targets[0])}: HybridPS owns this param's storage and cannot let it be "
                 f"replaced or reshaped in place; build a new model or edit values with copy_"
             )
-        if self.borrow(targets[0]):  # inside a forward: compute on the real values
+        if self._borrow(targets[0]):  # inside a forward: compute on the real values
             if writes:
                 raise HybridPSError(
                     f"in-place {op} on {self.describe(targets[0])} during forward: the edit would reach the "
@@ -391,7 +405,7 @@ class ParamGuard:
                     f"between steps, e.g. with torch.no_grad(): param.{op}(...)"
                 )
             for t in targets[1:]:
-                if not self.borrow(t):
+                if not self._borrow(t):
                     raise StateError(f"{self.describe(t)}: could not be accessed for {op}")
             return func(*args, **kwargs)
         return self._apply_outside(func, op, args, kwargs, targets, writes)
@@ -404,7 +418,7 @@ class ParamGuard:
         )
         grad_enabled = torch.is_grad_enabled()
         copies: dict[int, torch.Tensor] = {}
-        cache = self.read_cache if op == "detach" and not writes else None
+        cache = self._read_cache if op == "detach" and not writes else None
         for t in targets:
             if id(t) in copies:
                 continue
@@ -431,7 +445,7 @@ class ParamGuard:
         )
         result = func(*new_args, **new_kwargs)
         if writes:
-            self.read_cache = None  # values change: no copy read before may be handed out again
+            self._read_cache = None  # values change: no copy read before may be handed out again
             written = {id(t) for t in pytree.tree_leaves(written_arg(func, args, kwargs)) if id(t) in copies}
             if kwargs.get("out") is not None:
                 written |= {id(t) for t in pytree.tree_leaves(kwargs["out"]) if id(t) in copies}

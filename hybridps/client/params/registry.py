@@ -89,21 +89,29 @@ class ParamRegistry:
         #: told by the optimizer when zero_grad drops every grad (the pending grads' owner)
         self._on_zero_grad = on_zero_grad
         self.optimizer: ChunkedAdam | None = None
-        #: steps one chunk whose grads are final, returns whether it did (Config.overlap_step)
-        self.early_step: Callable[[int], bool] | None = None
         #: the largest param (+ grad) chunks one module computes with, and that module
         self.min_compute_bytes = 0
         self.min_compute_module = ""
-        #: an optimizer will be registered (the engine's case): registration counts Adam states too
-        self.expect_optimizer = False
+        #: an optimizer will be registered (the engine's case, ``register_module(...,
+        #: optimizer_follows=True)``): registration counts Adam states too
+        self._optimizer_follows = False
         #: why the client cannot be used after a failed registration, None while it can
         self.broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
 
     # -- params ----------------------------------------------------------------------------
 
-    def register_module(self, module: nn.Module) -> None:
-        """Move every param of ``module`` (shared params once) into chunks, in module order."""
+    @property
+    def early_step(self) -> Callable[[int], bool] | None:
+        """Steps one chunk whose grads are final, returns whether it did (Config.overlap_step)."""
+        chunked = self.optimizer
+        return chunked.step_chunk_early if chunked is not None and chunked.overlap_step else None
+
+    def register_module(self, module: nn.Module, *, optimizer_follows: bool = False) -> None:
+        """Move every param of ``module`` (shared params once) into chunks, in module order.
+        ``optimizer_follows``: an Adam will be registered next, so the check that the model
+        data fits counts its states too (and does from then on)."""
+        self._optimizer_follows = self._optimizer_follows or optimizer_follows
         if not isinstance(module, nn.Module):
             raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
@@ -203,11 +211,11 @@ class ParamRegistry:
 
     def _size_pool(self) -> None:
         if self.config.pool_bytes is not None:
-            self.mover.pool.cap_bytes = self.config.pool_bytes
+            self.mover.pool.resize(self.config.pool_bytes)
         else:  # enough for a few moves in flight of the largest (fp32) chunks
             layout = self.store.layout
             largest = max((layout.capacity(i) for i in range(layout.num_chunks)), default=0)
-            self.mover.pool.cap_bytes = 4 * 4 * largest
+            self.mover.pool.resize(4 * 4 * largest)
 
     def _pick_chunk_size(self, numels: list[int]) -> int:
         size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
@@ -251,7 +259,7 @@ class ParamRegistry:
 
     def _check_model_data_fits(self, plan: ChunkLayout) -> None:
         store = self.store
-        kinds = store.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self.expect_optimizer else [])
+        kinds = store.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self._optimizer_follows else [])
         per_kind = {k: plan.total_elements * store.kind_dtype(k).itemsize // self.shard_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
@@ -313,9 +321,11 @@ class ParamRegistry:
 
     # -- the optimizer ---------------------------------------------------------------------
 
-    def register_optim(self, optimizer: torch.optim.Optimizer) -> ChunkedAdam:
+    def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
-        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters)."""
+        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
+        ``wiring``: what the caller gives the optimizer (``ChunkedAdam``'s keyword arguments
+        ``scaler``, ``step_driver``, ``step_listeners``, ``zero_grad_listeners``)."""
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
         chunked = ChunkedAdam(
@@ -326,6 +336,7 @@ class ParamRegistry:
             set_has_grad=set_has_grad,
             groups=self.groups,
             on_zero_grad=self._on_zero_grad,
+            **wiring,
         )
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
@@ -338,10 +349,9 @@ class ParamRegistry:
         self._book_optimizer_states()
         self.optimizer = chunked
         # the one place the early step (Config.overlap_step) is wired: chunk groups call it
-        # when a group's grads are reduced, the engine's grad hooks on one rank
-        self.early_step = chunked.step_chunk_early if chunked.overlap_step else None
-        if self.groups is not None:
-            self.groups.early_step = self.early_step
+        # when a group's grads are reduced, the engine's grad hooks on one rank (``early_step``)
+        if self.groups is not None and chunked.overlap_step:
+            self.groups.step_early_with(chunked.step_chunk_early)
         chunked.attach_state()
         return chunked
 

@@ -6,7 +6,9 @@ param's ``.data`` pointed at its slot and back at its placeholder), the rules of
 read and written outside an access (the master copy where one exists, the compute-precision
 copy beside it; a slot that holds its grad under grad reuse is neither read nor overwritten),
 every value of the model at once (checkpoints, ``close``), gathered from other ranks one chunk
-group at a time, and giving the params their values back as ordinary tensors.
+group at a time, and giving the params their values back as ordinary tensors. The user's
+verbs over the model's values build on these: a state dict loaded into the chunks, and params
+materialized for a block of code (``gathered``, the engine's ``gathered_parameters``).
 
 Does not own where chunks go (the mover, the chunk groups' gathers), grads (grads.py) or what
 ops on a released param mean (placeholder.py).
@@ -19,7 +21,8 @@ last ``release``. The state given to the last release is the one the param ends 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,7 +129,7 @@ class Values:
     @torch.no_grad()
     def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Set ``param``'s value (master copy and compute-precision copy)."""
-        self.guard.read_cache = None  # no copy read before this write may be handed out again
+        self.guard.end_read_cache()  # no copy read before this write may be handed out again
         info = self.store.param_info(param)
         master_kind = self.store.master_kind
         if not self.store.ownership.owns(info.chunk):
@@ -192,3 +195,89 @@ class Values:
             ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
             self.guard.forget(info)
             info.refs = 0
+
+    # -- the user's verbs over the model's values ------------------------------------------
+
+    def load_state_dict(self, own: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], strict: bool) -> None:
+        """Load ``state_dict`` into the model whose ``state_dict(keep_vars=True)`` is ``own``:
+        registered params into the chunks this rank keeps, the rest (buffers) in place. Every
+        key and shape is checked before anything is written."""
+        store = self.store
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise ConfigError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for key, value in state_dict.items():
+            if key in own:
+                expected = store.param_info(own[key]).shape if store.is_registered(own[key]) else own[key].shape
+                if tuple(value.shape) != tuple(expected):
+                    raise ConfigError(f"{key}: shape {tuple(value.shape)} in the state dict, {tuple(expected)} in the model")
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key not in own:
+                    continue
+                if store.is_registered(own[key]):
+                    if store.ownership.owns(store.param_info(own[key]).chunk):
+                        self.write_param(own[key], value)
+                else:
+                    own[key].copy_(value)
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter], *, modify: bool) -> Iterator[None]:
+        """``params`` as ordinary tensors holding their full-precision values on the compute
+        device while the block runs; at its end written back (``modify``) or checked unchanged.
+        Nothing is written back if the block raises (the engine's ``gathered_parameters``)."""
+        infos = self._infos_of(params)
+        device = self.compute.torch_device
+        if self.groups is not None:
+            wanted = {id(i.param) for i in infos}
+            values = {
+                id(i.param): v.to(device=device, dtype=i.orig_dtype) for i, v in self.full_values() if id(i.param) in wanted
+            }
+        else:
+            values = {id(i.param): self.read_value(i.param).to(device) for i in infos}
+        for info in infos:
+            ParamGuard.materialize(info, values[id(info.param)])
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            held = {id(i.param): i.param.data for i in infos}
+            placeholder = self._placeholder(self.config.param_dtype)
+            for info in infos:
+                ParamGuard.unmaterialize(info, placeholder)
+            if ok:
+                self._write_gathered(infos, held, modify)
+
+    def _write_gathered(self, infos: list[ParamInfo], held: dict, modify: bool) -> None:
+        groups = self.groups
+        changed = []
+        with torch.no_grad():
+            for info in infos:
+                value = held[id(info.param)]
+                if tuple(value.shape) != tuple(info.shape):
+                    raise ConfigError(f"{info.describe()}: its .data was given shape {tuple(value.shape)} in gathered_parameters")
+                if groups is not None and modify:  # rank 0's edits are the ones kept
+                    value = value.to("cpu", torch.float32, copy=True)
+                    groups.everyone.broadcast(value, 0, what=f"gathered_parameters write-back of {info.name}")
+                if not self.store.ownership.owns(info.chunk):
+                    continue
+                if modify:
+                    self.write_value(info.param, value)
+                elif not torch.equal(value.cpu().to(info.orig_dtype), self.read_value(info.param)):
+                    changed.append(info.describe())
+        if changed:
+            raise StateError(
+                f"{len(changed)} params were changed inside gathered_parameters(modify=False) ({', '.join(changed[:3])}"
+                f"{', ...' if len(changed) > 3 else ''}); the change is not kept. Use gathered_parameters(..., modify=True)"
+            )
+
+    def _infos_of(self, params: Iterable[nn.Parameter]) -> list[ParamInfo]:
+        infos, seen = [], set()
+        for p in params:
+            info = self.store.param_info(p)
+            if id(p) not in seen:
+                seen.add(id(p))
+                infos.append(info)
+        return infos

@@ -1,0 +1,135 @@
+"""The composition root of a training engine: one call builds everything the engine drives.
+
+``build`` puts a model and its Adam/AdamW optimizer under a ``Client`` and builds, once and in
+order, what works on them, each with its collaborators and listeners given in its constructor:
+
+1. the client (inventory, connection, trace, placement, mover, store, ownership, groups), its
+   params registered (the fit check counting the Adam states to come) and the optimizer, with
+   its loss scaler (fp16), the engine's step as its driver and its listeners, the params built
+   on the meta device given their values (deferred_init.py);
+2. the memory tracer over the mover's trace, and the placement told to read it (eviction
+   "opt"/"auto");
+3. the module hooks, the model's own forward hooks (the engine's), the prefetcher and the
+   event recorder, the state_dict hooks that read a tied param once, the user's optimizer
+   turned into a view of the engine's, and the refusal of other optimizers over these params.
+
+Owns that order and nothing after it: the engine keeps the handles (``Parts``); every part
+owns its own work. A registration that fails closes the client before the error goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybridps import deferred_init
+from hybridps.client.client import Client
+from hybridps.client.memory.events import EventRecorder
+from hybridps.client.memory.tracer import MemoryTracer
+from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.optim.loss_scaler import LossScaler
+from hybridps.client.params import optimizer_view
+from hybridps.client.params.hooks import ModelHook, ModuleHooks
+from hybridps.client.prefetch import Prefetcher
+from hybridps.common.config import Config
+
+
+@dataclasses.dataclass
+class Parts:
+    """What ``build`` made, for the engine to keep."""
+
+    client: Client
+    optimizer: ChunkedAdam
+    tracer: MemoryTracer
+    hooks: ModuleHooks
+    prefetcher: Prefetcher | None
+    events: EventRecorder
+    #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
+    unset_params: set[int]
+
+
+def loss_scaler(config: Config) -> LossScaler | None:
+    """The fp16 loss scaler the config asks for (None unless ``precision="fp16"``)."""
+    if config.precision != "fp16":
+        return None
+    return LossScaler(
+        scale=config.static_loss_scale or config.initial_loss_scale,
+        growth_factor=config.loss_scale_growth_factor,
+        backoff_factor=config.loss_scale_backoff_factor,
+        growth_interval=config.loss_scale_growth_interval,
+        min_scale=config.min_loss_scale,
+        dynamic=config.static_loss_scale is None,
+    )
+
+
+def build(
+    config: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    client: Client | None = None,
+    step_driver: Callable,
+    on_zero_grad: Callable[[], None],
+    on_bare_backward: Callable[[], None],
+    call_begins: Callable,
+    call_ends: Callable,
+) -> Parts:
+    """Put ``model`` and ``optimizer`` under ``client`` (a new one by default) and build the
+    engine's parts. ``step_driver``: the engine's step, which ``optimizer.step()`` runs;
+    ``on_zero_grad``: told after every zero_grad; ``on_bare_backward``: the end of a backward
+    that a bare ``loss.backward()`` ran; ``call_begins``/``call_ends``: the forward pre-hook
+    and forward hook of the model itself (the engine's, see [Note: the model's own call])."""
+    optimizer_view.refuse_adopted(optimizer)
+    client = client or Client(config)
+    record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
+    events = EventRecorder(client.mover, client.inventory, rank=client.rank)
+    try:
+        device = client.compute.torch_device
+        for buf in model.buffers():
+            if not buf.is_meta and buf.device != device:
+                buf.data = buf.data.to(device)
+        client.register_module(model, optimizer_follows=True)  # the fit check counts the Adam states
+        chunked = client.register_optim(
+            optimizer,
+            scaler=loss_scaler(config),
+            step_driver=step_driver,
+            step_listeners=[events.on_step],
+            zero_grad_listeners=[on_zero_grad],
+        )
+        unset_params = deferred_init.give_values(record, client, model)
+    except BaseException:
+        client.close()
+        raise
+    tracer = MemoryTracer(client.store, client.mover, enabled=config.trace)
+    if config.eviction in ("opt", "auto"):
+        client.placement.use_trace(tracer.next_use, tracer.replaying)
+    hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
+    hooks.install()
+    client.hook_handles.extend(
+        [
+            model.register_forward_pre_hook(ModelHook(hooks, call_begins), prepend=True, with_kwargs=True),
+            model.register_forward_hook(ModelHook(hooks, call_ends), always_call=True),
+        ]
+    )
+    prefetcher = (
+        Prefetcher(client.store, client.mover, tracer, groups=client.groups, window=config.prefetch_window)
+        if config.prefetch_window
+        else None
+    )
+    events.enabled = config.record
+    tracer.on_tick(events.on_moment)  # after the prefetcher's: a moment's history shows its moves
+    guard = client.guard
+    client.hook_handles.extend(
+        [
+            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: guard.begin_read_cache()),
+            model.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: guard.end_read_cache()),
+        ]
+    )
+    # the script's own optimizer object steps, saves and loads the engine's (params/optimizer_view.py)
+    optimizer_view.adopt(optimizer, chunked)
+    # an optimizer built later over these params would step them beside the engine: refused at its first step
+    client.hook_handles.append(optimizer_view.refuse_other_optimizers(client.store, chunked))
+    return Parts(client, chunked, tracer, hooks, prefetcher, events, unset_params)
