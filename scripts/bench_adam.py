@@ -46,7 +46,7 @@ def torch_master_copy_step(
         p16.data.copy_(m.data)
 
 
-def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True, block_elements: int | None = None) -> dict:
+def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True) -> dict:
     torch.manual_seed(0)
     plain = make_model(n_params)
     model = make_model(n_params)
@@ -71,8 +71,6 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True, b
     opt = client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     if precision == "fp16":
         opt.scaler = hybridps.client.optim.loss_scaler.LossScaler(scale=1024.0)
-    if block_elements is not None:
-        opt.block_elements = block_elements
 
     grads = {info.slot.index: torch.randn(info.shape, dtype=client.param_dtype) * 1e-3 for info in client.params}
 
@@ -107,7 +105,6 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True, b
     out = {
         "precision": precision,
         "grad_reuse": grad_reuse,
-        "block_elements": opt.block_elements,
         "params": count,
         "chunks": n_chunks,
         "torch_fused_adamw_params_per_s": round(count / p),
@@ -125,11 +122,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="16M", help="number of parameters (K/M/G suffixes)")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument(
-        "--block-sizes",
-        default=None,
-        help="comma-separated block sizes (elements; 0: one pass) of the fp16 path's CPU step to compare instead",
-    )
     args = ap.parse_args()
     n = (
         parse_bytes(args.params.replace("M", "MiB").replace("G", "GiB").replace("K", "KiB"))
@@ -143,9 +135,7 @@ def main() -> None:
             bench("fp32", n, args.rounds),
             bench("fp32", n, args.rounds, grad_reuse=False),
             bench("fp16", n, args.rounds),
-        ]
-        if args.block_sizes is None
-        else [bench("fp16", n, args.rounds, block_elements=int(b)) for b in args.block_sizes.split(",")],
+        ],
     }
     print(json.dumps(out, indent=2))
 

@@ -98,8 +98,6 @@ def run_modes(args, *, clip: float | None, case: str = "") -> dict:
         )
         engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), config)
         engine.optimizer.cpu_steps_beside_backward = mode["worker"]
-        if args.step_block_elements is not None:
-            engine.optimizer.block_elements = args.step_block_elements
         return engine
 
     def one_step(name: str, engine: hybridps.Engine, step: int, *, record: bool = True) -> None:
@@ -237,9 +235,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="a simulated GPU unless one is visible")
     ap.add_argument("--clips", default=",".join(CLIPS), help="which clipping cases to run")
     ap.add_argument("--components", action="store_true", help="also time compute, link and CPU Adam alone")
-    ap.add_argument(
-        "--step-block-elements", type=int, default=None, help="block size of CPU steps (0: one pass; default: the optimizer's)"
-    )
     ap.add_argument("--profile-dir", default=None, help="on a real GPU: profile one more step of each mode into this folder")
     ap.add_argument("--modes", default=",".join(MODES), help="which modes to run (off is always run: the reference)")
     args = ap.parse_args()
@@ -260,13 +255,7 @@ def main() -> None:
             "torch": torch.__version__,
         },
         "model": {"params": cfg.n_params, "d_model": args.d_model, "layers": args.layers, "seq": args.seq, "batch": args.batch},
-        "config": {
-            "device": args.device,
-            "capacity": args.capacity,
-            "precision": args.precision,
-            "placement": "cpu_optimizer",
-            "step_block_elements": args.step_block_elements,
-        },
+        "config": {"device": args.device, "capacity": args.capacity, "precision": args.precision, "placement": "cpu_optimizer"},
         "cases": cases,
     }
     if parts:
