@@ -50,7 +50,7 @@ from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
-from hybridps.client.optim.step_plan import Block, StepPlan, StepPlans
+from hybridps.client.optim.step_plan import StepPlan, StepPlans
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.errors import StateError
 
@@ -76,9 +76,6 @@ STEP_WORKER_WINDOW = 4096
 # the GPU idles. Measured on an H200 (1.31 B params, bf16, 8 x 1024 tokens, half the model
 # data off the GPU): with a window of 2 the calling thread waited 0.41 s a step for the
 # worker and the step was no faster than without early steps (0.81 s against 0.79 s).
-#: elements a chunk's CPU step takes at a time with low-precision grads (step_plan.py, [Note:
-#: blocks]); 0 steps the chunk in one pass
-STEP_BLOCK_ELEMENTS = 1 << 20
 #: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
 STEP_TENSORS_KEPT = 64
 
@@ -189,8 +186,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._worker_grads: torch.Tensor | None = None
         #: each chunk's runs, worked out once (step_plan.py)
         self.plans = StepPlans(self.param_group_of)
-        #: the block size of CPU steps with low-precision grads (benchmarks compare sizes)
-        self.block_elements = STEP_BLOCK_ELEMENTS
         #: the fused kernel's step tensors by (device, count), its found_inf zeros by device,
         #: and what is made once per step (divisors, the clip coefficient per device)
         self._step_tensors: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -457,11 +452,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
             backup.plan = plan
         device = master.device
-        if buffer is not None and device.type == "cpu" and self.block_elements > 0:
-            blocks = plan.blocks(self.block_elements)
-            if len(blocks) > 1:
-                divisor = self._divisor(inv_scale, clip_coef, device)
-                return self._blocked_compute(index, plan, blocks, base_step, backup, buffer, divisor)
         calls = self._adam_calls(plan, base_step, master)
         # what the kernels divide the grads by (unscale and clip, folded), or the clip factor
         # of fp32 grads stepped in place
@@ -488,50 +478,6 @@ class ChunkedAdam(torch.optim.Optimizer):
                 self._adam(call, rows, divisor)
             if param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
-
-        return compute
-
-    def _blocked_compute(
-        self,
-        index: int,
-        plan: StepPlan,
-        blocks: tuple[Block, ...],
-        base_step: int,
-        backup: Backup | None,
-        buffer: torch.Tensor,
-        divisor: torch.Tensor | None,
-    ) -> Callable[[], None]:
-        """``_step_compute`` for low-precision grads on the CPU, block by block: the fp32
-        copy, Adam and the write-back of one block before the next (step_plan.py, [Note:
-        blocks]). The blocks' spans tile the chunk's used elements, so the copies cover what
-        one pass over the chunk would."""
-        store = self.store
-        used = store.layout.used(index)
-        master = store.rows[store.master_kind][index].payload
-        grad_payload = store.rows[store.grad_kind][index].payload
-        m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
-        param = store.rows[ChunkKind.PARAM][index].payload if store.master_kind is not ChunkKind.PARAM else None
-        assert master is not None and grad_payload is not None and m is not None and v is not None
-        starts = [0] + [block.start for block in blocks[1:]]
-        ends = starts[1:] + [used]
-        steps = [
-            (s, e, block.plan.bounds, self._adam_calls(block.plan, base_step, master))
-            for s, e, block in zip(starts, ends, blocks, strict=True)
-        ]
-        low = store.param_dtype != torch.float32
-        norm_type = self.speculation.norm_type
-        overflow_check = self.scaler is not None
-
-        def compute() -> None:
-            if backup is not None:
-                backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
-            for start, end, bounds, calls in steps:
-                buffer[start:end].copy_(grad_payload[start:end])  # to fp32
-                rows = (master.tensor_split(bounds), buffer.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
-                for call in calls:
-                    self._adam(call, rows, divisor)
-                if param is not None:
-                    param[start:end].copy_(master[start:end])  # the write-back, booked by the caller
 
         return compute
 

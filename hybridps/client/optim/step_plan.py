@@ -14,7 +14,7 @@ of one iteration serves the next), and kept: ``bounds`` cut a row into every run
 say which runs each kernel call takes, and ``param_bounds`` cut the grads into per-param
 views (the norms that speculation computes ahead).
 
-Owns: the plans, one per chunk index, their blocks ([Note: blocks]), where a run must end (see [Note: the kernels' tails]), and when the kept one serves. Does not own the step
+Owns: the plans, one per chunk index, where a run must end (see [Note: the kernels' tails]), and when the kept one serves. Does not own the step
 counts, the param groups or the arithmetic (adam.py), nor where params sit (layout.py:
 a plan reads their slots).
 
@@ -32,15 +32,7 @@ write-back copy, none of it looping over params (fp32, the fused kernel, two par
 calling thread before the chunk is handed over, and ``scripts/bench_gil.py`` measures what
 is left (docs/BENCHMARKS.md, "The GIL beside backward").
 
-[Note: blocks]
-A chunk of low-precision grads steps in three passes over memory: the grads to fp32, Adam,
-the master back to low precision into the params. Each pass alone streams the whole chunk
-(tens of MB) through the caches, so the fp32 grads are written to memory and read back, and
-the master is read twice. Cut into blocks of ``STEP_BLOCK_ELEMENTS`` (a few MB of each row),
-the three passes run block by block and the second and third read what the pass before
-just wrote, from the cache. Adam is elementwise and the cuts keep every tail where it was
-([Note: the kernels' tails]), so the bits are those of one pass over the chunk.
-
+[Note: the kernels' tails]
 Elementwise CPU kernels (the fused Adam, and the ops of the for-loop and foreach ones) run a
 tensor in vectors and finish its last ``numel % width`` elements one by one, and the two
 paths round differently (the variance differs by an ulp). Stepped alone, as torch steps it,
@@ -116,16 +108,6 @@ class StepPlan:
     param_bounds: tuple[int, ...]
     #: pieces of every param, in order
     param_pieces: tuple[int, ...]
-    #: the plan cut into blocks, by block size (``blocks``)
-    _blocks: dict[int, tuple[Block, ...]] = dataclasses.field(default_factory=dict, repr=False)
-
-    def blocks(self, block_elements: int) -> tuple[Block, ...]:
-        """This plan cut into blocks of about ``block_elements`` ([Note: blocks]), worked out
-        once per size."""
-        blocks = self._blocks.get(block_elements)
-        if blocks is None:
-            blocks = self._blocks[block_elements] = blocks_of(self, block_elements)
-        return blocks
 
     def cut(self, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every run's view of ``row`` (and the gaps between them), in one native call."""
@@ -135,16 +117,6 @@ class StepPlan:
         """The stepped params' views of ``grads`` (a row, or a backup of its first elements),
         in slot order."""
         return list(map(grads.tensor_split(self.param_bounds).__getitem__, self.param_pieces))
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """Elements ``[start, end)`` of a chunk and the plan of the runs' pieces in them
-    ([Note: blocks]); its plan has no param views (``param_bounds`` empty)."""
-
-    start: int
-    end: int
-    plan: StepPlan
 
 
 def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequence[int | None]) -> StepPlan:
@@ -173,10 +145,6 @@ def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequen
             runs.append(Run(group, offset, info.slot.offset, info.slot.end))
         prev_slot = info.slot.index
         prev_has_tail = info.slot.numel % TAIL_WIDTH_ELEMENTS != 0
-    return _plan_of_runs(slots, offsets, runs, infos)
-
-
-def _plan_of_runs(slots, offsets, runs: Sequence[Run], infos: Sequence[ParamInfo]) -> StepPlan:
     by_group: dict[int, list[int]] = {}
     by_step: dict[tuple[int, int], list[int]] = {}
     for k, run in enumerate(runs):
@@ -192,31 +160,6 @@ def _plan_of_runs(slots, offsets, runs: Sequence[Run], infos: Sequence[ParamInfo
         run_pieces=_pieces(range(len(runs))),
         param_bounds=tuple(b for info in infos for b in (info.slot.offset, info.slot.end)),
         param_pieces=_pieces(range(len(infos))),
-    )
-
-
-def blocks_of(plan: StepPlan, block_elements: int) -> tuple[Block, ...]:
-    """``plan`` cut into blocks of about ``block_elements`` elements ([Note: blocks]): each
-    run is cut where a block ends, at a multiple of the kernels' width from the run's start
-    so that no cut makes a tail; a block's plan holds the pieces of runs that start in it."""
-    if block_elements <= 0 or not plan.runs:
-        return (Block(plan.runs[0].start if plan.runs else 0, plan.runs[-1].end if plan.runs else 0, plan),)
-    pieces: list[Run] = []
-    for run in plan.runs:
-        start = run.start
-        while True:
-            boundary = (start // block_elements + 1) * block_elements
-            cut = run.start + -(-(boundary - run.start) // TAIL_WIDTH_ELEMENTS) * TAIL_WIDTH_ELEMENTS
-            if cut >= run.end:
-                pieces.append(dataclasses.replace(run, start=start))
-                break
-            pieces.append(dataclasses.replace(run, start=start, end=cut))
-            start = cut
-    by_block: dict[int, list[Run]] = {}
-    for piece in pieces:
-        by_block.setdefault(piece.start // block_elements, []).append(piece)
-    return tuple(
-        Block(runs[0].start, runs[-1].end, _plan_of_runs(plan.slots, plan.step_offsets, runs, ())) for runs in by_block.values()
     )
 
 
