@@ -232,8 +232,19 @@ class ChunkMover:
         assert device is not None
         self._allocate(chunk, device, zero=zero, plan=plan)
 
-    def bring(self, chunk: Chunk, device: str, *, who: object = "", protect: Collection[Chunk] = (), zero: bool = True) -> None:
-        """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed.
+    def bring(
+        self,
+        chunk: Chunk,
+        device: str,
+        *,
+        who: object = "",
+        protect: Collection[Chunk] = (),
+        zero: bool = True,
+        asynchronous: bool = False,
+    ) -> None:
+        """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed;
+        ``asynchronous``: a copy of its payload may still run when this returns (its user
+        waits for ``chunk.ready_event``).
 
         The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
         protects it, so it is never chosen as its own victim.
@@ -255,18 +266,20 @@ class ChunkMover:
             self._book_chunk(chunk.nbytes, dst=device, plan=plan)
             self._allocate(chunk, device, zero=zero, protect=protect, plan=plan)
         else:
-            self._move(chunk, device, protect=protect)
+            self._move(chunk, device, protect=protect, asynchronous=asynchronous)
 
     # -- whole-chunk access (the optimizer, checkpoints) -----------------------------------
 
-    def take(self, chunk: Chunk, device: str, *, who: str = "") -> list[TensorState]:
+    def take(self, chunk: Chunk, device: str, *, who: str = "", asynchronous: bool = False) -> list[TensorState]:
         """Bring ``chunk`` to ``device`` with every slot in COMPUTE (the optimizer works on
-        whole chunks). Returns the slot states it had, for ``give_back``."""
+        whole chunks). Returns the slot states it had, for ``give_back``. ``asynchronous``:
+        the copy may still run on return; whoever reads the payload first waits for
+        ``chunk.ready_event`` (a step on the step worker, adam.py)."""
         previous = list(chunk.states)
         what = f"{chunk.kind.value} chunk {chunk.index}"
         chunk.set_all_states(TensorState.COMPUTE, what)
         try:
-            self.bring(chunk, device, who=who or what)
+            self.bring(chunk, device, who=who or what, asynchronous=asynchronous)
         except BaseException:
             _restore_states(chunk, previous)
             raise
