@@ -182,7 +182,7 @@ class HybridPSTrainer(transformers.Trainer):
 
     # [Note: Trainer checkpoints of several ranks]
     # Trainer saves optimizer.state_dict() from rank 0 alone; with several ranks that is rank 0's
-    # share of the Adam states (optim/adam.py, [Note: a rank's share of the state]). So with
+    # share of the Adam states (optim/adam_state.py, [Note: a rank's share of the state]). So with
     # several ranks the optimizer goes, on every rank, into the engine's own checkpoint in the
     # Trainer checkpoint's folder (ENGINE_CHECKPOINT: every rank's share, the loss scaler, keyed by
     # param name) and the LR scheduler beside it as Trainer writes it; resuming loads that folder

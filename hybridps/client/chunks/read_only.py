@@ -3,7 +3,7 @@
 Owns: ``ReadOnlyCopy`` (a tensor subclass every read works on and every in-place op refuses,
 since an edit of a copy would be lost) and the rules that tell an op that writes into its
 argument (``written_arg``, ``mutates``) from one that reads. Does not own: the placeholder
-params (``params/placeholder.py``) and the optimizer's state views (``optim/adam.py``), which
+params (``params/placeholder.py``) and the optimizer's state views (``optim/adam_state.py``), which
 subclass it.
 """
 

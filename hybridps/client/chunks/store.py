@@ -38,11 +38,11 @@ class ParamInfo:
     slot: Slot
     shape: torch.Size
     orig_dtype: torch.dtype
-    refs: int = 0  # nested accesses (see client.py, [Note: access counting])
+    refs: int = 0  # nested accesses (see params/values.py, [Note: access counting])
     has_grad: bool = False  # a grad for this iteration sits in its grad slot
     kind: ChunkKind = ChunkKind.PARAM  # BUFFER for results of allreduce/broadcast
     cls: type = nn.Parameter  # the param's own class, restored while it is materialized
-    saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (pending_grads.py)
+    saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (params/pending_grads.py)
     meta_key: int | None = None  # storage of the meta tensor it was built as (deferred_init.py), else None
 
     @property

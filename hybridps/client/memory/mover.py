@@ -72,8 +72,8 @@ import torch
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
 from hybridps.client.chunks.states import ChunkState, TensorState
-from hybridps.client.memory import reports
 from hybridps.client.memory.arena import HostArena
+from hybridps.client.memory.figures import ChunkFigures
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool
 from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
@@ -194,6 +194,16 @@ class ChunkMover:
         self.access_listeners: list[Callable[[Chunk, str], None]] = []
         #: storage addresses of every payload, to tell model data from other tensors.
         self.payload_ptrs: set[int] = set()
+        #: the figures of the tables above, for the no-room and out-of-memory errors and reports
+        self.figures = ChunkFigures(
+            inventory,
+            resident=self.resident,
+            used_bytes=self.used_bytes,
+            peak_bytes=self.peak_bytes,
+            reserve_bytes=self.reserve_bytes,
+            booked_host_bytes=lambda: self._pool_booked_bytes,
+            margin_bytes=margin_bytes,
+        )
 
     # -- listeners ---------------------------------------------------------------------------
 
@@ -561,7 +571,9 @@ class ChunkMover:
         need = self.used_bytes[device] + size - budget
         victims = self._evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
-            raise CapacityError(self._no_room_message(device, size, budget, who, protect))
+            raise CapacityError(
+                self.figures.no_room_message(device, size_bytes=size, budget_bytes=budget, who=who, protect=protect)
+            )
         self._shrink(device, budget - size, victims)
 
     def fit_budget(self, device: str) -> None:
@@ -589,7 +601,9 @@ class ChunkMover:
         victims = self._evictable(device, need_bytes=self.used_bytes[device] - limit_bytes)
         staying_bytes = self.used_bytes[device] - sum(c.nbytes for c in victims)
         if staying_bytes + non_model_bytes > capacity_bytes:
-            raise CapacityError(self._out_of_memory_message(device, staying_bytes, non_model_bytes, who))
+            raise CapacityError(
+                self.figures.out_of_memory_message(device, staying_bytes=staying_bytes, non_model_bytes=non_model_bytes, who=who)
+            )
         self._shrink(device, limit_bytes, victims)
 
     def _evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
@@ -703,7 +717,7 @@ class ChunkMover:
             except torch.OutOfMemoryError:
                 raise CapacityError(
                     f"CUDA out of memory on {device} for {what} even after evicting every chunk not in use. "
-                    f"{first}\n{self.memory_report()}"
+                    f"{first}\n{self.figures.memory_report()}"
                 ) from None
 
     def sync(self) -> None:
@@ -844,54 +858,6 @@ class ChunkMover:
             del self.resident[device][chunk.chunk_id]
             self.payload_ptrs.discard(ptr)
 
-    # -- reporting -------------------------------------------------------------------------
-
-    def _no_room_message(self, device: str, size: int, budget: int, who: object, protect: Collection[Chunk] = ()) -> str:
-        resident = list(self.resident[device].values())
-        pinned = [c for c in resident if c.state is ChunkState.COMPUTE]
-        held = [c for c in resident if c.in_flight and c not in pinned]
-        needed = [c for c in resident if c in protect and c not in pinned and c not in held]
-        return reports.no_room_message(
-            device,
-            size_bytes=size,
-            budget_bytes=budget,
-            who=who,
-            used_bytes=self.used_bytes[device],
-            parts=[(pinned, "in COMPUTE"), (held, "under a collective"), (needed, "needed by the same operation")],
-            capacity_bytes=self.inventory[device].capacity_bytes,
-            non_model_bytes=self.reserve_bytes(device),
-            margin_bytes=self.margin_bytes,
-            report=self.memory_report(),
-        )
-
-    def _out_of_memory_message(self, device: str, staying_bytes: int, non_model_bytes: int, who: str) -> str:
-        resident = list(self.resident[device].values())
-        return reports.out_of_memory_message(
-            device,
-            who=who,
-            staying_bytes=staying_bytes,
-            non_model_bytes=non_model_bytes,
-            computing=sum(1 for c in resident if c.state is ChunkState.COMPUTE),
-            held=sum(1 for c in resident if c.in_flight and c.state is not ChunkState.COMPUTE),
-            capacity_bytes=self._specs[device].capacity_bytes,
-            report=self.memory_report(),
-        )
-
-    def memory_report(self) -> str:
-        return reports.memory_report(
-            [
-                reports.DeviceLine(
-                    name=d.name,
-                    capacity_bytes=d.capacity_bytes,
-                    chunks=len(self.resident[d.name]),
-                    computing=sum(1 for c in self.resident[d.name].values() if c.state is ChunkState.COMPUTE),
-                    used_bytes=self.used_bytes[d.name],
-                    non_model_bytes=self.reserve_bytes(d.name),
-                )
-                for d in self.inventory
-            ]
-        )
-
     def stats(self) -> dict:
         """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
         pool, the simulated link and the host arena."""
@@ -910,20 +876,9 @@ class ChunkMover:
         }
 
     def device_stats(self) -> dict[str, dict]:
-        """Per device: chunk bytes (``used_bytes``, ``peak_bytes``) and what the node manager
-        books for this client there (``booked_bytes``: chunks, plus on the CPU idle pooled
-        buffers and old payloads a copy in flight still reads)."""
-        return {
-            d.name: {
-                "capacity_bytes": d.capacity_bytes,
-                "used_bytes": self.used_bytes[d.name],
-                "peak_bytes": self.peak_bytes[d.name],
-                "booked_bytes": self.used_bytes[d.name] + (self._pool_booked_bytes if d.name == "cpu" else 0),
-                "chunks": len(self.resident[d.name]),
-                "simulated": d.simulated,
-            }
-            for d in self.inventory
-        }
+        """Per device: chunk bytes and what the node manager books for this client there
+        (memory/figures.py)."""
+        return self.figures.device_stats()
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload, the pool and the arena (client shutdown)."""
