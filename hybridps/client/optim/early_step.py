@@ -15,14 +15,29 @@ With ``Config.overlap_step`` a chunk steps during backward once every grad of it
 (``ChunkedAdam.step_chunk_early``; the backward hooks call it on one rank, the chunk groups
 after a group's grads were reduced on several). Where that step runs on the CPU while a real
 GPU computes, the calling thread only takes the chunks and chooses the runs; the Adam and the
-write-back run on the step worker (step_worker.py), at most two chunks in flight, and the
-chunks stay taken until this thread sees the compute done. Every entry point that reads
+write-back run on the step worker (step_worker.py), as many chunks in flight as backward
+hands over (adam.py, [Note: the step worker's window]), their copies to the CPU still
+running when they are handed over, and the chunks stay taken until this thread sees the
+compute done. Every entry point that reads
 optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,
 ``load_state_dict``) first waits for the worker, and an access of a chunk in flight (the
 mover's access listeners) waits for its compute. Clipping and fp16 are kept exact by
 speculation and validation (speculation.py, [Note: speculation then validation]): an early
 step assumes a clip coefficient of 1 and no overflow and keeps a backup; ``step_chunks``
 restores and steps again the chunks whose speculation failed.
+
+[Note: what overlap_step="auto" covers]
+``"auto"`` steps chunks early only where that is exact without a backup: a loop that does
+not clip and does not scale its loss (fp32 or bf16). A loop that clips (most LLM loops) or
+runs fp16 would have to speculate, and ``"auto"`` does not (``Speculation(enabled=False)``):
+its first backward that would need it leaves every chunk to the step after backward, as
+``overlap_step=False`` does. ``overlap_step=True`` speculates there too; its backups cost 16
+bytes a param a step, which on the hosts measured (docs/BENCHMARKS.md) cost more than the
+Adam they hid. Where the CPU optimizer is the longest part of a step (a small batch, most
+rows on the CPU), early steps move its work beside backward but do not shorten it: on an
+H200 host, 1.31 B params at 8 x 1024 tokens, the step worker's Adam and fp32 copies (about
+0.5 s) outlasted backward, and steps with early steps took 0.83-0.88 s against 0.75-0.90 s
+without, across three runs.
 """
 
 from __future__ import annotations
@@ -47,7 +62,8 @@ if TYPE_CHECKING:
 
 def overlap_step_on(config: Config, compute: DeviceSpec) -> bool:
     """``Config.overlap_step`` resolved for this client: ``"auto"`` is on where grads reuse
-    their param slots and a real CUDA GPU computes (not a simulated or meta one)."""
+    their param slots and a real CUDA GPU computes (not a simulated or meta one); see
+    [Note: what overlap_step="auto" covers]."""
     if config.overlap_step == "auto":
         return config.grad_reuse and compute.is_gpu and not compute.simulated and not compute.meta
     return bool(config.overlap_step)
