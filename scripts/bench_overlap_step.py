@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -235,9 +236,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="a simulated GPU unless one is visible")
     ap.add_argument("--clips", default=",".join(CLIPS), help="which clipping cases to run")
     ap.add_argument("--components", action="store_true", help="also time compute, link and CPU Adam alone")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="torch's deterministic kernels, so the modes' losses compare bit for bit"
+    )
     ap.add_argument("--profile-dir", default=None, help="on a real GPU: profile one more step of each mode into this folder")
     ap.add_argument("--modes", default=",".join(MODES), help="which modes to run (off is always run: the reference)")
     args = ap.parse_args()
+    if args.deterministic:
+        # a GPU's embedding backward adds with atomics, in no fixed order: without this two
+        # runs of the same mode differ in the last bits, and so do the modes
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq, vocab_size=args.vocab)
     cases = {name: run_modes(args, clip=CLIPS[name], case=name) for name in args.clips.split(",")}
     parts = components(args, cfg) if args.components else None
