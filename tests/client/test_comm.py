@@ -168,17 +168,17 @@ def test_when_the_store_host_dies_the_survivor_says_so_instead_of_a_timeout():
 def _counted_steps(rank, world):
     import collections
 
-    import hybridps.client.client as client_module
+    import hybridps.client.dist.build_groups as groups_module
     from tests.client.test_watchdog import CountingStore
 
     stores = []
-    plain = client_module._store_of
+    plain = groups_module._store_of
 
     def counting(group):
         stores.append(CountingStore(plain(group)))
         return stores[-1]
 
-    client_module._store_of = counting
+    groups_module._store_of = counting
     engine = _engine(timeout_s=60.0)
     (store,) = stores
     _step(engine, rank, world, 0)  # warm-up: traces, prefetch plans
