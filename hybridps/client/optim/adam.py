@@ -35,7 +35,6 @@ norm of those).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -63,24 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: early CPU steps in flight on the step worker at most: more than a backward hands over, so
-#: handing one over never waits (see [Note: the step worker's window])
-STEP_WORKER_WINDOW = 4096
-
-# [Note: the step worker's window]
-# A step handed to the worker holds its four chunks taken (CPU-resident: the master, the
-# Adam states, the grads brought down for the step) and, once, an fp32 copy of the grads.
-# The worker computes one step at a time, so one fp32 buffer serves every step in flight
-# (``_worker_grads``), and a step waiting in the queue holds no memory of its own. What a
-# narrow window costs instead: ``submit`` with a full window waits for the oldest step, on
-# the thread that launches backward's kernels, so backward runs at the CPU Adam's pace and
-# the GPU idles. Measured on an H200 (1.31 B params, bf16, 8 x 1024 tokens, half the model
-# data off the GPU): with a window of 2 the calling thread waited 0.41 s a step for the
-# worker and the step was no faster than without early steps (0.81 s against 0.79 s).
-# Nor does the calling thread wait for the chunks' copies to the CPU: a synchronous copy from
-# the GPU waits for every kernel launched so far, so each early step drained the GPU's queue
-# (76 such waits, 59 ms, in one profiled step on that H200). The chunks are taken with
-# their copies in flight, and the worker waits for them before it computes.
 #: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
 STEP_TENSORS_KEPT = 64
 
@@ -111,14 +92,6 @@ class _AdamCall:
     hyper: dict
     #: the fused kernel's found_inf where a scale is folded in
     found_inf: torch.Tensor | None = None
-
-
-def _after(events: list, compute: Callable[[], None]) -> None:
-    """``compute()`` once the copies that fill its chunks (``events``) are done (on the step
-    worker: waiting lets the GIL go)."""
-    for event in events:
-        event.synchronize()
-    compute()
 
 
 def _scalar(x):
@@ -160,18 +133,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: told when zero_grad drops every grad, so that their owner drops what it holds beside the slots
         self.on_zero_grad = on_zero_grad
         self.inner = optimizer
-        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         registration.check_params(store, optimizer)
         imported = optimizer.state_dict() if len(optimizer.state) else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        for group in self.param_groups:
-            group.setdefault("decoupled_weight_decay", decoupled_default)
-        n = len(store.params)
-        self.param_group_of: list[int | None] = [None] * n  # registration index -> its param group (None: not optimized)
-        for g, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                self.param_group_of[store.param_info(p).slot.index] = g
-        self.steps: list[int] = [0] * n
+        #: registration index -> its param group (None: not optimized)
+        self.param_group_of = registration.adopt_groups(store, self.param_groups, adamw=isinstance(optimizer, torch.optim.AdamW))
+        self.steps: list[int] = [0] * len(store.params)
         self.scaler = scaler
         #: this step's clip (grad_norm.py): a second clip returns the same norm
         self._clip: Clip | None = None
@@ -189,13 +156,13 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: chunks already stepped during this backward (Config.overlap_step)
         self._stepped_early: set[int] = set()
         #: the compute of early steps on the CPU, beside backward (early_step.py, [Note: early steps])
-        self.worker = StepWorker(window=STEP_WORKER_WINDOW)
+        self.worker = StepWorker()
         #: whether early steps on the CPU run on the worker: where a real GPU computes, so the
         #: CPU's Adam does not hold back the launch of backward's kernels (tests force it)
         compute = store.compute
         self.cpu_steps_beside_backward = compute.is_gpu and not compute.simulated and not compute.meta
-        #: the fp32 grads of the steps on the worker: one buffer, since the worker computes
-        #: one step at a time (a step in flight keeps the one it was given alive)
+        #: the fp32 grads of the steps on the worker: one buffer, as the worker computes one
+        #: step at a time (a step in flight keeps its own alive; step_worker.py's window note)
         self._worker_grads: torch.Tensor | None = None
         #: each chunk's runs, worked out once (step_plan.py)
         self.plans = StepPlans(self.param_group_of)
@@ -409,7 +376,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         try:
             for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
                 # beside backward the copies run on the copy stream and the worker waits for
-                # them, not this thread ([Note: the step worker's window])
+                # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
                     store.rows[kind][index], device, who=f"optimizer step of chunk {index}", asynchronous=beside_backward
                 )
@@ -429,14 +396,12 @@ class ChunkedAdam(torch.optim.Optimizer):
             compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer)
             if beside_backward:
                 chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
-                arriving = [chunk.ready_event for chunk, _ in taken if chunk.ready_event is not None]
-                if arriving:
-                    compute = functools.partial(_after, arriving, compute)
                 self.worker.submit(
                     compute,
                     lambda: self._finish_step(index, taken),
                     chunk_ids,
                     what=f"the optimizer step of chunk {index}",
+                    after=[chunk.ready_event for chunk, _ in taken if chunk.ready_event is not None],
                 )
                 handed_over = True
                 return

@@ -16,7 +16,7 @@ With ``Config.overlap_step`` a chunk steps during backward once every grad of it
 after a group's grads were reduced on several). Where that step runs on the CPU while a real
 GPU computes, the calling thread only takes the chunks and chooses the runs; the Adam and the
 write-back run on the step worker (step_worker.py), as many chunks in flight as backward
-hands over (adam.py, [Note: the step worker's window]), their copies to the CPU still
+hands over (step_worker.py, [Note: nothing waits for the worker]), their copies to the CPU still
 running when they are handed over, and the chunks stay taken until this thread sees the
 compute done. Every entry point that reads
 optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,

@@ -2,7 +2,8 @@
 optimizer is a torch Adam or AdamW with options HybridPS steps exactly, over the registered
 model's params, every trainable one included.
 
-Owns: those checks and their messages, run once, before anything is laid out. Does not own
+Owns: those checks and their messages, run once, before anything is laid out, and the
+param groups as ``ChunkedAdam`` adopts them (``adopt_groups``). Does not own
 the layout of the Adam states (the client's ``register_optim``), the import of a state the
 optimizer already had (adam_state.py), nor anything the optimizer does once accepted
 (adam.py).
@@ -55,3 +56,15 @@ def check_params(store: ChunkStore, optimizer: torch.optim.Optimizer) -> None:
             f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
             f"{', ...' if len(missing) > 5 else ''}); pass model.parameters() or set requires_grad=False on frozen params"
         )
+
+
+def adopt_groups(store: ChunkStore, param_groups: list[dict], *, adamw: bool) -> list[int | None]:
+    """Give every param group its ``decoupled_weight_decay`` (AdamW's unless the group says
+    otherwise), and return each registered param's group, by registration index (None: not
+    optimized)."""
+    group_of: list[int | None] = [None] * len(store.params)
+    for g, group in enumerate(param_groups):
+        group.setdefault("decoupled_weight_decay", adamw)
+        for p in group["params"]:
+            group_of[store.param_info(p).slot.index] = g
+    return group_of
