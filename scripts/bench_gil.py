@@ -240,13 +240,13 @@ class ExecutorStepWorker(StepWorker):
         super().__init__(window)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def submit(self, compute, finish, chunk_ids, what) -> None:
+    def submit(self, compute, finish, chunk_ids, what, *, after=()) -> None:
         self.reap()
         while len(self._tasks) >= self.window:
             self._finish_next()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
-        task = _Task(compute, finish, chunk_ids, what)
+        task = _Task(compute, finish, chunk_ids, what, tuple(after))
         task.running.acquire()
         self._tasks.append(task)
         self._busy_ids.update(chunk_ids)
@@ -264,6 +264,8 @@ class ExecutorStepWorker(StepWorker):
 
 def _run_no_grad(task: _Task) -> None:
     try:
+        for event in task.after:
+            event.synchronize()
         with torch.no_grad():
             task.compute()
     except BaseException as error:
@@ -372,7 +374,7 @@ def use_path_before(engine: hybridps.Engine) -> None:
     """Give ``engine``'s optimizer the step path from before (see above)."""
     optim = engine.optimizer
     optim.worker.close()
-    optim.worker = ExecutorStepWorker(window=optim.worker.window)
+    optim.worker = ExecutorStepWorker(window=2)  # that path's window
     optim._step_compute = types.MethodType(_step_compute_before, optim)
 
 
