@@ -9,7 +9,7 @@ fixed-size chunks that move between CPU and GPU memory on demand.
 
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.client import Client
-from hybridps.common.config import Config
+from hybridps.common.config import Config, LossScaleConfig
 from hybridps.common.errors import (
     CapacityError,
     ConfigError,
@@ -49,6 +49,7 @@ __all__ = [
     "ConfigError",
     "Engine",
     "HybridPSError",
+    "LossScaleConfig",
     "ManagerError",
     "ProtocolError",
     "RegistrationError",

@@ -55,14 +55,7 @@ def loss_scaler(config: Config) -> LossScaler | None:
     """The fp16 loss scaler the config asks for (None unless ``precision="fp16"``)."""
     if config.precision != "fp16":
         return None
-    return LossScaler(
-        scale=config.static_loss_scale or config.initial_loss_scale,
-        growth_factor=config.loss_scale_growth_factor,
-        backoff_factor=config.loss_scale_backoff_factor,
-        growth_interval=config.loss_scale_growth_interval,
-        min_scale=config.min_loss_scale,
-        dynamic=config.static_loss_scale is None,
-    )
+    return LossScaler.starting(config.loss_scale)
 
 
 def build(

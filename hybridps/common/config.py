@@ -49,6 +49,22 @@ def _field(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """fp16 loss scaling as one value: ``Config.loss_scale``, read from the config's flat
+    fields (``static_loss_scale``, ``initial_loss_scale``, ``loss_scale_*``, ``min_loss_scale``,
+    the keywords users and config files pass), and what the loss scaler is built from."""
+
+    #: the scale to start from (the static one, or dynamic scaling's initial one)
+    scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float
+    #: whether the scale moves (False: ``static_loss_scale`` was given)
+    dynamic: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Configuration of one HybridPS client (one per data-parallel rank).
 
@@ -319,6 +335,18 @@ class Config:
             "See [MULTI_RANK.md](MULTI_RANK.md#hybrid-sharding)."
         ),
     )
+
+    @property
+    def loss_scale(self) -> LossScaleConfig:
+        """The fp16 loss scaling fields as one value (``LossScaleConfig``)."""
+        return LossScaleConfig(
+            scale=self.static_loss_scale or self.initial_loss_scale,
+            growth_factor=self.loss_scale_growth_factor,
+            backoff_factor=self.loss_scale_backoff_factor,
+            growth_interval=self.loss_scale_growth_interval,
+            min_scale=self.min_loss_scale,
+            dynamic=self.static_loss_scale is None,
+        )
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

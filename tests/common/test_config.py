@@ -74,3 +74,22 @@ def test_a_fields_literal_type_names_exactly_the_values_its_validation_accepts(n
         assert getattr(Config(**{name: value}), name) == value  # the value itself, a plain str or bool
     with pytest.raises(ConfigError, match=f"{name}='nonsense'"):
         Config(**{name: "nonsense"})
+
+
+def test_the_fp16_fields_read_as_one_loss_scale_config_that_builds_the_scaler():
+    """``Config.loss_scale`` groups the flat fp16 keywords users pass; the engine's scaler is
+    built from it."""
+    from hybridps import LossScaleConfig
+    from hybridps.client.assembly import loss_scaler
+
+    dynamic = Config(precision="fp16", initial_loss_scale=1024.0, loss_scale_growth_interval=7, min_loss_scale=2.0)
+    assert dynamic.loss_scale == LossScaleConfig(
+        scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=7, min_scale=2.0, dynamic=True
+    )
+    static = Config(precision="fp16", static_loss_scale=128.0, initial_loss_scale=1024.0)
+    assert static.loss_scale.scale == 128.0 and not static.loss_scale.dynamic
+    scaler = loss_scaler(static)
+    assert (scaler.scale, scaler.dynamic, scaler.growth_interval) == (128.0, False, 2000)
+    scaler.update(True)
+    assert scaler.scale == 128.0 and scaler.skipped_steps == 1  # static: skipped, never scaled down
+    assert loss_scaler(Config(precision="bf16")) is None

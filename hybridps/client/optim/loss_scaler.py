@@ -9,6 +9,10 @@ job (per chunk); this class only keeps and updates the scale.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridps.common.config import LossScaleConfig
 
 
 @dataclasses.dataclass
@@ -21,6 +25,18 @@ class LossScaler:
     dynamic: bool = True
     growth_tracker: int = 0
     skipped_steps: int = 0
+
+    @classmethod
+    def starting(cls, config: LossScaleConfig) -> LossScaler:
+        """A scaler at the start of training, as ``config`` (``Config.loss_scale``) says."""
+        return cls(
+            scale=config.scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            min_scale=config.min_scale,
+            dynamic=config.dynamic,
+        )
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
