@@ -17,6 +17,9 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
 6. ``tokens``:     TFLOPS at 8, 32 and 128 x 1024 tokens per optimizer step (gradient
                    accumulation, ``--accum`` in the worker), a model that fits the GPU against
                    the same model with the GPU capped at half its model data.
+7. ``overlap``:    an offloaded step against its parts alone (compute, link, CPU Adam;
+                   ``scripts/bench_overlap_step.py --components``), overlap off and early
+                   steps on the step worker, deterministic kernels.
 
 Prints one JSON object. On a machine without a GPU it prints one line and exits 0.
 
@@ -53,7 +56,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens")
+PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens", "overlap")
 RESULT_PREFIX = "GPU_VALIDATE_RESULT "
 
 
@@ -566,6 +569,32 @@ def phase_tokens(clock: Clock, env: dict, args, largest: dict) -> dict:
     return out
 
 
+def phase_overlap(clock: Clock, env: dict, args) -> dict:
+    """An offloaded step against its parts alone (``scripts/bench_overlap_step.py
+    --components``): a GPT of ``--tokens-layers`` (default 24) layers of ``--hidden``, every
+    optimizer row on the CPU, the GPU's budget the size of the model data; overlap off and
+    early steps on the step worker, deterministic kernels so that their losses compare bit
+    for bit. A step that hides the CPU optimizer approaches the longest part, not their sum."""
+    command = [
+        sys.executable, "scripts/bench_overlap_step.py", "--device", "cuda:0",
+        "--d-model", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.tokens_layers or 24),
+        "--seq", str(args.seq_len), "--vocab", str(args.vocab), "--batch", str(args.batch),
+        "--precision", args.precision, "--capacity", "1.0", "--clips", "no_clip",
+        "--modes", "on_step_worker", "--steps", "3", "--warmup", "2", "--components", "--deterministic",
+    ]  # fmt: skip
+    r = _run(command, min(240.0, clock.left_s() - 5), env)
+    if r["rc"] != 0:
+        return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
+    data = json.loads(r["stdout"])
+    modes = data["cases"]["no_clip"]
+    keys = ("step_s", "exposed_optimizer_s", "step_over_max", "step_over_sum", "losses_equal_to_off", "worker_wait_s_per_step")
+    return {
+        "seconds": r["seconds"],
+        "components": data.get("components"),
+        "modes": {name: {k: result.get(k) for k in keys} for name, result in modes.items()},
+    }
+
+
 # -- command line ---------------------------------------------------------------------------
 
 
@@ -652,6 +681,8 @@ def main(argv=None) -> int:
                 report[phase] = phase_largest(clock, env, args, plan, have_deepspeed)
             elif phase == "tokens":
                 report[phase] = phase_tokens(clock, env, args, report.get("largest") or {})
+            elif phase == "overlap":
+                report[phase] = phase_overlap(clock, env, args)
         except Exception as e:  # noqa: BLE001 - one phase's failure is reported, the rest still run
             report[phase] = {"error": f"{type(e).__name__}: {e}"}
         print(f"gpu_validate: {phase} done, {clock.left_s():.0f} s left", file=sys.stderr, flush=True)
