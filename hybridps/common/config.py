@@ -175,7 +175,9 @@ class Config:
         doc=(
             'Where model data lives (hybridps/client/memory/placement.py). `"tidal"`: optimizer rows (fp32 master, '
             "momentum, variance) start on the CPU and, after the warm-up trace, move to the GPU as far as the room "
-            'that activations never need allows. `"cpu_optimizer"`: they stay on the CPU (ZeRO-Offload\'s layout).'
+            'that activations never need allows. `"cpu_optimizer"`: they stay on the CPU (ZeRO-Offload\'s layout), '
+            "save a row the CPU has no room for when it is made, which goes where the node manager finds room, as "
+            "every chunk does (`memory_stats()['optimizer_rows_on_gpu_fraction']` shows it)."
         ),
     )
     static_loss_scale: float | None = _field(

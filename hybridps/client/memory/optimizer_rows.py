@@ -76,8 +76,9 @@ class OptimizerRows:
     def on_gpu_fraction(self) -> float:
         """The fraction of this rank's optimizer rows (master, momentum, variance of its
         chunks, by bytes) that lie on the compute GPU now: 0 before warm-up and under
-        ``placement="cpu_optimizer"``, up to 1 when every row fits beside the activations'
-        peak."""
+        ``placement="cpu_optimizer"`` (unless the CPU had no room for a row when it was made:
+        the node manager then placed it where it found room), up to 1 when every row fits
+        beside the activations' peak."""
         store = self.store
         rows = [store.rows[k][i] for k in self._kinds() for i in range(store.num_chunks) if store.ownership.owns(i)]
         total = sum(c.nbytes for c in rows)
