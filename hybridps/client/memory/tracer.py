@@ -56,7 +56,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,7 +108,6 @@ class MemoryTracer:
         mover: ChunkMover,
         *,
         enabled: bool = True,
-        tick_listeners: Iterable[Callable[[Hashable, int], None]] = (),
     ):
         self.store = store
         self.mover = mover
@@ -138,7 +137,8 @@ class MemoryTracer:
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
         #: called as on_tick(label, non_model_bytes) at every moment (prefetcher, event recorder)
-        self.tick_listeners: list[Callable[[Hashable, int], None]] = list(tick_listeners)
+        #: (each is built over this tracer, so it subscribes with ``on_tick``)
+        self.tick_listeners: list[Callable[[Hashable, int], None]] = []
         #: GPU memory this process held before HybridPS started (other models, an EMA copy,
         #: a reference): not the training's, and not counted against the capacity, which is
         #: what HybridPS may use beyond it (the default capacity is read from the free memory)
