@@ -93,6 +93,8 @@ def _run(cmd: list[str], timeout_s: float, env: dict) -> dict:
         "result": result,
         "stdout": out,
         "stderr_tail": err[-3000:],
+        # each warning once, from the whole of stderr (the tail may have lost them)
+        "warnings": sorted({line.strip()[:300] for line in err.splitlines() if "Warning" in line})[:20],
     }
 
 
@@ -580,16 +582,23 @@ def phase_overlap(clock: Clock, env: dict, args) -> dict:
         "--d-model", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.tokens_layers or 24),
         "--seq", str(args.seq_len), "--vocab", str(args.vocab), "--batch", str(args.batch),
         "--precision", args.precision, "--capacity", "1.0", "--clips", "no_clip",
-        "--modes", "on_step_worker", "--steps", "3", "--warmup", "2", "--components", "--deterministic",
+        "--modes", args.overlap_modes, "--steps", "3", "--warmup", "2", "--components", "--deterministic",
     ]  # fmt: skip
     r = _run(command, min(240.0, clock.left_s() - 5), env)
     if r["rc"] != 0:
         return {"rc": r["rc"], "stderr_tail": r["stderr_tail"]}
     data = json.loads(r["stdout"])
     modes = data["cases"]["no_clip"]
-    keys = ("step_s", "exposed_optimizer_s", "step_over_max", "step_over_sum", "losses_equal_to_off", "worker_wait_s_per_step")
+    keys = (
+        "step_s", "exposed_optimizer_s", "step_over_max", "step_over_sum", "losses_equal_to_off",
+        "max_rel_loss_diff_vs_off", "worker_wait_s_per_step",
+    )  # fmt: skip
+    # which kernels torch has no deterministic version of (their warnings), so that a loss
+    # difference between modes can be told from the device's own noise
+    warnings = [line for line in r["warnings"] if "determinis" in line]
     return {
         "seconds": r["seconds"],
+        "nondeterministic_kernel_warnings": warnings,
         "components": data.get("components"),
         "modes": {name: {k: result.get(k) for k in keys} for name, result in modes.items()},
     }
@@ -602,6 +611,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wheels", type=Path, default=None, help="folder of wheels to install first (no network needed)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    ap.add_argument(
+        "--overlap-modes",
+        default="off_again,on_step_worker",
+        help="the overlap phase's modes besides off (scripts/bench_overlap_step.py MODES)",
+    )
     ap.add_argument("--budget-s", type=float, default=570.0, help="the whole run's time limit (default 570)")
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="one training run's time limit")
     ap.add_argument("--hidden", type=int, default=4096)
