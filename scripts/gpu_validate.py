@@ -590,7 +590,7 @@ def phase_overlap(clock: Clock, env: dict, args) -> dict:
     data = json.loads(r["stdout"])
     modes = data["cases"]["no_clip"]
     keys = (
-        "step_s", "exposed_optimizer_s", "step_over_max", "step_over_sum", "losses_equal_to_off",
+        "step_s", "iteration_s", "exposed_optimizer_s", "step_over_max", "step_over_sum", "losses_equal_to_off",
         "max_rel_loss_diff_vs_off", "worker_wait_s_per_step",
     )  # fmt: skip
     # which kernels torch has no deterministic version of (their warnings), so that a loss

@@ -22,6 +22,16 @@ A chunk's payload is in one ``PayloadState`` at a time, changed only by a named
 ARRIVING and PREFETCHING carry the event of the copy still filling the payload
 (``ready_event``); ``wait_ready`` waits for it. A chunk IN_COLLECTIVE is read or written by an
 asynchronous collective (groups.py) and must not move or be dropped.
+
+[Note: a chunk handed over]
+A chunk whose optimizer step computes on the step worker (optim/step_worker.py) stays taken
+(every slot COMPUTE) until that step is *finished* on the calling thread, which gives its
+slots back. Whoever is about to use such a chunk (an access, a take, a bring, a read of its
+values) calls ``settle`` first, before it changes a slot state: the optimizer's settler waits
+for the step and finishes it, so the states the user then sets are not overwritten by the
+step's give-back, and the payload it reads or moves is the stepped one. ``settling`` says a
+chunk is handed over (the prefetcher leaves it where it is). The chunk knows only that a
+settler exists, not what it waits for.
 """
 
 from __future__ import annotations
@@ -135,6 +145,9 @@ class Chunk:
         #: while IN_COLLECTIVE: waits for the collective to finish here (local, no new
         #: collective), so the mover can free room under pressure (see ``land_collective``)
         self._lander: Callable[[], None] | None = None
+        #: while its optimizer step computes on the step worker: finishes that step (see
+        #: [Note: a chunk handed over])
+        self._settler: Callable[[Chunk], None] | None = None
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -214,6 +227,25 @@ class Chunk:
         """The collective on the payload finished: the chunk may move again."""
         self.move_payload(PayloadMove.COLLECTIVE_ENDS)
         self._lander = None
+
+    @property
+    def settling(self) -> bool:
+        """The chunk is handed over to a step still in flight ([Note: a chunk handed over])."""
+        return self._settler is not None
+
+    def hand_over(self, settler: Callable[[Chunk], None]) -> None:
+        """A step on the step worker computes on the chunk until ``settler(chunk)`` finishes it."""
+        self._settler = settler
+
+    def settled(self) -> None:
+        """The step the chunk was handed over to is finished (called by the settler's owner)."""
+        self._settler = None
+
+    def settle(self) -> None:
+        """Before a use of the chunk: finish the step it was handed over to, if any."""
+        settler = self._settler
+        if settler is not None:
+            settler(self)
 
     def land_collective(self) -> None:
         """Wait for the collective on the payload (the mover needs the room now)."""

@@ -259,6 +259,8 @@ class ChunkMover:
         The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
         protects it, so it is never chosen as its own victim.
         """
+        if chunk.settling:  # a use that did not settle it first (chunk.py, [Note: a chunk handed over])
+            chunk.settle()
         self.clock += 1
         chunk.last_use = self.clock
         for listener in self.access_listeners:
@@ -285,6 +287,7 @@ class ChunkMover:
         whole chunks). Returns the slot states it had, for ``give_back``. ``asynchronous``:
         the copy may still run on return; whoever reads the payload first waits for
         ``chunk.ready_event`` (a step on the step worker, adam.py)."""
+        chunk.settle()  # a step still computing on it is finished first (chunk.py)
         previous = list(chunk.states)
         what = f"{chunk.kind.value} chunk {chunk.index}"
         chunk.set_all_states(TensorState.COMPUTE, what)
@@ -310,8 +313,8 @@ class ChunkMover:
         the policy names chunks the trace uses after it to evict for it
         (``PlacementPolicy.prefetch_victims``); returns whether a copy was started. With a CUDA copy
         stream the copy overlaps compute; the chunk's first use waits for it."""
-        if chunk.payload is None or chunk.device == device:
-            return False
+        if chunk.payload is None or chunk.device == device or chunk.settling:
+            return False  # a chunk a step still computes on moves when its use settles it
         need = self.used_bytes[device] + chunk.nbytes - self.budget(device)
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)

@@ -50,7 +50,7 @@ from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
-from hybridps.client.optim.step_plan import StepPlan, StepPlans
+from hybridps.client.optim.step_plan import StepPlan, StepPlans, StepTensors
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.errors import StateError
 
@@ -61,9 +61,6 @@ if TYPE_CHECKING:
     from hybridps.client.memory.placement import PlacementPolicy
 
 logger = logging.getLogger(__name__)
-
-#: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
-STEP_TENSORS_KEPT = 64
 
 
 def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
@@ -168,9 +165,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.plans = StepPlans(self.param_group_of)
         #: the fused kernel's step tensors by (device, count), its found_inf zeros by device,
         #: and what is made once per step (divisors, the clip coefficient per device)
-        self._step_tensors: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self._zeros: dict[torch.device, torch.Tensor] = {}
-        self._per_step: dict[tuple, torch.Tensor] = {}
+        self.tensors = StepTensors()
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
         self.overlap_step = early_step.overlap_step_on(store.config, compute)
         #: backups of speculative early steps and whether to speculate (speculation.py)
@@ -294,10 +289,13 @@ class ChunkedAdam(torch.optim.Optimizer):
             inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
             clip_coef = None if self._clip is None else self._clip.coef
             order = list(grads.items())
+            beside_forward = self._steps_beside_forward()
+            masters = self.store.rows[self.store.master_kind]
             for n, (index, infos) in enumerate(order):
                 if n + 1 < len(order):
                     self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
-                self._step_chunk(index, infos, inv_scale, clip_coef)
+                on_worker = beside_forward and self.placement.step_device(masters[index]) == "cpu"
+                self._step_chunk(index, infos, inv_scale, clip_coef, on_worker=on_worker)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(self._landed - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
@@ -313,6 +311,12 @@ class ChunkedAdam(torch.optim.Optimizer):
             self._end_iteration()
         return loss
 
+    def _steps_beside_forward(self) -> bool:
+        """Whether this step hands its CPU chunks to the step worker and returns, so that
+        their Adam runs beside the next forward (step_worker.py, [Note: steps beside the next
+        forward])."""
+        return self.overlap_step and self.cpu_steps_beside_backward and self.groups is None
+
     def _end_iteration(self, *, stepped: bool = True) -> None:
         clip = self._clip
         self.speculation.end_iteration(
@@ -323,7 +327,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clip = None
         self._found_inf = None
         self._stepped_early.clear()
-        self._per_step.clear()
+        self.tensors.end_step()
 
     def _roll_back(self) -> None:
         """Undo every speculative early step of this backward (early_step.py)."""
@@ -357,11 +361,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         clip_coef: torch.Tensor | None,
         *,
         backup: Backup | None = None,
-        beside_backward: bool = False,
+        on_worker: bool = False,
     ) -> None:
         """Adam over the params ``infos`` of chunk ``index``, grads divided by the loss scale
         and multiplied by ``clip_coef``; with ``backup``, its values before are copied there
-        first; ``beside_backward``: the compute runs on the step worker, and the chunks stay
+        first; ``on_worker``: the compute runs on the step worker, and the chunks stay
         taken until it is done."""
         store = self.store
         master_kind, grad_kind = store.master_kind, store.grad_kind
@@ -378,7 +382,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 # beside backward the copies run on the copy stream and the worker waits for
                 # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
-                    store.rows[kind][index], device, who=f"optimizer step of chunk {index}", asynchronous=beside_backward
+                    store.rows[kind][index], device, who=f"optimizer step of chunk {index}", asynchronous=on_worker
                 )
                 after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
                 taken.append((store.rows[kind][index], after))
@@ -390,11 +394,11 @@ class ChunkedAdam(torch.optim.Optimizer):
             if not (grad_chunk.dtype == torch.float32 and inv_scale is None):
                 buffer = (
                     self._worker_buffer(grad_chunk.capacity, index)
-                    if beside_backward
+                    if on_worker
                     else self._buffer(device, grad_chunk.capacity, index)
                 )
             compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer)
-            if beside_backward:
+            if on_worker:
                 chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
                 self.worker.submit(
                     compute,
@@ -404,6 +408,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                     after=[chunk.ready_event for chunk, _ in taken if chunk.ready_event is not None],
                 )
                 handed_over = True
+                for chunk, _ in taken:  # a use of one first finishes this step (chunk.py)
+                    chunk.hand_over(self._settle)
                 return
             compute()
             if master_kind is not ChunkKind.PARAM:
@@ -440,8 +446,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         calls = self._adam_calls(plan, base_step, master)
         # what the kernels divide the grads by (unscale and clip, folded), or the clip factor
         # of fp32 grads stepped in place
-        divisor = None if buffer is None else self._divisor(inv_scale, clip_coef, device)
-        coef = None if buffer is not None or clip_coef is None else self._on_device(clip_coef, device)
+        divisor = None if buffer is None else self.tensors.divisor(inv_scale, clip_coef, device)
+        coef = None if buffer is not None or clip_coef is None else self.tensors.on_device(clip_coef, device)
         low = store.param_dtype != torch.float32
         norm_type = self.speculation.norm_type
         overflow_check = self.scaler is not None
@@ -480,6 +486,8 @@ class ChunkedAdam(torch.optim.Optimizer):
                 beta1, beta2 = _scalar(beta1), _scalar(beta2)
                 if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
                     lr = lr.to(device=device, non_blocking=True)
+            if isinstance(lr, torch.Tensor) and lr is group["lr"]:
+                lr = lr.clone()  # a scheduler fills the group's tensor in place, maybe before the worker reads it
             hyper = {
                 "lr": lr,
                 "beta1": beta1,
@@ -492,9 +500,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                 # the fused kernel reads a step per tensor and counts none: one tensor per count
                 # (after this step) and device serves every run and chunk
                 call = next(c for c in plan.by_group if c.group == group_index)
-                steps = [self._step_tensor(base_step + plan.runs[k].step_offset + 1, device) for k in call.runs]
+                steps = [self.tensors.step(base_step + plan.runs[k].step_offset + 1, device) for k in call.runs]
                 calls.append(
-                    _AdamCall(call.pieces, steps, True, False, group["decoupled_weight_decay"], hyper, self._zero(device))
+                    _AdamCall(call.pieces, steps, True, False, group["decoupled_weight_decay"], hyper, self.tensors.zero(device))
                 )
                 continue
             for call in plan.by_step:  # these kernels add 1 to their step tensors: new ones each time
@@ -555,49 +563,10 @@ class ChunkedAdam(torch.optim.Optimizer):
             **hyper,
         )
 
-    def _step_tensor(self, count: int, device: torch.device) -> torch.Tensor:
-        """A float32 scalar holding step count ``count`` on ``device``, made once (read-only:
-        only the fused kernel, which never writes its step tensors, takes these)."""
-        key = (device, count)
-        tensor = self._step_tensors.get(key)
-        if tensor is None:
-            if len(self._step_tensors) > STEP_TENSORS_KEPT:
-                self._step_tensors.clear()
-            tensor = self._step_tensors[key] = torch.tensor(float(count), dtype=torch.float32, device=device)
-        return tensor
-
-    def _zero(self, device: torch.device) -> torch.Tensor:
-        """The fused kernel's ``found_inf`` where a scale is folded in: never an overflow here
-        (a step with one is skipped before it starts)."""
-        zero = self._zeros.get(device)
-        if zero is None:
-            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return zero
-
-    def _divisor(self, inv_scale: float | None, clip_coef: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        """What the grads are divided by: 1 / (inv_scale x clip_coef) in float32, on
-        ``device``; made once per step and device (``_end_iteration`` forgets them)."""
-        if inv_scale is None and clip_coef is None:
-            return None
-        key = ("divisor", inv_scale, id(clip_coef), device)
-        divisor = self._per_step.get(key)
-        if divisor is None:
-            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
-            if clip_coef is not None:
-                factor = factor * clip_coef.cpu()
-            divisor = self._per_step[key] = (1.0 / factor).to(device)
-        return divisor
-
-    def _on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``tensor`` (this step's clip coefficient) on ``device``, copied once per step."""
-        key = ("on_device", id(tensor), device)
-        copy = self._per_step.get(key)
-        if copy is None:
-            copy = self._per_step[key] = tensor.to(device)
-        return copy
-
     def _finish_step(self, index: int, taken: list) -> None:
         """The end of a step computed on the worker, on the calling thread."""
+        for chunk, _ in taken:
+            chunk.settled()
         try:
             if self.store.master_kind is not ChunkKind.PARAM:
                 self._count_write_back(index, self.store.layout.used(index))
@@ -644,7 +613,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         )
         inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
         try:
-            self._step_chunk(index, infos, inv_scale, None, backup=backup, beside_backward=beside)
+            self._step_chunk(index, infos, inv_scale, None, backup=backup, on_worker=beside)
         except BaseException:
             if backup is not None:
                 self.speculation.drop(index)
@@ -660,6 +629,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         took reduced grads (grad reuse). The step writes their params back from the master
         copy (those it does not step too), or zero_grad does."""
         self._landed |= indices
+
+    def _settle(self, chunk: Chunk) -> None:
+        """A chunk handed over to a step on the worker is about to be used: finish that step
+        (and those before it) first ([Note: a chunk handed over], chunk.py)."""
+        self.worker.finish_through(chunk.chunk_id)
+        chunk.settled()  # finishing settled it; a chunk no task holds any more is settled too
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
         """A chunk is about to be accessed: if a step on the worker still computes on it,
@@ -691,6 +666,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         param_chunk = store.rows[ChunkKind.PARAM][index]
         master_chunk = store.rows[store.master_kind][index]
+        param_chunk.settle()
+        master_chunk.settle()
         assert param_chunk.payload is not None and master_chunk.payload is not None
         param_chunk.payload[:used].copy_(master_chunk.payload[:used])
         self._count_write_back(index, used)
@@ -718,7 +695,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         """Drop all grads. Under grad reuse, grads not consumed by a step are replaced by the
         params' values from the master copy (nothing is lost). Speculative early steps of a
         backward that no step followed are undone, as if they had waited for the step."""
-        self.worker.drain()
+        if self._steps_beside_forward():
+            # the steps of the last step() may still compute: what this touches settles first
+            # (a take, chunk.py's [Note: a chunk handed over]); nothing else waits for them
+            self.worker.reap()
+        else:
+            self.worker.drain()
         store = self.store
         # Early steps without a backup cannot be undone: the skipped step is not skipped for them.
         final = sorted(self._stepped_early - set(self.speculation.backups))

@@ -145,6 +145,7 @@ class AdamStateView(Mapping):
 def read(store: ChunkStore, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
     """A CPU copy of ``info``'s slot in its chunk of ``kind`` (zeros where it has no payload)."""
     chunk = store.rows[kind][info.chunk]
+    chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
     if chunk.payload is None:
         return torch.zeros(info.shape, dtype=torch.float32)
     return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)

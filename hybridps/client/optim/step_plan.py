@@ -14,7 +14,9 @@ of one iteration serves the next), and kept: ``bounds`` cut a row into every run
 say which runs each kernel call takes, and ``param_bounds`` cut the grads into per-param
 views (the norms that speculation computes ahead).
 
-Owns: the plans, one per chunk index, where a run must end (see [Note: the kernels' tails]), and when the kept one serves. Does not own the step
+Owns: the plans, one per chunk index, where a run must end (see [Note: the kernels' tails]),
+and when the kept one serves; the tensors the kernels take beside the rows (``StepTensors``:
+step counts, divisors). Does not own the step
 counts, the param groups or the arithmetic (adam.py), nor where params sit (layout.py:
 a plan reads their slots).
 
@@ -187,3 +189,64 @@ class StepPlans:
             plan = self._plans[index] = make_plan(infos, steps, self.group_of)
             self.made += 1
         return plan, base
+
+
+#: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
+STEP_TENSORS_KEPT = 64
+
+
+class StepTensors:
+    """The tensors the kernels of a chunk's step take besides its rows, made on the calling
+    thread and kept: step counts (for every step), ``found_inf`` zeros (for good) and the
+    grads' divisors and clip coefficients (for one step, ``end_step`` forgets them). A step
+    on the worker keeps those it was given even once they are forgotten here."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._per_step: dict[tuple, torch.Tensor] = {}
+
+    def step(self, count: int, device: torch.device) -> torch.Tensor:
+        """A float32 scalar holding step count ``count`` on ``device``, made once (read-only:
+        only the fused kernel, which never writes its step tensors, takes these)."""
+        key = (device, count)
+        tensor = self._steps.get(key)
+        if tensor is None:
+            if len(self._steps) > STEP_TENSORS_KEPT:
+                self._steps.clear()
+            tensor = self._steps[key] = torch.tensor(float(count), dtype=torch.float32, device=device)
+        return tensor
+
+    def zero(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's ``found_inf`` where a scale is folded in: never an overflow here
+        (a step with one is skipped before it starts)."""
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return zero
+
+    def divisor(self, inv_scale: float | None, clip_coef: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """What the grads are divided by: 1 / (inv_scale x clip_coef) in float32, on
+        ``device``; made once per step and device."""
+        if inv_scale is None and clip_coef is None:
+            return None
+        key = ("divisor", inv_scale, id(clip_coef), device)
+        divisor = self._per_step.get(key)
+        if divisor is None:
+            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+            if clip_coef is not None:
+                factor = factor * clip_coef.cpu()
+            divisor = self._per_step[key] = (1.0 / factor).to(device)
+        return divisor
+
+    def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` (this step's clip coefficient) on ``device``, copied once per step."""
+        key = ("on_device", id(tensor), device)
+        copy = self._per_step.get(key)
+        if copy is None:
+            copy = self._per_step[key] = tensor.to(device)
+        return copy
+
+    def end_step(self) -> None:
+        """The step is over: its divisors and coefficients are not made for the next."""
+        self._per_step.clear()

@@ -33,6 +33,22 @@ each early step drained the GPU's queue (76 such waits, 59 ms, in one profiled s
 H200). A task is submitted with its chunks' copies in flight (``after``: their events), and
 the worker waits for them before it computes.
 
+[Note: steps beside the next forward]
+Early steps hide only what backward is long enough to cover, and a loop that clips leaves
+every chunk to ``step()`` under ``overlap_step="auto"``. So ``step()`` hands its CPU chunks
+to this worker too, in the order the next forward uses them, and returns
+(``ChunkedAdam._steps_beside_forward``: a real GPU, overlap on, one rank). The chunks stay
+taken and are *handed over* (chunk.py, [Note: a chunk handed over]): the next forward's first
+access of a chunk finishes the steps up to it, so forward runs on the GPU while the CPU
+still steps the chunks it reaches later. Every other use settles first too: a take (the
+optimizer's rows, a checkpoint's ``write``), a read of the values (``read_param``, the
+model's ``state_dict``), a bring; the prefetcher leaves a handed-over chunk where it is;
+``state_dict``, ``clip_grad_norm_`` and the next ``step()`` drain. ``zero_grad`` only reaps
+under grad reuse (it touches no chunk in flight). Exact by construction: each chunk's
+arithmetic is the same, only when it runs moves; a scheduler that fills a tensor lr in place
+after ``step()`` does not reach the steps in flight (each takes a copy). Not on several
+ranks: a chunk group's gather reads other ranks' chunks, whose steps this rank cannot settle.
+
 [Note: a task's life]
 ``submit`` -> RUNNING (on the worker) -> DONE (the compute ended) -> FINISHED (``finish``
 ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
@@ -171,6 +187,12 @@ class StepWorker:
         tasks = [t for t in self._tasks if chunk_id in t.chunk_ids]
         if tasks:
             self._timed_wait(tasks)
+
+    def finish_through(self, chunk_id: int) -> None:
+        """Finish tasks, oldest first, until none holds chunk ``chunk_id`` (waiting for each;
+        a chunk about to be used must be given back by its step first)."""
+        while self._busy_ids[chunk_id] > 0:  # finishing rebinds the counter: read it each time
+            self._finish_next()
 
     def wait_computed(self) -> None:
         """Wait until every task in flight has computed, finishing none (benchmarks: the

@@ -128,6 +128,7 @@ class Grads:
         """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
         if self.config.grad_reuse:
             chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
+            chunk.settle()
             chunk.wait_ready()
             view = chunk.view(info.slot)
             if info.has_grad:
@@ -138,6 +139,7 @@ class Grads:
             torch.autograd.graph.increment_version(info.param)
         else:
             chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
+            chunk.settle()
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
             self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
             view = chunk.view(info.slot)

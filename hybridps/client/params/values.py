@@ -72,6 +72,7 @@ class Values:
         info = self.store.by_id.get(id(param)) or self.store.param_info(param)
         if info.refs == 0:
             chunk = self.store.rows[info.kind][info.chunk]
+            chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
             if self.groups is not None and info.kind is ChunkKind.PARAM:
                 self.groups.ensure_gathered(info.chunk, who)
             previous = chunk.slot_state(info.slot)
@@ -120,6 +121,7 @@ class Values:
         if not self.store.ownership.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
         chunk = self.store.rows[master_kind][info.chunk]
+        chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
         if master_kind is ChunkKind.PARAM and info.has_grad and self.config.grad_reuse:
             raise StateError(f"{info.describe()} holds its grad; step() or zero_grad() first")
         if chunk.payload is None:
@@ -143,6 +145,7 @@ class Values:
             kinds = (master_kind,)  # the slot holds the grad; the step writes the new master back to it
         for kind in dict.fromkeys(kinds):
             chunk = self.store.rows[kind][info.chunk]
+            chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
             if chunk.payload is None:
                 self.mover.place(chunk, self.placement.home(kind))
             chunk.view(info.slot).copy_(value.reshape(-1))
