@@ -182,7 +182,7 @@ def _worker(args) -> dict:
             precision=args.precision,
             devices=devices,
             simulate=device.type != "cuda",
-            overlap_step=args.overlap_step if accum == 1 else False,
+            overlap_step={"auto": "auto", "on": True, "off": False}[args.overlap_step] if accum == 1 else False,
             grad_reuse=accum == 1,  # micro-batches accumulate beside the params
         )
         if args.prefetch_window is not None:
@@ -637,7 +637,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--cpu-bytes", type=int, default=None, help="HybridPS's CPU capacity (default: the plan's, 90%% of available)"
     )
-    ap.add_argument("--overlap-step", action="store_true")
+    ap.add_argument(
+        "--overlap-step",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Config.overlap_step of the HybridPS worker (default: the product's, auto)",
+    )
     ap.add_argument("--accum", type=int, default=1, help="micro-batches of --batch per optimizer step")
     ap.add_argument(
         "--tokens-layers", type=int, default=None, help="model size of the tokens phase (default: a quarter of the largest)"
