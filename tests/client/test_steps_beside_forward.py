@@ -220,3 +220,43 @@ def test_on_a_simulated_gpu_step_waits_for_its_steps():
         assert not any(c.settling for c in engine.client.store.all_chunks())
     finally:
         engine.close()
+
+
+EXIT_SCRIPT = """
+import torch
+from tests.client.test_overlap_step import _engine
+from tests.client.test_steps_beside_forward import CLIP, _plain_step
+engine = _engine(True, worker=True)
+_plain_step(engine, 0)
+worker = engine.optimizer.worker
+decide = engine.optimizer._steps_beside_forward
+def slow():  # the step's CPU chunks queue behind a task that is still computing at exit
+    a = torch.rand(1500, 1500)
+    worker.submit(lambda: [a @ a for _ in range(40)], lambda: None, frozenset(), "a slow task")
+    return decide()
+engine.optimizer._steps_beside_forward = slow
+_plain_step(engine, 1)
+assert worker.in_flight > 1
+print("exiting with", worker.in_flight, "tasks in flight", flush=True)
+"""
+
+
+def test_a_script_that_ends_with_steps_in_flight_exits_cleanly(tmp_path):
+    """No ``close()``: the interpreter's exit waits for the steps still computing instead of
+    killing the worker inside a kernel (which aborts the process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert "tasks in flight" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr

@@ -68,12 +68,15 @@ grad mode is switched off once when it starts (grad mode is per thread).
 from __future__ import annotations
 
 import _thread
+import atexit
 import collections
 import dataclasses
 import enum
+import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -135,6 +138,11 @@ class StepWorker:
         self.wait_s = 0.0
         #: copies whose end the worker waited for before a compute (``submit``'s ``after``)
         self.copies_waited = 0
+        #: what the interpreter's exit runs while the thread lives: wait for the computes in
+        #: flight and stop the thread (a script may end right after ``step()``, which leaves CPU
+        #: steps computing, and a thread killed inside a kernel aborts the process). Nothing
+        #: is finished then: the chunks' owners are going away. Holds the worker weakly.
+        self._at_exit = functools.partial(_stop_at_exit, weakref.ref(self))
 
     @property
     def in_flight(self) -> int:
@@ -162,6 +170,7 @@ class StepWorker:
         if self._thread is None:
             self._thread = threading.Thread(target=_work, args=(self._queue,), name=THREAD_NAME, daemon=True)
             self._thread.start()
+            atexit.register(self._at_exit)
         task = _Task(compute, finish, chunk_ids, what, tuple(after))
         self.copies_waited += len(task.after)
         task.running.acquire()
@@ -204,10 +213,14 @@ class StepWorker:
         try:
             self.drain()
         finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
-                self._thread = None
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._thread is not None:
+            atexit.unregister(self._at_exit)
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def _finish_next(self) -> None:
         """Finish the oldest task; if its compute raised, finish every other task in flight
@@ -245,6 +258,13 @@ class StepWorker:
         for task in tasks:
             task.wait()
         self.wait_s += time.perf_counter() - started
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    worker = ref()
+    if worker is not None:
+        worker.wait_computed()
+        worker._stop()
 
 
 def _work(tasks: queue.SimpleQueue) -> None:
