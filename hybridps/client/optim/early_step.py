@@ -19,9 +19,10 @@ write-back run on the step worker (step_worker.py), as many chunks in flight as 
 hands over (step_worker.py, [Note: nothing waits for the worker]), their copies to the CPU still
 running when they are handed over, and the chunks stay taken until this thread sees the
 compute done. Every entry point that reads
-optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``zero_grad``, ``state_dict``,
-``load_state_dict``) first waits for the worker, and an access of a chunk in flight (the
-mover's access listeners) waits for its compute. Clipping and fp16 are kept exact by
+optimizer rows (``step_chunks``, ``clip_grad_norm_``, ``state_dict``, ``load_state_dict``)
+first waits for the worker, and every other use of a chunk in flight settles it first
+(chunk.py, [Note: a chunk handed over]); ``step()`` hands its own CPU chunks to the worker
+too (step_worker.py, [Note: steps beside the next forward]). Clipping and fp16 are kept exact by
 speculation and validation (speculation.py, [Note: speculation then validation]): an early
 step assumes a clip coefficient of 1 and no overflow and keeps a backup; ``step_chunks``
 restores and steps again the chunks whose speculation failed.
