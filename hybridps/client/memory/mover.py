@@ -11,23 +11,6 @@ Does not own tensor or payload states (chunks/chunk.py), the budget formula or w
 (the placement policy, memory/placement.py), or how much of the compute device activations need
 right now (the trace it is built with, memory/trace.py, ``reserve_bytes``).
 
-[Note: budgets]
-A device's budget is the room chunks may take on it. For a GPU it is
-``capacity - reserve(now) - margin``: ``reserve`` is the non-model memory (activations,
-temporaries) the warm-up trace expects at this moment and the next, so chunks shrink while
-activations grow during forward and backward and expand again for the optimizer step (the
-"tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
-word because the CPU is shared by every rank of the node. The mover asks its trace for the
-reserve and its placement policy for the formula (``PlacementPolicy.budget_bytes``).
-
-[Note: the capacity is a hard limit]
-Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
-move onto a GPU goes through its budget, and ``reserve`` is never below the non-model bytes
-live now, so a move keeps the sum within ``capacity - margin``. Between moments non-model
-memory grows without a move (activations saved during a module's forward): the tracer calls
-``fit_non_model`` as it grows, which evicts idle chunks right then, or raises the
-CapacityError a real GPU of that size would raise as out-of-memory.
-
 [Note: one request per chunk operation]
 A placement, a bring, a prefetch, an eviction or a free changes what this client holds in
 one ``update`` request to the node manager: it releases the chunk's bytes on its source and
@@ -70,7 +53,7 @@ from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
+from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove, storage_key
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.figures import ChunkFigures
@@ -84,13 +67,6 @@ from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage: its address, or for meta tensors (which all have
-    address 0) the storage object itself."""
-    storage = t.untyped_storage()
-    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 @dataclasses.dataclass(slots=True)
@@ -220,7 +196,7 @@ class ChunkMover:
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
-        """The room chunks may take on ``device`` now (see [Note: budgets])."""
+        """The room chunks may take on ``device`` now (see [Note: budgets] in memory/placement.py)."""
         spec = self._specs.get(device) or self.inventory[device]
         return self.placement.budget_bytes(spec, self.reserve_bytes(device))
 
@@ -291,17 +267,18 @@ class ChunkMover:
         try:
             self.bring(chunk, device, who=who or what, asynchronous=asynchronous)
         except BaseException:
-            _restore_states(chunk, previous)
+            chunk.restore_states(previous, what)
             raise
         return previous
 
     def give_back(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
         """End a ``take``: every slot to ``state``, or back to the states in a list; a chunk
         left all FREE drops its payload."""
+        what = f"{chunk.kind.value} chunk {chunk.index}"
         if isinstance(state, TensorState):
-            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+            chunk.set_all_states(state, what)
         else:
-            _restore_states(chunk, state)
+            chunk.restore_states(state, what)
         if chunk.state is ChunkState.FREE:
             self.free(chunk)
 
@@ -360,11 +337,6 @@ class ChunkMover:
         """The arena's bytes that are not chunk payloads: free slots, and slots that a copy in
         flight or a view still refers to."""
         return self.arena.held_bytes - self._arena_payload_bytes if self.arena is not None else 0
-
-    @property
-    def host_buffer_bytes(self) -> int:
-        """Host memory this client holds outside its chunks (booked on the CPU with them)."""
-        return self._pool_side_bytes()
 
     def _request(
         self,
@@ -592,7 +564,8 @@ class ChunkMover:
         Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
         under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
         real GPU of that size this is an out-of-memory error. Between the capacity and the
-        margin it evicts what it can and lets the margin shrink.
+        margin it evicts what it can and lets the margin shrink (see [Note: the capacity is a
+        hard limit] in memory/tracer.py).
         """
         capacity_bytes = self._specs[device].capacity_bytes
         limit_bytes = capacity_bytes - self.margin_bytes - non_model_bytes
@@ -888,11 +861,6 @@ class ChunkMover:
         if self.arena is not None:
             self.arena.close()
         self.release_pool()
-
-
-def _restore_states(chunk: Chunk, states: list[TensorState]) -> None:
-    for slot, state in zip(chunk.slots, states, strict=True):
-        chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
 
 
 def _follow(listeners: list, fn: Callable, on: bool) -> None:

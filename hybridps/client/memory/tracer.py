@@ -25,9 +25,12 @@ real and testable on CPU. It does not see temporaries that are not saved, nor wh
 ``torch.utils.checkpoint`` recomputes during backward (checkpoint keeps those in its own
 frame), so with checkpointing the simulated figure is a lower bound.
 
-[Note: the capacity of a simulated GPU is a hard limit]
-Chunks are fitted to the budget at each moment, but activations grow between moments,
-inside a module's forward. So the pack hook checks, per new saved storage, whether chunks +
+[Note: the capacity is a hard limit]
+Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
+move onto a GPU goes through its budget (the mover's), and ``reserve`` is never below the
+non-model bytes live now, so a move keeps the sum within ``capacity - margin``. But
+activations grow between moments, without a move, inside a module's forward. On a simulated
+GPU the pack hook sees them grow: it checks, per new saved storage, whether chunks +
 non-model would pass ``capacity - margin``; if so it has the mover evict idle chunks
 before the activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
 and the activations exceed the capacity it raises the CapacityError a real GPU of that size
@@ -61,8 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk
-from hybridps.client.memory.mover import storage_key
+from hybridps.client.chunks.chunk import Chunk, storage_key
 from hybridps.client.memory.trace import MomentTrace, TraceMode
 from hybridps.common.errors import ConfigError
 
