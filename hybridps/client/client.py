@@ -376,7 +376,7 @@ class Client:
             for kind, chunks in self.store.rows.items()
         }
         return {
-            **self.mover.stats(),
+            **self.mover.figures.stats(),
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,

@@ -180,8 +180,8 @@ def test_the_pack_hook_raises_without_evicting_when_nothing_could_make_room():
     model, _ = gpt_pair()
     engine, capacity_bytes = _engine(model, 0.3)
     chunks = engine.client.mover
-    evictions = chunks.evictions
+    evictions = chunks.counts.evictions
     with pytest.raises(CapacityError, match="out of memory"):
         chunks.fit_non_model("cuda:0", capacity_bytes + 1)
-    assert chunks.evictions == evictions
+    assert chunks.counts.evictions == evictions
     engine.close()

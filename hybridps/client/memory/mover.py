@@ -44,7 +44,6 @@ segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) bu
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -56,7 +55,7 @@ import torch
 from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove, storage_key
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
-from hybridps.client.memory.figures import ChunkFigures
+from hybridps.client.memory.figures import ChunkFigures, MoveCounts
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool
 from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
@@ -142,10 +141,6 @@ class ChunkMover:
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
         #: (event, host buffer, joins the pool) of copies still reading the buffer
         self._in_flight: list[tuple] = []
-        self.prefetches = 0
-        self.prefetch_hits = 0
-        #: chunks a prefetch evicted (the trace used them after the chunk it brought)
-        self.prefetch_evictions = 0
         self.margin_bytes = margin_bytes
         #: decides which chunk leaves a full device (memory/placement.py); the mover moves it
         self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
@@ -160,9 +155,8 @@ class ChunkMover:
         self.peak_all_bytes = 0
         self._used_all_bytes = 0
         self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
-        self.moved_bytes: collections.Counter[str] = collections.Counter()
-        self.moves = 0
-        self.evictions = 0
+        #: moves, evictions, prefetches and bytes copied so far (memory/figures.py)
+        self.counts = MoveCounts()
         self.clock = 0
         #: called as on_move(chunk, src, dst, seconds, evicted) after every move (trace export).
         self.move_listeners: list[Callable[[Chunk, str, str, float, bool], None]] = []
@@ -179,6 +173,10 @@ class ChunkMover:
             reserve_bytes=self.reserve_bytes,
             booked_host_bytes=lambda: self._pool_booked_bytes,
             margin_bytes=margin_bytes,
+            counts=self.counts,
+            pool=self.pool,
+            link=link,
+            arena=arena,
         )
 
     # -- listeners ---------------------------------------------------------------------------
@@ -241,7 +239,7 @@ class ChunkMover:
             listener(chunk, device)
         if chunk.device == device:
             if chunk.first_use():
-                self.prefetch_hits += 1
+                self.counts.prefetch_hits += 1
             chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
         protect = (chunk, *protect)
@@ -300,12 +298,12 @@ class ChunkMover:
                     self.evict(victim)
             except CapacityError:  # nowhere to put them: the prefetch waits for the on-demand bring
                 return False
-            self.prefetch_evictions += len(victims)
+            self.counts.prefetch_evictions += len(victims)
             if self.used_bytes[device] + chunk.nbytes > self.budget(device):
                 return False
         self._move(chunk, device, asynchronous=True)
         chunk.brought_ahead()
-        self.prefetches += 1
+        self.counts.prefetches += 1
         return True
 
     def free(self, chunk: Chunk) -> None:
@@ -632,7 +630,7 @@ class ChunkMover:
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
         if src != dst:
-            self.moved_bytes[f"{src}->{dst}"] += nbytes
+            self.counts.moved_bytes[f"{src}->{dst}"] += nbytes
 
     # -- mechanics -------------------------------------------------------------------------
 
@@ -759,7 +757,7 @@ class ChunkMover:
         device = self._book_chunk(chunk.nbytes, src=src, dst=device, refer=refer, exclude=exclude, plan=plan)
         assert device is not None
         if evicted:
-            self.evictions += 1
+            self.counts.evictions += 1
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
@@ -806,8 +804,8 @@ class ChunkMover:
             self._recycle(old, plan)
         self._collect()
         self._settle_pool()
-        self.moves += 1
-        self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
+        self.counts.moves += 1
+        self.counts.moved_bytes[f"{src}->{device}"] += chunk.nbytes
         seconds = time.perf_counter() - started
         for listener in self.move_listeners:
             listener(chunk, src, device, seconds, evicted)
@@ -830,28 +828,6 @@ class ChunkMover:
         else:
             del self.resident[device][chunk.chunk_id]
             self.payload_ptrs.discard(ptr)
-
-    def stats(self) -> dict:
-        """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
-        pool, the simulated link and the host arena."""
-        return {
-            "devices": self.device_stats(),
-            "moved_bytes": dict(self.moved_bytes),
-            "moves": self.moves,
-            "evictions": self.evictions,
-            "prefetches": self.prefetches,
-            "prefetch_hits": self.prefetch_hits,
-            "prefetch_evictions": self.prefetch_evictions,
-            "pool": self.pool.stats(),
-            **({"link": self.link.stats()} if self.link is not None else {}),
-            "pinned_bytes": self.arena.pinned_bytes if self.arena is not None else 0,
-            **({"arena": self.arena.stats()} if self.arena is not None else {}),
-        }
-
-    def device_stats(self) -> dict[str, dict]:
-        """Per device: chunk bytes and what the node manager books for this client there
-        (memory/figures.py)."""
-        return self.figures.device_stats()
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload, the pool and the arena (client shutdown)."""
