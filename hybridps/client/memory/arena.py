@@ -325,6 +325,16 @@ class HostArena:
             "host arena: +%s segment of %s slots%s", format_bytes(nbytes), format_bytes(slot_bytes), " (pinned)" if pinned else ""
         )
 
+    def grow_and_take(self, dtype: torch.dtype, numel: int, nbytes: int, *, who: object) -> torch.Tensor | None:
+        """Grow by a segment of ``nbytes`` (``grow``) and lend its first slot (``take``); None
+        when the host cannot map it, logged: ``who`` gets a pageable buffer instead."""
+        try:
+            self.grow(numel * dtype.itemsize, nbytes)
+        except OSError as exc:
+            logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, who)
+            return None
+        return self.take(dtype, numel)
+
     def releasable_bytes(self) -> int:
         """Bytes of the segments whose slots are all free (what ``release_idle`` lets go)."""
         with self._lock:

@@ -640,8 +640,8 @@ class ChunkMover:
         ``_retry_out_of_memory``)."""
         buf = plan.slot if plan.slot is not None else plan.taken
         plan.slot = plan.taken = None
-        if buf is None and plan.grow_bytes:
-            buf = self._grow_arena(chunk, plan.grow_bytes)
+        if buf is None and plan.grow_bytes:  # the booked segment's first slot
+            buf = self.arena.grow_and_take(chunk.dtype, chunk.capacity, plan.grow_bytes, who=chunk)
             plan.grow_bytes = 0
         if buf is not None:
             return buf
@@ -649,16 +649,6 @@ class ChunkMover:
         return self._retry_out_of_memory(
             device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect
         )
-
-    def _grow_arena(self, chunk: Chunk, nbytes: int) -> torch.Tensor | None:
-        """Grow the arena by the booked segment and lend ``chunk`` its first slot; None (a
-        pageable buffer instead, the booking settled after) when the host cannot map it."""
-        try:
-            self.arena.grow(chunk.nbytes, nbytes)
-        except OSError as exc:
-            logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, chunk)
-            return None
-        return self.arena.take(chunk.dtype, chunk.capacity)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
