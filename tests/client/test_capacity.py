@@ -31,7 +31,7 @@ class TotalObserver(TorchDispatchMode):
         self.device = engine.client.compute.name
         self.peak_bytes = 0
         self.non_model_peak_bytes = 0
-        engine.client.mover.move_listeners.append(lambda *args: self.sample())
+        engine.client.mover.watch_moves(lambda *args: self.sample())
 
     def sample(self) -> None:
         live = self.engine.tracer.live_non_model()

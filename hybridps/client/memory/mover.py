@@ -40,6 +40,15 @@ slot of a size none is free of grows the arena by a segment, booked in the opera
 request (``_PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
 retried with a segment of one slot after the idle pooled buffers and the arena's empty
 segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) buffers.
+
+[Note: listeners that come and go]
+Who hears of a bring (``watch_accesses``) or a move (``watch_moves``) changes while training
+runs: the tracer listens in a warm-up iteration only, the event recorder while it records,
+the optimizer for its life when steps run on the step worker. They cannot be constructor
+arguments: each is built over the mover, after it. So the mover keeps each set as a tuple
+that only these two verbs replace, never change in place: with nobody listening a bring
+loops over an empty tuple and calls nothing, and a listener that stops while the listeners
+are being called does not make the next one miss the call.
 """
 
 from __future__ import annotations
@@ -158,10 +167,10 @@ class ChunkMover:
         #: moves, evictions, prefetches and bytes copied so far (memory/figures.py)
         self.counts = MoveCounts()
         self.clock = 0
-        #: called as on_move(chunk, src, dst, seconds, evicted) after every move (trace export).
-        self.move_listeners: list[Callable[[Chunk, str, str, float, bool], None]] = []
-        #: called as on_access(chunk, device) on every bring (tracer: the warm-up access order).
-        self.access_listeners: list[Callable[[Chunk, str], None]] = []
+        #: called as on_move(chunk, src, dst, seconds, evicted) after every move, and as
+        #: on_access(chunk, device) on every bring (see [Note: listeners that come and go])
+        self.move_listeners: tuple[Callable[[Chunk, str, str, float, bool], None], ...] = ()
+        self.access_listeners: tuple[Callable[[Chunk, str], None], ...] = ()
         #: storage addresses of every payload, to tell model data from other tensors.
         self.payload_ptrs: set[int] = set()
         #: the figures of the tables above, for the no-room and out-of-memory errors and reports
@@ -182,14 +191,12 @@ class ChunkMover:
     # -- listeners ---------------------------------------------------------------------------
 
     def watch_accesses(self, fn: Callable[[Chunk, str], None], on: bool = True) -> None:
-        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop). Listeners
-        come and go with what they record (the warm-up's accesses, a trace export), so the
-        hot path stays bare while nobody records."""
-        _follow(self.access_listeners, fn, on)
+        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop)."""
+        self.access_listeners = _follow(self.access_listeners, fn, on)
 
     def watch_moves(self, fn: Callable[[Chunk, str, str, float, bool], None], on: bool = True) -> None:
         """Call ``fn(chunk, src, dst, seconds, evicted)`` after every move from now on (``on=False``: stop)."""
-        _follow(self.move_listeners, fn, on)
+        self.move_listeners = _follow(self.move_listeners, fn, on)
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -829,9 +836,8 @@ class ChunkMover:
         self.release_pool()
 
 
-def _follow(listeners: list, fn: Callable, on: bool) -> None:
-    """Add ``fn`` to ``listeners`` once (``on``), or take it out."""
-    if on and fn not in listeners:
-        listeners.append(fn)
-    elif not on and fn in listeners:
-        listeners.remove(fn)
+def _follow(listeners: tuple, fn: Callable, on: bool) -> tuple:
+    """``listeners`` with ``fn`` once, at the end if it was not there (``on``), or without it."""
+    if on:
+        return listeners if fn in listeners else (*listeners, fn)
+    return tuple(f for f in listeners if f != fn)
