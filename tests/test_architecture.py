@@ -6,6 +6,8 @@
 - No module below the ``Client`` facade imports ``hybridps.client.client``, not even for
   type checking: the store, the mover, the groups, the optimizer, the tracer and the rest
   take their collaborators in their constructors.
+- No list of listeners grows outside a constructor: listeners are constructor arguments, and
+  those that come and go while training runs are the mover's tuples (memory/mover.py).
 """
 
 import ast
@@ -247,3 +249,34 @@ class Engine:
     assert names == {"guard", "in_backward", "hook_handles", "_placeholder", "param_dtype", "pending"}
     assert private == ["_placeholder", "pending._waiting"]
     assert sorted(assigned) == ["guard.read_cache", "hook_handles", "in_backward"]
+
+
+def _listener_growth(tree: ast.Module) -> list[str]:
+    """``<...>listeners.append/extend/insert(...)`` calls outside an ``__init__``."""
+    found = []
+
+    def visit(node, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr in ("append", "extend", "insert")
+                and ast.unparse(child.func.value).endswith("listeners")
+                and function != "__init__"
+            ):
+                found.append(f"{function}: {ast.unparse(child)}")
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_list_of_listeners_grows_outside_a_constructor():
+    grown = {name: calls for name, path in _modules().items() if (calls := _listener_growth(ast.parse(path.read_text())))}
+    assert grown == {}
+    example = "class A:\n    def __init__(self, fs):\n        self.listeners = []\n        self.listeners.extend(fs)\n"
+    example += "    def on(self, fn):\n        self.tick_listeners.append(fn)\n"
+    assert _listener_growth(ast.parse(example)) == ["on: self.tick_listeners.append(fn)"]

@@ -9,11 +9,13 @@ moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (t
 the reserve from the trace it holds, memory/trace.py, and the formula from the placement
 policy), and the eviction policy reads the access order.
 
-Owns the driving of the trace: the moments (``tick``), the saved-activation counting of a
-simulated GPU, the chunk accesses and next uses, fitting the chunks of the compute device to
-each moment. The figures themselves (non-model bytes per moment, where the iteration stands,
-the reserve, the peaks) live in the ``MomentTrace`` the mover was built with
-(memory/trace.py, [Note: who holds the trace]); this tracer is their only writer.
+Owns the driving of the trace: the moments (``tick``) and who is told of each (its
+``tick_listeners``, given at construction: the prefetcher, the event recorder), the
+saved-activation counting of a simulated GPU, the recording of the chunk accesses, fitting
+the chunks of the compute device to each moment. The figures themselves (non-model bytes per
+moment, where the iteration stands, the reserve, the peaks, the accesses and next uses) live
+in the ``MomentTrace`` the mover was built with (memory/trace.py, [Note: who holds the
+trace]); this tracer writes them.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
@@ -56,10 +58,9 @@ warm-up's), the trace keeps the larger figure, so later iterations reserve room 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,6 +111,7 @@ class MemoryTracer:
         mover: ChunkMover,
         *,
         enabled: bool = True,
+        tick_listeners: Iterable[Callable[[Hashable, int], None]] = (),
     ):
         self.store = store
         self.mover = mover
@@ -124,9 +126,6 @@ class MemoryTracer:
         #: the figures this tracer writes and the mover reads (memory/trace.py)
         self.trace = trace
         self.label: Hashable = None  # of the last moment
-        self.accesses: list[tuple[int, int, str]] = []  # (moment, chunk_id, device) in order
-        self._next_use: dict[int, list[int]] = {}  # chunk_id -> sorted moments of use
-        self.by_moment: dict[int, list[tuple[int, str]]] = {}  # moment -> (chunk_id, device) used then
         # live measurement on a simulated GPU
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
@@ -138,9 +137,9 @@ class MemoryTracer:
         self._payload_ptrs = mover.payload_ptrs
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
-        #: called as on_tick(label, non_model_bytes) at every moment (prefetcher, event recorder)
-        #: (each is built over this tracer, so it subscribes with ``on_tick``)
-        self.tick_listeners: list[Callable[[Hashable, int], None]] = []
+        #: called as on_tick(label, non_model_bytes) at every moment, in this order (the
+        #: prefetcher, then the event recorder: a moment's history shows the prefetcher's moves)
+        self.tick_listeners = tuple(tick_listeners)
         #: GPU memory this process held before HybridPS started (other models, an EMA copy,
         #: a reference): not the training's, and not counted against the capacity, which is
         #: what HybridPS may use beyond it (the default capacity is read from the free memory)
@@ -260,7 +259,6 @@ class MemoryTracer:
 
     def start_iteration(self) -> None:
         if self.trace.begin_iteration(enabled=self.enabled) is TraceMode.RECORD:
-            self.accesses = []
             self._listen(True)  # chunk accesses are recorded during warm-up only
 
     def _listen(self, on: bool) -> None:
@@ -268,26 +266,7 @@ class MemoryTracer:
 
     def end_iteration(self) -> None:
         self._listen(False)
-        if self.trace.end_iteration():
-            self._finish_trace()
-
-    def _finish_trace(self) -> None:
-        self._next_use = {}
-        self.by_moment = {}
-        for moment, chunk_id, device in self.accesses:
-            self._next_use.setdefault(chunk_id, []).append(moment)
-            self.by_moment.setdefault(moment, []).append((chunk_id, device))
-        logger.info(
-            "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
-            len(self.labels),
-            len(self.accesses),
-            max(self.non_model, default=0),
-        )
-
-    def on_tick(self, fn: Callable[[Hashable, int], None]) -> None:
-        """Call ``fn(label, non_model_bytes)`` at every moment from now on, after the listeners
-        before it (for a listener built over this tracer, as the prefetcher is)."""
-        self.tick_listeners.append(fn)
+        self.trace.end_iteration()
 
     def tick(self, label: Hashable) -> None:
         """Mark a moment; keep the chunks of the compute device within this moment's budget."""
@@ -318,30 +297,15 @@ class MemoryTracer:
         return self._non_model_peak
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
-        if self.trace.mode is TraceMode.RECORD:
-            self.accesses.append((self.trace.moment, chunk.chunk_id, device))
+        trace = self.trace
+        if trace.mode is TraceMode.RECORD:
+            trace.accesses.append((trace.moment, chunk.chunk_id, device))
 
-    # -- what the mover and the eviction policy ask ----------------------------------------
+    # -- what the mover asks ---------------------------------------------------------------
 
     def reserve(self, device: str) -> int:
         """Non-model bytes to keep free on ``device`` from now to the next moment."""
         return self.trace.reserve_bytes(device, self._chunk_bytes.get(device, 0))
-
-    def replaying(self) -> bool:
-        return self.trace.mode is TraceMode.REPLAY
-
-    def next_use(self, chunk: Chunk) -> float:
-        """Moment of the next use of ``chunk`` after now (inf if never in this iteration)."""
-        trace = self.trace
-        if trace.mode is not TraceMode.REPLAY:
-            return float("inf")
-        uses = self._next_use.get(chunk.chunk_id)
-        if not uses:
-            return float("inf")
-        i = bisect.bisect_left(uses, trace.moment)
-        if i < len(uses):
-            return uses[i]
-        return len(trace.labels) + uses[0]  # first use in the next iteration
 
     def stats(self) -> dict:
         return {
