@@ -182,6 +182,6 @@ def test_the_pack_hook_raises_without_evicting_when_nothing_could_make_room():
     chunks = engine.client.mover
     evictions = chunks.counts.evictions
     with pytest.raises(CapacityError, match="out of memory"):
-        chunks.fit_non_model("cuda:0", capacity_bytes + 1)
+        engine.tracer.fit_non_model(capacity_bytes + 1)
     assert chunks.counts.evictions == evictions
     engine.close()

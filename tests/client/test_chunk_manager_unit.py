@@ -109,8 +109,8 @@ def test_the_budget_is_the_capacity_less_the_reserve_and_the_margin():
     for chunk in (a, b, c):
         mover.bring(chunk, GPU)
     assert mover.used_bytes[GPU] == 2 * CHUNK_BYTES and a.device == "cpu" and mover.counts.evictions == 1
-    trace.reserve[GPU] = 3 * CHUNK_BYTES  # activations take everything: fit_budget empties the GPU
-    mover.fit_budget(GPU)
+    trace.reserve[GPU] = 3 * CHUNK_BYTES  # activations take everything: every chunk that may leave goes
+    mover.shrink(GPU, mover.budget(GPU), mover.evictable(GPU))
     assert mover.used_bytes[GPU] == 0 and mover.counts.evictions == 3
 
 

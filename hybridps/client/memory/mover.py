@@ -297,7 +297,7 @@ class ChunkMover:
         need = self.used_bytes[device] + chunk.nbytes - self.budget(device)
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)
-            victims = self.placement.prefetch_victims(self._evictable(device, protect=(chunk,)), chunk, need)
+            victims = self.placement.prefetch_victims(self.evictable(device, protect=(chunk,)), chunk, need)
             if not victims:
                 return False
             try:
@@ -546,45 +546,14 @@ class ChunkMover:
         if self.used_bytes[device] + size <= budget:
             return
         need = self.used_bytes[device] + size - budget
-        victims = self._evictable(device, protect, need_bytes=need)
+        victims = self.evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(
                 self.figures.no_room_message(device, size_bytes=size, budget_bytes=budget, who=who, protect=protect)
             )
-        self._shrink(device, budget - size, victims)
+        self.shrink(device, budget - size, victims)
 
-    def fit_budget(self, device: str) -> None:
-        """Evict chunks not in COMPUTE until the chunks on ``device`` fit its budget of this
-        moment (tidal shrink). Best effort: chunks in COMPUTE stay, and the next access that
-        truly finds no room raises."""
-        budget = self.budget(device)
-        if self.used_bytes[device] <= budget:
-            return
-        self._shrink(device, budget, self._evictable(device))
-
-    def fit_non_model(self, device: str, non_model_bytes: int, *, who: str = "module activations") -> None:
-        """Make room on ``device`` for non-model memory about to reach ``non_model_bytes``:
-        evict chunks not in COMPUTE until chunks + non-model fit ``capacity - margin``.
-
-        Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
-        under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
-        real GPU of that size this is an out-of-memory error. Between the capacity and the
-        margin it evicts what it can and lets the margin shrink (see [Note: the capacity is a
-        hard limit] in memory/tracer.py).
-        """
-        capacity_bytes = self._specs[device].capacity_bytes
-        limit_bytes = capacity_bytes - self.margin_bytes - non_model_bytes
-        if self.used_bytes[device] <= limit_bytes:
-            return
-        victims = self._evictable(device, need_bytes=self.used_bytes[device] - limit_bytes)
-        staying_bytes = self.used_bytes[device] - sum(c.nbytes for c in victims)
-        if staying_bytes + non_model_bytes > capacity_bytes:
-            raise CapacityError(
-                self.figures.out_of_memory_message(device, staying_bytes=staying_bytes, non_model_bytes=non_model_bytes, who=who)
-            )
-        self._shrink(device, limit_bytes, victims)
-
-    def _evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
+    def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
         """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective.
 
         When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
@@ -605,7 +574,7 @@ class ChunkMover:
             chunk.land_collective()
         return [c for c in self.resident[device].values() if free_to_go(c)]
 
-    def _shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
+    def shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
         at most ``limit_bytes``, or no victim is left."""
         while victims and self.used_bytes[device] > limit_bytes:

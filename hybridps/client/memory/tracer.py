@@ -12,7 +12,8 @@ policy), and the eviction policy reads the access order.
 Owns the driving of the trace: the moments (``tick``) and who is told of each (its
 ``tick_listeners``, given at construction: the prefetcher, the event recorder), the
 saved-activation counting of a simulated GPU, the recording of the chunk accesses, fitting
-the chunks of the compute device to each moment. The figures themselves (non-model bytes per
+the chunks of the compute device to each moment and to the activations that grow between
+moments (which chunks may leave, and moving them, are the mover's). The figures themselves (non-model bytes per
 moment, where the iteration stands, the reserve, the peaks, the accesses and next uses) live
 in the ``MomentTrace`` the mover was built with (memory/trace.py, [Note: who holds the
 trace]); this tracer writes them.
@@ -33,8 +34,8 @@ move onto a GPU goes through its budget (the mover's), and ``reserve`` is never 
 non-model bytes live now, so a move keeps the sum within ``capacity - margin``. But
 activations grow between moments, without a move, inside a module's forward. On a simulated
 GPU the pack hook sees them grow: it checks, per new saved storage, whether chunks +
-non-model would pass ``capacity - margin``; if so it has the mover evict idle chunks
-before the activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
+non-model would pass ``capacity - margin``; if so it evicts idle chunks before the
+activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
 and the activations exceed the capacity it raises the CapacityError a real GPU of that size
 would raise as out-of-memory (autograd passes an exception from a pack hook on unchanged).
 The common case costs one integer compare: the sum is compared with ``_watch_bytes``, the
@@ -67,7 +68,7 @@ import torch
 
 from hybridps.client.chunks.chunk import Chunk, storage_key
 from hybridps.client.memory.trace import MomentTrace, TraceMode
-from hybridps.common.errors import ConfigError
+from hybridps.common.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
@@ -227,7 +228,7 @@ class MemoryTracer:
         """The non-model bytes are about to become ``live``: keep chunks + non-model within
         the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""
         if self._chunk_bytes[self._name] + live > self.trace.limit_bytes:
-            self.mover.fit_non_model(self._name, live, who=self._where())
+            self.fit_non_model(live, who=self._where())
         self.trace.note_total(self._chunk_bytes[self._name] + live)
 
     @staticmethod
@@ -278,7 +279,42 @@ class MemoryTracer:
         for listener in self.tick_listeners:
             listener(label, live)
         if self.device.is_gpu:
-            self.mover.fit_budget(self.device.name)
+            self._fit_budget()
+
+    # -- the chunks of the compute device within its memory --------------------------------
+
+    def _fit_budget(self) -> None:
+        """Evict chunks not in COMPUTE until the chunks on the compute device fit its budget of
+        this moment (tidal shrink). Best effort: chunks in COMPUTE stay, and the next access
+        that truly finds no room raises."""
+        mover, name = self.mover, self._name
+        budget = mover.budget(name)
+        if self._chunk_bytes[name] > budget:
+            mover.shrink(name, budget, mover.evictable(name))
+
+    def fit_non_model(self, non_model_bytes: int, *, who: str = "module activations") -> None:
+        """Make room on the compute device for non-model memory about to reach
+        ``non_model_bytes``: evict chunks not in COMPUTE until chunks + non-model fit
+        ``capacity - margin``.
+
+        Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
+        under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
+        real GPU of that size this is an out-of-memory error. Between the capacity and the
+        margin it evicts what it can and lets the margin shrink (see [Note: the capacity is a
+        hard limit]).
+        """
+        mover, name = self.mover, self._name
+        capacity_bytes = self.device.capacity_bytes
+        limit_bytes = capacity_bytes - mover.margin_bytes - non_model_bytes
+        if self._chunk_bytes[name] <= limit_bytes:
+            return
+        victims = mover.evictable(name, need_bytes=self._chunk_bytes[name] - limit_bytes)
+        staying_bytes = self._chunk_bytes[name] - sum(c.nbytes for c in victims)
+        if staying_bytes + non_model_bytes > capacity_bytes:
+            raise CapacityError(
+                mover.figures.out_of_memory_message(name, staying_bytes=staying_bytes, non_model_bytes=non_model_bytes, who=who)
+            )
+        mover.shrink(name, limit_bytes, victims)
 
     def observe(self, live: int | None = None) -> None:
         """Record the peaks of non-model and of chunks + non-model on the compute device."""
