@@ -18,6 +18,12 @@ elements) packed into them with 24.7% padding. The arena maps plain host memory,
 with ``cudaHostRegister`` (no rounding) and carves slots of exactly a chunk's bytes, so
 the chunk size is chosen for padding alone and every pinned byte is a booked byte.
 
+[Note: pinned memory]
+Page-locked host memory makes host<->GPU copies asynchronous and fast, but the OS cannot
+page it out: too much of it starves the host. So only the chunks that cross to the GPU every
+iteration (params and grads on the CPU, the mover's ``_in_arena``) take arena slots, up to
+the arena's cap; the rest is pageable.
+
 [Note: arena growth]
 The arena grows on demand, one segment at a time, and never reserves its cap up front:
 the cap (a quarter of host memory by default) would otherwise be pinned, and booked with

@@ -114,6 +114,10 @@ class ChunkFigures:
             report=self.memory_report(),
         )
 
+    def cuda_out_of_memory_message(self, device: str, what: str, error: BaseException) -> str:
+        """CUDA ran out of memory on ``device`` for ``what`` again after every chunk not in use left."""
+        return reports.cuda_out_of_memory_message(device, what=what, error=error, report=self.memory_report())
+
     def memory_report(self) -> str:
         return reports.memory_report(
             [

@@ -43,12 +43,11 @@ segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) bu
 
 [Note: listeners that come and go]
 Who hears of a bring (``watch_accesses``) or a move (``watch_moves``) changes while training
-runs: the tracer listens in a warm-up iteration only, the event recorder while it records,
-the optimizer for its life when steps run on the step worker. They cannot be constructor
-arguments: each is built over the mover, after it. So the mover keeps each set as a tuple
-that only these two verbs replace, never change in place: with nobody listening a bring
-loops over an empty tuple and calls nothing, and a listener that stops while the listeners
-are being called does not make the next one miss the call.
+runs (the tracer in a warm-up, the event recorder while it records, the optimizer while steps
+run on the step worker), and each is built over the mover, after it: none can be a
+constructor argument. Each set is a tuple that only these two verbs replace, never change in
+place: with nobody listening a bring loops over an empty tuple and calls nothing, and a
+listener that stops during the calls does not make the next one miss its call.
 """
 
 from __future__ import annotations
@@ -431,19 +430,16 @@ class ChunkMover:
             self._return_taken(plan, arena=False)  # the manager chose a device whose payloads are not host memory
         return device
 
-    def _idle_host_bytes(self) -> int:
-        """Host bytes that could go without touching a chunk: the pool's, the arena's empty
-        segments'."""
-        return self.pool.held_bytes + (self.arena.releasable_bytes() if self.arena is not None else 0)
-
     def _can_give_way(self, plan: _PoolPlan) -> bool:
-        """Whether host buffers outside chunks could go to make room for a refused request."""
+        """Whether host buffers outside chunks could go to make room for a refused request:
+        the pool's, what the plan takes from or gives to it, the arena's growth beyond one slot
+        or its empty segments."""
         return bool(
             self.pool.held_bytes
             or plan.give_bytes
             or plan.taken is not None
             or (plan.grow_bytes and plan.grow_bytes > self.arena.one_slot_bytes(plan.arena_bytes))
-            or self._idle_host_bytes()
+            or (self.arena is not None and self.arena.releasable_bytes())
         )
 
     def _give_way(self, plan: _PoolPlan) -> None:
@@ -492,11 +488,7 @@ class ChunkMover:
         plans the arena's growth; and foresees what giving ``old`` will do (its copy still in
         flight: it joins the pool later, booked from now on; an arena slot stays the arena's)."""
         plan = _PoolPlan()
-        if self._in_arena(chunk, device):
-            # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
-            # asynchronous and fast, but the OS cannot page it out: too much of it starves
-            # the host. Only chunks that cross to the GPU get it, up to the arena's cap; the
-            # rest is pageable.
+        if self._in_arena(chunk, device):  # see [Note: pinned memory] in memory/arena.py
             plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
             if plan.slot is None:
                 plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
@@ -628,8 +620,7 @@ class ChunkMover:
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
-        ``_retry_out_of_memory``. It is non-model memory: on a real GPU the
-        tracer counts it in the allocated bytes beyond the chunks."""
+        ``_retry_out_of_memory``: non-model memory, counted on a real GPU by the tracer."""
         torch_device = self._specs[device].torch_device
         what = f"{who} ({format_bytes(numel * dtype.itemsize)} of {dtype})"
         return self._retry_out_of_memory(device, lambda: torch.empty(numel, dtype=dtype, device=torch_device), what, ())
@@ -652,10 +643,7 @@ class ChunkMover:
             try:
                 return make()
             except torch.OutOfMemoryError:
-                raise CapacityError(
-                    f"CUDA out of memory on {device} for {what} even after evicting every chunk not in use. "
-                    f"{first}\n{self.figures.memory_report()}"
-                ) from None
+                raise CapacityError(self.figures.cuda_out_of_memory_message(device, what, first)) from None
 
     def sync(self) -> None:
         """Wait for every copy in flight (copy stream) to finish."""
