@@ -6,6 +6,7 @@
 - No module below the ``Client`` facade imports ``hybridps.client.client``, not even for
   type checking: the store, the mover, the groups, the optimizer, the tracer and the rest
   take their collaborators in their constructors.
+- No module of the package is over 800 lines, no function over 80.
 - No list of listeners grows outside a constructor: listeners are constructor arguments, and
   those that come and go while training runs are the mover's tuples (memory/mover.py).
 """
@@ -249,6 +250,24 @@ class Engine:
     assert names == {"guard", "in_backward", "hook_handles", "_placeholder", "param_dtype", "pending"}
     assert private == ["_placeholder", "pending._waiting"]
     assert sorted(assigned) == ["guard.read_cache", "hook_handles", "in_backward"]
+
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_is_over_800_lines_and_no_function_over_80():
+    long_modules, long_functions = [], []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            long_modules.append((name, source.count("\n")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append((f"{name}.{node.name}", lines))
+    assert long_modules == [] and long_functions == []
 
 
 def _listener_growth(tree: ast.Module) -> list[str]:
