@@ -189,7 +189,7 @@ def test_a_refused_request_leaves_the_pool_and_the_ledger_as_they_were():
     chunk = new_chunk(0)
     manager.place(chunk, "cpu")
     manager.free(chunk)
-    other.add("cuda:0", 2 * CHUNK_BYTES)  # another rank took the GPU's room
+    other.update(book={"cuda:0": 2 * CHUNK_BYTES})  # another rank took the GPU's room
     with pytest.raises(CapacityError):
         manager.bring(chunk, "cuda:0")  # its payload would have been the pooled buffer
     assert manager.pool.held_bytes == CHUNK_BYTES and chunk.payload is None
