@@ -13,10 +13,10 @@ Owns the driving of the trace: the moments (``tick``) and who is told of each (i
 ``tick_listeners``, given at construction: the prefetcher, the event recorder), the
 saved-activation counting of a simulated GPU, the recording of the chunk accesses, fitting
 the chunks of the compute device to each moment and to the activations that grow between
-moments (which chunks may leave, and moving them, are the mover's). The figures themselves (non-model bytes per
-moment, where the iteration stands, the reserve, the peaks, the accesses and next uses) live
-in the ``MomentTrace`` the mover was built with (memory/trace.py, [Note: who holds the
-trace]); this tracer writes them.
+moments (which chunks may leave, and moving them, are the mover's). The figures themselves
+(non-model bytes per moment, where the iteration stands, the reserve, the peaks, the
+accesses and next uses) live in the ``MomentTrace`` the mover was built with
+(memory/trace.py, [Note: who holds the trace]); this tracer writes them.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
