@@ -31,7 +31,7 @@ def offline_belady(tracer, sizes: dict[int, int], capacity: int, margin: int, co
     moments = len(tracer.non_model)
     budget = [capacity - max(tracer.non_model[max(t - 1, 0)], tracer.non_model[t]) - margin for t in range(moments)]
     uses: dict[int, list[int]] = {}
-    for moment, cid, device in tracer.accesses:
+    for moment, cid, device in tracer.trace.accesses:
         if device == compute:
             uses.setdefault(cid, []).append(moment)
 
@@ -43,7 +43,7 @@ def offline_belady(tracer, sizes: dict[int, int], capacity: int, margin: int, co
     resident = set(resident0)
     moved = 0
     by_moment: dict[int, list[tuple[int, str]]] = {}
-    for moment, cid, device in tracer.accesses:
+    for moment, cid, device in tracer.trace.accesses:
         by_moment.setdefault(moment, []).append((cid, device))
     for t in range(moments + 1):
         in_use = {cid for cid, d in by_moment.get(t, ()) if d == compute}

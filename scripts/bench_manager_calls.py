@@ -76,8 +76,8 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             start = collections.Counter(counting.calls)
-            moves0 = client.mover.moves
-            evictions0 = client.mover.evictions
+            moves0 = client.mover.counts.moves
+            evictions0 = client.mover.counts.evictions
         before = sum(counting.calls.values())
         x, y = batch(step, args.batch, args.seq, args.vocab)
         _, loss = engine(x, y)
@@ -99,8 +99,8 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
         "calls_per_step": per_step,
         "total_per_step": sum(calls.values()) / args.steps,
         "total_by_step": by_step,  # warm-up steps included
-        "moves_per_step": (client.mover.moves - moves0) / args.steps,
-        "evictions_per_step": (client.mover.evictions - evictions0) / args.steps,
+        "moves_per_step": (client.mover.counts.moves - moves0) / args.steps,
+        "evictions_per_step": (client.mover.counts.evictions - evictions0) / args.steps,
         "pool": client.mover.pool.stats(),
         "ledger_matches": booked == held,
         "losses": losses,

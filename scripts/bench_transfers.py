@@ -77,7 +77,7 @@ def run_case(args, *, link, prefetch_window: int, prefetch_evicts: bool = True) 
             hidden_fraction=round(1.0 - exposed / busy, 4) if busy > 0 else None,
             moved_bytes_per_step=moved // args.steps,
             prefetches=engine.memory_stats()["prefetches"],
-            prefetch_evictions=engine.client.mover.prefetch_evictions,
+            prefetch_evictions=engine.client.mover.counts.prefetch_evictions,
         )
     engine.close()
     return out

@@ -6,6 +6,9 @@
 - No module below the ``Client`` facade imports ``hybridps.client.client``, not even for
   type checking: the store, the mover, the groups, the optimizer, the tracer and the rest
   take their collaborators in their constructors.
+- No module of the package is over 800 lines, no function over 80.
+- No list of listeners grows outside a constructor: listeners are constructor arguments, and
+  those that come and go while training runs are the mover's tuples (memory/mover.py).
 """
 
 import ast
@@ -247,3 +250,52 @@ class Engine:
     assert names == {"guard", "in_backward", "hook_handles", "_placeholder", "param_dtype", "pending"}
     assert private == ["_placeholder", "pending._waiting"]
     assert sorted(assigned) == ["guard.read_cache", "hook_handles", "in_backward"]
+
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_is_over_800_lines_and_no_function_over_80():
+    long_modules, long_functions = [], []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            long_modules.append((name, source.count("\n")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append((f"{name}.{node.name}", lines))
+    assert long_modules == [] and long_functions == []
+
+
+def _listener_growth(tree: ast.Module) -> list[str]:
+    """``<...>listeners.append/extend/insert(...)`` calls outside an ``__init__``."""
+    found = []
+
+    def visit(node, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr in ("append", "extend", "insert")
+                and ast.unparse(child.func.value).endswith("listeners")
+                and function != "__init__"
+            ):
+                found.append(f"{function}: {ast.unparse(child)}")
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_list_of_listeners_grows_outside_a_constructor():
+    grown = {name: calls for name, path in _modules().items() if (calls := _listener_growth(ast.parse(path.read_text())))}
+    assert grown == {}
+    example = "class A:\n    def __init__(self, fs):\n        self.listeners = []\n        self.listeners.extend(fs)\n"
+    example += "    def on(self, fn):\n        self.tick_listeners.append(fn)\n"
+    assert _listener_growth(ast.parse(example)) == ["on: self.tick_listeners.append(fn)"]

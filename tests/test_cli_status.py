@@ -29,8 +29,8 @@ def daemon():
 def client(daemon):
     info = ClientInfo(rank=3, local_rank=1, pid=os.getpid(), host="node-a", devices=("cpu", "cuda:0"))
     with connect_remote(daemon.endpoint, info) as conn:
-        conn.add("cuda:0", 3 * 1024 * 1024)
-        conn.add("cpu", 512)
+        conn.update(book={"cuda:0": 3 * 1024 * 1024})
+        conn.update(book={"cpu": 512})
         yield conn
 
 

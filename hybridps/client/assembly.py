@@ -7,10 +7,11 @@ order, what works on them, each with its collaborators and listeners given in it
    params registered (the fit check counting the Adam states to come) and the optimizer, with
    its loss scaler (fp16), the engine's step as its driver and its listeners, the params built
    on the meta device given their values (deferred_init.py);
-2. the memory tracer over the mover's trace, and the placement told to read it (eviction
-   "opt"/"auto");
-3. the module hooks, the model's own forward hooks (the engine's), the prefetcher and the
-   event recorder, the state_dict hooks that read a tied param once, the user's optimizer
+2. the prefetcher over the client's trace, then the memory tracer that drives that trace,
+   with the prefetcher and the event recorder as its tick listeners, and the placement told
+   to read the trace (eviction "opt"/"auto");
+3. the module hooks, the model's own forward hooks (the engine's), the event recorder
+   switched on, the state_dict hooks that read a tied param once, the user's optimizer
    turned into a view of the engine's, and the refusal of other optimizers over these params.
 
 Owns that order and nothing after it: the engine keeps the handles (``Parts``); every part
@@ -96,9 +97,17 @@ def build(
     except BaseException:
         client.close()
         raise
-    tracer = MemoryTracer(client.store, client.mover, enabled=config.trace)
+    trace = client.trace
+    prefetcher = (
+        Prefetcher(client.store, client.mover, trace, groups=client.groups, window=config.prefetch_window)
+        if config.prefetch_window
+        else None
+    )
+    # the prefetcher's tick first: a moment's history in the event recorder shows its moves
+    ticks = [prefetcher.on_tick] if prefetcher is not None else []
+    tracer = MemoryTracer(client.store, client.mover, enabled=config.trace, tick_listeners=[*ticks, events.on_moment])
     if config.eviction in ("opt", "auto"):
-        client.placement.use_trace(tracer.next_use, tracer.replaying)
+        client.placement.use_trace(trace.next_use, trace.replaying)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
     client.hook_handles.extend(
@@ -107,13 +116,7 @@ def build(
             model.register_forward_hook(ModelHook(hooks, call_ends), always_call=True),
         ]
     )
-    prefetcher = (
-        Prefetcher(client.store, client.mover, tracer, groups=client.groups, window=config.prefetch_window)
-        if config.prefetch_window
-        else None
-    )
     events.enabled = config.record
-    tracer.on_tick(events.on_moment)  # after the prefetcher's: a moment's history shows its moves
     guard = client.guard
     client.hook_handles.extend(
         [

@@ -118,6 +118,7 @@ class Client:
                 world_size=world_size,
                 placement=self.placement,
                 set_has_grad=set_has_grad,
+                trace=self.trace,
                 process_group=process_group,
             )
         #: what ops on released params mean (placeholder.py)
@@ -127,21 +128,22 @@ class Client:
 
     def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
         """The mover: allocates, copies and books chunks (mover.py); the rows are the store's.
-        Sets the link and the placement it moves by."""
+        Sets the link, the placement it moves by and the trace it budgets by."""
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
         self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        #: the non-model memory of the compute device and what the warm-up used, driven by the
+        #: engine's tracer, read by the mover, the placement and the prefetcher (trace.py)
+        self.trace = MomentTrace(self.compute, margin_bytes=self.config.margin)
         return ChunkMover(
             self.inventory,
             self.connection,
             margin_bytes=self.config.margin,
             link=self.link,
             placement=self.placement,
-            #: the non-model memory of the compute device, driven by the engine's tracer
-            #: (memory_trace.py, [Note: who holds the trace])
-            trace=MomentTrace(self.compute, margin_bytes=self.config.margin),
+            trace=self.trace,
             arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
         )
 
@@ -376,7 +378,7 @@ class Client:
             for kind, chunks in self.store.rows.items()
         }
         return {
-            **self.mover.stats(),
+            **self.mover.figures.stats(),
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,

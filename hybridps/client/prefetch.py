@@ -17,10 +17,13 @@ on every rank (the collective watchdog checks it); the chunks a rank brings for 
 not, since they depend on its memory pressure, so only the gathers decide
 (``PlacementPolicy.prefetch_gathers`` chooses which of them to start).
 
-Owns the mechanics: when (at each moment of a replayed trace), the lookup of chunks by id,
-the record of the warm-up's gathers, starting the copies (``ChunkMover.prefetch``) and the
-gathers (``ChunkGroups.prefetch``). Does not own which chunks or groups go ahead
-(memory/placement.py) nor the copies themselves (memory/mover.py).
+Owns the mechanics: when (at each moment of a replayed trace: the tracer calls ``on_tick``),
+the lookup of chunks by id, starting the copies (``ChunkMover.prefetch``) and the gathers
+(``ChunkGroups.prefetch``). Does not own which chunks or groups go ahead
+(memory/placement.py), the copies themselves (memory/mover.py), nor what the warm-up used at
+each moment (the chunk accesses and gathers: the trace, memory/trace.py, which the tracer
+and the chunk groups write). It reads only the trace, so it is built before the tracer and
+given to it as a tick listener (client/assembly.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
-    from hybridps.client.memory.tracer import MemoryTracer
+    from hybridps.client.memory.trace import MomentTrace
 
 
 class Prefetcher:
@@ -42,7 +45,7 @@ class Prefetcher:
         self,
         store: ChunkStore,
         mover: ChunkMover,
-        tracer: MemoryTracer,
+        trace: MomentTrace,
         *,
         groups: ChunkGroups | None = None,
         window: int = 4,
@@ -50,24 +53,13 @@ class Prefetcher:
     ):
         self.store = store
         self.mover = mover
-        self.tracer = tracer
+        #: where the iteration stands and what the warm-up used at each moment
+        self.trace = trace
         self.window = window
         #: decides what goes ahead (memory/placement.py); the mover's policy unless given
         self.placement = placement if placement is not None else mover.placement
         self._by_id: dict[int, Chunk] | None = None
-        tracer.on_tick(self.on_tick)
         self.groups = groups
-        self._gathers_at: dict[int, list[int]] = {}  # moment -> chunk groups gathered then (warm-up)
-        self._trace_id = -1
-        if self.groups is not None:
-            self.groups.on_gather(self._on_gather)
-
-    def _on_gather(self, g: int) -> None:
-        if self.tracer.mode.value != "record":
-            return
-        if self._trace_id != self.tracer.trace_id:  # a new warm-up: forget the old gathers
-            self._gathers_at, self._trace_id = {}, self.tracer.trace_id
-        self._gathers_at.setdefault(self.tracer.moment, []).append(g)
 
     def _chunk(self, chunk_id: int) -> Chunk | None:
         if self._by_id is None:
@@ -75,15 +67,16 @@ class Prefetcher:
         return self._by_id.get(chunk_id)
 
     def on_tick(self, label: Hashable, non_model_bytes: int) -> None:
-        if not self.tracer.replaying():
+        trace = self.trace
+        if not trace.replaying():
             return
-        now = self.tracer.moment  # accesses right after this tick carry this moment: no gain in prefetching them
+        now = trace.moment  # accesses right after this tick carry this moment: no gain in prefetching them
         placement = self.placement
-        if self.groups is not None and self._trace_id == self.tracer.trace_id:
-            for g in placement.prefetch_gathers(self._gathers_at, now=now):
+        if self.groups is not None:
+            for g in placement.prefetch_gathers(trace.gathers_at, now=now):
                 self.groups.prefetch(g)
         compute = self.store.compute.name
         mover = self.mover
-        for chunk in placement.prefetch_candidates(self.tracer.by_moment, now=now, window=self.window, chunk_of=self._chunk):
+        for chunk in placement.prefetch_candidates(trace.by_moment, now=now, window=self.window, chunk_of=self._chunk):
             if not mover.prefetch(chunk, compute):
                 return  # the budget is full: later chunks would not fit either

@@ -8,14 +8,14 @@ background heartbeat that keeps the lease, and riding out a daemon restart (see
 Does not own the wire format (common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
-The stub keeps its own holdings per device: the sum of its successful adds, places, moves
-and updates minus its removes. When a reply says the daemon no longer knows this client
+The stub keeps its own holdings per device: what its successful updates booked minus what
+they released. When a reply says the daemon no longer knows this client
 (``unknown_client``: the daemon restarted, or the lease expired while this process was
 stopped) or comes from a new daemon instance, the stub registers again under the same
 client id with its holdings in the register request, which the daemon books all or nothing,
 and then sends the request it was making, so the caller sees one ordinary reply. All of
 this happens under the one lock that serializes the socket, so the heartbeat thread and the
-caller never interleave a re-registration with an add or a remove. A restarted daemon
+caller never interleave a re-registration with an update. A restarted daemon
 answers a booking ``recovering`` while it still awaits other clients of its earlier
 instance (see [Note: recovery window] in manager/recovery.py); the stub sleeps
 RECOVERING_RETRY_S and sends it again, for at most RECOVERING_WAIT_LEASES leases.
@@ -224,67 +224,6 @@ class RemoteConnection:
 
     # -- ManagerConnection -----------------------------------------------------------------
 
-    def add(self, device: str, size: int) -> None:
-        device = _canonical(device)
-        with self._lock:
-            reply = self._request_locked(
-                lambda i: p.Add(request_id=i, token=self._token, client_id=self.client_id, device=device, size_bytes=size)
-            )
-            _raise_for(reply)
-            self._holdings[device] = self._holdings.get(device, 0) + size
-
-    def remove(self, device: str, size: int) -> None:
-        device = _canonical(device)
-        with self._lock:
-            reply = self._request_locked(
-                lambda i: p.Remove(request_id=i, token=self._token, client_id=self.client_id, device=device, size_bytes=size)
-            )
-            _raise_for(reply)
-            self._holdings[device] = self._holdings.get(device, 0) - size
-
-    def place(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
-        """Choose a device near ``refer_device`` and book ``size`` bytes there: one request."""
-        exclude = tuple(exclude)
-        with self._lock:
-            reply = self._request_locked(
-                lambda i: p.Place(
-                    request_id=i,
-                    token=self._token,
-                    client_id=self.client_id,
-                    size_bytes=size,
-                    refer_device=refer_device,
-                    exclude=exclude,
-                )
-            )
-            _raise_for(reply)
-            assert isinstance(reply, p.Scheduled)
-            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
-            return reply.device
-
-    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
-        """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
-        near ``refer_device`` and not in ``exclude``): one request; returns the destination."""
-        src = _canonical(src)
-        exclude = tuple(exclude)
-        with self._lock:
-            reply = self._request_locked(
-                lambda i: p.Move(
-                    request_id=i,
-                    token=self._token,
-                    client_id=self.client_id,
-                    size_bytes=size,
-                    src_device=src,
-                    dst_device=_canonical(dst) if dst else "",
-                    refer_device="" if dst else refer_device,
-                    exclude=exclude,
-                )
-            )
-            _raise_for(reply)
-            assert isinstance(reply, p.Scheduled)
-            self._holdings[src] = self._holdings.get(src, 0) - size
-            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + size
-            return reply.device
-
     def update(
         self,
         *,
@@ -452,8 +391,8 @@ class RemoteConnection:
     def _roundtrip(self, request: p.Request, timeout_s: float, retries: int) -> p.Reply | None:
         """One request, up to ``retries`` more tries on a fresh socket; None if all time out.
 
-        Every try sends the same request id, so the daemon applies a retried add or remove
-        only once (service.py, [Note: retries]).
+        Every try sends the same request id, so the daemon applies a retried update only
+        once (service.py, [Note: retries]).
         """
         frames = [transport.DELIMITER, p.encode_request(request)]
         for attempt in range(retries + 1):

@@ -33,7 +33,11 @@ Version 3 added ``update``, which releases and books bytes on any devices and op
 places more, all in one request: a chunk's move together with the host buffers its client
 keeps for reuse, so that one change of what a client holds is one round trip. A version-2
 daemon would answer it ``unknown_op`` only once a client is registered and training; the
-version number makes the mismatch a ``bad_version`` at the first request instead. A
+version number makes the mismatch a ``bad_version`` at the first request instead. Within
+version 3 the verbs ``add``, ``remove``, ``place`` and ``move`` were removed, each a case of
+``update`` that no client of this version sends (the mover sends ``update``, tools
+``schedule`` and ``status``): a peer that still sends one gets ``unknown_op`` with the
+``update`` to send instead (``REMOVED_OPS``), and the daemon carries on. A
 peer speaking another version gets a clear ``bad_version`` error instead of silence, both
 ways: the error reply to a request of another version is framed as version 1
 (``ERROR_REPLY_WIRE_VERSION``), whose error reply (``v``, ``id``, ``instance_id``, ``ok``,
@@ -104,7 +108,7 @@ ERROR_CODES: Mapping[str, str] = {
     "unknown_client": "the client is not registered (never was, unregistered, or its lease expired)",
     "duplicate_client": "a different client is registered under the same client id",
     "unknown_device": "the device is not one this node's daemon manages",
-    "over_remove": "the client removes more bytes from a device than it holds there",
+    "over_remove": "the client releases more bytes on a device than it holds there",
     "capacity": "no device has room for the requested bytes",
     "recovering": "the daemon restarted and new bookings wait for its earlier clients to register again (retry soon)",
     "internal": "the daemon failed while handling a valid request (a bug; see its log)",
@@ -331,28 +335,6 @@ class Heartbeat(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Add(Request):
-    """The client now holds ``size_bytes`` more on ``device``."""
-
-    OP: ClassVar[str] = "add"
-
-    client_id: str
-    device: str
-    size_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Remove(Request):
-    """The client gave back ``size_bytes`` on ``device``."""
-
-    OP: ClassVar[str] = "remove"
-
-    client_id: str
-    device: str
-    size_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class Schedule(Request):
     """Where should ``size_bytes`` go, preferring ``refer_device`` and avoiding ``exclude``?"""
 
@@ -361,33 +343,6 @@ class Schedule(Request):
     client_id: str
     size_bytes: int
     refer_device: str
-    exclude: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Place(Request):
-    """Choose a device for ``size_bytes`` (as schedule does) and book it there, in one step."""
-
-    OP: ClassVar[str] = "place"
-
-    client_id: str
-    size_bytes: int
-    refer_device: str
-    exclude: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Move(Request):
-    """Release ``size_bytes`` on ``src_device`` and book them on ``dst_device`` (or, when it
-    is "", on the device schedule would choose near ``refer_device``), in one step."""
-
-    OP: ClassVar[str] = "move"
-
-    client_id: str
-    size_bytes: int
-    src_device: str
-    dst_device: str = ""
-    refer_device: str = ""
     exclude: tuple[str, ...] = ()
 
 
@@ -425,7 +380,17 @@ class Unregister(Request):
 
 
 REQUEST_TYPES: Mapping[str, type[Request]] = {
-    cls.OP: cls for cls in (Ping, Register, Heartbeat, Add, Remove, Schedule, Place, Move, Update, Status, Unregister)
+    cls.OP: cls for cls in (Ping, Register, Heartbeat, Schedule, Update, Status, Unregister)
+}
+
+#: Booking verbs of earlier releases, answered ``unknown_op`` with what to send instead (see
+#: [Note: versions]).
+REMOVED_OPS: Mapping[str, str] = {
+    "add": "update with book={device: size_bytes}",
+    "remove": "update with release={device: size_bytes}",
+    "place": "update with place_bytes, refer_device and exclude",
+    "move": "update with release={src_device: size_bytes} and book={dst_device: size_bytes}, or with place_bytes, "
+    "refer_device and exclude to let the daemon choose",
 }
 
 
@@ -447,7 +412,7 @@ class Reply(_Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OkReply(Reply):
-    """Done (heartbeat, add, remove, unregister)."""
+    """Done (heartbeat, unregister)."""
 
     KIND: ClassVar[str] = "ok"
 
@@ -488,8 +453,8 @@ class Registered(Reply):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scheduled(Reply):
-    """Answer to schedule, place, move and update: the chosen (for place, move and update:
-    booked) device; "" for an update without a placement."""
+    """Answer to schedule and update: the chosen (for update: booked) device; "" for an
+    update without a placement."""
 
     KIND: ClassVar[str] = "scheduled"
 
@@ -536,6 +501,13 @@ def decode_request(data: bytes) -> Request:
     request_id = _header(obj)
     op = obj.get("op")
     cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
+    if cls is None and op in REMOVED_OPS:
+        raise BadMessage(
+            f"op {op!r} was removed from the hybridps-manager protocol; send {REMOVED_OPS[op]} (one request "
+            f"books and releases bytes on any devices). Known: {', '.join(REQUEST_TYPES)}",
+            "unknown_op",
+            request_id,
+        )
     if cls is None:
         raise BadMessage(f"unknown op {op!r}; known: {', '.join(REQUEST_TYPES)}", "unknown_op", request_id)
     token = obj.get("token", "")

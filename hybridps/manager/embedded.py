@@ -2,8 +2,8 @@
 
 This is the default when no node daemon is configured (one rank, tests, notebooks). It
 serves the same ``ManagerConnection`` interface as the daemon's client stub, so the chunk
-manager cannot tell them apart. ``place``, ``move`` and ``update`` are the ledger's atomic
-verbs, the same code the daemon runs (ledger.py), under this manager's lock.
+mover cannot tell them apart. ``update`` is the ledger's atomic verb, the same code the
+daemon runs (ledger.py), under this manager's lock; ``schedule`` asks the same policy.
 """
 
 from __future__ import annotations
@@ -24,19 +24,9 @@ class ManagerConnection(Protocol):
 
     client_id: str
 
-    def add(self, device: str, size: int) -> None: ...
-
-    def remove(self, device: str, size: int) -> None: ...
-
-    def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str: ...
-
-    def place(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
-        """Choose a device near ``refer_device`` and book ``size`` bytes there, in one step."""
-        ...
-
-    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
-        """Release ``size`` bytes on ``src`` and book them on ``dst`` (None: the device chosen
-        near ``refer_device`` and not in ``exclude``), in one step; returns the destination."""
+    def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
+        """The device ``size`` bytes would go to near ``refer_device`` and not in ``exclude``
+        (nothing booked)."""
         ...
 
     def update(
@@ -82,26 +72,10 @@ class EmbeddedConnection:
         self._reachable = tuple(info.devices) or tuple(manager.ledger.device_names)
         self._closed = False
 
-    def add(self, device: str, size: int) -> None:
-        with self._manager._lock:
-            self._manager.ledger.add(self.client_id, device, size)
-
-    def remove(self, device: str, size: int) -> None:
-        with self._manager._lock:
-            self._manager.ledger.remove(self.client_id, device, size)
-
     def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
         with self._manager._lock:
             free = self._manager.ledger.free_bytes()
             return policy.schedule(size, refer_device, free, self._reachable, exclude=exclude)
-
-    def place(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
-        with self._manager._lock:
-            return self._manager.ledger.place(self.client_id, size, refer_device, tuple(exclude))
-
-    def move(self, size: int, src: str, dst: str | None = None, *, refer_device: str = "cpu", exclude: Sequence[str] = ()) -> str:
-        with self._manager._lock:
-            return self._manager.ledger.move(self.client_id, size, src, dst, refer_device=refer_device, exclude=tuple(exclude))
 
     def update(
         self,

@@ -6,10 +6,9 @@ never removes more than it holds. Every failing call leaves the ledger unchanged
 
 Also owns the atomic verbs both managers serve (the daemon's service and the embedded
 manager call these, so there is one implementation): ``update`` releases and books bytes on
-any devices and books more on a device it chooses with the policy, all in one step; ``add``,
-``remove``, ``place`` (choose a device and book it) and ``move`` (release one device, book
-another, dictated or chosen) are special cases of it; and ``register`` books what a
-returning client already holds all or nothing. A caller holding the ledger's lock for one
+any devices and books more on a device it chooses with the policy, all in one step (a
+placement, a move between devices, a release); and ``register`` books what a returning
+client already holds all or nothing. A caller holding the ledger's lock for one
 call therefore cannot lose room it was offered.
 
 Does not own placement rules (policy.py), sockets (server.py) or time (leases are the
@@ -141,42 +140,6 @@ class Ledger:
 
     # -- usage -----------------------------------------------------------------------------
 
-    def add(self, client_id: str, device: str, size: int) -> None:
-        self._update(client_id, book={device: size}, placing=False)
-
-    def remove(self, client_id: str, device: str, size: int) -> None:
-        self._update(client_id, release={device: size}, placing=False)
-
-    def place(self, client_id: str, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
-        """Choose the device for ``size`` bytes near ``refer_device`` (policy.schedule) and
-        book it there, in one step; returns the device."""
-        device = self._update(client_id, place_bytes=size, refer_device=refer_device, exclude=exclude, placing=True)
-        assert device is not None
-        return device
-
-    def move(
-        self,
-        client_id: str,
-        size: int,
-        src_device: str,
-        dst_device: str | None = None,
-        *,
-        refer_device: str | None = None,
-        exclude: Sequence[str] = (),
-    ) -> str:
-        """Release ``size`` bytes on ``src_device`` and book them on ``dst_device`` (or, when
-        it is None, on the device policy.schedule chooses near ``refer_device`` and not in
-        ``exclude``, with the source's room counted as free: an eviction excludes its
-        source), in one step; returns the destination. On failure nothing changes."""
-        if dst_device:
-            self._update(client_id, release={src_device: size}, book={dst_device: size}, placing=False)
-            return self.device(dst_device).name
-        device = self._update(
-            client_id, release={src_device: size}, place_bytes=size, refer_device=refer_device, exclude=exclude, placing=True
-        )
-        assert device is not None
-        return device
-
     def update(
         self,
         client_id: str,
@@ -192,35 +155,13 @@ class Ledger:
         policy.schedule chooses near ``refer_device`` (default the CPU) and not in
         ``exclude``; returns that device, or None without a placement (``place_bytes`` 0).
         The releases come first: their room counts as free for the bookings and the choice.
-        Every other booking verb is a case of this one. On failure nothing changes.
+        On failure nothing changes.
         """
-        placing = isinstance(place_bytes, int) and place_bytes > 0
-        return self._update(
-            client_id,
-            release=release,
-            book=book,
-            place_bytes=place_bytes,
-            refer_device=refer_device,
-            exclude=exclude,
-            placing=placing,
-        )
-
-    def _update(
-        self,
-        client_id: str,
-        *,
-        release: Mapping[str, int] | None = None,
-        book: Mapping[str, int] | None = None,
-        place_bytes: int = 0,
-        refer_device: str | None = None,
-        exclude: Sequence[str] = (),
-        placing: bool,
-    ) -> str | None:
-        """``update``; ``placing``: choose a device even for ``place_bytes`` 0 (place, move)."""
         acct = self.client(client_id)
         releases = self._by_device(release) if release else {}
         bookings = self._by_device(book) if book else {}
         _check_size(place_bytes)
+        placing = place_bytes > 0
         for name, size in releases.items():
             self._check_held(acct, self._devices[name], size)
         for name, size in bookings.items():
@@ -275,8 +216,8 @@ class Ledger:
         held = acct.held(dev.name)
         if size > held:
             raise ManagerError(
-                f"client {acct.client_id} removes {size} B from {dev.name} but holds only {held} B there; "
-                f"report exactly what was added",
+                f"client {acct.client_id} releases {size} B on {dev.name} but holds only {held} B there; "
+                f"release only what was booked",
                 code="over_remove",
             )
 

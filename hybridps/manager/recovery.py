@@ -19,9 +19,9 @@ node's books would disagree with its memory for as long as the first keeps the r
 
 So the daemon writes its roster (client id, rank, pid, host) to a file beside its socket
 whenever it changes, before it replies. A daemon that starts and finds a roster awaits
-those clients: while any of them is missing, a request that would book new bytes (add,
-place, move, an update that books) is answered ``recovering`` and not applied, and the
-client stub retries it after a short sleep; registrations, removes, releases, heartbeats,
+those clients: while any of them is missing, a request that would book new bytes (an
+update that books or places) is answered ``recovering`` and not applied, and the client
+stub retries it after a short sleep; registrations, updates that only release, heartbeats,
 schedule and status go through. The window closes when every listed client has come back
 (or unregistered), and at the latest one lease after the start: a client silent that long
 would have been dropped anyway. A listed client on this host whose process no longer

@@ -18,17 +18,16 @@ either booked exactly as before or refused with ``capacity`` and left unregister
 registered with less than it holds.
 
 [Note: atomic verbs]
-``place``, ``move`` and ``update`` choose and book under the service's one lock, with the
-same code as the embedded manager (Ledger.update, which every booking verb is): a placement
-is one request and cannot lose room it was offered, as schedule followed by add could, and
-``update`` carries a chunk's move and the client's pooled host buffers in one request.
+``update`` releases, books and chooses under the service's one lock, with the same code as
+the embedded manager (Ledger.update): a placement is one request and cannot lose room it
+was offered, as a schedule followed by a booking could, and one request carries a chunk's
+move and the client's pooled host buffers.
 
 [Note: retries]
 A client that times out sends the same request again with the same request id, and the
-first copy may have been applied after all (the daemon was only slow). Add, remove and
-unregister are not idempotent, nor are place, move and update. Each client's last add,
-remove, place, move or update and its reply are kept, and a request with the same op and
-id is answered from them instead of being applied twice; a retried unregister finds the
+first copy may have been applied after all (the daemon was only slow). Update and
+unregister are not idempotent. Each client's last update and its reply are kept, and a
+request with the same op and id is answered from them instead of being applied twice; a retried unregister finds the
 client gone and gets ``unknown_client``, which the client takes as done. One entry per
 client is enough because a client has one request in flight at a time.
 """
@@ -101,11 +100,7 @@ class ManagerService:
             p.Ping: self._ping,
             p.Register: self._register,
             p.Heartbeat: self._heartbeat,
-            p.Add: self._add,
-            p.Remove: self._remove,
             p.Schedule: self._schedule,
-            p.Place: self._place,
-            p.Move: self._move,
             p.Update: self._update,
             p.Status: self._status,
             p.Unregister: self._unregister,
@@ -231,12 +226,6 @@ class ManagerService:
         self._touch(req.client_id)
         return self._ok(req)
 
-    def _add(self, req: p.Add) -> p.Reply:
-        return self._apply_once(req, lambda: self.ledger.add(req.client_id, req.device, req.size_bytes), books=req.size_bytes > 0)
-
-    def _remove(self, req: p.Remove) -> p.Reply:
-        return self._apply_once(req, lambda: self.ledger.remove(req.client_id, req.device, req.size_bytes), books=False)
-
     def _apply_once(self, req: p.Request, apply: Callable[[], p.Reply | None], *, books: bool) -> p.Reply:
         """Apply a change of the ledger unless it is a retry of the last one (see [Note: retries]).
 
@@ -257,27 +246,6 @@ class ManagerService:
         lease.last_request = (req.OP, req.request_id)
         lease.last_reply = reply
         return reply
-
-    def _place(self, req: p.Place) -> p.Reply:
-        return self._apply_once(
-            req,
-            lambda: self._scheduled(req, self.ledger.place(req.client_id, req.size_bytes, req.refer_device, req.exclude)),
-            books=req.size_bytes > 0,
-        )
-
-    def _move(self, req: p.Move) -> p.Reply:
-        def apply() -> p.Reply:
-            device = self.ledger.move(
-                req.client_id,
-                req.size_bytes,
-                req.src_device,
-                req.dst_device or None,
-                refer_device=req.refer_device or None,
-                exclude=req.exclude,
-            )
-            return self._scheduled(req, device)
-
-        return self._apply_once(req, apply, books=req.size_bytes > 0)
 
     def _update(self, req: p.Update) -> p.Reply:
         def apply() -> p.Reply:

@@ -153,13 +153,13 @@ def simulate(
         engine = initialize(module, optimizer, config)
         with meta_attention_as_flash():
             for _ in range(iterations):
-                moved_before = dict(engine.client.mover.moved_bytes)
+                moved_before = dict(engine.client.mover.counts.moved_bytes)
                 out = engine(*model.inputs(device))
                 engine.backward(model.loss(out))
                 engine.step()
                 engine.zero_grad()
                 done += 1
-        moved_after = dict(engine.client.mover.moved_bytes)
+        moved_after = dict(engine.client.mover.counts.moved_bytes)
     except (ConfigError, CapacityError) as exc:
         where = "initialize" if engine is None else f"iteration {done + 1}"
         failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"

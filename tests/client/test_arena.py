@@ -111,6 +111,19 @@ def test_a_failed_registration_leaves_the_arena_working_and_pageable():
     assert bool((slot == torch.arange(NUMEL, dtype=torch.bfloat16)).all())
 
 
+def test_grow_and_take_lends_the_new_segments_first_slot_or_none_when_the_host_cannot_map_it(monkeypatch, caplog):
+    arena = HostArena(1 << 30)
+    slot = arena.grow_and_take(torch.bfloat16, NUMEL, ONE, who="chunk 7")
+    assert slot is not None and slot.numel() == NUMEL and arena.owns(slot) and arena.held_bytes == ONE
+
+    def no_memory(slot_bytes, nbytes):
+        raise OSError("Cannot allocate memory")
+
+    monkeypatch.setattr(arena, "grow", no_memory)
+    assert arena.grow_and_take(torch.bfloat16, NUMEL, ONE, who="chunk 8") is None
+    assert "chunk 8 gets a pageable buffer" in caplog.text and arena.held_bytes == ONE
+
+
 def test_a_meta_arena_carves_and_counts_as_a_cpu_one_does():
     """The planner's arena (meta) holds what a client's holds for the same takes and gives."""
     figures = []

@@ -31,7 +31,7 @@ class TotalObserver(TorchDispatchMode):
         self.device = engine.client.compute.name
         self.peak_bytes = 0
         self.non_model_peak_bytes = 0
-        engine.client.mover.move_listeners.append(lambda *args: self.sample())
+        engine.client.mover.watch_moves(lambda *args: self.sample())
 
     def sample(self) -> None:
         live = self.engine.tracer.live_non_model()
@@ -180,8 +180,8 @@ def test_the_pack_hook_raises_without_evicting_when_nothing_could_make_room():
     model, _ = gpt_pair()
     engine, capacity_bytes = _engine(model, 0.3)
     chunks = engine.client.mover
-    evictions = chunks.evictions
+    evictions = chunks.counts.evictions
     with pytest.raises(CapacityError, match="out of memory"):
-        chunks.fit_non_model("cuda:0", capacity_bytes + 1)
-    assert chunks.evictions == evictions
+        engine.tracer.fit_non_model(capacity_bytes + 1)
+    assert chunks.counts.evictions == evictions
     engine.close()

@@ -68,8 +68,8 @@ def test_place_books_a_zeroed_payload_where_it_was_asked():
     assert torch.count_nonzero(c.payload) == 0
     assert mover.used_bytes == {GPU: CHUNK_BYTES, "cpu": 0}
     assert mover.resident[GPU] == {0: c} and mover.peak_bytes[GPU] == CHUNK_BYTES
-    assert mover.device_stats()[GPU]["booked_bytes"] == CHUNK_BYTES
-    assert mover.moves == 0
+    assert mover.figures.device_stats()[GPU]["booked_bytes"] == CHUNK_BYTES
+    assert mover.counts.moves == 0
 
 
 def test_bring_moves_the_bytes_and_a_full_gpu_evicts_the_least_recently_used():
@@ -82,8 +82,8 @@ def test_bring_moves_the_bytes_and_a_full_gpu_evicts_the_least_recently_used():
     mover.bring(a, GPU)  # a used again: b is now the least recently used
     mover.bring(c, GPU)
     assert (a.device, b.device, c.device) == (GPU, "cpu", GPU)
-    assert mover.moves == 4 and mover.evictions == 1
-    assert mover.moved_bytes == {f"cpu->{GPU}": 3 * CHUNK_BYTES, f"{GPU}->cpu": CHUNK_BYTES}
+    assert mover.counts.moves == 4 and mover.counts.evictions == 1
+    assert mover.counts.moved_bytes == {f"cpu->{GPU}": 3 * CHUNK_BYTES, f"{GPU}->cpu": CHUNK_BYTES}
     assert mover.used_bytes == {GPU: 2 * CHUNK_BYTES, "cpu": CHUNK_BYTES}
     assert [float(x.payload[0]) for x in (a, b, c)] == [1.0, 2.0, 3.0]  # values survive every move
 
@@ -95,7 +95,7 @@ def test_no_room_when_every_chunk_on_the_gpu_computes():
     mover.bring(a, GPU)
     with pytest.raises(CapacityError, match=r"cuda:0 has no room for chunk b: needs 4\.00 KiB"):
         mover.bring(b, GPU, who="chunk b")
-    assert a.device == GPU and b.device == "cpu" and mover.evictions == 0
+    assert a.device == GPU and b.device == "cpu" and mover.counts.evictions == 0
 
 
 def test_the_budget_is_the_capacity_less_the_reserve_and_the_margin():
@@ -108,10 +108,10 @@ def test_the_budget_is_the_capacity_less_the_reserve_and_the_margin():
     a, b, c = _placed(mover, 3)
     for chunk in (a, b, c):
         mover.bring(chunk, GPU)
-    assert mover.used_bytes[GPU] == 2 * CHUNK_BYTES and a.device == "cpu" and mover.evictions == 1
-    trace.reserve[GPU] = 3 * CHUNK_BYTES  # activations take everything: fit_budget empties the GPU
-    mover.fit_budget(GPU)
-    assert mover.used_bytes[GPU] == 0 and mover.evictions == 3
+    assert mover.used_bytes[GPU] == 2 * CHUNK_BYTES and a.device == "cpu" and mover.counts.evictions == 1
+    trace.reserve[GPU] = 3 * CHUNK_BYTES  # activations take everything: every chunk that may leave goes
+    mover.shrink(GPU, mover.budget(GPU), mover.evictable(GPU))
+    assert mover.used_bytes[GPU] == 0 and mover.counts.evictions == 3
 
 
 def test_the_trace_is_told_each_time_the_chunks_on_the_compute_device_grow():
@@ -134,7 +134,7 @@ def test_evict_and_free_return_the_bytes():
     mover = _mover()
     a, b = _placed(mover, 2, GPU)
     mover.evict(a)
-    assert a.device == "cpu" and mover.used_bytes == {GPU: CHUNK_BYTES, "cpu": CHUNK_BYTES} and mover.evictions == 1
+    assert a.device == "cpu" and mover.used_bytes == {GPU: CHUNK_BYTES, "cpu": CHUNK_BYTES} and mover.counts.evictions == 1
     mover.free(a)
     mover.free(b)
     assert a.payload is None and a.device is None and a.payload_state is PayloadState.ABSENT
@@ -150,16 +150,16 @@ def test_a_prefetch_takes_only_free_room_and_its_first_use_is_a_hit():
     assert mover.prefetch(a, GPU) and mover.prefetch(b, GPU)
     assert a.payload_state is PayloadState.PREFETCHED and a.prefetched
     assert not mover.prefetch(c, GPU)  # full: a prefetch never evicts
-    assert c.device == "cpu" and mover.evictions == 0 and mover.prefetches == 2
+    assert c.device == "cpu" and mover.counts.evictions == 0 and mover.counts.prefetches == 2
     assert not mover.prefetch(a, GPU)  # there already
     mover.bring(a, GPU)
     mover.bring(a, GPU)
-    assert mover.prefetch_hits == 1 and a.payload_state is PayloadState.RESIDENT
+    assert mover.counts.prefetch_hits == 1 and a.payload_state is PayloadState.RESIDENT
     mover.evict(b)  # moved before its use: the prefetch is wasted, not a hit later
     assert b.payload_state is PayloadState.RESIDENT
     mover.bring(b, GPU)
     mover.bring(b, GPU)
-    assert mover.prefetch_hits == 1
+    assert mover.counts.prefetch_hits == 1
 
 
 def test_a_chunk_under_a_collective_is_not_evicted_nor_moved():
@@ -224,7 +224,7 @@ def test_out_of_memory_on_a_real_gpu_evicts_every_idle_chunk_and_retries_once(mo
     out = mover._retry_out_of_memory(GPU, flaky, "a scratch buffer", protect=(b,))
     assert torch.equal(out, torch.ones(3))
     assert calls == [3 * CHUNK_BYTES, 2 * CHUNK_BYTES]  # a went; b (protected) and c (COMPUTE) stayed
-    assert (a.device, b.device, c.device) == ("cpu", GPU, GPU) and mover.evictions == 1
+    assert (a.device, b.device, c.device) == ("cpu", GPU, GPU) and mover.counts.evictions == 1
 
     def never():
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -243,7 +243,7 @@ def test_out_of_memory_off_a_real_gpu_is_passed_on_unchanged():
 
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         mover._retry_out_of_memory(GPU, never, "x", protect=())
-    assert a.device == GPU and mover.evictions == 0
+    assert a.device == GPU and mover.counts.evictions == 0
 
 
 def test_a_freed_host_payload_is_pooled_and_reused_by_the_next_placement():
@@ -252,14 +252,14 @@ def test_a_freed_host_payload_is_pooled_and_reused_by_the_next_placement():
     ptr = a.payload.data_ptr()
     mover.free(a)
     assert mover.pool.held_bytes == CHUNK_BYTES
-    assert mover.device_stats()["cpu"]["booked_bytes"] == CHUNK_BYTES  # the pool's buffer, booked
+    assert mover.figures.device_stats()["cpu"]["booked_bytes"] == CHUNK_BYTES  # the pool's buffer, booked
     b = _chunk(1)
     mover.place(b, "cpu")
     assert b.payload.data_ptr() == ptr and mover.pool.held_bytes == 0
     assert torch.count_nonzero(b.payload) == 0  # zeroed again
-    assert mover.device_stats()["cpu"]["booked_bytes"] == CHUNK_BYTES
+    assert mover.figures.device_stats()["cpu"]["booked_bytes"] == CHUNK_BYTES
     mover.release_all([b])
-    assert mover.device_stats()["cpu"]["booked_bytes"] == 0 and mover.pool.held_bytes == 0
+    assert mover.figures.device_stats()["cpu"]["booked_bytes"] == 0 and mover.pool.held_bytes == 0
 
 
 def test_payload_moves_follow_their_table_and_refuse_the_rest():

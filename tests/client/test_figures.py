@@ -37,3 +37,12 @@ def test_the_no_room_message_names_the_device_the_budget_and_the_report():
     message = figures.no_room_message(GPU, size_bytes=2048, budget_bytes=1024, who="chunk 3", protect=())
     assert message.startswith(f"{GPU} has no room for chunk 3: needs")
     assert "memory report:" in message and "non-model" in message
+
+
+def test_the_movers_stats_read_its_counts_as_they_change():
+    figures, _ = _figures([0])
+    figures.counts.moves += 2
+    figures.counts.moved_bytes["cpu->cuda:0"] += 4096
+    stats = figures.stats()
+    assert stats["moves"] == 2 and stats["evictions"] == 0 and stats["moved_bytes"] == {"cpu->cuda:0": 4096}
+    assert stats["pinned_bytes"] == 0 and "link" not in stats and set(stats["devices"]) == {GPU, "cpu"}

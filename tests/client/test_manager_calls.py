@@ -77,10 +77,10 @@ def assert_exact(manager: ChunkMover, conn: CountingConnection) -> None:
     """The manager books exactly the chunks, plus on the CPU the idle pooled buffers and the
     host arena's bytes that are not chunk payloads."""
     usage = next(c["usage"] for c in conn.status()["clients"] if c["client_id"] == conn.client_id)
-    held = {d: s["used_bytes"] for d, s in manager.device_stats().items()}
+    held = {d: s["used_bytes"] for d, s in manager.figures.device_stats().items()}
     held["cpu"] += manager.pool.held_bytes + manager.arena_idle_bytes
     assert usage == {d: s for d, s in held.items() if s}
-    assert {d: s["booked_bytes"] for d, s in manager.device_stats().items() if s["booked_bytes"]} == usage
+    assert {d: s["booked_bytes"] for d, s in manager.figures.device_stats().items() if s["booked_bytes"]} == usage
 
 
 def test_a_placement_is_one_request_wherever_it_lands():
@@ -117,7 +117,7 @@ def test_an_eviction_is_one_request_and_the_bring_that_needed_it_one_more():
         manager.bring(c, "cuda:0")
     conn.take()
     manager.bring(chunks[2], "cuda:0")  # the GPU holds two: one is evicted first
-    assert manager.evictions == 1
+    assert manager.counts.evictions == 1
     assert conn.take() == {"update": 2}
     assert_exact(manager, conn)
     manager.evict(chunks[2])
@@ -189,7 +189,7 @@ def test_a_refused_request_leaves_the_pool_and_the_ledger_as_they_were():
     chunk = new_chunk(0)
     manager.place(chunk, "cpu")
     manager.free(chunk)
-    other.add("cuda:0", 2 * CHUNK_BYTES)  # another rank took the GPU's room
+    other.update(book={"cuda:0": 2 * CHUNK_BYTES})  # another rank took the GPU's room
     with pytest.raises(CapacityError):
         manager.bring(chunk, "cuda:0")  # its payload would have been the pooled buffer
     assert manager.pool.held_bytes == CHUNK_BYTES and chunk.payload is None
@@ -212,14 +212,14 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
         for step in range(4):
             if step == 2:  # the warm-up steps have placed what they place
                 conn.take()
-                moves = manager.moves
+                moves = manager.counts.moves
             x, y = arithmetic_batch(step, 2, cfg.seq_len, cfg.vocab_size)
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             engine.zero_grad()
         calls = conn.take()
-        moved = manager.moves - moves
+        moved = manager.counts.moves - moves
         assert set(calls) <= {"update"}, calls
         if most_per_step is not None:
             assert sum(calls.values()) <= most_per_step * 2 and moved == 0
@@ -247,7 +247,7 @@ def test_cpu_param_chunks_live_in_the_arena_and_the_manager_books_all_of_it():
             manager.bring(chunks[0], device)
             assert conn.take() == {"update": 1}, device
             assert_exact(manager, conn)
-            booked = manager.device_stats()["cpu"]["booked_bytes"]
+            booked = manager.figures.device_stats()["cpu"]["booked_bytes"]
             assert booked == arena.held_bytes + manager.pool.held_bytes, "the CPU books the whole arena"
     assert arena.owns(chunks[0].payload) and bool((chunks[0].payload == 3.0).all())
     master = Chunk(ChunkKind.MASTER, 5, NUMEL, torch.float32, 5)

@@ -82,9 +82,9 @@ def test_an_out_of_memory_error_evicts_and_retries_once(monkeypatch):
 
     monkeypatch.setattr(Chunk, "new_buffer", flaky)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    evictions = manager.evictions
+    evictions = manager.counts.evictions
     train_engine(engine, 1)
-    assert failures["left"] == 0 and manager.evictions > evictions
+    assert failures["left"] == 0 and manager.counts.evictions > evictions
 
     def always(self, device):
         if device.name == "cuda:0":

@@ -90,8 +90,8 @@ def test_a_daemon_without_a_device_the_client_lists_is_named_with_the_flags_to_a
 
 def test_a_client_holds_gives_back_and_is_refused_like_with_the_embedded_manager(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
-        conn.add("cuda", 1000)  # names are canonicalized: "cuda" is cuda:0
-        conn.add("cpu", 10)
+        conn.update(book={"cuda": 1000})  # names are canonicalized: "cuda" is cuda:0
+        conn.update(book={"cpu": 10})
         assert conn.holdings == {"cuda:0": 1000, "cpu": 10}
         assert conn.schedule(1024 * 1024 - 1000, "cuda:0") == "cuda:0"
         assert conn.schedule(1024 * 1024, "cuda:0") == "cpu"
@@ -99,24 +99,24 @@ def test_a_client_holds_gives_back_and_is_refused_like_with_the_embedded_manager
         with pytest.raises(CapacityError, match="no device has room"):
             conn.schedule(1 << 30, "cuda:0")
         with pytest.raises(CapacityError, match="cannot book"):
-            conn.add("cuda:0", 1 << 20)
+            conn.update(book={"cuda:0": 1 << 20})
         with pytest.raises(ManagerError, match="holds only 10 B") as e:
-            conn.remove("cpu", 11)
+            conn.update(release={"cpu": 11})
         assert e.value.code == "over_remove"
-        conn.remove("cpu", 10)
+        conn.update(release={"cpu": 10})
         assert conn.holdings == {"cuda:0": 1000}
         assert usage_of(daemon.endpoint, conn.client_id) == {"cuda:0": 1000}
         client_id = conn.client_id
     assert usage_of(daemon.endpoint, client_id) is None, "close() unregisters and gives back"
     conn.close()  # twice is fine
     with pytest.raises(ManagerError, match="closed"):
-        conn.add("cpu", 1)
+        conn.update(book={"cpu": 1})
 
 
 @pytest.mark.slow
 def test_heartbeats_keep_an_idle_client_registered_past_its_lease(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
-        conn.add("cpu", 7)
+        conn.update(book={"cpu": 7})
         time.sleep(LEASE_S * 2.5)
         assert usage_of(daemon.endpoint, conn.client_id) == {"cpu": 7}
         assert conn.recoveries == 0
@@ -124,12 +124,12 @@ def test_heartbeats_keep_an_idle_client_registered_past_its_lease(daemon):
 
 def test_a_client_whose_lease_expired_registers_again_and_re_reports_on_its_next_request(daemon, caplog):
     with connect_remote(daemon.endpoint, info()) as conn:
-        conn.add("cpu", 300)
-        conn.add("cuda:0", 400)
+        conn.update(book={"cpu": 300})
+        conn.update(book={"cuda:0": 400})
         conn._stop.set()  # silence the heartbeat, as if this process had been stopped
         conn._heartbeat.join(timeout=5)
         wait_for(lambda: usage_of(daemon.endpoint, conn.client_id) is None, 5 * LEASE_S, what="the lease expiring")
-        conn.add("cpu", 5)
+        conn.update(book={"cpu": 5})
         assert conn.recoveries == 1
         assert usage_of(daemon.endpoint, conn.client_id) == {"cpu": 305, "cuda:0": 400}
     assert f"no longer knows {conn.client_id}" in caplog.text
@@ -142,11 +142,11 @@ def test_a_request_to_a_daemon_that_died_fails_after_its_retries_naming_the_endp
     try:
         d.kill()
         with caplog.at_level(logging.INFO, logger="hybridps.client.remote"):
-            with pytest.raises(ManagerError, match=f"no hybridps-manager answered at {d.endpoint} to add after 0.3 s"):
-                conn.add("cpu", 1)
-        assert [m for m in caplog.messages if "to add in 0.10 s; retrying" in m] == [
-            f"no reply from {d.endpoint} to add in 0.10 s; retrying (1/2)",
-            f"no reply from {d.endpoint} to add in 0.10 s; retrying (2/2)",
+            with pytest.raises(ManagerError, match=f"no hybridps-manager answered at {d.endpoint} to update after 0.3 s"):
+                conn.update(book={"cpu": 1})
+        assert [m for m in caplog.messages if "to update in 0.10 s; retrying" in m] == [
+            f"no reply from {d.endpoint} to update in 0.10 s; retrying (1/2)",
+            f"no reply from {d.endpoint} to update in 0.10 s; retrying (2/2)",
         ]
         assert conn.holdings == {}
     finally:
@@ -186,10 +186,10 @@ def test_a_client_registers_its_model_through_the_daemon_and_gives_every_byte_ba
 def test_a_client_paused_past_its_lease_whose_room_was_lent_out_fails_loudly_never_silently(daemons, caplog):
     d = daemons.start("--device", "cpu=64MiB", "--device", "cuda:0=8MiB", "--simulate", "always", "--lease-s", "0.5")
     with connect_remote(d.endpoint, info()) as a, connect_remote(d.endpoint, info()) as b:
-        a.add("cuda:0", 4_100_000)
+        a.update(book={"cuda:0": 4_100_000})
         with a._lock:  # the process is stopped (SIGSTOP, a debugger): not even its heartbeat runs
             wait_for(lambda: usage_of(d.endpoint, a.client_id) is None, 10, what="the lease expiring")
-            b.add("cuda:0", 6_000_000)  # the daemon lent the room to another client meanwhile
+            b.update(book={"cuda:0": 6_000_000})  # the daemon lent the room to another client meanwhile
         # Resumed: the heartbeat thread tries to register again and is refused. The daemon
         # must never show the client registered with less than it holds.
         deadline_s = time.monotonic() + 1.5
@@ -197,27 +197,28 @@ def test_a_client_paused_past_its_lease_whose_room_was_lent_out_fails_loudly_nev
             assert usage_of(d.endpoint, a.client_id) in (None, {"cuda:0": 4_100_000})
             time.sleep(0.05)
         with pytest.raises(CapacityError) as e:  # the training process learns it on its next request
-            a.add("cpu", 5)
+            a.update(book={"cpu": 5})
         message = str(e.value)
         assert "lease of 0.5 s expired" in message and "4100000 B on cuda:0" in message and "was refused" in message
         assert a.holdings == {"cuda:0": 4_100_000}
-        b.remove("cuda:0", 6_000_000)
-        a.add("cpu", 5)  # room again: registered with all it holds, and the request goes on
+        b.update(release={"cuda:0": 6_000_000})
+        a.update(book={"cpu": 5})  # room again: registered with all it holds, and the request goes on
         assert usage_of(d.endpoint, a.client_id) == {"cuda:0": 4_100_000, "cpu": 5} == a.holdings
 
 
-def test_place_and_move_are_one_request_each_and_keep_the_holdings(daemon):
+def test_placements_and_moves_are_one_update_each_and_keep_the_holdings(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
-        assert conn.place(600_000, "cuda:0") == "cuda:0"
-        assert conn.place(600_000, "cuda:0") == "cpu"
-        assert conn.move(600_000, "cuda:0", refer_device="cpu", exclude=["cuda:0"]) == "cpu"
-        assert conn.move(100, "cpu", "cuda") == "cuda:0"
+        assert conn.update(place_bytes=600_000, refer_device="cuda:0") == "cuda:0"
+        assert conn.update(place_bytes=600_000, refer_device="cuda:0") == "cpu"
+        evicted = conn.update(release={"cuda:0": 600_000}, place_bytes=600_000, refer_device="cpu", exclude=["cuda:0"])
+        assert evicted == "cpu"
+        assert conn.update(release={"cpu": 100}, book={"cuda": 100}) is None  # dictated: nothing chosen
         assert conn.holdings == {"cpu": 1_200_000 - 100, "cuda:0": 100} == usage_of(daemon.endpoint, conn.client_id)
 
 
-def test_removing_nothing_from_a_device_never_booked_is_fine(daemon):
+def test_releasing_nothing_on_a_device_never_booked_is_fine(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
-        conn.remove("cuda:0", 0)  # nothing, from a device never booked: no KeyError (item 11a)
+        conn.update(release={"cuda:0": 0})  # nothing, from a device never booked: no KeyError (item 11a)
         assert conn.holdings == {} and usage_of(daemon.endpoint, conn.client_id) == {}
 
 
@@ -233,7 +234,7 @@ def test_ranks_placing_at_once_on_a_nearly_full_gpu_never_lose_room_they_were_of
         try:
             barrier.wait()
             for _ in range(10):
-                placed.append(conn.place(100_000, "cuda:0"))
+                placed.append(conn.update(place_bytes=100_000, refer_device="cuda:0"))
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -272,7 +273,7 @@ def test_a_client_that_dies_of_an_uncaught_exception_gives_its_bytes_back_at_onc
         "from hybridps.client.remote import connect_remote\n"
         "from hybridps.common.protocol import ClientInfo\n"
         f"conn = connect_remote({d.endpoint!r}, ClientInfo(pid=os.getpid(), devices=('cpu',)))\n"
-        "conn.add('cpu', 1000)\n"
+        "conn.update(book={'cpu': 1000})\n"
         "print('booked', flush=True)\n"
         "raise RuntimeError('training failed')\n"
     )
@@ -394,7 +395,7 @@ def test_an_error_from_whatever_answers_is_raised_and_logged_made_safe_and_bound
     with FakeEndpoint(_squatter) as fake:
         conn = connect_remote(fake.endpoint, info(devices=("cpu",)))
         with pytest.raises(ManagerError) as e:
-            conn.add("cpu", 1)
+            conn.update(book={"cpu": 1})
         message = str(e.value)
         assert e.value.code == "internal", "the code is kept"
         assert message.startswith(r"\x1b[2J\x1b[31mred\r\x00\nAAA") and not CONTROL.search(message)

@@ -47,17 +47,17 @@ def test_the_warm_up_records_what_autograd_saves_and_which_chunk_each_moment_use
     tracer.end_iteration()
     assert tracer.has_trace and tracer.labels == ["a", "b", "c"]
     assert tracer.non_model == [0, 4000, 0] and tracer.non_model_peak == 4000
-    assert [(m, cid) for m, cid, _ in tracer.accesses] == [(1, c0.chunk_id), (2, c1.chunk_id), (3, c0.chunk_id)]
+    assert [(m, cid) for m, cid, _ in tracer.trace.accesses] == [(1, c0.chunk_id), (2, c1.chunk_id), (3, c0.chunk_id)]
 
     tracer.start_iteration()  # replay
-    assert tracer.replaying()
+    assert tracer.trace.replaying()
     tracer.tick("a")
     # the budget keeps room for this moment's and the next one's activations
     assert tracer.reserve("cuda:0") == 4000 and tracer.reserve("cpu") == 0
-    assert [tracer.next_use(c) for c in (c0, c1, c2)] == [1, 2, float("inf")]
+    assert [tracer.trace.next_use(c) for c in (c0, c1, c2)] == [1, 2, float("inf")]
     tracer.tick("b")
     tracer.tick("c")
-    assert tracer.next_use(c1) == 3 + 2  # not again in this iteration: its first use in the next
+    assert tracer.trace.next_use(c1) == 3 + 2  # not again in this iteration: its first use in the next
     tracer.end_iteration()
     assert tracer.stats()["retraces"] == 0
 
@@ -71,7 +71,7 @@ def test_an_iteration_that_departs_from_the_trace_drops_it_and_traces_again():
             mover.bring(c0, "cuda:0")
         tracer.end_iteration()
     assert not tracer.has_trace and tracer.retraces == 1
-    assert tracer.next_use(c0) == float("inf")  # no trace: LRU decides
+    assert tracer.trace.next_use(c0) == float("inf")  # no trace: LRU decides
     tracer.start_iteration()  # records again
     tracer.tick("a")
     tracer.end_iteration()

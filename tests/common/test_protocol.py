@@ -10,12 +10,7 @@ REQUESTS = [
     p.Ping(request_id=1),
     p.Register(request_id=2, client_id="r0-p1-ab", rank=3, local_rank=1, pid=4321, host="node7", devices=("cpu", "cuda:0")),
     p.Heartbeat(request_id=3, client_id="c", token="s3cret"),
-    p.Add(request_id=4, client_id="c", device="cuda:0", size_bytes=4096),
-    p.Remove(request_id=5, client_id="c", device="cpu", size_bytes=0),
     p.Schedule(request_id=6, client_id="c", size_bytes=p.MAX_SIZE_BYTES, refer_device="cuda:1", exclude=("cuda:0",)),
-    p.Place(request_id=9, client_id="c", size_bytes=4096, refer_device="cuda:0", exclude=("cuda:1",)),
-    p.Move(request_id=10, client_id="c", size_bytes=4096, src_device="cuda:0", dst_device="cpu"),
-    p.Move(request_id=11, client_id="c", size_bytes=1, src_device="cuda:0", refer_device="cpu", exclude=("cuda:1",)),
     p.Register(request_id=12, client_id="c", devices=("cpu",), holdings={"cpu": 4096, "cuda:0": 1}),
     p.Update(request_id=13, client_id="c", release={"cuda:0": 4096}, book={"cpu": 4096}),
     p.Update(request_id=14, client_id="c", release={"cpu": 1}, place_bytes=4096, refer_device="cuda:0", exclude=("cuda:1",)),
@@ -60,31 +55,32 @@ def pack(**body):
 
 
 V = p.PROTOCOL_VERSION
-ADD = dict(v=V, op="add", id=7, client_id="c", device="cpu", size_bytes=1)
+SCHEDULE = dict(v=V, op="schedule", id=7, client_id="c", size_bytes=1, refer_device="cpu")
 
 MALFORMED = {
     "random bytes": (b"\xc1\xff\x00garbage", "garbage"),
-    "truncated msgpack": (pack(**ADD)[:-3], "garbage"),
+    "truncated msgpack": (pack(**SCHEDULE)[:-3], "garbage"),
     "empty body": (b"", "garbage"),
-    "two msgpack objects": (pack(**ADD) + pack(**ADD), "garbage"),
+    "two msgpack objects": (pack(**SCHEDULE) + pack(**SCHEDULE), "garbage"),
     "invalid utf-8 in a string": (b"\x81\xa1v\xa2\xff\xfe", "garbage"),
     "a map with integer keys": (msgpack.packb({1: 2}), "garbage"),
     "a list instead of a map": (msgpack.packb([1, "add"]), "bad_request"),
     "a bare integer": (msgpack.packb(5), "bad_request"),
     "no version": (pack(op="ping", id=1), "bad_version"),
-    "version 1 (the old protocol)": (pack(**{**ADD, "v": 1}), "bad_version"),
-    "the next version": (pack(**{**ADD, "v": V + 1}), "bad_version"),
-    "version true": (pack(**{**ADD, "v": True}), "bad_version"),
-    "version as a string": (pack(**{**ADD, "v": str(V)}), "bad_version"),
+    "version 1 (the old protocol)": (pack(**{**SCHEDULE, "v": 1}), "bad_version"),
+    "the next version": (pack(**{**SCHEDULE, "v": V + 1}), "bad_version"),
+    "version true": (pack(**{**SCHEDULE, "v": True}), "bad_version"),
+    "version as a string": (pack(**{**SCHEDULE, "v": str(V)}), "bad_version"),
     "no request id": (pack(v=V, op="ping"), "missing_field"),
     "a negative request id": (pack(v=V, op="ping", id=-1), "bad_field"),
     "unknown op": (pack(v=V, op="format_disk", id=1), "unknown_op"),
+    "a removed op": (pack(v=V, op="add", id=1, client_id="c", device="cpu", size_bytes=1), "unknown_op"),
     "op not a string": (pack(v=V, op=3, id=1), "unknown_op"),
-    "missing size": (pack(**{k: v for k, v in ADD.items() if k != "size_bytes"}), "missing_field"),
+    "missing size": (pack(**{k: v for k, v in SCHEDULE.items() if k != "size_bytes"}), "missing_field"),
     "missing client id": (pack(v=V, op="heartbeat", id=1), "missing_field"),
-    "device not a string": (pack(**{**ADD, "device": 0}), "bad_field"),
-    "client id too long": (pack(**{**ADD, "client_id": "c" * 1000}), "bad_field"),
-    "token not a string": (pack(**{**ADD, "token": 5}), "bad_field"),
+    "device not a string": (pack(**{**SCHEDULE, "refer_device": 0}), "bad_field"),
+    "client id too long": (pack(**{**SCHEDULE, "client_id": "c" * 1000}), "bad_field"),
+    "token not a string": (pack(**{**SCHEDULE, "token": 5}), "bad_field"),
     "exclude not a list": (
         pack(v=V, op="schedule", id=1, client_id="c", size_bytes=1, refer_device="cpu", exclude="cpu"),
         "bad_field",
@@ -94,14 +90,14 @@ MALFORMED = {
         "bad_field",
     ),
     "rank negative": (pack(v=V, op="register", id=1, client_id="c", rank=-3), "bad_field"),
-    "negative size": (pack(**{**ADD, "size_bytes": -1}), "bad_size"),
-    "size 2**64 - 1": (pack(**{**ADD, "size_bytes": 2**64 - 1}), "bad_size"),
-    "size just past the limit": (pack(**{**ADD, "size_bytes": p.MAX_SIZE_BYTES + 1}), "bad_size"),
-    "size 2**70 as a float": (pack(**{**ADD, "size_bytes": float(2**70)}), "bad_size"),
-    "size as a string": (pack(**{**ADD, "size_bytes": "4096"}), "bad_size"),
-    "size true": (pack(**{**ADD, "size_bytes": True}), "bad_size"),
-    "size nil": (pack(**{**ADD, "size_bytes": None}), "bad_size"),
-    "too large": (pack(**{**ADD, "pad": b"x" * p.MAX_REQUEST_BYTES}), "too_large"),
+    "negative size": (pack(**{**SCHEDULE, "size_bytes": -1}), "bad_size"),
+    "size 2**64 - 1": (pack(**{**SCHEDULE, "size_bytes": 2**64 - 1}), "bad_size"),
+    "size just past the limit": (pack(**{**SCHEDULE, "size_bytes": p.MAX_SIZE_BYTES + 1}), "bad_size"),
+    "size 2**70 as a float": (pack(**{**SCHEDULE, "size_bytes": float(2**70)}), "bad_size"),
+    "size as a string": (pack(**{**SCHEDULE, "size_bytes": "4096"}), "bad_size"),
+    "size true": (pack(**{**SCHEDULE, "size_bytes": True}), "bad_size"),
+    "size nil": (pack(**{**SCHEDULE, "size_bytes": None}), "bad_size"),
+    "too large": (pack(**{**SCHEDULE, "pad": b"x" * p.MAX_REQUEST_BYTES}), "too_large"),
 }
 
 
@@ -115,12 +111,20 @@ def test_each_malformed_request_is_refused_with_its_error_code(case):
     assert isinstance(e.value, ProtocolError)
 
 
+@pytest.mark.parametrize("op", ["add", "remove", "place", "move"])
+def test_a_removed_booking_verb_is_refused_naming_it_and_the_update_to_send_instead(op):
+    with pytest.raises(p.BadMessage) as e:
+        p.decode_request(pack(v=V, op=op, id=5, client_id="c", device="cpu", size_bytes=1))
+    assert e.value.code == "unknown_op" and e.value.request_id == 5
+    assert f"op '{op}' was removed" in str(e.value) and "send update with" in str(e.value)
+
+
 def test_a_refusal_carries_the_request_id_when_it_could_be_read():
     with pytest.raises(p.BadMessage) as e:
-        p.decode_request(pack(**{**ADD, "v": 9, "id": 41}))
+        p.decode_request(pack(**{**SCHEDULE, "v": 9, "id": 41}))
     assert e.value.request_id == 41
     with pytest.raises(p.BadMessage) as e:
-        p.decode_request(pack(**{**ADD, "size_bytes": -5, "id": 42}))
+        p.decode_request(pack(**{**SCHEDULE, "size_bytes": -5, "id": 42}))
     assert e.value.request_id == 42
 
 
@@ -129,13 +133,13 @@ def test_a_size_msgpack_cannot_carry_is_refused_when_the_request_is_built():
         msgpack.packb(2**70)
     for size in (2**70, -1, 1.5):
         with pytest.raises(p.BadMessage) as e:
-            p.Add(client_id="c", device="cpu", size_bytes=size)
+            p.Schedule(client_id="c", size_bytes=size, refer_device="cpu")
         assert e.value.code == "bad_size"
 
 
 def test_unknown_extra_fields_are_ignored_for_forward_compatibility():
-    req = p.decode_request(pack(**ADD, priority="high"))
-    assert req == p.Add(request_id=7, client_id="c", device="cpu", size_bytes=1)
+    req = p.decode_request(pack(**SCHEDULE, priority="high"))
+    assert req == p.Schedule(request_id=7, client_id="c", size_bytes=1, refer_device="cpu")
 
 
 def test_a_token_is_sent_only_when_there_is_one():
@@ -223,7 +227,7 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
         dict(op="register", client_id=HOSTILE),
         dict(op="register", client_id="c", host="node\x1b]0;x\x07"),
         dict(op="register", client_id="c", devices=["cpu", "cuda:0\n"]),
-        dict(op="add", client_id="c", device="cpu\x00", size_bytes=1),
+        dict(op="schedule", client_id="c", size_bytes=1, refer_device="cpu\x00"),
         dict(op="update", client_id="c", book={"cpu\x9b": 1}),
     ],
     ids=["client_id", "host", "devices", "device", "book"],

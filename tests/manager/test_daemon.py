@@ -98,7 +98,7 @@ def test_the_runtime_directory_and_socket_are_closed_to_other_users(daemons, mon
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     with connect_remote("auto", info()) as conn:  # clients find the default endpoint too
-        conn.add("cpu", 1)
+        conn.update(book={"cpu": 1})
         assert query_status("auto")["totals"]["used_bytes"] == 1
     # An explicit endpoint in a directory everyone may enter still gets an owner-only socket.
     explicit = daemons.start(*DEVICES, endpoint=f"ipc://{shared / 'm.sock'}")
@@ -160,7 +160,7 @@ def test_loopback_tcp_needs_a_token_unless_every_local_user_is_explicitly_allowe
     d = daemons.start(*DEVICES, "--insecure-local-tcp", endpoint=f"tcp://127.0.0.1:{free_port()}")
     assert "without a token (--insecure-local-tcp): every user of this machine can" in d.stderr
     with connect_remote(d.endpoint, info()) as conn:
-        conn.add("cpu", 7)
+        conn.update(book={"cpu": 7})
         assert query_status(d.endpoint)["devices"]["cpu"]["used_bytes"] == 7
 
 
@@ -175,7 +175,7 @@ def test_with_a_token_configured_a_request_without_it_is_refused(daemons, monkey
         connect_remote(d.endpoint, info())
     assert e.value.code == "unauthorized"
     with connect_remote(d.endpoint, info(), token="s3cret") as conn:
-        conn.add("cpu", 100)
+        conn.update(book={"cpu": 100})
         assert query_status(d.endpoint, token="s3cret")["devices"]["cpu"]["used_bytes"] == 100
     monkeypatch.setenv("HYBRIDPS_TOKEN", "s3cret")
     assert query_status(d.endpoint)["totals"]["used_bytes"] == 0
@@ -193,8 +193,8 @@ def test_metrics_without_a_token_are_served_on_loopback_without_client_ids_or_pi
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--metrics-port", "0")
     with connect_remote(d.endpoint, info()) as conn, connect_remote(d.endpoint, info()) as twin:
-        conn.add("cuda:0", 4096)
-        twin.add("cuda:0", 1000)  # the same rank twice: one series, summed
+        conn.update(book={"cuda:0": 4096})
+        twin.update(book={"cuda:0": 1000})  # the same rank twice: one series, summed
         conn.schedule(1, "cuda:0")
         url = conn.status()["metrics_url"]
         assert url.startswith("http://127.0.0.1:")
@@ -214,7 +214,7 @@ def test_with_a_token_metrics_need_it_as_a_bearer_token_and_name_every_client(da
     monkeypatch.delenv("HYBRIDPS_TOKEN", raising=False)
     d = daemons.start(*DEVICES, "--token", "s3cret", "--metrics-port", "0")
     with connect_remote(d.endpoint, info(), token="s3cret") as conn:
-        conn.add("cuda:0", 4096)
+        conn.update(book={"cuda:0": 4096})
         url = conn.status()["metrics_url"]
         for token in (None, "wrong", ""):
             with pytest.raises(urllib.error.HTTPError) as e:
@@ -389,7 +389,7 @@ def test_long_multipart_messages_cost_the_daemon_little_memory(daemons):
 
 def malformed_messages(n, client_id, rng):
     """``n`` multipart messages, none of which may change the ledger."""
-    valid = p.encode_request(p.Add(request_id=1, client_id=client_id, device="cpu", size_bytes=1))
+    valid = p.encode_request(p.Update(request_id=1, client_id=client_id, book={"cpu": 1}))
 
     def body(**fields):
         return [b"", msgpack.packb(fields, use_bin_type=True)]
@@ -412,6 +412,19 @@ def malformed_messages(n, client_id, rng):
             for _ in range(rng.randrange(4))
         }
 
+    ids = iter(range(2, 2**32))
+
+    def next_id():
+        """A fresh request id: the daemon answers a client's repeated update id from its last
+        reply (service.py, [Note: retries]), which would hide what the request is refused for."""
+        return next(ids)
+
+    def bad_size():
+        size = rng.choice([-1, -(2**63), 2**64 - 1, p.MAX_SIZE_BYTES + 1, float(2**70), "4096", True, None, [1]])
+        if rng.random() < 0.5:
+            return body(v=p.PROTOCOL_VERSION, id=1, op="schedule", client_id=client_id, refer_device="cpu", size_bytes=size)
+        return body(v=p.PROTOCOL_VERSION, id=next_id(), op="update", client_id=client_id, refer_device="cpu", place_bytes=size)
+
     makers = [
         lambda: [b"", rng.randbytes(rng.randrange(0, 200))],
         lambda: [b"", msgpack.packb(random_obj(), use_bin_type=True)],
@@ -424,32 +437,29 @@ def malformed_messages(n, client_id, rng):
         lambda: body(
             v=rng.choice([0, 1, p.PROTOCOL_VERSION + 1, -1, "2", None, 1.0001, [1]]),
             id=1,
-            op="add",
+            op="update",
+            client_id=client_id,
+            book={"cpu": 1},
+        ),
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["update", "schedule", "heartbeat", "unregister", "register"])),
+        # the booking verbs of earlier releases, with their fields: unknown_op, nothing booked
+        lambda: body(
+            v=p.PROTOCOL_VERSION,
+            id=1,
+            op=rng.choice(["add", "remove", "place", "move"]),
             client_id=client_id,
             device="cpu",
+            src_device="cpu",
+            refer_device="cpu",
             size_bytes=1,
         ),
-        lambda: body(
-            v=p.PROTOCOL_VERSION, id=1, op=rng.choice(["add", "remove", "schedule", "heartbeat", "unregister", "register"])
-        ),
-        lambda: body(
-            v=p.PROTOCOL_VERSION,
-            id=1,
-            op=rng.choice(["add", "remove", "schedule"]),
-            client_id=client_id,
-            device="cpu",
-            refer_device="cpu",
-            size_bytes=rng.choice([-1, -(2**63), 2**64 - 1, p.MAX_SIZE_BYTES + 1, float(2**70), "4096", True, None, [1]]),
-        ),
-        lambda: body(
-            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=rng.choice([3, None, b"raw", ["c"]]), device="cpu", size_bytes=1
-        ),
+        bad_size,
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="update", client_id=rng.choice([3, None, b"raw", ["c"]]), book={"cpu": 1}),
         lambda: body(
             v=p.PROTOCOL_VERSION,
             id=1,
-            op=rng.choice(["add", "remove", "schedule", "register"]),
+            op=rng.choice(["update", "schedule", "register"]),
             client_id=client_id,
-            device=rng.choice([0, None, "x" * 300]),
             size_bytes=1,
             refer_device=[1],
             exclude=5,
@@ -461,20 +471,17 @@ def malformed_messages(n, client_id, rng):
         lambda: [b"junk", valid],
         lambda: [b"", valid, b"trailer"],
         lambda: [b""],
+        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="update", client_id="someone-else", book={"cpu": 1}),
         lambda: body(
-            v=p.PROTOCOL_VERSION, id=1, op="remove", client_id=client_id, device="cuda:0", size_bytes=10**9
-        ),  # more than held
-        lambda: body(v=p.PROTOCOL_VERSION, id=1, op="add", client_id="someone-else", device="cpu", size_bytes=1),
-        lambda: body(
-            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device=rng.choice(["cuda:9", "tpu", ""]), size_bytes=1
+            v=p.PROTOCOL_VERSION, id=next_id(), op="update", client_id=client_id, book={rng.choice(["cuda:9", "tpu", ""]): 1}
         ),
         lambda: body(
-            v=p.PROTOCOL_VERSION, id=1, op="add", client_id=client_id, device="cuda:1", size_bytes=65 << 20
+            v=p.PROTOCOL_VERSION, id=next_id(), op="update", client_id=client_id, book={"cuda:1": 65 << 20}
         ),  # past capacity
         lambda: body(v=p.PROTOCOL_VERSION, id=1, op="unregister", client_id="someone-else"),
         lambda: body(
             v=p.PROTOCOL_VERSION,
-            id=1,
+            id=next_id(),
             op="update",
             client_id=client_id,
             **rng.choice(
@@ -499,8 +506,8 @@ def malformed_messages(n, client_id, rng):
 def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unchanged(daemons):
     d = daemons.start(*DEVICES)
     with connect_remote(d.endpoint, info()) as conn:
-        conn.add("cpu", 1000)
-        conn.add("cuda:0", 2000)
+        conn.update(book={"cpu": 1000})
+        conn.update(book={"cuda:0": 2000})
         before = query_status(d.endpoint)
         n, batch = 10_000, 500
         ctx = zmq.Context()
@@ -548,8 +555,65 @@ def test_ten_thousand_malformed_messages_leave_the_daemon_up_and_the_ledger_unch
         after = query_status(d.endpoint)
         assert after["devices"] == before["devices"]
         assert [c["usage"] for c in after["clients"]] == [{"cpu": 1000, "cuda:0": 2000}]
-        conn.add("cuda:1", 5)  # the next valid request is answered
+        conn.update(book={"cuda:1": 5})  # the next valid request is answered
         assert query_status(d.endpoint)["devices"]["cuda:1"]["used_bytes"] == 5
+    assert d.alive
+
+
+#: The booking verbs of earlier releases, each as an old client sent it.
+REMOVED_VERBS = [
+    ("add", dict(device="cpu", size_bytes=10)),
+    ("remove", dict(device="cpu", size_bytes=10)),
+    ("place", dict(size_bytes=10, refer_device="cpu", exclude=[])),
+    ("move", dict(size_bytes=10, src_device="cpu", dst_device="cuda:0", refer_device="", exclude=[])),
+]
+
+
+def _old_client_body(request_id, op, client_id, fields):
+    return msgpack.packb({"v": p.PROTOCOL_VERSION, "id": request_id, "op": op, "client_id": client_id, **fields})
+
+
+def _assert_names_the_verb_and_update(reply, op, request_id):
+    assert isinstance(reply, p.ErrorReply) and reply.code == "unknown_op" and reply.request_id == request_id
+    assert f"op '{op}' was removed" in reply.message and "send update with" in reply.message, reply.message
+
+
+def test_a_removed_booking_verb_gets_an_error_naming_it_and_the_update_to_send_and_the_server_serves_on(tmp_path):
+    service = ManagerService([DeviceSpec(name="cpu", capacity_bytes=1 << 20)], instance_id="i")
+    server = ManagerServer(service, f"ipc://{tmp_path / 'unbound.sock'}")  # answers frames; no socket needed
+    try:
+        assert isinstance(service.handle(p.Register(request_id=1, client_id="old", devices=("cpu",))), p.Registered)
+        for request_id, (op, fields) in enumerate(REMOVED_VERBS, start=2):
+            frames = server.handle_frames([b"peer", transport.DELIMITER, _old_client_body(request_id, op, "old", fields)])
+            assert frames is not None and frames[:2] == [b"peer", transport.DELIMITER]
+            _assert_names_the_verb_and_update(p.decode_reply(frames[2]), op, request_id)
+        assert service.metrics.errors[("invalid", "unknown_op")] == len(REMOVED_VERBS)
+        assert service.status()["clients"][0]["usage"] == {}, "nothing was booked"
+        update = p.Update(request_id=9, client_id="old", book={"cpu": 10})
+        frames = server.handle_frames([b"peer", transport.DELIMITER, p.encode_request(update)])
+        assert p.decode_reply(frames[2]).ok and service.status()["clients"][0]["usage"] == {"cpu": 10}
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_an_old_client_sending_a_removed_booking_verb_is_told_what_to_send_and_the_daemon_stays_up(daemons):
+    d = daemons.start(*DEVICES)
+    with connect_remote(d.endpoint, info()) as conn:
+        ctx = zmq.Context()
+        sock = transport.dealer(ctx, d.endpoint)
+        try:
+            for request_id, (op, fields) in enumerate(REMOVED_VERBS, start=1):
+                sock.send_multipart([b"", _old_client_body(request_id, op, conn.client_id, fields)])
+                assert sock.poll(5000), f"no reply to {op}"
+                _, body = sock.recv_multipart()
+                _assert_names_the_verb_and_update(p.decode_reply(body), op, request_id)
+        finally:
+            sock.close()
+            ctx.term()
+        assert query_status(d.endpoint)["totals"]["used_bytes"] == 0
+        conn.update(book={"cpu": 10})  # the daemon serves on
+        assert query_status(d.endpoint)["devices"]["cpu"]["used_bytes"] == 10
     assert d.alive
 
 
@@ -564,7 +628,7 @@ def test_a_request_whose_names_or_op_hold_control_characters_gets_a_safe_error_a
     requests = [
         dict(op="register", client_id=HOSTILE, devices=["cpu"]),
         dict(op="register", client_id="c-ok", host=HOSTILE, devices=["cpu"]),
-        dict(op="add", client_id=HOSTILE, device="cpu", size_bytes=1),
+        dict(op="update", client_id=HOSTILE, book={"cpu": 1}),
         dict(op="heartbeat", client_id="\x9b" * 200),
         dict(op=HOSTILE + "x" * 60_000, client_id="c-ok"),
     ]
@@ -585,7 +649,7 @@ def test_a_request_whose_names_or_op_hold_control_characters_gets_a_safe_error_a
         sock.close()
         ctx.term()
     with connect_remote(d.endpoint, info()) as conn:  # and serves the next client
-        conn.add("cpu", 10)
+        conn.update(book={"cpu": 10})
         (client,) = query_status(d.endpoint)["clients"]
         assert client["client_id"] == conn.client_id and client["usage"] == {"cpu": 10}
     assert d.alive

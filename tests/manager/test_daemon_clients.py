@@ -36,7 +36,8 @@ ctx = mp.get_context("fork")
 
 
 def random_ops(conn, rng, counts, n_ops=None, stop=None):
-    """Random add/remove/schedule until ``n_ops`` are done or the ``stop`` flag is set."""
+    """Random bookings, releases, placements, moves (each one update) and schedules until
+    ``n_ops`` are done or the ``stop`` flag is set; ``counts`` by op on the wire."""
     i = 0
     while (n_ops is None or i < n_ops) and (stop is None or not stop.value):
         i += 1
@@ -44,28 +45,33 @@ def random_ops(conn, rng, counts, n_ops=None, stop=None):
         held = conn.holdings
         if r < 0.45 or not held:
             try:
-                conn.add(rng.choice(DEVICE_NAMES), rng.randint(1, 1 << 20))
+                conn.update(book={rng.choice(DEVICE_NAMES): rng.randint(1, 1 << 20)})
             except CapacityError:
                 counts["refused"] += 1
-            counts["add"] += 1
+            counts["update"] += 1
         elif r < 0.65:
             device = rng.choice(sorted(held))
-            conn.remove(device, rng.randint(1, held[device]))
-            counts["remove"] += 1
+            conn.update(release={device: rng.randint(1, held[device])})
+            counts["update"] += 1
         elif r < 0.75:
             try:
-                assert conn.place(rng.randint(1, 1 << 20), rng.choice(DEVICE_NAMES)) in DEVICE_NAMES
+                size = rng.randint(1, 1 << 20)
+                assert conn.update(place_bytes=size, refer_device=rng.choice(DEVICE_NAMES)) in DEVICE_NAMES
             except CapacityError:
                 counts["refused"] += 1
-            counts["place"] += 1
+            counts["update"] += 1
         elif r < 0.85:
             src = rng.choice(sorted(held))
             dst = rng.choice([None, *DEVICE_NAMES])
+            size = rng.randint(0, held[src])
             try:
-                conn.move(rng.randint(0, held[src]), src, dst, refer_device=rng.choice(DEVICE_NAMES))
+                if dst is None:  # chosen by the daemon, never the source
+                    conn.update(release={src: size}, place_bytes=size, refer_device=rng.choice(DEVICE_NAMES), exclude=[src])
+                else:
+                    conn.update(release={src: size}, book={dst: size})
             except CapacityError:
                 counts["refused"] += 1
-            counts["move"] += 1
+            counts["update"] += 1
         else:
             exclude = tuple(rng.sample(DEVICE_NAMES[1:], rng.randint(0, 1)))
             try:
@@ -79,7 +85,7 @@ def client_process(endpoint, rank, results, release, n_ops, stop, conn_kwargs):
     try:
         info = ClientInfo(rank=rank, local_rank=rank, pid=os.getpid(), host="testhost", devices=DEVICE_NAMES)
         conn = connect_remote(endpoint, info, **conn_kwargs)
-        counts = {"add": 0, "remove": 0, "schedule": 0, "place": 0, "move": 0, "refused": 0}
+        counts = {"update": 0, "schedule": 0, "refused": 0}
         random_ops(conn, random.Random(rank), counts, n_ops=n_ops, stop=stop)
         results.put(("ok", rank, conn.client_id, conn.holdings, counts, conn.recoveries))
         # Stay registered (heartbeating) until the test has compared the ledger.
@@ -188,7 +194,7 @@ def test_sixteen_clients_doing_two_thousand_random_requests_each_leave_an_exact_
     # No request went unanswered: every op a client made got exactly one reply, and the
     # daemon counted exactly that many (no retries were needed).
     metrics = scrape(status["metrics_url"])
-    ops = ("add", "remove", "schedule", "place", "move")
+    ops = ("update", "schedule")
     for op in ops:
         assert requests_counted(metrics, op) == sum(r[4][op] for r in reports), op
     assert sum(sum(r[4][op] for op in ops) for r in reports) == n_clients * n_ops

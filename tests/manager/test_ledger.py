@@ -15,9 +15,9 @@ def test_usage_is_booked_per_client_and_device_with_peaks():
     led = make_ledger()
     led.register("a", ClientInfo(rank=0))
     led.register("b", ClientInfo(rank=1))
-    led.add("a", "cuda:0", 60)
-    led.add("b", "cpu", 300)
-    led.remove("a", "cuda:0", 50)
+    led.update("a", book={"cuda:0": 60})
+    led.update("b", book={"cpu": 300})
+    led.update("a", release={"cuda:0": 50})
     snap = led.snapshot()
     assert snap["devices"]["cuda:0"] == {
         "capacity_bytes": 100,
@@ -32,9 +32,9 @@ def test_usage_is_booked_per_client_and_device_with_peaks():
 def test_booking_past_capacity_is_refused_and_changes_nothing():
     led = make_ledger()
     led.register("a", ClientInfo())
-    led.add("a", "cuda:0", 90)
+    led.update("a", book={"cuda:0": 90})
     with pytest.raises(CapacityError, match="cannot book"):
-        led.add("a", "cuda:0", 11)
+        led.update("a", book={"cuda:0": 11})
     assert led.device("cuda:0").used_bytes == 90
 
 
@@ -42,10 +42,10 @@ def test_removing_more_than_held_is_refused_and_nothing_goes_negative():
     led = make_ledger()
     led.register("a", ClientInfo())
     led.register("b", ClientInfo())
-    led.add("a", "cpu", 10)
-    led.add("b", "cpu", 10)
+    led.update("a", book={"cpu": 10})
+    led.update("b", book={"cpu": 10})
     with pytest.raises(ManagerError, match="holds only 10 B"):
-        led.remove("a", "cpu", 11)
+        led.update("a", release={"cpu": 11})
     assert led.device("cpu").used_bytes == 20
 
 
@@ -54,15 +54,15 @@ def test_absurd_sizes_are_refused(size):
     led = make_ledger()
     led.register("a", ClientInfo())
     with pytest.raises(ManagerError):
-        led.add("a", "cpu", size)
+        led.update("a", book={"cpu": size})
     assert led.device("cpu").used_bytes == 0
 
 
 def test_unregistering_a_client_reclaims_what_it_held():
     led = make_ledger()
     led.register("a", ClientInfo())
-    led.add("a", "cpu", 10)
-    led.add("a", "cuda:0", 20)
+    led.update("a", book={"cpu": 10})
+    led.update("a", book={"cuda:0": 20})
     assert led.unregister("a") == {"cpu": 10, "cuda:0": 20}
     assert led.device("cpu").used_bytes == 0 and led.device("cuda:0").used_bytes == 0
 
@@ -70,10 +70,10 @@ def test_unregistering_a_client_reclaims_what_it_held():
 def test_unknown_devices_and_clients_are_named():
     led = make_ledger()
     with pytest.raises(ManagerError, match="unknown client 'zz'"):
-        led.add("zz", "cpu", 1)
+        led.update("zz", book={"cpu": 1})
     led.register("a", ClientInfo())
     with pytest.raises(ManagerError, match="unknown device 'cuda:7'"):
-        led.add("a", "cuda:7", 1)
+        led.update("a", book={"cuda:7": 1})
 
 
 def test_schedule_prefers_the_referred_device_then_cpu_then_the_roomiest_gpu():
@@ -95,40 +95,40 @@ def test_schedule_without_room_names_the_size_and_what_is_free():
 # -- atomic verbs (one implementation, shared by the daemon and the embedded manager) -----
 
 
-def test_place_chooses_and_books_in_one_step_like_schedule_then_add():
+def test_a_placement_chooses_and_books_in_one_step_like_schedule_then_a_booking():
     led = make_ledger()
     led.register("a", ClientInfo())
-    assert led.place("a", 60, "cuda:0") == "cuda:0"
-    assert led.place("a", 60, "cuda") == "cpu"  # cuda:0 has 40 B left: the CPU next
-    assert led.place("a", 10, "cuda:0", exclude=["cuda:0"]) == "cpu"
+    assert led.update("a", place_bytes=60, refer_device="cuda:0") == "cuda:0"
+    assert led.update("a", place_bytes=60, refer_device="cuda") == "cpu"  # cuda:0 has 40 B left: the CPU next
+    assert led.update("a", place_bytes=10, refer_device="cuda:0", exclude=["cuda:0"]) == "cpu"
     assert {c["client_id"]: c["usage"] for c in led.snapshot()["clients"]} == {"a": {"cuda:0": 60, "cpu": 70}}
     before = led.snapshot()
     with pytest.raises(CapacityError, match="no device has room"):
-        led.place("a", 5000, "cuda:0")
+        led.update("a", place_bytes=5000, refer_device="cuda:0")
     assert led.snapshot() == before
 
 
-def test_move_releases_the_source_and_books_the_destination_in_one_step_or_changes_nothing():
+def test_a_move_releases_the_source_and_books_the_destination_in_one_step_or_changes_nothing():
     led = make_ledger()
     led.register("a", ClientInfo())
     led.register("b", ClientInfo())
-    led.add("a", "cuda:0", 80)
-    assert led.move("a", 50, "cuda:0", "cpu") == "cpu"
+    led.update("a", book={"cuda:0": 80})
+    assert led.update("a", release={"cuda:0": 50}, book={"cpu": 50}) is None
     assert led.client("a").usage == {"cuda:0": 30, "cpu": 50}
     # chosen: near the CPU, never the excluded source
-    assert led.move("a", 30, "cuda:0", refer_device="cpu", exclude=["cuda:0"]) == "cpu"
+    assert led.update("a", release={"cuda:0": 30}, place_bytes=30, refer_device="cpu", exclude=["cuda:0"]) == "cpu"
     # chosen with the source's room counted: cuda:0 is full, yet its own 80 B may stay there
-    led.move("a", 80, "cpu", "cuda:0")
-    led.add("b", "cuda:0", 20)
-    assert led.move("a", 80, "cuda:0", refer_device="cuda:0") == "cuda:0"
-    led.add("b", "cpu", 1000)
+    led.update("a", release={"cpu": 80}, book={"cuda:0": 80})
+    led.update("b", book={"cuda:0": 20})
+    assert led.update("a", release={"cuda:0": 80}, place_bytes=80, refer_device="cuda:0") == "cuda:0"
+    led.update("b", book={"cpu": 1000})
     before = led.snapshot()
     with pytest.raises(CapacityError, match="cannot move"):
-        led.move("a", 80, "cuda:0", "cpu")
+        led.update("a", release={"cuda:0": 80}, book={"cpu": 80})
     with pytest.raises(CapacityError, match="no device has room"):
-        led.move("a", 80, "cuda:0", refer_device="cpu", exclude=["cuda:0"])
+        led.update("a", release={"cuda:0": 80}, place_bytes=80, refer_device="cpu", exclude=["cuda:0"])
     with pytest.raises(ManagerError, match="holds only 80 B") as e:
-        led.move("a", 81, "cuda:0", "cpu")
+        led.update("a", release={"cuda:0": 81}, book={"cpu": 81})
     assert e.value.code == "over_remove"
     assert led.snapshot() == before
 
@@ -136,7 +136,7 @@ def test_move_releases_the_source_and_books_the_destination_in_one_step_or_chang
 def test_register_with_holdings_books_them_all_or_nothing():
     led = make_ledger()
     led.register("b", ClientInfo())
-    led.add("b", "cuda:0", 70)
+    led.update("b", book={"cuda:0": 70})
     with pytest.raises(CapacityError, match="cuda:0: 40 B .*held, 30 B free") as e:
         led.register("a", ClientInfo(), {"cpu": 500, "cuda:0": 40})
     assert "nothing was booked" in str(e.value)
@@ -145,15 +145,15 @@ def test_register_with_holdings_books_them_all_or_nothing():
     assert led.client("a").usage == {"cpu": 500, "cuda:0": 30} and led.free_bytes() == {"cpu": 500, "cuda:0": 0}
 
 
-# -- update: every booking verb is one of its cases ----------------------------------------
+# -- update: releases, bookings and a placement in one step --------------------------------
 
 
 def test_update_releases_first_then_books_and_chooses_in_one_step():
     led = make_ledger()
     led.register("a", ClientInfo())
     led.register("b", ClientInfo())
-    led.add("a", "cuda:0", 80)
-    led.add("b", "cuda:0", 20)
+    led.update("a", book={"cuda:0": 80})
+    led.update("b", book={"cuda:0": 20})
     # cuda:0 is full, but the 80 B released there count as free for the booking and the choice
     assert led.update(
         "a", release={"cuda:0": 80, "cpu": 0}, book={"cuda:0": 30, "cpu": 10}, place_bytes=50, refer_device="cuda"
@@ -185,8 +185,8 @@ def test_update_releases_first_then_books_and_chooses_in_one_step():
 def test_a_refused_update_changes_nothing(change, error, text):
     led = make_ledger()
     led.register("a", ClientInfo())
-    led.add("a", "cpu", 100)
-    led.add("a", "cuda:0", 50)
+    led.update("a", book={"cpu": 100})
+    led.update("a", book={"cuda:0": 50})
     before = led.snapshot()
     with pytest.raises(error, match=text):
         led.update("a", **change)

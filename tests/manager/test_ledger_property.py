@@ -1,7 +1,8 @@
 """Property: the ledger always equals what every live client holds.
 
-Random interleavings of several clients' place, move, update, add, remove, register and unregister,
-with clients paused past their lease (the service's injected clock is driven) and daemon
+Random interleavings of several clients' bookings (every one an ``update``: a placement, a
+booking, a move dictated or chosen, a release, or all of them at once), register and
+unregister, with clients paused past their lease (the service's injected clock is driven) and daemon
 restarts (a new service the clients register with again). The clients are the real client
 stub (``RemoteConnection``: its holdings, its recovery after a lost registration), talking
 to a ``ManagerService`` through the real codec but without sockets, so thousands of steps run
@@ -145,12 +146,12 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                 if op == "place":
                     size = rng.randrange(1, 900)
                     exclude = rng.sample(NAMES[1:], rng.randrange(0, 2))
-                    dev = conn.place(size, rng.choice(NAMES), exclude=exclude)
-                    assert dev not in exclude
+                    dev = conn.update(place_bytes=size, refer_device=rng.choice(NAMES), exclude=exclude)
+                    assert dev is not None and dev not in exclude
                     held[dev] = held.get(dev, 0) + size
                 elif op == "add":
                     dev, size = rng.choice(NAMES), rng.randrange(1, 900)
-                    conn.add(dev, size)
+                    conn.update(book={dev: size})
                     held[dev] = held.get(dev, 0) + size
                 elif op in ("move", "remove"):
                     owned = [d for d, s in held.items() if s]
@@ -160,14 +161,19 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                         src = rng.choice(owned)
                         size = rng.randrange(0, held[src] + 1)
                         if op == "remove":
-                            conn.remove(src, size)
+                            conn.update(release={src: size})
                             held[src] -= size
-                        else:
-                            dst = rng.choice([None, *NAMES])
-                            got = conn.move(size, src, dst, refer_device=rng.choice(NAMES), exclude=[src] if dst is None else [])
-                            assert dst is None or got == dst
+                        elif (dst := rng.choice([None, *NAMES])) is not None:  # dictated (a bring)
+                            conn.update(release={src: size}, book={dst: size})
                             held[src] -= size
-                            held[got] = held.get(got, 0) + size
+                            held[dst] = held.get(dst, 0) + size
+                        else:  # chosen near a device, never the source (an eviction)
+                            refer = rng.choice(NAMES)
+                            got = conn.update(release={src: size}, place_bytes=size, refer_device=refer, exclude=[src])
+                            assert (got is None) == (size == 0) and got != src
+                            held[src] -= size
+                            if got is not None:
+                                held[got] = held.get(got, 0) + size
                 elif op == "update":
                     # a chunk's move together with its client's pooled buffers: releases on
                     # some devices, bookings on others, maybe a placement, all or nothing
@@ -186,7 +192,7 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                     if got is not None:
                         held[got] = held.get(got, 0) + place
                 elif op == "remove0":
-                    conn.remove(rng.choice(NAMES), 0)  # a device maybe never booked (item 11a)
+                    conn.update(release={rng.choice(NAMES): 0})  # a device maybe never booked (item 11a)
                 elif op == "unregister":
                     conn.close()
                     del clients[k], model[k]

@@ -89,7 +89,7 @@ def test_the_roster_follows_registrations_unregistrations_and_expiries(tmp_path)
     assert roster_ids(node) == ["c0", "c2"]
     # Bookings do not rewrite the roster; an expiry does.
     mtime_ns = node.roster.path.stat().st_mtime_ns
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 10}).ok
     assert node.roster.path.stat().st_mtime_ns == mtime_ns
     node.clock.now_s += LEASE_S / 2
     assert node.send(p.Heartbeat, client_id="c2").ok
@@ -103,8 +103,8 @@ def test_the_roster_follows_registrations_unregistrations_and_expiries(tmp_path)
 def test_a_client_back_first_cannot_book_the_room_a_client_still_away_holds(tmp_path):
     node = Node(tmp_path, capacity_bytes=1000)
     assert node.register("c0").ok and node.register("c1").ok
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=400).ok
-    assert node.send(p.Add, client_id="c1", device="cuda:0", size_bytes=500).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 400}).ok
+    assert node.send(p.Update, client_id="c1", book={"cuda:0": 500}).ok
     node.restart()
     assert node.svc.recovery.state is RecoveryState.AWAITING
     assert node.svc.status()["recovery"] == {"state": "awaiting", "awaiting": ["c0", "c1"], "left_s": LEASE_S}
@@ -112,27 +112,26 @@ def test_a_client_back_first_cannot_book_the_room_a_client_still_away_holds(tmp_
     # c0 (busy) is back first with what it holds; its next bookings wait, unapplied.
     assert node.register("c0", {"cuda:0": 400}).ok
     for cls, kw in [
-        (p.Add, dict(device="cuda:0", size_bytes=200)),
-        (p.Place, dict(size_bytes=200, refer_device="cuda:0")),
-        (p.Move, dict(size_bytes=100, src_device="cuda:0", dst_device="cpu")),
         (p.Update, dict(book={"cuda:0": 200})),
         (p.Update, dict(place_bytes=200, refer_device="cuda:0")),
+        (p.Update, dict(release={"cuda:0": 100}, book={"cpu": 100})),
+        (p.Update, dict(release={"cuda:0": 100}, place_bytes=100, refer_device="cpu", exclude=("cuda:0",))),
     ]:
         reply = node.send(cls, client_id="c0", **kw)
         assert not reply.ok and reply.code == "recovering", (cls, reply)
         assert "c1" in reply.message and "retries this request by itself" in reply.message
     assert node.used() == {"cpu": 0, "cuda:0": 400}
     # What gives room back, and what books nothing, goes through.
-    assert node.send(p.Remove, client_id="c0", device="cuda:0", size_bytes=50).ok
     assert node.send(p.Update, client_id="c0", release={"cuda:0": 50}).ok
+    assert node.send(p.Update, client_id="c0", release={"cuda:0": 50}, book={"cuda:0": 0}).ok
     assert node.send(p.Schedule, client_id="c0", size_bytes=10, refer_device="cuda:0").ok
     assert node.send(p.Heartbeat, client_id="c0").ok
     # c1 (idle) comes back at its heartbeat: its 500 are booked, as it holds them.
     assert node.register("c1", {"cuda:0": 500}).ok
     assert node.svc.recovery.state is RecoveryState.OPEN
     assert node.used() == {"cpu": 0, "cuda:0": 800}
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=200).ok
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=1).code == "capacity"
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 200}).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 1}).code == "capacity"
     assert roster_ids(node) == ["c0", "c1"]
 
 
@@ -145,7 +144,7 @@ def test_without_the_window_the_client_back_second_would_be_refused_what_it_hold
     node.restart()
     assert node.svc.recovery.state is RecoveryState.OPEN
     assert node.register("c0", {"cuda:0": 400}).ok
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=200).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 200}).ok
     assert node.register("c1", {"cuda:0": 500}).code == "capacity"
 
 
@@ -156,14 +155,14 @@ def test_the_window_closes_one_lease_after_the_start_when_a_client_never_comes_b
     assert node.register("c0", {}).ok
     assert roster_ids(node) == ["c0", "c1"], "an awaited client stays listed for a further restart"
     node.clock.now_s += LEASE_S - 0.01
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).code == "recovering"
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 10}).code == "recovering"
     node.clock.now_s += 0.01
     with caplog.at_level(logging.WARNING, logger="hybridps.manager.recovery"):
         node.svc.expire()
     assert node.svc.recovery.state is RecoveryState.OPEN
     assert "not back within the window: c1" in caplog.text
     assert roster_ids(node) == ["c0"]
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 10}).ok
     # A client that comes back later books what room is left, or is refused, as before.
     assert node.register("c1", {"cuda:0": 990}).ok
     assert node.register("c2", {"cuda:0": 1}).code == "capacity"
@@ -206,7 +205,7 @@ def test_no_roster_or_an_unreadable_one_means_no_window(tmp_path, caplog):
         assert "ignoring" in caplog.text
         caplog.clear()
     assert node.register("c0").ok
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 10}).ok
 
 
 def test_a_roster_that_cannot_be_written_is_logged_and_the_daemon_serves_on(tmp_path, caplog):
@@ -216,7 +215,7 @@ def test_a_roster_that_cannot_be_written_is_logged_and_the_daemon_serves_on(tmp_
     with caplog.at_level(logging.WARNING, logger="hybridps.manager.recovery"):
         assert node.register("c0").ok
     assert "could not write the roster" in caplog.text
-    assert node.send(p.Add, client_id="c0", device="cuda:0", size_bytes=10).ok
+    assert node.send(p.Update, client_id="c0", book={"cuda:0": 10}).ok
 
 
 def test_roster_entries_no_client_could_register_under_are_left_out_and_logged_made_safe(tmp_path, caplog):
@@ -236,7 +235,7 @@ def test_roster_entries_no_client_could_register_under_are_left_out_and_logged_m
     assert r"'\x1b[2J\x1b[31mred\r\x00\n' on 'h'" in ignored and r"'c3' on 'h\x1b]0;title\x07'" in ignored
     assert all(w.isprintable() and len(w) < 5000 for w in warnings), "nothing from the file reaches the log raw"
     assert node.register("c9").ok
-    waiting = node.send(p.Add, client_id="c9", device="cpu", size_bytes=1)
+    waiting = node.send(p.Update, client_id="c9", book={"cpu": 1})
     assert waiting.code == "recovering" and "(c1)" in waiting.message
     assert node.svc.status()["recovery"]["awaiting"] == ["c1"]
 
@@ -273,14 +272,14 @@ def test_a_booking_made_after_a_daemon_restart_waits_for_the_idle_client_and_no_
     busy = connect_remote(first.endpoint, info(0), request_timeout_s=0.3, retries=40)
     idle = connect_remote(first.endpoint, info(1), request_timeout_s=0.3, retries=40)
     try:
-        busy.add("cuda:0", 6 * MIB)
-        idle.add("cuda:0", 9 * MIB)
+        busy.update(book={"cuda:0": 6 * MIB})
+        idle.update(book={"cuda:0": 9 * MIB})
         first.kill()
         second = daemons.start(*DEVICES, "--lease-s", str(lease_s), endpoint=first.endpoint)
         wait_for(lambda: "may still run" in second.stderr, 5, what="the restarted daemon awaiting both clients")
         # 6 + 2 + 9 > 16: the idle client's 9 MiB must be booked first, and this add refused.
         with pytest.raises(CapacityError):
-            busy.add("cuda:0", 2 * MIB)
+            busy.update(book={"cuda:0": 2 * MIB})
         assert busy.recoveries == 1 and idle.recoveries == 1
         # the window closed when both were back, not when its time ran out
         assert "bookings resume: every client of the earlier instance is back" in second.stderr, second.stderr
@@ -291,7 +290,7 @@ def test_a_booking_made_after_a_daemon_restart_waits_for_the_idle_client_and_no_
             idle.client_id: {"cuda:0": 9 * MIB},
         }
         assert status["recovery"]["state"] == "open"
-        busy.add("cuda:0", 1 * MIB)
+        busy.update(book={"cuda:0": 1 * MIB})
         assert query_status(second.endpoint)["devices"]["cuda:0"]["used_bytes"] == 16 * MIB
     finally:
         busy.close()
@@ -311,11 +310,11 @@ def test_a_heartbeat_thread_and_a_waiting_booking_share_the_stub(daemons):
     away = connect_remote(first.endpoint, ghost, request_timeout_s=0.3, retries=0)
     away._stop.set()  # never heartbeats again: the second daemon waits the whole window for it
     try:
-        conn.add("cuda:0", MIB)
+        conn.update(book={"cuda:0": MIB})
         first.kill()
         second = daemons.start(*DEVICES, "--lease-s", str(lease_s), endpoint=first.endpoint)
         done = threading.Event()
-        threading.Thread(target=lambda: (conn.add("cuda:0", MIB), done.set()), daemon=True).start()
+        threading.Thread(target=lambda: (conn.update(book={"cuda:0": MIB}), done.set()), daemon=True).start()
         assert done.wait(30), "the booking did not go through after the window"
         # the daemon logs the window's end before it answers the booking that waited for it
         assert "bookings resume: not back within the window" in second.stderr, "the booking went through inside the window"

@@ -27,6 +27,16 @@ def register(svc, client_id="c0", devices=("cpu", "cuda:0"), **kw):
     return reply
 
 
+def book(request_id, client_id, device, size):
+    """An update that books ``size`` bytes on ``device``."""
+    return p.Update(request_id=request_id, client_id=client_id, book={device: size})
+
+
+def release(request_id, client_id, device, size):
+    """An update that releases ``size`` bytes on ``device``."""
+    return p.Update(request_id=request_id, client_id=client_id, release={device: size})
+
+
 def used(svc):
     return {n: d["used_bytes"] for n, d in svc.status()["devices"].items()}
 
@@ -34,13 +44,11 @@ def used(svc):
 def test_a_registered_client_books_schedules_and_gives_back_through_reply_objects():
     svc, _ = make_service()
     register(svc)
-    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)) == p.OkReply(
-        request_id=2, instance_id="inst1"
-    )
+    assert svc.handle(book(2, "c0", "cuda:0", 600)) == p.Scheduled(request_id=2, instance_id="inst1", device="")
     assert svc.handle(p.Schedule(request_id=3, client_id="c0", size_bytes=300, refer_device="cuda:0")).device == "cuda:0"
     assert svc.handle(p.Schedule(request_id=4, client_id="c0", size_bytes=500, refer_device="cuda:0")).device == "cpu"
     assert svc.handle(p.Schedule(request_id=5, client_id="c0", size_bytes=500, refer_device="cuda")).device == "cpu"
-    assert svc.handle(p.Remove(request_id=6, client_id="c0", device="cuda:0", size_bytes=100)).ok
+    assert svc.handle(release(6, "c0", "cuda:0", 100)).ok
     status = svc.status()
     assert used(svc) == {"cpu": 0, "cuda:0": 500}
     assert status["clients"][0]["usage"] == {"cuda:0": 500}
@@ -60,14 +68,9 @@ def test_ping_and_status_need_no_registration():
 @pytest.mark.parametrize(
     "request_, code",
     [
-        (p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=1001), "capacity"),
-        (p.Add(request_id=2, client_id="c0", device="cuda:7", size_bytes=1), "unknown_device"),
-        (p.Add(request_id=2, client_id="nobody", device="cpu", size_bytes=1), "unknown_client"),
-        (p.Remove(request_id=2, client_id="c0", device="cpu", size_bytes=11), "over_remove"),
-        (p.Remove(request_id=2, client_id="c0", device="gpu", size_bytes=1), "unknown_device"),
         (p.Schedule(request_id=2, client_id="c0", size_bytes=2 * GIB, refer_device="cuda:0"), "capacity"),
         (p.Schedule(request_id=2, client_id="c0", size_bytes=1, refer_device="tpu:0"), "unknown_device"),
-        # the same refusals through update, the one booking verb the client sends
+        # update, the one booking verb
         (p.Update(request_id=2, client_id="c0", book={"cuda:0": 1001}), "capacity"),
         (p.Update(request_id=2, client_id="c0", book={"cuda:7": 1}), "unknown_device"),
         (p.Update(request_id=2, client_id="nobody", book={"cpu": 1}), "unknown_client"),
@@ -83,7 +86,7 @@ def test_ping_and_status_need_no_registration():
 def test_a_refused_request_gets_its_error_code_and_leaves_the_ledger_unchanged(request_, code):
     svc, _ = make_service()
     register(svc)
-    svc.handle(p.Add(request_id=1, client_id="c0", device="cpu", size_bytes=10))
+    svc.handle(book(1, "c0", "cpu", 10))
     before = svc.status()["devices"]
     reply = svc.handle(request_)
     assert isinstance(reply, p.ErrorReply) and reply.code == code, reply
@@ -108,28 +111,31 @@ def test_registering_twice_is_idempotent_but_a_different_client_under_the_same_i
     assert len(svc.status()["clients"]) == 1
 
 
-def test_a_retried_add_or_remove_with_the_same_request_id_is_applied_once():
+def test_a_retried_update_with_the_same_request_id_is_applied_once():
     svc, _ = make_service()
     register(svc)
-    add = p.Add(request_id=5, client_id="c0", device="cpu", size_bytes=100)
+    add = book(5, "c0", "cpu", 100)
     assert svc.handle(add).ok and svc.handle(add).ok
     assert used(svc)["cpu"] == 100
-    assert svc.handle(p.Add(request_id=6, client_id="c0", device="cpu", size_bytes=100)).ok
+    assert svc.handle(book(6, "c0", "cpu", 100)).ok
     assert used(svc)["cpu"] == 200
-    remove = p.Remove(request_id=7, client_id="c0", device="cpu", size_bytes=150)
+    remove = release(7, "c0", "cpu", 150)
     assert svc.handle(remove).ok and svc.handle(remove).ok
     assert used(svc)["cpu"] == 50
     # A refusal is replayed too, not turned into a success because another client freed room
     # in between; the next request (a new id) is applied.
     register(svc, "c1")
-    assert svc.handle(p.Add(request_id=2, client_id="c1", device="cuda:0", size_bytes=500)).ok
-    too_big = p.Add(request_id=8, client_id="c0", device="cuda:0", size_bytes=600)
+    assert svc.handle(book(2, "c1", "cuda:0", 500)).ok
+    too_big = book(8, "c0", "cuda:0", 600)
     assert svc.handle(too_big).code == "capacity"
-    assert svc.handle(p.Remove(request_id=3, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    assert svc.handle(release(3, "c1", "cuda:0", 500)).ok
     assert svc.handle(too_big).code == "capacity"
-    assert svc.handle(p.Add(request_id=9, client_id="c0", device="cuda:0", size_bytes=600)).ok
-    # Only the same op under the same id is a retry.
-    assert svc.handle(p.Remove(request_id=9, client_id="c0", device="cuda:0", size_bytes=600)).ok
+    assert svc.handle(book(9, "c0", "cuda:0", 600)).ok
+    # A request between a request and its retry does not make the retry a new one (a client
+    # sends one request at a time, so only its last update is remembered)
+    assert svc.handle(p.Schedule(request_id=9, client_id="c0", size_bytes=1, refer_device="cpu")).ok
+    assert svc.handle(book(9, "c0", "cuda:0", 600)).ok and used(svc)["cuda:0"] == 600
+    assert svc.handle(release(10, "c0", "cuda:0", 600)).ok
     assert used(svc) == {"cpu": 50, "cuda:0": 0}
 
 
@@ -137,8 +143,8 @@ def test_a_client_silent_for_longer_than_its_lease_is_dropped_and_its_bytes_recl
     svc, clock = make_service(lease_s=10.0)
     register(svc, "quiet")
     register(svc, "chatty")
-    svc.handle(p.Add(request_id=2, client_id="quiet", device="cuda:0", size_bytes=400))
-    svc.handle(p.Add(request_id=2, client_id="chatty", device="cpu", size_bytes=50))
+    svc.handle(book(2, "quiet", "cuda:0", 400))
+    svc.handle(book(2, "chatty", "cpu", 50))
     clock.now_s += 6
     assert svc.handle(p.Heartbeat(request_id=3, client_id="chatty")).ok
     assert svc.status()["clients"][0]["last_seen_age_s"] == 6.0
@@ -147,7 +153,7 @@ def test_a_client_silent_for_longer_than_its_lease_is_dropped_and_its_bytes_recl
     clock.now_s += 0.5
     assert svc.expire() == ["quiet"]
     assert used(svc) == {"cpu": 50, "cuda:0": 0}
-    assert svc.handle(p.Add(request_id=4, client_id="quiet", device="cpu", size_bytes=1)).code == "unknown_client"
+    assert svc.handle(book(4, "quiet", "cpu", 1)).code == "unknown_client"
     clock.now_s += 6
     assert svc.expire() == ["chatty"]
     assert svc.metrics.leases_expired == 2
@@ -178,15 +184,15 @@ def test_a_failure_inside_the_service_becomes_an_internal_error_reply(monkeypatc
 def test_requests_and_errors_are_counted_by_op_and_rendered_as_prometheus_text():
     svc, _ = make_service()
     register(svc)
-    svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=300))
-    svc.handle(p.Remove(request_id=3, client_id="c0", device="cuda:0", size_bytes=301))
+    svc.handle(book(2, "c0", "cuda:0", 300))
+    svc.handle(release(3, "c0", "cuda:0", 301))
     svc.reject("garbage", "not msgpack")
     svc.metrics.observe("schedule", 30e-6)
     text = svc.metrics.render(svc.status())
     lines = set(text.splitlines())
-    assert 'hybridps_manager_requests_total{op="add"} 1' in lines
+    assert 'hybridps_manager_requests_total{op="update"} 2' in lines
     assert 'hybridps_manager_requests_total{op="invalid"} 1' in lines
-    assert 'hybridps_manager_errors_total{op="remove",code="over_remove"} 1' in lines
+    assert 'hybridps_manager_errors_total{op="update",code="over_remove"} 1' in lines
     assert 'hybridps_manager_errors_total{op="invalid",code="garbage"} 1' in lines
     assert 'hybridps_manager_device_used_bytes{device="cuda:0"} 300' in lines
     assert 'hybridps_manager_device_capacity_bytes{device="cuda:0",simulated="true"} 1000' in lines
@@ -201,24 +207,25 @@ def test_a_lease_must_be_positive():
         ManagerService([DeviceSpec(name="cpu", capacity_bytes=1)], lease_s=0)
 
 
-def test_place_and_move_choose_and_book_in_one_request_and_a_retry_is_applied_once():
+def test_an_update_places_and_moves_in_one_request_and_a_retry_is_applied_once():
     svc, _ = make_service()
     register(svc)
-    place = p.Place(request_id=5, client_id="c0", size_bytes=600, refer_device="cuda:0")
+    place = p.Update(request_id=5, client_id="c0", place_bytes=600, refer_device="cuda:0")
     assert svc.handle(place) == p.Scheduled(request_id=5, instance_id="inst1", device="cuda:0")
     assert svc.handle(place).device == "cuda:0"  # a retry: answered again, booked once
     assert used(svc) == {"cpu": 0, "cuda:0": 600}
-    assert svc.handle(p.Place(request_id=6, client_id="c0", size_bytes=600, refer_device="cuda:0")).device == "cpu"
-    move = p.Move(request_id=7, client_id="c0", size_bytes=600, src_device="cuda:0", refer_device="cpu", exclude=("cuda:0",))
-    assert svc.handle(move).device == "cpu" and svc.handle(move).device == "cpu"
-    assert used(svc) == {"cpu": 1200, "cuda:0": 0}
-    assert (
-        svc.handle(p.Move(request_id=8, client_id="c0", size_bytes=300, src_device="cpu", dst_device="cuda:0")).device == "cuda:0"
+    assert svc.handle(p.Update(request_id=6, client_id="c0", place_bytes=600, refer_device="cuda:0")).device == "cpu"
+    evict = p.Update(
+        request_id=7, client_id="c0", release={"cuda:0": 600}, place_bytes=600, refer_device="cpu", exclude=("cuda:0",)
     )
+    assert svc.handle(evict).device == "cpu" and svc.handle(evict).device == "cpu"
+    assert used(svc) == {"cpu": 1200, "cuda:0": 0}
+    bring = p.Update(request_id=8, client_id="c0", release={"cpu": 300}, book={"cuda:0": 300})
+    assert svc.handle(bring).ok
     assert svc.status()["clients"][0]["usage"] == {"cpu": 900, "cuda:0": 300}
-    refused = svc.handle(p.Move(request_id=9, client_id="c0", size_bytes=900, src_device="cpu", dst_device="cuda:0"))
+    refused = svc.handle(p.Update(request_id=9, client_id="c0", release={"cpu": 900}, book={"cuda:0": 900}))
     assert refused.code == "capacity" and "cannot move" in refused.message
-    refused = svc.handle(p.Place(request_id=10, client_id="c0", size_bytes=2 * GIB, refer_device="cuda:0"))
+    refused = svc.handle(p.Update(request_id=10, client_id="c0", place_bytes=2 * GIB, refer_device="cuda:0"))
     assert refused.code == "capacity"
     assert used(svc) == {"cpu": 900, "cuda:0": 300}
 
@@ -226,16 +233,16 @@ def test_place_and_move_choose_and_book_in_one_request_and_a_retry_is_applied_on
 def test_a_client_back_after_its_lease_is_booked_all_it_holds_or_refused_and_left_unregistered():
     svc, clock = make_service(lease_s=10.0)
     register(svc, "c0")
-    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=700)).ok
+    assert svc.handle(book(2, "c0", "cuda:0", 700)).ok
     clock.now_s += 11
     assert svc.expire() == ["c0"]
     register(svc, "c1")
-    assert svc.handle(p.Add(request_id=2, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    assert svc.handle(book(2, "c1", "cuda:0", 500)).ok
     back = p.Register(request_id=3, client_id="c0", devices=("cpu", "cuda:0"), holdings={"cuda:0": 700})
     reply = svc.handle(back)
     assert reply.code == "capacity" and "nothing was booked" in reply.message
     assert [c["client_id"] for c in svc.status()["clients"]] == ["c1"], "never registered with less than it holds"
-    assert svc.handle(p.Remove(request_id=3, client_id="c1", device="cuda:0", size_bytes=500)).ok
+    assert svc.handle(release(3, "c1", "cuda:0", 500)).ok
     assert isinstance(svc.handle(back), p.Registered)
     assert svc.status()["clients"][1]["usage"] == {"cuda:0": 700}
     assert isinstance(svc.handle(back), p.Registered)  # a retried register books nothing more
@@ -245,7 +252,7 @@ def test_a_client_back_after_its_lease_is_booked_all_it_holds_or_refused_and_lef
 def test_an_update_is_one_request_through_the_codec_and_a_retry_is_applied_once():
     svc, _ = make_service()
     register(svc)
-    assert svc.handle(p.Add(request_id=2, client_id="c0", device="cuda:0", size_bytes=600)).ok
+    assert svc.handle(book(2, "c0", "cuda:0", 600)).ok
     update = p.Update(
         request_id=3, client_id="c0", release={"cuda:0": 600}, book={"cpu": 100}, place_bytes=500, refer_device="cpu"
     )
@@ -260,7 +267,7 @@ def test_an_update_is_one_request_through_the_codec_and_a_retry_is_applied_once(
     refused = svc.handle(p.Update(request_id=5, client_id="c0", release={"cpu": 500}, book={"cuda:0": 1000}))
     assert refused.code == "capacity" and "cannot move" in refused.message
     assert used(svc) == {"cpu": 500, "cuda:0": 100}
-    assert svc.metrics.requests["update"] == 4
+    assert svc.metrics.requests["update"] == 5
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,13 @@ class PayloadMove(enum.Enum):
     __hash__ = object.__hash__
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: its address, or for meta tensors (which all have
+    address 0) the storage object itself (tells a chunk's payload from other tensors)."""
+    storage = t.untyped_storage()
+    return storage._cdata if t.is_meta else storage.data_ptr()
+
+
 _P = PayloadState
 
 #: move -> {the state it starts from: the state it leads to}
@@ -184,6 +191,11 @@ class Chunk:
     def set_all_states(self, new: TensorState, what: object) -> None:
         for slot in self.slots:
             self.set_slot_state(slot, new, what)
+
+    def restore_states(self, states: list[TensorState], what: object) -> None:
+        """Every slot back to its state in ``states`` (as ``states`` read them before)."""
+        for slot, state in zip(self.slots, states, strict=True):
+            self.set_slot_state(slot, state, what)
 
     @property
     def state(self) -> ChunkState:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.memory.trace import MomentTrace
 
 
 def build_groups(
@@ -35,6 +36,7 @@ def build_groups(
     world_size: int,
     placement: PlacementPolicy,
     set_has_grad: Callable[[ParamInfo, bool], None],
+    trace: MomentTrace,
     process_group: dist.ProcessGroup | None,
 ) -> ChunkGroups:
     """The data-parallel side of a client: chunk groups whose collectives run over the whole
@@ -58,7 +60,7 @@ def build_groups(
 
     everyone = collectives(rank, world_size, process_group, "")
     if not layout.hybrid:
-        return ChunkGroups(store, mover, everyone, placement=placement, set_has_grad=set_has_grad)
+        return ChunkGroups(store, mover, everyone, placement=placement, set_has_grad=set_has_grad, trace=trace)
     if process_group is not None and process_group != dist.group.WORLD:
         raise ConfigError(
             f"shard_group_size={config.shard_group_size!r} ({layout.shard_size} of {layout.world_size} ranks) "
@@ -82,6 +84,7 @@ def build_groups(
         shard,
         placement=placement,
         set_has_grad=set_has_grad,
+        trace=trace,
         replicas=replicas,
         everyone=everyone,
     )

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.memory.trace import MomentTrace
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +114,15 @@ class ChunkGroups:
         *,
         placement: PlacementPolicy,
         set_has_grad: Callable[[ParamInfo, bool], None],
+        trace: MomentTrace,
         replicas: Collectives | None = None,
         everyone: Collectives | None = None,
     ):
         self.store = store
         self.mover = mover
         self.placement = placement
+        #: the warm-up's record: which groups each moment gathers (the prefetcher reads it)
+        self.trace = trace
         #: records whether a param holds a grad (the grads' owner, grads.py): the groups report
         #: the flags a reduction or the end of backward settles instead of writing them
         self._set_has_grad = set_has_grad
@@ -156,8 +160,6 @@ class ChunkGroups:
         self.live_cap_bytes = 0
         #: the work handles of ARRIVING groups' gathers
         self.in_flight: dict[int, list] = {}
-        #: called with the group index after every gather (the prefetcher's trace)
-        self.gather_listeners: list[Callable[[int], None]] = []
         self.prefetched_gathers = 0
         #: steps one owned chunk whose grads are final (Config.overlap_step); returns whether
         #: it stepped. Given by registration when the optimizer steps early (``step_early_with``)
@@ -165,11 +167,7 @@ class ChunkGroups:
         #: owned chunks stepped early in this backward: their params have no grad left to step
         self.stepped_early: set[int] = set()
 
-    # -- who listens ---------------------------------------------------------------------
-
-    def on_gather(self, fn: Callable[[int], None]) -> None:
-        """Call ``fn(group)`` after every gather from now on (the prefetcher records them)."""
-        self.gather_listeners.append(fn)
+    # -- who is told ---------------------------------------------------------------------
 
     def step_early_with(self, early_step: Callable[[int], bool]) -> None:
         """The optimizer registered after these groups steps owned chunks early
@@ -342,8 +340,7 @@ class ChunkGroups:
                 chunk.collective_started(lambda g=g: self._settle(g))
         self._move(g, GroupMove.PREFETCH_ISSUED if asynchronous else GroupMove.GATHER_ISSUED)
         self.gathers += 1
-        for listener in self.gather_listeners:
-            listener(g)
+        self.trace.record_gather(g)
 
     def _settle(self, g: int) -> None:
         """Wait for an asynchronous gather of ``g`` to land."""

@@ -18,6 +18,12 @@ elements) packed into them with 24.7% padding. The arena maps plain host memory,
 with ``cudaHostRegister`` (no rounding) and carves slots of exactly a chunk's bytes, so
 the chunk size is chosen for padding alone and every pinned byte is a booked byte.
 
+[Note: pinned memory]
+Page-locked host memory makes host<->GPU copies asynchronous and fast, but the OS cannot
+page it out: too much of it starves the host. So only the chunks that cross to the GPU every
+iteration (params and grads on the CPU, the mover's ``_in_arena``) take arena slots, up to
+the arena's cap; the rest is pageable.
+
 [Note: arena growth]
 The arena grows on demand, one segment at a time, and never reserves its cap up front:
 the cap (a quarter of host memory by default) would otherwise be pinned, and booked with
@@ -324,6 +330,16 @@ class HostArena:
         logger.debug(
             "host arena: +%s segment of %s slots%s", format_bytes(nbytes), format_bytes(slot_bytes), " (pinned)" if pinned else ""
         )
+
+    def grow_and_take(self, dtype: torch.dtype, numel: int, nbytes: int, *, who: object) -> torch.Tensor | None:
+        """Grow by a segment of ``nbytes`` (``grow``) and lend its first slot (``take``); None
+        when the host cannot map it, logged: ``who`` gets a pageable buffer instead."""
+        try:
+            self.grow(numel * dtype.itemsize, nbytes)
+        except OSError as exc:
+            logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, who)
+            return None
+        return self.take(dtype, numel)
 
     def releasable_bytes(self) -> int:
         """Bytes of the segments whose slots are all free (what ``release_idle`` lets go)."""

@@ -11,23 +11,6 @@ Does not own tensor or payload states (chunks/chunk.py), the budget formula or w
 (the placement policy, memory/placement.py), or how much of the compute device activations need
 right now (the trace it is built with, memory/trace.py, ``reserve_bytes``).
 
-[Note: budgets]
-A device's budget is the room chunks may take on it. For a GPU it is
-``capacity - reserve(now) - margin``: ``reserve`` is the non-model memory (activations,
-temporaries) the warm-up trace expects at this moment and the next, so chunks shrink while
-activations grow during forward and backward and expand again for the optimizer step (the
-"tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
-word because the CPU is shared by every rank of the node. The mover asks its trace for the
-reserve and its placement policy for the formula (``PlacementPolicy.budget_bytes``).
-
-[Note: the capacity is a hard limit]
-Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
-move onto a GPU goes through its budget, and ``reserve`` is never below the non-model bytes
-live now, so a move keeps the sum within ``capacity - margin``. Between moments non-model
-memory grows without a move (activations saved during a module's forward): the tracer calls
-``fit_non_model`` as it grows, which evicts idle chunks right then, or raises the
-CapacityError a real GPU of that size would raise as out-of-memory.
-
 [Note: one request per chunk operation]
 A placement, a bring, a prefetch, an eviction or a free changes what this client holds in
 one ``update`` request to the node manager: it releases the chunk's bytes on its source and
@@ -57,11 +40,18 @@ slot of a size none is free of grows the arena by a segment, booked in the opera
 request (``_PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
 retried with a segment of one slot after the idle pooled buffers and the arena's empty
 segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) buffers.
+
+[Note: listeners that come and go]
+Who hears of a bring (``watch_accesses``) or a move (``watch_moves``) changes while training
+runs (the tracer in a warm-up, the event recorder while it records, the optimizer while steps
+run on the step worker), and each is built over the mover, after it: none can be a
+constructor argument. Each set is a tuple that only these two verbs replace, never change in
+place: with nobody listening a bring loops over an empty tuple and calls nothing, and a
+listener that stops during the calls does not make the next one miss its call.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -70,10 +60,10 @@ from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove
+from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove, storage_key
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
-from hybridps.client.memory.figures import ChunkFigures
+from hybridps.client.memory.figures import ChunkFigures, MoveCounts
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool
 from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
@@ -84,13 +74,6 @@ from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage: its address, or for meta tensors (which all have
-    address 0) the storage object itself."""
-    storage = t.untyped_storage()
-    return storage._cdata if t.is_meta else storage.data_ptr()
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,10 +149,6 @@ class ChunkMover:
         self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
         #: (event, host buffer, joins the pool) of copies still reading the buffer
         self._in_flight: list[tuple] = []
-        self.prefetches = 0
-        self.prefetch_hits = 0
-        #: chunks a prefetch evicted (the trace used them after the chunk it brought)
-        self.prefetch_evictions = 0
         self.margin_bytes = margin_bytes
         #: decides which chunk leaves a full device (memory/placement.py); the mover moves it
         self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
@@ -184,14 +163,13 @@ class ChunkMover:
         self.peak_all_bytes = 0
         self._used_all_bytes = 0
         self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
-        self.moved_bytes: collections.Counter[str] = collections.Counter()
-        self.moves = 0
-        self.evictions = 0
+        #: moves, evictions, prefetches and bytes copied so far (memory/figures.py)
+        self.counts = MoveCounts()
         self.clock = 0
-        #: called as on_move(chunk, src, dst, seconds, evicted) after every move (trace export).
-        self.move_listeners: list[Callable[[Chunk, str, str, float, bool], None]] = []
-        #: called as on_access(chunk, device) on every bring (tracer: the warm-up access order).
-        self.access_listeners: list[Callable[[Chunk, str], None]] = []
+        #: called as on_move(chunk, src, dst, seconds, evicted) after every move, and as
+        #: on_access(chunk, device) on every bring (see [Note: listeners that come and go])
+        self.move_listeners: tuple[Callable[[Chunk, str, str, float, bool], None], ...] = ()
+        self.access_listeners: tuple[Callable[[Chunk, str], None], ...] = ()
         #: storage addresses of every payload, to tell model data from other tensors.
         self.payload_ptrs: set[int] = set()
         #: the figures of the tables above, for the no-room and out-of-memory errors and reports
@@ -203,24 +181,26 @@ class ChunkMover:
             reserve_bytes=self.reserve_bytes,
             booked_host_bytes=lambda: self._pool_booked_bytes,
             margin_bytes=margin_bytes,
+            counts=self.counts,
+            pool=self.pool,
+            link=link,
+            arena=arena,
         )
 
     # -- listeners ---------------------------------------------------------------------------
 
     def watch_accesses(self, fn: Callable[[Chunk, str], None], on: bool = True) -> None:
-        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop). Listeners
-        come and go with what they record (the warm-up's accesses, a trace export), so the
-        hot path stays bare while nobody records."""
-        _follow(self.access_listeners, fn, on)
+        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop)."""
+        self.access_listeners = _follow(self.access_listeners, fn, on)
 
     def watch_moves(self, fn: Callable[[Chunk, str, str, float, bool], None], on: bool = True) -> None:
         """Call ``fn(chunk, src, dst, seconds, evicted)`` after every move from now on (``on=False``: stop)."""
-        _follow(self.move_listeners, fn, on)
+        self.move_listeners = _follow(self.move_listeners, fn, on)
 
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
-        """The room chunks may take on ``device`` now (see [Note: budgets])."""
+        """The room chunks may take on ``device`` now (see [Note: budgets] in memory/placement.py)."""
         spec = self._specs.get(device) or self.inventory[device]
         return self.placement.budget_bytes(spec, self.reserve_bytes(device))
 
@@ -267,7 +247,7 @@ class ChunkMover:
             listener(chunk, device)
         if chunk.device == device:
             if chunk.first_use():
-                self.prefetch_hits += 1
+                self.counts.prefetch_hits += 1
             chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
         protect = (chunk, *protect)
@@ -294,17 +274,18 @@ class ChunkMover:
         try:
             self.bring(chunk, device, who=who or what, asynchronous=asynchronous)
         except BaseException:
-            _restore_states(chunk, previous)
+            chunk.restore_states(previous, what)
             raise
         return previous
 
     def give_back(self, chunk: Chunk, state: TensorState | list[TensorState]) -> None:
         """End a ``take``: every slot to ``state``, or back to the states in a list; a chunk
         left all FREE drops its payload."""
+        what = f"{chunk.kind.value} chunk {chunk.index}"
         if isinstance(state, TensorState):
-            chunk.set_all_states(state, f"{chunk.kind.value} chunk {chunk.index}")
+            chunk.set_all_states(state, what)
         else:
-            _restore_states(chunk, state)
+            chunk.restore_states(state, what)
         if chunk.state is ChunkState.FREE:
             self.free(chunk)
 
@@ -318,7 +299,7 @@ class ChunkMover:
         need = self.used_bytes[device] + chunk.nbytes - self.budget(device)
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)
-            victims = self.placement.prefetch_victims(self._evictable(device, protect=(chunk,)), chunk, need)
+            victims = self.placement.prefetch_victims(self.evictable(device, protect=(chunk,)), chunk, need)
             if not victims:
                 return False
             try:
@@ -326,12 +307,12 @@ class ChunkMover:
                     self.evict(victim)
             except CapacityError:  # nowhere to put them: the prefetch waits for the on-demand bring
                 return False
-            self.prefetch_evictions += len(victims)
+            self.counts.prefetch_evictions += len(victims)
             if self.used_bytes[device] + chunk.nbytes > self.budget(device):
                 return False
         self._move(chunk, device, asynchronous=True)
         chunk.brought_ahead()
-        self.prefetches += 1
+        self.counts.prefetches += 1
         return True
 
     def free(self, chunk: Chunk) -> None:
@@ -363,11 +344,6 @@ class ChunkMover:
         """The arena's bytes that are not chunk payloads: free slots, and slots that a copy in
         flight or a view still refers to."""
         return self.arena.held_bytes - self._arena_payload_bytes if self.arena is not None else 0
-
-    @property
-    def host_buffer_bytes(self) -> int:
-        """Host memory this client holds outside its chunks (booked on the CPU with them)."""
-        return self._pool_side_bytes()
 
     def _request(
         self,
@@ -457,19 +433,16 @@ class ChunkMover:
             self._return_taken(plan, arena=False)  # the manager chose a device whose payloads are not host memory
         return device
 
-    def _idle_host_bytes(self) -> int:
-        """Host bytes that could go without touching a chunk: the pool's, the arena's empty
-        segments'."""
-        return self.pool.held_bytes + (self.arena.releasable_bytes() if self.arena is not None else 0)
-
     def _can_give_way(self, plan: _PoolPlan) -> bool:
-        """Whether host buffers outside chunks could go to make room for a refused request."""
+        """Whether host buffers outside chunks could go to make room for a refused request:
+        the pool's, what the plan takes from or gives to it, the arena's growth beyond one slot
+        or its empty segments."""
         return bool(
             self.pool.held_bytes
             or plan.give_bytes
             or plan.taken is not None
             or (plan.grow_bytes and plan.grow_bytes > self.arena.one_slot_bytes(plan.arena_bytes))
-            or self._idle_host_bytes()
+            or (self.arena is not None and self.arena.releasable_bytes())
         )
 
     def _give_way(self, plan: _PoolPlan) -> None:
@@ -518,11 +491,7 @@ class ChunkMover:
         plans the arena's growth; and foresees what giving ``old`` will do (its copy still in
         flight: it joins the pool later, booked from now on; an arena slot stays the arena's)."""
         plan = _PoolPlan()
-        if self._in_arena(chunk, device):
-            # [Note: pinned memory] Page-locked host memory makes host<->GPU copies
-            # asynchronous and fast, but the OS cannot page it out: too much of it starves
-            # the host. Only chunks that cross to the GPU get it, up to the arena's cap; the
-            # rest is pageable.
+        if self._in_arena(chunk, device):  # see [Note: pinned memory] in memory/arena.py
             plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
             if plan.slot is None:
                 plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
@@ -572,44 +541,14 @@ class ChunkMover:
         if self.used_bytes[device] + size <= budget:
             return
         need = self.used_bytes[device] + size - budget
-        victims = self._evictable(device, protect, need_bytes=need)
+        victims = self.evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(
                 self.figures.no_room_message(device, size_bytes=size, budget_bytes=budget, who=who, protect=protect)
             )
-        self._shrink(device, budget - size, victims)
+        self.shrink(device, budget - size, victims)
 
-    def fit_budget(self, device: str) -> None:
-        """Evict chunks not in COMPUTE until the chunks on ``device`` fit its budget of this
-        moment (tidal shrink). Best effort: chunks in COMPUTE stay, and the next access that
-        truly finds no room raises."""
-        budget = self.budget(device)
-        if self.used_bytes[device] <= budget:
-            return
-        self._shrink(device, budget, self._evictable(device))
-
-    def fit_non_model(self, device: str, non_model_bytes: int, *, who: str = "module activations") -> None:
-        """Make room on ``device`` for non-model memory about to reach ``non_model_bytes``:
-        evict chunks not in COMPUTE until chunks + non-model fit ``capacity - margin``.
-
-        Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
-        under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
-        real GPU of that size this is an out-of-memory error. Between the capacity and the
-        margin it evicts what it can and lets the margin shrink.
-        """
-        capacity_bytes = self._specs[device].capacity_bytes
-        limit_bytes = capacity_bytes - self.margin_bytes - non_model_bytes
-        if self.used_bytes[device] <= limit_bytes:
-            return
-        victims = self._evictable(device, need_bytes=self.used_bytes[device] - limit_bytes)
-        staying_bytes = self.used_bytes[device] - sum(c.nbytes for c in victims)
-        if staying_bytes + non_model_bytes > capacity_bytes:
-            raise CapacityError(
-                self.figures.out_of_memory_message(device, staying_bytes=staying_bytes, non_model_bytes=non_model_bytes, who=who)
-            )
-        self._shrink(device, limit_bytes, victims)
-
-    def _evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
+    def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
         """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective.
 
         When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
@@ -630,7 +569,7 @@ class ChunkMover:
             chunk.land_collective()
         return [c for c in self.resident[device].values() if free_to_go(c)]
 
-    def _shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
+    def shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
         at most ``limit_bytes``, or no victim is left."""
         while victims and self.used_bytes[device] > limit_bytes:
@@ -662,7 +601,7 @@ class ChunkMover:
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
         if src != dst:
-            self.moved_bytes[f"{src}->{dst}"] += nbytes
+            self.counts.moved_bytes[f"{src}->{dst}"] += nbytes
 
     # -- mechanics -------------------------------------------------------------------------
 
@@ -672,8 +611,8 @@ class ChunkMover:
         ``_retry_out_of_memory``)."""
         buf = plan.slot if plan.slot is not None else plan.taken
         plan.slot = plan.taken = None
-        if buf is None and plan.grow_bytes:
-            buf = self._grow_arena(chunk, plan.grow_bytes)
+        if buf is None and plan.grow_bytes:  # the booked segment's first slot
+            buf = self.arena.grow_and_take(chunk.dtype, chunk.capacity, plan.grow_bytes, who=chunk)
             plan.grow_bytes = 0
         if buf is not None:
             return buf
@@ -682,20 +621,9 @@ class ChunkMover:
             device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect
         )
 
-    def _grow_arena(self, chunk: Chunk, nbytes: int) -> torch.Tensor | None:
-        """Grow the arena by the booked segment and lend ``chunk`` its first slot; None (a
-        pageable buffer instead, the booking settled after) when the host cannot map it."""
-        try:
-            self.arena.grow(chunk.nbytes, nbytes)
-        except OSError as exc:
-            logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, chunk)
-            return None
-        return self.arena.take(chunk.dtype, chunk.capacity)
-
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
-        ``_retry_out_of_memory``. It is non-model memory: on a real GPU the
-        tracer counts it in the allocated bytes beyond the chunks."""
+        ``_retry_out_of_memory``: non-model memory, counted on a real GPU by the tracer."""
         torch_device = self._specs[device].torch_device
         what = f"{who} ({format_bytes(numel * dtype.itemsize)} of {dtype})"
         return self._retry_out_of_memory(device, lambda: torch.empty(numel, dtype=dtype, device=torch_device), what, ())
@@ -718,10 +646,7 @@ class ChunkMover:
             try:
                 return make()
             except torch.OutOfMemoryError:
-                raise CapacityError(
-                    f"CUDA out of memory on {device} for {what} even after evicting every chunk not in use. "
-                    f"{first}\n{self.figures.memory_report()}"
-                ) from None
+                raise CapacityError(self.figures.cuda_out_of_memory_message(device, what, first)) from None
 
     def sync(self) -> None:
         """Wait for every copy in flight (copy stream) to finish."""
@@ -789,7 +714,7 @@ class ChunkMover:
         device = self._book_chunk(chunk.nbytes, src=src, dst=device, refer=refer, exclude=exclude, plan=plan)
         assert device is not None
         if evicted:
-            self.evictions += 1
+            self.counts.evictions += 1
         self._account(src, chunk, -1)
         started = time.perf_counter()
         stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
@@ -836,8 +761,8 @@ class ChunkMover:
             self._recycle(old, plan)
         self._collect()
         self._settle_pool()
-        self.moves += 1
-        self.moved_bytes[f"{src}->{device}"] += chunk.nbytes
+        self.counts.moves += 1
+        self.counts.moved_bytes[f"{src}->{device}"] += chunk.nbytes
         seconds = time.perf_counter() - started
         for listener in self.move_listeners:
             listener(chunk, src, device, seconds, evicted)
@@ -861,28 +786,6 @@ class ChunkMover:
             del self.resident[device][chunk.chunk_id]
             self.payload_ptrs.discard(ptr)
 
-    def stats(self) -> dict:
-        """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
-        pool, the simulated link and the host arena."""
-        return {
-            "devices": self.device_stats(),
-            "moved_bytes": dict(self.moved_bytes),
-            "moves": self.moves,
-            "evictions": self.evictions,
-            "prefetches": self.prefetches,
-            "prefetch_hits": self.prefetch_hits,
-            "prefetch_evictions": self.prefetch_evictions,
-            "pool": self.pool.stats(),
-            **({"link": self.link.stats()} if self.link is not None else {}),
-            "pinned_bytes": self.arena.pinned_bytes if self.arena is not None else 0,
-            **({"arena": self.arena.stats()} if self.arena is not None else {}),
-        }
-
-    def device_stats(self) -> dict[str, dict]:
-        """Per device: chunk bytes and what the node manager books for this client there
-        (memory/figures.py)."""
-        return self.figures.device_stats()
-
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload, the pool and the arena (client shutdown)."""
         self.sync()  # no copy may still read or fill a buffer given back below
@@ -893,14 +796,8 @@ class ChunkMover:
         self.release_pool()
 
 
-def _restore_states(chunk: Chunk, states: list[TensorState]) -> None:
-    for slot, state in zip(chunk.slots, states, strict=True):
-        chunk.set_slot_state(slot, state, f"{chunk.kind.value} chunk {chunk.index}")
-
-
-def _follow(listeners: list, fn: Callable, on: bool) -> None:
-    """Add ``fn`` to ``listeners`` once (``on``), or take it out."""
-    if on and fn not in listeners:
-        listeners.append(fn)
-    elif not on and fn in listeners:
-        listeners.remove(fn)
+def _follow(listeners: tuple, fn: Callable, on: bool) -> tuple:
+    """``listeners`` with ``fn`` once, at the end if it was not there (``on``), or without it."""
+    if on:
+        return listeners if fn in listeners else (*listeners, fn)
+    return tuple(f for f in listeners if f != fn)

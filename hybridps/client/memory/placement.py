@@ -8,7 +8,7 @@ Owns the decisions, one method each:
 - ``step_device``: where a chunk's optimizer step runs (where its master lies);
 - ``budget_bytes``: the room chunks may take on a device at a moment (the tidal budget:
   a GPU's capacity - the non-model bytes the trace reserves now - margin; the CPU's
-  capacity), see [Note: budgets] in memory/mover.py;
+  capacity), see [Note: budgets];
 - ``optimizer_room_bytes``: after the warm-up trace, how much of the compute GPU optimizer
   rows may take for good (the tidal formula: capacity - margin - the trace's non-model peak
   - the param and grad chunks every iteration brings);
@@ -34,6 +34,15 @@ ranks.
 ``Config.placement`` names the policy: ``"tidal"`` (default) or ``"cpu_optimizer"`` (the
 optimizer rows never leave the CPU, as in ZeRO-Offload). To change where optimizer states
 live, edit or subclass this file (docs/CONCEPTS.md shows how).
+
+[Note: budgets]
+A device's budget is the room chunks may take on it. For a GPU it is
+``capacity - reserve(now) - margin``: ``reserve`` is the non-model memory (activations,
+temporaries) the warm-up trace expects at this moment and the next, so chunks shrink while
+activations grow during forward and backward and expand again for the optimizer step (the
+"tidal" pattern). For the CPU the budget is its capacity; the node manager has the final
+word because the CPU is shared by every rank of the node. The mover asks its trace for the
+reserve and this policy for the formula (``budget_bytes``), at every move onto a device.
 """
 
 from __future__ import annotations

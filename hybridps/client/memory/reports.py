@@ -1,4 +1,5 @@
-"""The mover's sentences: no room on a device, out of memory, the memory report.
+"""The mover's sentences: no room on a device, out of memory (activations, or CUDA after
+evicting), the memory report.
 
 Owns: the wording of what a full device says, built from plain figures (bytes, counts, names),
 so the sentences can be read and tested without a mover. Does not own: the figures themselves
@@ -88,3 +89,9 @@ def out_of_memory_message(
         f"shorter sequences, or checkpoint activations (torch.utils.checkpoint) so fewer of them are kept for "
         f"backward.\n{report}"
     )
+
+
+def cuda_out_of_memory_message(device: str, *, what: str, error: BaseException, report: str) -> str:
+    """CUDA ran out of memory on ``device`` for ``what`` (other processes, fragmentation,
+    activations beyond the trace) and again after every chunk not in use was evicted."""
+    return f"CUDA out of memory on {device} for {what} even after evicting every chunk not in use. {error}\n{report}"

@@ -4,13 +4,15 @@ the mover reads it for its budgets.
 Owns the figures: the live non-model bytes (see [Note: measuring non-model memory] in
 memory/tracer.py), the trace of moments (their labels and the non-model bytes at each, recorded in
 the warm-up iteration), where the iteration stands in it (``mode``, ``moment``), the reserve
-of a moment (``reserve_bytes``) and the peaks of chunks + non-model (``chunks_grew``,
-``note_total``).
+of a moment (``reserve_bytes``), the peaks of chunks + non-model (``chunks_grew``,
+``note_total``), and what the warm-up used at each moment: the chunk accesses (``accesses``,
+indexed by moment, ``by_moment``, and by chunk, ``next_use``) and the chunk groups gathered
+(``gathers_at``), which the eviction policy and the prefetcher read.
 
-Does not own: the hooks that drive it (the tracer, ``memory/tracer.py``, is its only writer: it
-marks the moments, counts saved activations and starts and ends iterations), the chunk
-accesses and next uses (memory/tracer.py), the budget formula (memory/placement.py, ``budget_bytes``) or
-any chunk move (memory/mover.py).
+Does not own: the hooks that drive it (the tracer, ``memory/tracer.py``, is its writer: it
+marks the moments, counts saved activations, records the chunk accesses and starts and ends
+iterations; the chunk groups note their gathers, ``record_gather``), the budget formula
+(memory/placement.py, ``budget_bytes``) or any chunk move (memory/mover.py).
 
 [Note: who holds the trace]
 The mover asks the trace for the reserve of a device at every budget, and tells it when the
@@ -23,14 +25,18 @@ which answers a reserve of 0 and keeps no peaks until a tracer starts it.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 from collections.abc import Hashable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from hybridps.common.devices import DeviceSpec
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.chunk import Chunk
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,13 @@ class MomentTrace:
         #: a new saved storage that brings chunks + non-model above this takes the tracer's
         #: slow path (evict, raise or new peak): min(limit_bytes, the peak being kept now)
         self.watch_bytes = 0
+        # what the warm-up used (valid once it ended): (moment, chunk_id, device) in order;
+        # moment -> (chunk_id, device) used then; chunk_id -> sorted moments of use; moment ->
+        # chunk groups gathered then
+        self.accesses: list[tuple[int, int, str]] = []
+        self.by_moment: dict[int, list[tuple[int, str]]] = {}
+        self._next_use: dict[int, list[int]] = {}
+        self.gathers_at: dict[int, list[int]] = {}
 
     def start(self, *, external_bytes: int = 0) -> None:
         """Measure from now on, as a fresh trace, not counting ``external_bytes`` (GPU memory
@@ -159,6 +172,7 @@ class MomentTrace:
             self.mode = TraceMode.RECORD
             self.trace_id += 1
             self.labels, self.non_model = [], []
+            self.accesses, self.gathers_at = [], {}
         self.rewatch()
         return self.mode
 
@@ -167,10 +181,23 @@ class MomentTrace:
         recorded = self.mode is TraceMode.RECORD
         if recorded:
             self.has_trace = True
+            self._index_accesses()
         self.mode = TraceMode.OFF
         self.iterations += 1
         self.rewatch()
         return recorded
+
+    def _index_accesses(self) -> None:
+        self._next_use, self.by_moment = {}, {}
+        for moment, chunk_id, device in self.accesses:
+            self._next_use.setdefault(chunk_id, []).append(moment)
+            self.by_moment.setdefault(moment, []).append((chunk_id, device))
+        logger.info(
+            "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
+            len(self.labels),
+            len(self.accesses),
+            max(self.non_model, default=0),
+        )
 
     def mark(self, label: Hashable, live: int) -> bool:
         """Moment ``label`` with ``live`` non-model bytes: record it (warm-up), or check it
@@ -201,3 +228,26 @@ class MomentTrace:
         self.retraces += 1
         self.mode = TraceMode.OFF
         self.rewatch()
+
+    # -- what the warm-up used (the eviction policy and the prefetcher read it) ------------
+
+    def record_gather(self, group: int) -> None:
+        """Chunk group ``group`` was gathered now: the warm-up records it (the prefetcher
+        starts the same gather a moment ahead in later iterations)."""
+        if self.mode is TraceMode.RECORD:
+            self.gathers_at.setdefault(self.moment, []).append(group)
+
+    def replaying(self) -> bool:
+        return self.mode is TraceMode.REPLAY
+
+    def next_use(self, chunk: Chunk) -> float:
+        """Moment of the next use of ``chunk`` after now (inf if never in this iteration)."""
+        if self.mode is not TraceMode.REPLAY:
+            return float("inf")
+        uses = self._next_use.get(chunk.chunk_id)
+        if not uses:
+            return float("inf")
+        i = bisect.bisect_left(uses, self.moment)
+        if i < len(uses):
+            return uses[i]
+        return len(self.labels) + uses[0]  # first use in the next iteration

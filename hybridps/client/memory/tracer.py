@@ -9,11 +9,14 @@ moment is ``capacity - max(non_model(now), non_model(next moment)) - margin`` (t
 the reserve from the trace it holds, memory/trace.py, and the formula from the placement
 policy), and the eviction policy reads the access order.
 
-Owns the driving of the trace: the moments (``tick``), the saved-activation counting of a
-simulated GPU, the chunk accesses and next uses, fitting the chunks of the compute device to
-each moment. The figures themselves (non-model bytes per moment, where the iteration stands,
-the reserve, the peaks) live in the ``MomentTrace`` the mover was built with
-(memory/trace.py, [Note: who holds the trace]); this tracer is their only writer.
+Owns the driving of the trace: the moments (``tick``) and who is told of each (its
+``tick_listeners``, given at construction: the prefetcher, the event recorder), the
+saved-activation counting of a simulated GPU, the recording of the chunk accesses, fitting
+the chunks of the compute device to each moment and to the activations that grow between
+moments (which chunks may leave, and moving them, are the mover's). The figures themselves
+(non-model bytes per moment, where the iteration stands, the reserve, the peaks, the
+accesses and next uses) live in the ``MomentTrace`` the mover was built with
+(memory/trace.py, [Note: who holds the trace]); this tracer writes them.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
@@ -25,11 +28,14 @@ real and testable on CPU. It does not see temporaries that are not saved, nor wh
 ``torch.utils.checkpoint`` recomputes during backward (checkpoint keeps those in its own
 frame), so with checkpointing the simulated figure is a lower bound.
 
-[Note: the capacity of a simulated GPU is a hard limit]
-Chunks are fitted to the budget at each moment, but activations grow between moments,
-inside a module's forward. So the pack hook checks, per new saved storage, whether chunks +
-non-model would pass ``capacity - margin``; if so it has the mover evict idle chunks
-before the activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
+[Note: the capacity is a hard limit]
+Chunks + non-model bytes on a GPU never exceed its capacity, simulated GPUs included. Every
+move onto a GPU goes through its budget (the mover's), and ``reserve`` is never below the
+non-model bytes live now, so a move keeps the sum within ``capacity - margin``. But
+activations grow between moments, without a move, inside a module's forward. On a simulated
+GPU the pack hook sees them grow: it checks, per new saved storage, whether chunks +
+non-model would pass ``capacity - margin``; if so it evicts idle chunks before the
+activation is counted (``fit_non_model``), and where even the chunks in COMPUTE
 and the activations exceed the capacity it raises the CapacityError a real GPU of that size
 would raise as out-of-memory (autograd passes an exception from a pack hook on unchanged).
 The common case costs one integer compare: the sum is compared with ``_watch_bytes``, the
@@ -53,18 +59,16 @@ warm-up's), the trace keeps the larger figure, so later iterations reserve room 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk
-from hybridps.client.memory.mover import storage_key
+from hybridps.client.chunks.chunk import Chunk, storage_key
 from hybridps.client.memory.trace import MomentTrace, TraceMode
-from hybridps.common.errors import ConfigError
+from hybridps.common.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
@@ -108,6 +112,7 @@ class MemoryTracer:
         mover: ChunkMover,
         *,
         enabled: bool = True,
+        tick_listeners: Iterable[Callable[[Hashable, int], None]] = (),
     ):
         self.store = store
         self.mover = mover
@@ -122,9 +127,6 @@ class MemoryTracer:
         #: the figures this tracer writes and the mover reads (memory/trace.py)
         self.trace = trace
         self.label: Hashable = None  # of the last moment
-        self.accesses: list[tuple[int, int, str]] = []  # (moment, chunk_id, device) in order
-        self._next_use: dict[int, list[int]] = {}  # chunk_id -> sorted moments of use
-        self.by_moment: dict[int, list[tuple[int, str]]] = {}  # moment -> (chunk_id, device) used then
         # live measurement on a simulated GPU
         self._saved_refs: dict[int, int] = {}
         self._saved_bytes: dict[int, int] = {}
@@ -136,9 +138,9 @@ class MemoryTracer:
         self._payload_ptrs = mover.payload_ptrs
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
-        #: called as on_tick(label, non_model_bytes) at every moment (prefetcher, event recorder)
-        #: (each is built over this tracer, so it subscribes with ``on_tick``)
-        self.tick_listeners: list[Callable[[Hashable, int], None]] = []
+        #: called as on_tick(label, non_model_bytes) at every moment, in this order (the
+        #: prefetcher, then the event recorder: a moment's history shows the prefetcher's moves)
+        self.tick_listeners = tuple(tick_listeners)
         #: GPU memory this process held before HybridPS started (other models, an EMA copy,
         #: a reference): not the training's, and not counted against the capacity, which is
         #: what HybridPS may use beyond it (the default capacity is read from the free memory)
@@ -226,7 +228,7 @@ class MemoryTracer:
         """The non-model bytes are about to become ``live``: keep chunks + non-model within
         the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""
         if self._chunk_bytes[self._name] + live > self.trace.limit_bytes:
-            self.mover.fit_non_model(self._name, live, who=self._where())
+            self.fit_non_model(live, who=self._where())
         self.trace.note_total(self._chunk_bytes[self._name] + live)
 
     @staticmethod
@@ -258,7 +260,6 @@ class MemoryTracer:
 
     def start_iteration(self) -> None:
         if self.trace.begin_iteration(enabled=self.enabled) is TraceMode.RECORD:
-            self.accesses = []
             self._listen(True)  # chunk accesses are recorded during warm-up only
 
     def _listen(self, on: bool) -> None:
@@ -266,26 +267,7 @@ class MemoryTracer:
 
     def end_iteration(self) -> None:
         self._listen(False)
-        if self.trace.end_iteration():
-            self._finish_trace()
-
-    def _finish_trace(self) -> None:
-        self._next_use = {}
-        self.by_moment = {}
-        for moment, chunk_id, device in self.accesses:
-            self._next_use.setdefault(chunk_id, []).append(moment)
-            self.by_moment.setdefault(moment, []).append((chunk_id, device))
-        logger.info(
-            "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
-            len(self.labels),
-            len(self.accesses),
-            max(self.non_model, default=0),
-        )
-
-    def on_tick(self, fn: Callable[[Hashable, int], None]) -> None:
-        """Call ``fn(label, non_model_bytes)`` at every moment from now on, after the listeners
-        before it (for a listener built over this tracer, as the prefetcher is)."""
-        self.tick_listeners.append(fn)
+        self.trace.end_iteration()
 
     def tick(self, label: Hashable) -> None:
         """Mark a moment; keep the chunks of the compute device within this moment's budget."""
@@ -297,7 +279,42 @@ class MemoryTracer:
         for listener in self.tick_listeners:
             listener(label, live)
         if self.device.is_gpu:
-            self.mover.fit_budget(self.device.name)
+            self._fit_budget()
+
+    # -- the chunks of the compute device within its memory --------------------------------
+
+    def _fit_budget(self) -> None:
+        """Evict chunks not in COMPUTE until the chunks on the compute device fit its budget of
+        this moment (tidal shrink). Best effort: chunks in COMPUTE stay, and the next access
+        that truly finds no room raises."""
+        mover, name = self.mover, self._name
+        budget = mover.budget(name)
+        if self._chunk_bytes[name] > budget:
+            mover.shrink(name, budget, mover.evictable(name))
+
+    def fit_non_model(self, non_model_bytes: int, *, who: str = "module activations") -> None:
+        """Make room on the compute device for non-model memory about to reach
+        ``non_model_bytes``: evict chunks not in COMPUTE until chunks + non-model fit
+        ``capacity - margin``.
+
+        Raises CapacityError, evicting nothing, when the chunks that must stay (COMPUTE, or
+        under an asynchronous collective) plus ``non_model_bytes`` exceed the capacity: on a
+        real GPU of that size this is an out-of-memory error. Between the capacity and the
+        margin it evicts what it can and lets the margin shrink (see [Note: the capacity is a
+        hard limit]).
+        """
+        mover, name = self.mover, self._name
+        capacity_bytes = self.device.capacity_bytes
+        limit_bytes = capacity_bytes - mover.margin_bytes - non_model_bytes
+        if self._chunk_bytes[name] <= limit_bytes:
+            return
+        victims = mover.evictable(name, need_bytes=self._chunk_bytes[name] - limit_bytes)
+        staying_bytes = self._chunk_bytes[name] - sum(c.nbytes for c in victims)
+        if staying_bytes + non_model_bytes > capacity_bytes:
+            raise CapacityError(
+                mover.figures.out_of_memory_message(name, staying_bytes=staying_bytes, non_model_bytes=non_model_bytes, who=who)
+            )
+        mover.shrink(name, limit_bytes, victims)
 
     def observe(self, live: int | None = None) -> None:
         """Record the peaks of non-model and of chunks + non-model on the compute device."""
@@ -316,30 +333,15 @@ class MemoryTracer:
         return self._non_model_peak
 
     def _on_access(self, chunk: Chunk, device: str) -> None:
-        if self.trace.mode is TraceMode.RECORD:
-            self.accesses.append((self.trace.moment, chunk.chunk_id, device))
+        trace = self.trace
+        if trace.mode is TraceMode.RECORD:
+            trace.accesses.append((trace.moment, chunk.chunk_id, device))
 
-    # -- what the mover and the eviction policy ask ----------------------------------------
+    # -- what the mover asks ---------------------------------------------------------------
 
     def reserve(self, device: str) -> int:
         """Non-model bytes to keep free on ``device`` from now to the next moment."""
         return self.trace.reserve_bytes(device, self._chunk_bytes.get(device, 0))
-
-    def replaying(self) -> bool:
-        return self.trace.mode is TraceMode.REPLAY
-
-    def next_use(self, chunk: Chunk) -> float:
-        """Moment of the next use of ``chunk`` after now (inf if never in this iteration)."""
-        trace = self.trace
-        if trace.mode is not TraceMode.REPLAY:
-            return float("inf")
-        uses = self._next_use.get(chunk.chunk_id)
-        if not uses:
-            return float("inf")
-        i = bisect.bisect_left(uses, trace.moment)
-        if i < len(uses):
-            return uses[i]
-        return len(trace.labels) + uses[0]  # first use in the next iteration
 
     def stats(self) -> dict:
         return {

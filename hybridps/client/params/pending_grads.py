@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.memory.mover import storage_key
+from hybridps.client.chunks.chunk import Chunk, ChunkKind, storage_key
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
