@@ -234,13 +234,9 @@ class ChunkMover:
     ) -> None:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed;
         ``asynchronous``: a copy of its payload may still run when this returns (its user
-        waits for ``chunk.ready_event``).
-
-        The caller has already put the chunk (or one of its slots) in COMPUTE, or otherwise
-        protects it, so it is never chosen as its own victim.
-        """
-        if chunk.settling:  # a use that did not settle it first (chunk.py, [Note: a chunk handed over])
-            chunk.settle()
+        waits for ``chunk.ready_event``). The caller has already put the chunk (or one of its
+        slots) in COMPUTE, or otherwise protects it, so it is never chosen as its own victim."""
+        chunk.settle()  # for a use that did not settle it first (chunk.py, [Note: a chunk handed over])
         self.clock += 1
         chunk.last_use = self.clock
         for listener in self.access_listeners:
@@ -263,10 +259,9 @@ class ChunkMover:
     # -- whole-chunk access (the optimizer, checkpoints) -----------------------------------
 
     def take(self, chunk: Chunk, device: str, *, who: str = "", asynchronous: bool = False) -> list[TensorState]:
-        """Bring ``chunk`` to ``device`` with every slot in COMPUTE (the optimizer works on
-        whole chunks). Returns the slot states it had, for ``give_back``. ``asynchronous``:
-        the copy may still run on return; whoever reads the payload first waits for
-        ``chunk.ready_event`` (a step on the step worker, adam.py)."""
+        """Bring ``chunk`` to ``device`` with every slot in COMPUTE (the optimizer works on whole
+        chunks); returns the slot states it had, for ``give_back``. ``asynchronous``: the copy
+        may still run on return (its reader waits for ``chunk.ready_event``: the step worker)."""
         chunk.settle()  # a step still computing on it is finished first (chunk.py)
         previous = list(chunk.states)
         what = f"{chunk.kind.value} chunk {chunk.index}"

@@ -170,8 +170,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.overlap_step = early_step.overlap_step_on(store.config, compute)
         #: backups of speculative early steps and whether to speculate (speculation.py)
         self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
-        if self.overlap_step:
-            mover.watch_accesses(self._on_access)
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = list(step_listeners)
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
@@ -635,12 +633,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         (and those before it) first ([Note: a chunk handed over], chunk.py)."""
         self.worker.finish_through(chunk.chunk_id)
         chunk.settled()  # finishing settled it; a chunk no task holds any more is settled too
-
-    def _on_access(self, chunk: Chunk, device: str) -> None:
-        """A chunk is about to be accessed: if a step on the worker still computes on it,
-        wait for that compute (the chunk stays taken until the step is finished)."""
-        if self.worker.in_flight and self.worker.holds(chunk.chunk_id):
-            self.worker.wait_for(chunk.chunk_id)
 
     def _worker_buffer(self, numel: int, index: int) -> torch.Tensor:
         """The fp32 grad buffer of the steps on the worker, grown to ``numel`` if smaller (the

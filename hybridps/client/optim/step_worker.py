@@ -52,9 +52,8 @@ ranks: a chunk group's gather reads other ranks' chunks, whose steps this rank c
 [Note: a task's life]
 ``submit`` -> RUNNING (on the worker) -> DONE (the compute ended) -> FINISHED (``finish``
 ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
-waiting; ``drain`` waits for and finishes all; ``wait_for`` only waits until the tasks
-holding a chunk are DONE (a chunk about to be accessed must not be written any more) and
-leaves the finishing to the next ``reap`` or ``drain``.
+waiting; ``drain`` waits for and finishes all; ``finish_through`` waits for and finishes
+the tasks up to the last that holds a chunk (a use of a chunk handed over settles it so).
 
 [Note: a lean worker]
 What the worker thread runs between two computes holds the GIL like the computes' own
@@ -190,17 +189,10 @@ class StepWorker:
         while self._tasks:
             self._finish_next()
 
-    def wait_for(self, chunk_id: int) -> None:
-        """Wait until no task still computes on chunk ``chunk_id`` (it stays taken until the
-        task is finished)."""
-        tasks = [t for t in self._tasks if chunk_id in t.chunk_ids]
-        if tasks:
-            self._timed_wait(tasks)
-
     def finish_through(self, chunk_id: int) -> None:
         """Finish tasks, oldest first, until none holds chunk ``chunk_id`` (waiting for each;
         a chunk about to be used must be given back by its step first)."""
-        while self._busy_ids[chunk_id] > 0:  # finishing rebinds the counter: read it each time
+        while self.holds(chunk_id):
             self._finish_next()
 
     def wait_computed(self) -> None:
