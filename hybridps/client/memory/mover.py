@@ -43,8 +43,8 @@ segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) bu
 
 [Note: listeners that come and go]
 Who hears of a bring (``watch_accesses``) or a move (``watch_moves``) changes while training
-runs (the tracer in a warm-up, the event recorder while it records, the optimizer while steps
-run on the step worker), and each is built over the mover, after it: none can be a
+runs (the tracer in a warm-up, the event recorder while it records), and each is built over
+the mover, after it: none can be a
 constructor argument. Each set is a tuple that only these two verbs replace, never change in
 place: with nobody listening a bring loops over an empty tuple and calls nothing, and a
 listener that stops during the calls does not make the next one miss its call.
