@@ -151,13 +151,7 @@ def test_a_scheduler_changing_a_tensor_lr_in_place_after_step_leaves_the_steps_i
                     gate, after_step, _, loss = _one_step_held_up(engine, step)
                     assert after_step > 0
                 else:
-                    x, y = tokens(step, batch=4)
-                    _, out = engine(x, y)
-                    engine.backward(out)
-                    engine.clip_grad_norm_(CLIP)
-                    engine.step()
-                    engine.zero_grad()
-                    loss = out.item()
+                    loss = _plain_step(engine, step)
                 for group in engine.optimizer.param_groups:
                     group["lr"].fill_(group["lr"].item() * 0.5)  # as a scheduler does with a tensor lr
                 if worker:
