@@ -235,7 +235,8 @@ class Config:
         doc=(
             "Step a chunk's Adam as soon as all its grads are final, during backward; `engine.step()` steps what is "
             "left. Same results, bit for bit. Where the step runs on the CPU while a real GPU computes, the Adam runs "
-            "on a worker thread beside backward. Clipping and fp16 are kept exact by speculation: an early step "
+            "on a worker thread beside backward, and on one rank `engine.step()` hands what is left to it too and "
+            "returns: the next forward's first use of each chunk waits for that chunk's step. Clipping and fp16 are kept exact by speculation: an early step "
             "assumes a clip coefficient of 1 and no overflow, keeps a host-memory backup of the chunk's master, "
             "momentum, variance and grads (about 14-16 B/param of the early-stepped chunks, held until the step), and "
             "is undone and redone in `engine.step()` when the clip triggers or a grad overflows. Backups are kept "
