@@ -376,6 +376,7 @@ def use_path_before(engine: hybridps.Engine) -> None:
     optim.worker.close()
     optim.worker = ExecutorStepWorker(window=2)  # that path's window
     optim._step_compute = types.MethodType(_step_compute_before, optim)
+    optim._steps_beside_forward = lambda: False  # step() computed its chunks itself then
 
 
 # -- the systems -------------------------------------------------------------------------
@@ -432,6 +433,9 @@ def training(args, ticker: Ticker) -> dict:
             engine.clip_grad_norm_(args.clip)
         engine.step()
         engine.zero_grad()
+        # step() may return with CPU steps still on the worker (beside the next forward): they
+        # finish inside this system's window, not during plain PyTorch's interleaved step
+        engine.optimizer.worker.drain()
         return loss
 
     def plain_step(x, y):
