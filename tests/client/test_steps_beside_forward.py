@@ -254,3 +254,32 @@ def test_a_script_that_ends_with_steps_in_flight_exits_cleanly(tmp_path):
     assert "tasks in flight" in proc.stdout, proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
+
+
+def test_a_checkpoint_saved_while_steps_wait_holds_the_stepped_state_and_resumes_exactly(tmp_path):
+    """``save_checkpoint`` right after ``step()``, with the steps still held up on the worker:
+    what it writes is the stepped state (each chunk it reads settles first), and an engine
+    that loads it trains on exactly like stepping in ``step()``."""
+    engine = _engine(False)
+    try:
+        want_losses = [_plain_step(engine, step) for step in range(4)]
+    finally:
+        engine.close()
+    engine = _engine(True, worker=True)
+    try:
+        losses = [_plain_step(engine, 0)]
+        gate, after_step, _, loss = _one_step_held_up(engine, 1)
+        assert after_step > 0
+        losses.append(loss)
+        _open_on_settle(engine, gate)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        assert gate.is_set()  # the save settled what it read
+    finally:
+        engine.close()
+    resumed = _engine(True, worker=True)
+    try:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        losses += [_plain_step(resumed, step) for step in (2, 3)]
+    finally:
+        resumed.close()
+    assert losses == want_losses
