@@ -155,3 +155,50 @@ def test_pinned_chunk_moves_reuse_the_arenas_slots():
     assert stats["held_bytes"] == 2 * segment_bytes(numel * 4, 1) < 2 * numel * 4 + 2 * 4096
     manager.release_all(chunks)
     assert arena.held_bytes == 0
+
+
+def test_steps_beside_the_next_forward_train_bit_for_bit_like_steps_in_step():
+    """Every optimizer row on the CPU and a clip each step (so ``"auto"`` leaves every chunk to
+    ``step()``): ``step()`` returns with the CPU steps on the worker and the next forward
+    settles them, bit-equal to ``overlap_step=False`` under deterministic kernels."""
+    import os
+
+    def run(overlap):
+        torch.manual_seed(0)
+        from hybridps.models import GPT
+
+        model = GPT(SMALL_GPT)
+        config = hybridps.Config(
+            devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.5) + 64 * 2**20},
+            placement="cpu_optimizer",
+            overlap_step=overlap,
+            simulate=False,
+        )
+        engine = hybridps.initialize(model, adamw_groups(model, lr=1e-3, fused=True), config)
+        losses, in_flight = [], []
+        try:
+            for step in range(6):
+                x, y = tokens(step)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                in_flight.append(engine.optimizer.worker.in_flight)
+                engine.zero_grad()
+                losses.append(loss.item())
+            return losses, in_flight, engine.state_dict()
+        finally:
+            engine.close()
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        want_losses, _, want = run(False)
+        got_losses, in_flight, got = run("auto")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert max(in_flight[1:]) > 0, in_flight  # step() returned with steps on the worker
+    assert got_losses == want_losses
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
