@@ -288,12 +288,10 @@ class ChunkedAdam(torch.optim.Optimizer):
             clip_coef = None if self._clip is None else self._clip.coef
             order = list(grads.items())
             beside_forward = self._steps_beside_forward()
-            masters = self.store.rows[self.store.master_kind]
             for n, (index, infos) in enumerate(order):
                 if n + 1 < len(order):
                     self._bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
-                on_worker = beside_forward and self.placement.step_device(masters[index]) == "cpu"
-                self._step_chunk(index, infos, inv_scale, clip_coef, on_worker=on_worker)
+                self._step_chunk(index, infos, inv_scale, clip_coef, on_worker=beside_forward)
             if groups is not None:  # reduced chunks whose params all lacked grads
                 for index in sorted(self._landed - set(grads)):
                     self._write_back(index, self.store.layout.used(index))
@@ -363,14 +361,15 @@ class ChunkedAdam(torch.optim.Optimizer):
     ) -> None:
         """Adam over the params ``infos`` of chunk ``index``, grads divided by the loss scale
         and multiplied by ``clip_coef``; with ``backup``, its values before are copied there
-        first; ``on_worker``: the compute runs on the step worker, and the chunks stay
-        taken until it is done."""
+        first; ``on_worker``: where the chunk steps on the CPU, the compute runs on the step
+        worker, and the chunks stay taken until it is done."""
         store = self.store
         master_kind, grad_kind = store.master_kind, store.grad_kind
         master_chunk = store.rows[master_kind][index]
         # device-aware: the placement policy says where (by default where the master lies);
         # momentum, variance and grads are brought there
         device = self.placement.step_device(master_chunk)
+        on_worker = on_worker and device == "cpu"
         for listener in self.step_listeners:
             listener("start", index)
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
@@ -485,7 +484,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                 if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
                     lr = lr.to(device=device, non_blocking=True)
             if isinstance(lr, torch.Tensor) and lr is group["lr"]:
-                lr = lr.clone()  # a scheduler fills the group's tensor in place, maybe before the worker reads it
+                lr = self.tensors.copy_of(lr)  # a scheduler fills the group's tensor in place, maybe before the worker reads it
             hyper = {
                 "lr": lr,
                 "beta1": beta1,

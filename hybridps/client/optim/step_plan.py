@@ -247,6 +247,15 @@ class StepTensors:
             copy = self._per_step[key] = tensor.to(device)
         return copy
 
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (a tensor lr) made once per step: what the step's kernels read
+        even when the owner changes it in place meanwhile."""
+        key = ("copy", id(tensor))
+        copy = self._per_step.get(key)
+        if copy is None:
+            copy = self._per_step[key] = tensor.clone()
+        return copy
+
     def end_step(self) -> None:
         """The step is over: its divisors and coefficients are not made for the next."""
         self._per_step.clear()
