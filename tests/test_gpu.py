@@ -202,3 +202,34 @@ def test_steps_beside_the_next_forward_train_bit_for_bit_like_steps_in_step():
     assert got_losses == want_losses
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+def test_meta_init_on_the_gpu_gives_the_values_of_a_gpu_build():
+    """``meta_init(device="cuda")`` replays the init on the GPU: the values (and the GPU's
+    generator afterwards) of a build under ``torch.device("cuda")``, bit for bit; the CPU's
+    generator is not touched."""
+    from hybridps.models import GPT
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        built = GPT(SMALL_GPT)
+    after_gpu = torch.rand(4, device="cuda")
+    torch.manual_seed(0)
+    cpu_before = torch.get_rng_state()
+    with hybridps.meta_init(device="cuda") as record:
+        model = GPT(SMALL_GPT)
+    assert record.device == torch.device("cuda", torch.cuda.current_device())
+    config = hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.5) + 64 * 2**20}, simulate=False)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), config)
+    try:
+        assert torch.equal(torch.get_rng_state(), cpu_before), "a GPU build draws nothing from the CPU's generator"
+        assert torch.equal(torch.rand(4, device="cuda"), after_gpu), "the GPU's generator is where a GPU build leaves it"
+        expected, got = built.state_dict(), model.state_dict()
+        assert [k for k in expected if not torch.equal(expected[k].cpu(), got[k].cpu())] == []
+        x, y = tokens(0)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss)
+    finally:
+        engine.close()

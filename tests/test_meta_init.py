@@ -64,6 +64,38 @@ def test_meta_init_gives_the_values_of_a_cpu_build(name):
     assert engine.unset_params == set()
 
 
+def test_meta_init_on_the_cpu_by_name_is_the_default():
+    torch.manual_seed(0)
+    with hybridps.meta_init():
+        default = GPT(GPT_CFG)
+    hybridps.initialize(default, torch.optim.AdamW(default.parameters(), fused=True), CFG)
+    torch.manual_seed(0)
+    with hybridps.meta_init(device="cpu") as record:
+        named = GPT(GPT_CFG)
+    assert record.device == torch.device("cpu")
+    hybridps.initialize(named, torch.optim.AdamW(named.parameters(), fused=True), CFG)
+    expected, got = default.state_dict(), named.state_dict()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("mps", r"CPU or a CUDA GPU only.*'cpu' or 'cuda\[:N\]'"),
+        ("meta", r"CPU or a CUDA GPU only"),
+        ("gpu0", r"not a device"),
+        pytest.param(
+            "cuda:0",
+            r"no CUDA device is visible.*meta_init\(\)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
+    ],
+)
+def test_meta_init_on_a_device_it_cannot_replay_on_is_refused_with_the_fix(device, message):
+    with pytest.raises(hybridps.HybridPSError, match=message):
+        hybridps.meta_init(device=device)
+
+
 def test_a_meta_built_gpt_trains_like_a_cpu_built_one():
     from tests.training import tokens
 
