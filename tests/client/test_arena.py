@@ -99,6 +99,17 @@ def test_release_idle_unpins_and_unmaps_only_segments_whose_slots_are_all_free()
     assert arena.held_bytes == 0 and registrar.registered == {}
 
 
+def test_release_idle_of_some_bytes_lets_the_fewest_empty_segments_go():
+    registrar = RecordingRegistrar()
+    arena = HostArena(1 << 30, registrar=registrar)
+    two = segment_bytes(SLOT, 2)
+    for nbytes in (ONE, two, ONE):
+        arena.grow(SLOT, nbytes)
+    assert arena.release_idle(two + 1) == two + ONE, "the largest first, until the bytes are covered"
+    assert arena.held_bytes == ONE and len(registrar.registered) == 1 and arena.stats()["released"] == 2
+    assert arena.release_idle(0) == 0 and arena.held_bytes == ONE
+
+
 def test_a_failed_registration_leaves_the_arena_working_and_pageable():
     registrar = RecordingRegistrar(succeeds=False)
     arena = HostArena(1 << 30, registrar=registrar)

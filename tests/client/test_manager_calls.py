@@ -285,6 +285,33 @@ def test_an_empty_arena_segment_gives_way_to_a_chunk_that_needs_the_room():
     assert_exact(manager, conn)
 
 
+def test_a_chunk_short_of_cpu_room_lets_only_as_many_empty_segments_go_as_it_needs():
+    """Chunks of 1 MiB get a segment each. Four param chunks leave their segments empty for the
+    forward; a master chunk that finds no room lets one of them go, not all four, so the params
+    coming back for the step find their slots still pinned (no segment mapped again)."""
+    numel = 2**18  # 1 MiB of fp32: one slot a segment
+    arena = HostArena(1 << 30)
+    # no pool: a simulated GPU's payloads are host buffers the pool would keep, on the CPU's room
+    manager, conn = make_manager(gpu_bytes=4 * numel * 4, cpu_bytes=6 * numel * 4, pool_chunks=0, arena=arena)
+    params = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(4)]
+    for c in params:
+        manager.place(c, "cpu")
+    for c in params:
+        manager.bring(c, "cuda:0")  # the GPU is full now; four empty segments on the CPU
+    assert arena.stats()["segments"] == 4 and arena.held_bytes == 4 * numel * 4
+    masters = [Chunk(ChunkKind.MASTER, 10 + i, numel, torch.float32, 10 + i) for i in range(3)]
+    for m in masters:
+        manager.place(m, "cpu")  # the third finds the CPU full of empty segments
+        assert_exact(manager, conn)
+    assert [m.device for m in masters] == ["cpu"] * 3
+    assert arena.stats()["released"] == 1, "one segment's bytes made the room"
+    for c in params[:3]:
+        manager.bring(c, "cpu")  # back for the step: into the segments still held
+        assert arena.owns(c.payload)
+        assert_exact(manager, conn)
+    assert arena.stats()["grown"] == 4, "no segment was mapped (and pinned) again"
+
+
 def test_beyond_the_arena_cap_cpu_param_chunks_are_pageable():
     arena = HostArena(2 * CHUNK_BYTES)
     manager, conn = make_manager(arena=arena)

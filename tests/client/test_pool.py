@@ -52,3 +52,14 @@ def test_clear_lets_everything_go():
     assert pool.clear() == 3 * 4096 and pool.held_bytes == 0
     assert pool.take(torch.float32, 1024) is None
     assert pool.give(_buf(1024)) == 0  # the age list was cleared too
+
+
+def test_release_lets_the_oldest_go_until_the_bytes_needed_are_released():
+    pool = PayloadPool(cap_bytes=1 << 20)
+    bufs = [_buf(1024) for _ in range(4)]  # 4 KiB each
+    for b in bufs:
+        pool.give(b)
+    assert pool.release(5000) == 2 * 4096, "two buffers cover 5000 B"
+    assert pool.held_bytes == 2 * 4096
+    assert [pool.take(torch.float32, 1024) for _ in range(2)] == [bufs[3], bufs[2]], "the younger stay"
+    assert pool.release(1) == 0, "nothing left to release"

@@ -404,7 +404,7 @@ class ChunkMover:
             if not isinstance(exc, CapacityError) or not cpu_grows or not self._can_give_way(plan):
                 self._return_taken(plan)  # nothing changed: the pool and the arena are as they were
                 raise
-            self._give_way(plan)
+            self._give_way(plan, max(cpu_change, size))
             try:
                 device = self._request(
                     size,
@@ -419,7 +419,7 @@ class ChunkMover:
                 self._settle_pool()  # the pool and the arena let go: so does their booking
                 raise
         if refer is not None and device not in (refer, "cpu") and "cpu" not in exclude and self._can_give_way(plan):
-            self._give_way(plan)
+            self._give_way(plan, size)
             planned = self._pool_side_bytes() + plan.side_change_bytes
             device = self._request(size, src=device, refer=refer, exclude=exclude, pool_bytes=planned)
         if device != "cpu" and (plan.slot is not None or plan.grow_bytes):
@@ -440,14 +440,14 @@ class ChunkMover:
             or (self.arena is not None and self.arena.releasable_bytes())
         )
 
-    def _give_way(self, plan: _PoolPlan) -> None:
-        """Let the idle pooled buffers and the arena's empty segments go, and grow the arena
-        by one slot at most (see [Note: the arena's booking])."""
-        plan.taken = None  # a pooled buffer taken: it goes with the rest of the pool
-        self.pool.clear()
-        plan.cancel()
-        if self.arena is not None:
-            self.arena.release_idle()
+    def _give_way(self, plan: _PoolPlan, need_bytes: int) -> None:
+        """Let idle pooled buffers, then the arena's empty segments, go until ``need_bytes``
+        are released (memory/arena.py, [Note: release what is needed]), and grow the arena by
+        one slot at most (see [Note: the arena's booking])."""
+        plan.cancel()  # a pooled buffer taken goes; the old payload is not pooled
+        released = self.pool.release(need_bytes)
+        if self.arena is not None and released < need_bytes:
+            self.arena.release_idle(need_bytes - released)
         if plan.grow_bytes:
             plan.grow_bytes = min(plan.grow_bytes, self.arena.one_slot_bytes(plan.arena_bytes))
 
@@ -459,16 +459,17 @@ class ChunkMover:
     def _settle_pool(self) -> None:
         """Book the host buffers outside chunks as they are, when an operation left them other
         than planned (a buffer the pool turned down after all, a copy in flight that ended):
-        one request, none in the common case. With no room on the CPU for them, the pool and
-        the arena's empty segments go."""
-        if self._pool_side_bytes() == self._pool_booked_bytes:
+        one request, none in the common case. With no room on the CPU for them, pooled buffers
+        and then the arena's empty segments go, as many bytes as they grew by."""
+        grown_bytes = self._pool_side_bytes() - self._pool_booked_bytes
+        if grown_bytes == 0:
             return
         try:
             self._request()
         except CapacityError:
-            self.pool.clear()
-            if self.arena is not None:
-                self.arena.release_idle()
+            released = self.pool.release(grown_bytes)
+            if self.arena is not None and released < grown_bytes:
+                self.arena.release_idle(grown_bytes - released)
             self._request()
 
     def release_pool(self) -> None:

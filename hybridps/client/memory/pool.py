@@ -115,18 +115,30 @@ class PayloadPool:
         key = (buf.dtype, buf.numel())
         dropped = 0
         while self.held_bytes + nbytes > self._cap_bytes:
-            old_id, old_key = self._age.popitem(last=False)
-            bucket = self._free[old_key]
-            index = next(i for i, t in enumerate(bucket) if id(t) == old_id)
-            old = bucket.pop(index)
-            size = old.numel() * old.element_size()
-            self.held_bytes -= size
-            dropped += size
-            self.dropped += 1
+            dropped += self._drop_oldest()
         self._free[key].append(buf)
         self._age[id(buf)] = key
         self.held_bytes += nbytes
         return dropped
+
+    def _drop_oldest(self) -> int:
+        """Let the oldest pooled buffer go; returns its bytes."""
+        old_id, old_key = self._age.popitem(last=False)
+        bucket = self._free[old_key]
+        index = next(i for i, t in enumerate(bucket) if id(t) == old_id)
+        old = bucket.pop(index)
+        size = old.numel() * old.element_size()
+        self.held_bytes -= size
+        self.dropped += 1
+        return size
+
+    def release(self, need_bytes: int) -> int:
+        """Let the oldest pooled buffers go until ``need_bytes`` are released or none is left;
+        returns the bytes released."""
+        released = 0
+        while released < need_bytes and self._age:
+            released += self._drop_oldest()
+        return released
 
     def clear(self) -> int:
         """Let every pooled buffer go; returns the bytes released."""
