@@ -20,6 +20,10 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
 7. ``overlap``:    an offloaded step against its parts alone (compute, link, CPU Adam;
                    ``scripts/bench_overlap_step.py --components``), overlap off and early
                    steps on the step worker, deterministic kernels.
+8. ``peers``:      at one size (``--ds-layers``, else the largest ZeRO-Offload trained in
+                   ``largest``), HybridPS against each of DeepSpeed's offload modes:
+                   ZeRO-Offload, ZenFlow (stage 2) and ZeRO-Offload++ Twin-Flow (stage 3,
+                   ``--ds-ratio`` of the optimizer states on the CPU); HybridPS over the best.
 
 Prints one JSON object. On a machine without a GPU it prints one line and exits 0.
 
@@ -56,7 +60,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens", "overlap")
+PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens", "overlap", "peers")
+#: DeepSpeed's offload modes the ``peers`` phase measures beside HybridPS, at one size
+DEEPSPEED_MODES = ("deepspeed-zero-offload", "deepspeed-zenflow", "zero3-twinflow")
 RESULT_PREFIX = "GPU_VALIDATE_RESULT "
 
 
@@ -209,15 +215,31 @@ def _worker(args) -> dict:
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"
         )
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
-        stage3 = args.system == "zero3-offload"
+        stage3 = args.system in ("zero3-offload", "zero3-twinflow")
         zero = {
             "stage": 3 if stage3 else 2,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "contiguous_gradients": True,
             "overlap_comm": True,
         }
-        if stage3:
+        if args.system == "zero3-offload":
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        if args.system == "zero3-twinflow":
+            # ZeRO-Offload++ (Twin-Flow): the fraction --ds-ratio of the optimizer states on the
+            # CPU (CPU Adam), the rest on the GPU; the params stay on the GPU
+            zero["offload_optimizer"]["ratio"] = args.ds_ratio
+        if args.system == "deepspeed-zenflow":
+            # ZenFlow: the important gradient columns stepped on the GPU every step, the rest
+            # accumulated and stepped on the CPU every few steps, beside the next steps (its
+            # tutorial's settings); not exact Adam
+            zero["zenflow"] = {
+                "topk_ratio": 0.1,
+                "select_strategy": "auto",
+                "select_interval": "auto",
+                "update_interval": 4,
+                "overlap_step": True,
+                "full_warm_up_rounds": 0,
+            }
         ds_config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": accum,
@@ -229,7 +251,8 @@ def _worker(args) -> dict:
             "steps_per_print": 10**9,
         }
         if stage3:
-            with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="cpu", pin_memory=True):
+            where = {"remote_device": "cpu", "pin_memory": True} if args.system == "zero3-offload" else {}
+            with deepspeed.zero.Init(config_dict_or_path=ds_config, **where):
                 model = GPT(cfg)
         else:
             with torch.device(device):  # initialized where it computes; the CPU keeps the fp32 master
@@ -254,6 +277,7 @@ def _worker(args) -> dict:
         flush=True,
     )
     losses, times = [], []
+    arena_after_warmup = None
     try:
         for i, step_batches in enumerate(batches):
             micro = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in step_batches]
@@ -268,6 +292,8 @@ def _worker(args) -> dict:
             )
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
+            if args.system == "hybridps" and i + 1 == args.warmup:
+                arena_after_warmup = _arena_stats(engine)
     except Exception as e:
         # the last lines of stderr come back in the summary: the error, then what memory held
         traceback.print_exc(limit=-3)
@@ -295,7 +321,23 @@ def _worker(args) -> dict:
         "losses": [round(v, 4) for v in losses],
     }
     out.update(_diagnostics(args.system, engine, device))
+    arena = _arena_stats(engine) if args.system == "hybridps" else None
+    if arena and arena_after_warmup:
+        # host arena segments mapped and page-locked, and let go, during the timed steps
+        # (scripts/bench_host_churn.py counts the same in the planner's simulation)
+        out["hybridps_arena_timed_steps"] = {k: arena[k] - arena_after_warmup[k] for k in ("grown", "released", "lends")} | {
+            "held_bytes": arena["held_bytes"],
+            "pinned_bytes": arena["pinned_bytes"],
+            "steps": len(times),
+        }
     return out
+
+
+def _arena_stats(engine) -> dict | None:
+    """The HybridPS client's host arena figures (memory/arena.py), or None without one."""
+    with contextlib.suppress(Exception):
+        return engine.memory_stats().get("arena")
+    return None
 
 
 def _diagnostics(system: str, engine, device) -> dict:
@@ -483,6 +525,8 @@ def _train(
         cmd += ["--cpu-bytes", str(args.cpu_bytes)]  # the capacity the plan was made for
     if system == "hybridps":
         cmd += ["--init-device", args.init_device]
+    if system == "zero3-twinflow":
+        cmd += ["--ds-ratio", str(args.ds_ratio)]
     r = _run(cmd, min(timeout_s, clock.left_s() - 5), env)
     if r["result"] is not None:
         return {"trained": True, "seconds": r["seconds"], **r["result"]}
@@ -542,6 +586,35 @@ def phase_largest(clock: Clock, env: dict, args, plan: dict, have_deepspeed: boo
                 "deepspeed-zero-offload": ds["largest"],
                 "hybridps_over_deepspeed_tflops": round(hp["tflops"] / ds["largest"]["tflops"], 3) if hp.get("trained") else None,
             }
+    return out
+
+
+def phase_peers(clock: Clock, env: dict, args, largest: dict, have_deepspeed: bool) -> dict:
+    """HybridPS against DeepSpeed's best offload mode at one size: each mode in
+    ``DEEPSPEED_MODES`` trains ``--steps`` timed steps, then HybridPS; the ratio is HybridPS's
+    TFLOPS over the best mode's that trained."""
+    n_layer = args.ds_layers
+    if n_layer is None and isinstance(largest, dict):
+        ds = largest.get("deepspeed-zero-offload")
+        n_layer = ((ds.get("largest") or {}) if isinstance(ds, dict) else {}).get("n_layer")
+    if not n_layer:
+        return {"skipped": "no size: pass --ds-layers, or run the largest phase first"}
+    if not have_deepspeed:
+        return {"skipped": "deepspeed is not importable (carry its wheel: scripts/fetch_gpu_wheels.sh)"}
+    out: dict = {"n_layer": n_layer, "runs": {}}
+    for system in (*DEEPSPEED_MODES, "hybridps"):
+        if clock.left_s() < 60:
+            out["runs"][system] = "skipped: the time budget is spent"
+            continue
+        r = _train(system, n_layer, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s)
+        keep = ("trained", "tflops", "step_s", "init_s", "n_params", "losses", "host_rss_bytes", "out_of_memory", "stderr_tail")
+        out["runs"][system] = {k: r.get(k) for k in keep if k in r}
+    trained = {s: r["tflops"] for s, r in out["runs"].items() if isinstance(r, dict) and r.get("trained") and s != "hybridps"}
+    mine = out["runs"].get("hybridps")
+    if trained and isinstance(mine, dict) and mine.get("trained"):
+        best = max(trained, key=trained.get)
+        out["best_deepspeed_mode"] = best
+        out["hybridps_over_best_deepspeed_tflops"] = round(mine["tflops"] / trained[best], 3)
     return out
 
 
@@ -636,7 +709,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True, help="measure the peer too")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     # worker mode (one training run in this process)
-    ap.add_argument("--worker", choices=("hybridps", "deepspeed-zero-offload", "zero3-offload"), default=None)
+    ap.add_argument("--worker", choices=("hybridps", *DEEPSPEED_MODES, "zero3-offload"), default=None)
+    ap.add_argument("--ds-ratio", type=float, default=0.5, help="zero3-twinflow: the fraction of optimizer states on the CPU")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--gpu-bytes", default=None)
     ap.add_argument(
@@ -713,6 +787,8 @@ def main(argv=None) -> int:
                 report[phase] = phase_tokens(clock, env, args, report.get("largest") or {})
             elif phase == "overlap":
                 report[phase] = phase_overlap(clock, env, args)
+            elif phase == "peers":
+                report[phase] = phase_peers(clock, env, args, report.get("largest", {}), have_deepspeed)
         except Exception as e:  # noqa: BLE001 - one phase's failure is reported, the rest still run
             report[phase] = {"error": f"{type(e).__name__}: {e}"}
         print(f"gpu_validate: {phase} done, {clock.left_s():.0f} s left", file=sys.stderr, flush=True)

@@ -21,3 +21,32 @@ def test_the_worker_accumulates_micro_batches_and_counts_their_tokens():
     result = json.loads(line.split(" ", 1)[1])
     assert result["accum"] == 3 and result["tokens_per_step"] == 3 * 2 * 32
     assert len(result["losses"]) == 2 and all(v > 0 for v in result["losses"])
+
+
+def test_the_peers_phase_compares_hybridps_with_the_best_deepspeed_mode_that_trained(monkeypatch):
+    """Each DeepSpeed offload mode and HybridPS train at one size; a mode that fails is kept
+    with its error and left out of the best."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
+    gv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gv)
+    tflops = {"deepspeed-zero-offload": 80.0, "deepspeed-zenflow": 100.0, "zero3-twinflow": None, "hybridps": 125.0}
+    asked = []
+
+    def fake_train(system, n_layer, clock, env, args, steps, timeout_s, **kw):
+        asked.append((system, n_layer))
+        if tflops[system] is None:
+            return {"trained": False, "out_of_memory": True, "stderr_tail": "CUDA out of memory"}
+        return {"trained": True, "tflops": tflops[system], "step_s": 1.0, "n_params": 10}
+
+    monkeypatch.setattr(gv, "_train", fake_train)
+    args = argparse.Namespace(ds_layers=None, steps=2, run_timeout_s=60.0)
+    largest = {"deepspeed-zero-offload": {"largest": {"n_layer": 97}}}
+    out = gv.phase_peers(gv.Clock(600.0), {}, args, largest, have_deepspeed=True)
+    assert [s for s, _ in asked] == [*gv.DEEPSPEED_MODES, "hybridps"] and {n for _, n in asked} == {97}
+    assert out["best_deepspeed_mode"] == "deepspeed-zenflow"
+    assert out["hybridps_over_best_deepspeed_tflops"] == 1.25
+    assert out["runs"]["zero3-twinflow"]["out_of_memory"] is True
+    assert "skipped" in gv.phase_peers(gv.Clock(600.0), {}, args, {}, have_deepspeed=True)
