@@ -56,6 +56,9 @@ MODES = {
     # a diagnosis: the worker's grads taken with synchronous copies (as before the copies in
     # flight), to tell a difference of the in-flight path from the device's noise
     "on_step_worker_sync_copies": {"overlap_step": True, "worker": True, "sync_copies": True},
+    # "auto" with the dtype casts of CPU steps on the GPU (Config.casts_on_gpu): the CPU runs
+    # Adam alone, the link carries fp32 both ways
+    "auto_casts_on_gpu": {"overlap_step": "auto", "worker": True, "casts_on_gpu": True},
 }
 #: max_norm of each clipping case (None: no clipping)
 CLIPS = {"no_clip": None, "clip_holds": 1e6, "clip_triggers": 1e-3}
@@ -109,6 +112,7 @@ def run_modes(args, *, clip: float | None, case: str = "") -> dict:
             precision=args.precision,
             placement="cpu_optimizer",
             overlap_step=mode["overlap_step"],
+            casts_on_gpu=mode.get("casts_on_gpu", False),
         )
         engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), config)
         engine.optimizer.cpu_steps_beside_backward = mode["worker"]

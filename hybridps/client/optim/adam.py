@@ -47,6 +47,7 @@ from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.optim import adam_state, early_step, grad_norm, registration
 from hybridps.client.optim.adam_state import AdamStateView
+from hybridps.client.optim.device_casts import ChunkCasts, DeviceCasts
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
@@ -163,6 +164,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._worker_grads: torch.Tensor | None = None
         #: each chunk's runs, worked out once (step_plan.py)
         self.plans = StepPlans(self.param_group_of)
+        #: steps on the CPU whose param chunk stays on the GPU (device_casts.py)
+        self.casts = DeviceCasts(store, mover, enabled=store.config.casts_on_gpu)
         #: the fused kernel's step tensors by (device, count), its found_inf zeros by device,
         #: and what is made once per step (divisors, the clip coefficient per device)
         self.tensors = StepTensors()
@@ -344,9 +347,10 @@ class ChunkedAdam(torch.optim.Optimizer):
             return
         store = self.store
         device = self.placement.step_device(store.rows[store.master_kind][index])
+        stays = self._casts_apply(index, device, speculative=False)  # the grads stay on the GPU
         for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
             chunk = store.rows[kind][index]
-            if chunk.payload is not None and chunk.device != device:
+            if chunk.payload is not None and chunk.device != device and not (stays and kind is store.grad_kind):
                 self.mover.prefetch(chunk, device)
 
     def _step_chunk(
@@ -370,6 +374,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         # momentum, variance and grads are brought there
         device = self.placement.step_device(master_chunk)
         on_worker = on_worker and device == "cpu"
+        # the param chunk (its grads) stays on the GPU, which casts (device_casts.py)
+        cast_on = store.compute.name if self._casts_apply(index, device, speculative=backup is not None) else None
         for listener in self.step_listeners:
             listener("start", index)
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
@@ -379,13 +385,15 @@ class ChunkedAdam(torch.optim.Optimizer):
                 # beside backward the copies run on the copy stream and the worker waits for
                 # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
-                    store.rows[kind][index], device, who=f"optimizer step of chunk {index}", asynchronous=on_worker
+                    store.rows[kind][index],
+                    cast_on if cast_on is not None and kind is grad_kind else device,
+                    who=f"optimizer step of chunk {index}",
+                    asynchronous=on_worker,
                 )
                 after: list[TensorState] | TensorState = previous if kind is ChunkKind.GRAD else TensorState.HOLD
                 taken.append((store.rows[kind][index], after))
                 if kind is grad_kind and backup is not None:
                     backup.param_states = previous
-            used = store.layout.used(index)
             grad_chunk = store.rows[grad_kind][index]
             buffer = None
             if not (grad_chunk.dtype == torch.float32 and inv_scale is None):
@@ -394,12 +402,13 @@ class ChunkedAdam(torch.optim.Optimizer):
                     if on_worker
                     else self._buffer(device, grad_chunk.capacity, index)
                 )
-            compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer)
+            casts = None if cast_on is None else self.casts.prepare(grad_chunk.capacity, index, on_worker=on_worker)
+            compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer, casts)
             if on_worker:
                 chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
                 self.worker.submit(
                     compute,
-                    lambda: self._finish_step(index, taken),
+                    lambda: self._finish_step(index, taken, casts),
                     chunk_ids,
                     what=f"the optimizer step of chunk {index}",
                     after=[chunk.ready_event for chunk, _ in taken if chunk.ready_event is not None],
@@ -409,8 +418,7 @@ class ChunkedAdam(torch.optim.Optimizer):
                     chunk.hand_over(self._settle)
                 return
             compute()
-            if master_kind is not ChunkKind.PARAM:
-                self._count_write_back(index, used)
+            self._count_transfers(index, casts)
         finally:
             if not handed_over:
                 self._release_step(index, taken)
@@ -423,6 +431,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         clip_coef: torch.Tensor | None,
         backup: Backup | None,
         buffer: torch.Tensor | None,
+        casts: ChunkCasts | None = None,
     ) -> Callable[[], None]:
         """The arithmetic of one chunk's step over its taken chunks, as a call that touches
         nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker.
@@ -454,6 +463,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                 backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
             if buffer is None:
                 grads = grad_payload
+            elif casts is not None:
+                grads = buffer
+                casts.grads_down(grad_payload, grads, used)  # cast on the GPU, then down
             else:
                 grads = buffer
                 grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
@@ -464,7 +476,9 @@ class ChunkedAdam(torch.optim.Optimizer):
                 torch._foreach_mul_(list(map(rows[1].__getitem__, plan.run_pieces)), coef)
             for call in calls:
                 self._adam(call, rows, divisor)
-            if param is not None:
+            if casts is not None:
+                casts.params_up(master, param, used)  # up, then cast on the GPU
+            elif param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
 
         return compute
@@ -560,15 +574,33 @@ class ChunkedAdam(torch.optim.Optimizer):
             **hyper,
         )
 
-    def _finish_step(self, index: int, taken: list) -> None:
+    def _finish_step(self, index: int, taken: list, casts: ChunkCasts | None = None) -> None:
         """The end of a step computed on the worker, on the calling thread."""
         for chunk, _ in taken:
             chunk.settled()
         try:
-            if self.store.master_kind is not ChunkKind.PARAM:
-                self._count_write_back(index, self.store.layout.used(index))
+            self._count_transfers(index, casts)
         finally:
             self._release_step(index, taken)
+
+    def _casts_apply(self, index: int, device: str, *, speculative: bool) -> bool:
+        return self.casts.enabled and self.casts.applies(
+            index, device, speculative=speculative, loss_scaled=self.scaler is not None, ranks=self.groups is not None
+        )
+
+    def _count_transfers(self, index: int, casts: ChunkCasts | None) -> None:
+        """Book a step's write-back; with casts on the GPU, its fp32 grads down and master up,
+        and the params' new values are ready once their cast is (their next user waits)."""
+        if casts is None:
+            if self.store.master_kind is not ChunkKind.PARAM:
+                self._count_write_back(index, self.store.layout.used(index))
+            return
+        nbytes = self.store.layout.used(index) * 4
+        compute = self.store.compute.name
+        self.mover.count_transfer(compute, "cpu", nbytes)
+        self.mover.count_transfer("cpu", compute, nbytes)
+        if casts.done is not None:
+            self.store.rows[ChunkKind.PARAM][index].copy_started(casts.done)
 
     def _release_step(self, index: int, taken: list) -> None:
         try:
