@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.chunks.chunk import Chunk
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
 from hybridps.client.dist.build_groups import build_groups
@@ -127,8 +127,7 @@ class Client:
         self._closed = False
 
     def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
-        """The mover: allocates, copies and books chunks (mover.py); the rows are the store's.
-        Sets the link, the placement it moves by and the trace it budgets by."""
+        """The mover (mover.py: allocates, copies, books chunks), the link, placement and trace it uses."""
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
@@ -145,6 +144,7 @@ class Client:
             placement=self.placement,
             trace=self.trace,
             arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
+            arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if self.config.casts_on_gpu else ())),
         )
 
     def _params_side(self) -> None:

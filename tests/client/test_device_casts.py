@@ -35,9 +35,9 @@ def _param_moves_down(engine) -> list:
 
     engine.step = counting_step
     engine.client.mover.watch_moves(
-        lambda chunk, src, dst, seconds, evicted: moves.append(steps[0])
-        if chunk.kind is ChunkKind.PARAM and dst == "cpu"
-        else None
+        lambda chunk, src, dst, seconds, evicted: (
+            moves.append(steps[0]) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None
+        )
     )
     return moves
 
@@ -93,4 +93,38 @@ def test_the_manager_books_exactly_what_the_client_holds_after_steps_with_casts_
     usage = next(c["usage"] for c in client.connection.status()["clients"] if c["client_id"] == client.connection.client_id)
     held = {d: s["booked_bytes"] for d, s in client.mover.figures.device_stats().items() if s["booked_bytes"]}
     assert usage == held
+    engine.close()
+
+
+def test_with_a_pinning_arena_the_masters_and_the_grads_buffer_are_page_locked_and_booked():
+    """The trips run at the pinned link's speed: the CPU's master chunks are arena slots and
+    the grads come down into an arena slot of the worker's; the manager books the whole arena
+    (a recorder stands for cudaHostRegister)."""
+    import hybridps
+    from hybridps.engine import Engine
+    from tests.pinning import RecordingRegistrar
+    from tests.training import gpt_pair
+
+    model, _ = gpt_pair()
+    config = hybridps.Config(
+        precision="bf16", placement="cpu_optimizer", casts_on_gpu=True, overlap_step=True, devices={"cuda:0": "64MiB"}
+    )
+    registrar = RecordingRegistrar()
+    engine = Engine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        config,
+        client=hybridps.Client(config, host_registrar=registrar),
+    )
+    engine.optimizer.cpu_steps_beside_backward = True
+    _train(engine, 3, clip=None)
+    client, arena = engine.client, engine.client.mover.arena
+    masters = [c for c in client.store.rows[ChunkKind.MASTER] if c.payload is not None and c.device == "cpu"]
+    assert masters and all(arena.owns(c.payload) for c in masters)
+    host = engine.optimizer.casts._hosts.get(True)
+    assert host is not None and arena.owns(host), "the worker's grads come down into an arena slot"
+    usage = next(c["usage"] for c in client.connection.status()["clients"] if c["client_id"] == client.connection.client_id)
+    cpu = client.mover.figures.device_stats()["cpu"]
+    assert usage["cpu"] == cpu["booked_bytes"] == cpu["used_bytes"] + client.mover.pool.held_bytes + client.mover.arena_idle_bytes
+    assert sum(registrar.registered.values()) == arena.held_bytes == arena.pinned_bytes
     engine.close()

@@ -37,7 +37,7 @@ byte (free slots, slots a copy in flight still reads or a view still refers to) 
 with the host buffers outside chunks, beside the pool's. A chunk that takes a free slot, or
 leaves one, moves bytes between the two parts: no change on the CPU. A chunk that needs a
 slot of a size none is free of grows the arena by a segment, booked in the operation's one
-request (``_PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
+request (``PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
 retried with a segment of one slot after the idle pooled buffers and the arena's empty
 segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) buffers.
 
@@ -52,7 +52,6 @@ listener that stops during the calls does not make the next one miss its call.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -65,7 +64,7 @@ from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.figures import ChunkFigures, MoveCounts
 from hybridps.client.memory.placement import PlacementPolicy
-from hybridps.client.memory.pool import PayloadPool
+from hybridps.client.memory.pool import PayloadPool, PoolPlan
 from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
 from hybridps.client.memory.trace import MemoryTrace, MomentTrace
 from hybridps.common.devices import DeviceInventory
@@ -74,39 +73,6 @@ from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class _PoolPlan:
-    """What one chunk operation does with the pool and the arena, decided before its one
-    manager request (see [Note: the arena's booking])."""
-
-    #: the pooled host buffer the chunk's new payload will be (taken out of the pool already)
-    taken: torch.Tensor | None = None
-    #: how much the host buffers outside chunks grow when the old payload is given to the
-    #: pool (its bytes less the older buffers that go to make room for it), as foreseen
-    give_bytes: int = 0
-    #: the pool let go to make room: this operation takes nothing from it and gives nothing
-    cancelled: bool = False
-    #: the arena slot the chunk's new payload will be (lent already)
-    slot: torch.Tensor | None = None
-    #: the segment the arena grows by before it lends the new payload's slot
-    grow_bytes: int = 0
-    #: bytes of the arena slot the new payload will be (``slot``, or one of the new segment)
-    arena_bytes: int = 0
-    #: bytes of the old payload, an arena slot, that stay the arena's when the chunk lets it go
-    arena_give_bytes: int = 0
-
-    def cancel(self) -> None:
-        """The pool's part only: the arena's bytes stay what they are whatever the pool does."""
-        self.taken = None
-        self.give_bytes = 0
-        self.cancelled = True
-
-    @property
-    def side_change_bytes(self) -> int:
-        """How much the host bytes outside chunks change when the operation is done as planned."""
-        return self.give_bytes + self.arena_give_bytes + self.grow_bytes - self.arena_bytes
 
 
 class ChunkMover:
@@ -123,6 +89,7 @@ class ChunkMover:
         link: SimulatedLink | None = None,
         trace: MemoryTrace | None = None,
         arena: HostArena | None = None,
+        arena_kinds: Collection[ChunkKind] = (ChunkKind.PARAM, ChunkKind.GRAD),
     ):
         self.inventory = inventory
         #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
@@ -143,6 +110,9 @@ class ChunkMover:
         #: the payloads of param and grad chunks on the CPU (page-locked when the client pins,
         #: see [Note: the arena's booking]); None: every host payload is a pageable buffer
         self.arena = arena
+        #: the kinds of chunk whose CPU payloads are arena slots: those that cross to the GPU
+        #: every iteration (masters too where the GPU casts them, optim/device_casts.py)
+        self.arena_kinds = frozenset(arena_kinds)
         #: bytes of arena slots that are chunk payloads now
         self._arena_payload_bytes = 0
         #: prefetches and evictions copy on this stream (real GPUs only)
@@ -319,7 +289,7 @@ class ChunkMover:
         chunk.wait_ready()
         self._collect()
         self._account(device, chunk, -1)
-        plan = _PoolPlan()
+        plan = PoolPlan()
         self._recycle(chunk.drop(), plan)  # the pool's booking rides with the release below
         self._book_chunk(chunk.nbytes, src=device, plan=plan)
 
@@ -381,7 +351,7 @@ class ChunkMover:
         dst: str | None = None,
         refer: str | None = None,
         exclude: Collection[str] = (),
-        plan: _PoolPlan,
+        plan: PoolPlan,
     ) -> str | None:
         """The one request of a chunk operation (see [Note: one request per chunk operation]):
         release ``size`` bytes on ``src`` and book them on ``dst`` or, with ``refer``, on the
@@ -428,7 +398,7 @@ class ChunkMover:
             self._return_taken(plan, arena=False)  # the manager chose a device whose payloads are not host memory
         return device
 
-    def _can_give_way(self, plan: _PoolPlan) -> bool:
+    def _can_give_way(self, plan: PoolPlan) -> bool:
         """Whether host buffers outside chunks could go to make room for a refused request:
         the pool's, what the plan takes from or gives to it, the arena's growth beyond one slot
         or its empty segments."""
@@ -440,7 +410,7 @@ class ChunkMover:
             or (self.arena is not None and self.arena.releasable_bytes())
         )
 
-    def _give_way(self, plan: _PoolPlan, need_bytes: int) -> None:
+    def _give_way(self, plan: PoolPlan, need_bytes: int) -> None:
         """Let idle pooled buffers, then the arena's empty segments, go until ``need_bytes``
         are released (memory/arena.py, [Note: release what is needed]), and grow the arena by
         one slot at most (see [Note: the arena's booking])."""
@@ -480,13 +450,13 @@ class ChunkMover:
             self.arena.release_idle()
         self._settle_pool()
 
-    def _plan(self, chunk: Chunk, device: str, old: torch.Tensor | None = None, *, in_flight: bool = False) -> _PoolPlan:
+    def _plan(self, chunk: Chunk, device: str, old: torch.Tensor | None = None, *, in_flight: bool = False) -> PoolPlan:
         """What an operation that puts ``chunk`` on ``device`` (the manager's likely choice,
         when it chooses) and lets its payload ``old`` go does with the pool and the arena:
         lends the arena slot, or takes the pooled buffer, the new payload will be, now, or
         plans the arena's growth; and foresees what giving ``old`` will do (its copy still in
         flight: it joins the pool later, booked from now on; an arena slot stays the arena's)."""
-        plan = _PoolPlan()
+        plan = PoolPlan()
         if self._in_arena(chunk, device):  # see [Note: pinned memory] in memory/arena.py
             plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
             if plan.slot is None:
@@ -505,11 +475,11 @@ class ChunkMover:
         return plan
 
     def _in_arena(self, chunk: Chunk, device: str) -> bool:
-        """Whether ``chunk`` on ``device`` takes its payload from the arena: param and grad
-        chunks (those that cross to the GPU every iteration) on the CPU."""
-        return self.arena is not None and device == "cpu" and chunk.kind in (ChunkKind.PARAM, ChunkKind.GRAD)
+        """Whether ``chunk`` on ``device`` takes its payload from the arena: chunks of the
+        arena's kinds (those that cross to the GPU every iteration) on the CPU."""
+        return self.arena is not None and device == "cpu" and chunk.kind in self.arena_kinds
 
-    def _return_taken(self, plan: _PoolPlan, *, pool: bool = True, arena: bool = True) -> None:
+    def _return_taken(self, plan: PoolPlan, *, pool: bool = True, arena: bool = True) -> None:
         """Give back what ``plan`` took and will not use: the pooled buffer, the arena's slot
         (and growth)."""
         if pool and plan.taken is not None:
@@ -521,7 +491,7 @@ class ChunkMover:
                 plan.slot = None
             plan.grow_bytes = plan.arena_bytes = 0
 
-    def _recycle(self, old: torch.Tensor | None, plan: _PoolPlan) -> None:
+    def _recycle(self, old: torch.Tensor | None, plan: PoolPlan) -> None:
         """Give ``old`` back to the arena if it is an arena slot, else to the pool unless
         ``plan`` was cancelled (the pool let go for room)."""
         if old is None:
@@ -601,7 +571,7 @@ class ChunkMover:
 
     # -- mechanics -------------------------------------------------------------------------
 
-    def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk], plan: _PoolPlan) -> torch.Tensor:
+    def _new_buffer(self, chunk: Chunk, device: str, protect: Collection[Chunk], plan: PoolPlan) -> torch.Tensor:
         """A buffer for ``chunk`` on ``device``: the arena slot ``plan`` lent or one of the
         segment it grows by, the pooled host buffer it took, or a fresh allocation (with
         ``_retry_out_of_memory``)."""
@@ -623,6 +593,27 @@ class ChunkMover:
         torch_device = self._specs[device].torch_device
         what = f"{who} ({format_bytes(numel * dtype.itemsize)} of {dtype})"
         return self._retry_out_of_memory(device, lambda: torch.empty(numel, dtype=dtype, device=torch_device), what, ())
+
+    def pinned_scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A page-locked host buffer that is not model data, an arena slot (the arena's growth
+        booked first, as a chunk's is); None where the arena does not pin, is at its cap or
+        the CPU has no room: the caller takes a pageable one. Its bytes stay booked with the
+        arena's until the arena lets the slot's segment go."""
+        arena = self.arena
+        if arena is None or not arena.pins:
+            return None
+        slot = arena.take(dtype, numel)
+        if slot is None:
+            grow = arena.one_slot_bytes(numel * dtype.itemsize)
+            if arena.held_bytes + grow > arena.cap_bytes:
+                return None
+            try:
+                self._request(pool_bytes=self._pool_side_bytes() + grow)
+            except CapacityError:
+                return None
+            slot = arena.grow_and_take(dtype, numel, grow, who="a pinned scratch buffer")
+            self._settle_pool()  # booked as grown; a segment the host refused is unbooked
+        return slot
 
     def _retry_out_of_memory(self, device: str, make, what: str, protect: Collection[Chunk]) -> torch.Tensor:
         """``make()`` on ``device``. A CUDA out-of-memory error (other processes,
@@ -669,9 +660,7 @@ class ChunkMover:
                 keep.append((event, buf, pooled))
         self._in_flight = keep
 
-    def _allocate(
-        self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = (), plan: _PoolPlan
-    ) -> None:
+    def _allocate(self, chunk: Chunk, device: str, *, zero: bool = True, protect: Collection[Chunk] = (), plan: PoolPlan) -> None:
         """Give ``chunk`` a payload on ``device``, where it is booked already (``plan``: the
         pooled buffer it takes)."""
         try:

@@ -14,12 +14,14 @@ the garbage collector instead of being handed to another chunk.
 Pooled buffers are host memory their client holds, so the node manager books them on the
 CPU; the pool itself makes no request. ``plan_give`` tells, before a chunk operation, what a
 give will do, so that the mover books the pool's bytes in the operation's one
-request (memory/mover.py, [Note: one request per chunk operation]).
+request (memory/mover.py, [Note: one request per chunk operation]); ``PoolPlan`` is what one
+such operation does with the pool and the arena, decided before that request.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 
@@ -156,3 +158,36 @@ class PayloadPool:
             "misses": self.misses,
             "dropped": self.dropped,
         }
+
+
+@dataclasses.dataclass(slots=True)
+class PoolPlan:
+    """What one chunk operation does with the pool and the arena, decided before its one
+    manager request (memory/mover.py, [Note: the arena's booking])."""
+
+    #: the pooled host buffer the chunk's new payload will be (taken out of the pool already)
+    taken: torch.Tensor | None = None
+    #: how much the host buffers outside chunks grow when the old payload is given to the
+    #: pool (its bytes less the older buffers that go to make room for it), as foreseen
+    give_bytes: int = 0
+    #: the pool let go to make room: this operation takes nothing from it and gives nothing
+    cancelled: bool = False
+    #: the arena slot the chunk's new payload will be (lent already)
+    slot: torch.Tensor | None = None
+    #: the segment the arena grows by before it lends the new payload's slot
+    grow_bytes: int = 0
+    #: bytes of the arena slot the new payload will be (``slot``, or one of the new segment)
+    arena_bytes: int = 0
+    #: bytes of the old payload, an arena slot, that stay the arena's when the chunk lets it go
+    arena_give_bytes: int = 0
+
+    def cancel(self) -> None:
+        """The pool's part only: the arena's bytes stay what they are whatever the pool does."""
+        self.taken = None
+        self.give_bytes = 0
+        self.cancelled = True
+
+    @property
+    def side_change_bytes(self) -> int:
+        """How much the host bytes outside chunks change when the operation is done as planned."""
+        return self.give_bytes + self.arena_give_bytes + self.grow_bytes - self.arena_bytes

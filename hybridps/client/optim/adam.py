@@ -464,7 +464,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             if buffer is None:
                 grads = grad_payload
             elif casts is not None:
-                grads = buffer
+                grads = casts.host if casts.host is not None else buffer
                 casts.grads_down(grad_payload, grads, used)  # cast on the GPU, then down
             else:
                 grads = buffer

@@ -15,7 +15,10 @@ the param chunk stays on the GPU, taken for the step: the GPU casts its grads in
 buffer that is copied down into the step's fp32 grads, and after Adam the fp32 master is
 copied up into that buffer and cast into the params on the GPU. The CPU runs Adam alone; the
 link carries 4 B a param each way instead of 2; the GPU holds one fp32 chunk more per thread
-that steps (the worker's, the calling thread's). The casts are exact (bf16 -> fp32 widens,
+that steps (the worker's, the calling thread's). Both trips run at the pinned link's speed: the
+master chunks on the CPU are arena slots while this is on (the mover's ``arena_kinds``), and
+the grads come down into an arena slot of their own per thread (``pinned_scratch``); where the
+arena has no room for one, into the step's pageable buffer, at a fraction of that speed. The casts are exact (bf16 -> fp32 widens,
 fp32 -> bf16 rounds to nearest even on either device), so the values are the same bit for bit.
 
 The GPU work runs on a stream of its own per thread, after the compute stream's work so far
@@ -46,6 +49,8 @@ class ChunkCasts:
 
     #: the fp32 buffer on the GPU (grads down, then the master up)
     buffer: torch.Tensor
+    #: the page-locked fp32 buffer the grads come down into (None: the step's own, pageable)
+    host: torch.Tensor | None
     #: the stream the casts and copies run on (None on a simulated GPU)
     stream: torch.cuda.Stream | None
     #: recorded on the compute stream when the step was handed out: the grads are final there
@@ -90,8 +95,9 @@ class DeviceCasts:
             and store.param_dtype == torch.bfloat16
         )
         self._real = compute.is_gpu and not compute.simulated and not compute.meta
-        #: per thread that steps (True: the step worker): its fp32 buffer and stream
+        #: per thread that steps (True: the step worker): its fp32 buffers and stream
         self._buffers: dict[bool, torch.Tensor] = {}
+        self._hosts: dict[bool, torch.Tensor | None] = {}
         self._streams: dict[bool, torch.cuda.Stream] = {}
 
     def applies(self, index: int, step_device: str, *, speculative: bool, loss_scaled: bool, ranks: bool) -> bool:
@@ -112,6 +118,10 @@ class DeviceCasts:
             self._buffers.pop(on_worker, None)  # the smaller one goes before the larger is made
             who = f"the fp32 grads and master of the optimizer step of chunk {index}, cast on {compute}"
             buf = self._buffers[on_worker] = self.mover.scratch(numel, torch.float32, compute, who)
+        host = self._hosts.get(on_worker)
+        if host is None or host.numel() < numel:
+            self._hosts.pop(on_worker, None)
+            host = self._hosts[on_worker] = self.mover.pinned_scratch(numel, torch.float32)
         stream = start = None
         if self._real:
             stream = self._streams.get(on_worker)
@@ -119,4 +129,4 @@ class DeviceCasts:
                 stream = self._streams[on_worker] = torch.cuda.Stream(self.store.compute.torch_device)
             start = torch.cuda.Event()
             start.record()  # on the compute stream: the grads are final here
-        return ChunkCasts(buf, stream, start)
+        return ChunkCasts(buf, host, stream, start)
