@@ -237,9 +237,10 @@ class Config:
             "its grads) lies on the GPU, cast the grads to fp32 on the GPU and bring them down, and send the new fp32 "
             "master up and cast it into the params there, instead of moving the param chunk down and casting both "
             "ways on the CPU. The CPU then runs only Adam (its two dtype copies were about 40% of its step on a measured "
-            "H200 host) and the param chunk stays on the GPU; the link carries 8 B a param instead of 4, and the GPU "
-            "holds one fp32 chunk more while a step runs. Same results, bit for bit (the casts are exact). Off by "
-            "default until measured on a GPU."
+            "H200 host) and the param chunk stays on the GPU; the link carries 8 B a param instead of 4 (the master "
+            "chunks on the CPU are page-locked arena slots then, for the trip up at the pinned link's speed), and the "
+            "GPU holds one fp32 chunk more while a step runs. Same results, bit for bit (the casts are exact). Off by "
+            "default until measured on a GPU; `hybridps plan` plans without it."
         ),
     )
     overlap_step: bool | Literal["auto"] = _field(
