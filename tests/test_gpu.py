@@ -233,3 +233,58 @@ def test_meta_init_on_the_gpu_gives_the_values_of_a_gpu_build():
         assert torch.isfinite(loss)
     finally:
         engine.close()
+
+
+def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
+    """``Config.casts_on_gpu`` on a real GPU (its own streams, events, pinned trips): bf16,
+    every optimizer row on the CPU, steps beside backward and beside the next forward; the
+    losses and the final state equal those with the casts on the CPU, under deterministic
+    kernels, and no param chunk comes down for its step after the first backward."""
+    import os
+
+    from hybridps.client.chunks.chunk import ChunkKind
+
+    def run(casts):
+        torch.manual_seed(0)
+        from hybridps.models import GPT
+
+        model = GPT(SMALL_GPT)
+        config = hybridps.Config(
+            devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.6) + 64 * 2**20},
+            precision="bf16",
+            placement="cpu_optimizer",
+            casts_on_gpu=casts,
+            simulate=False,
+        )
+        engine = hybridps.initialize(model, adamw_groups(model, lr=1e-3, fused=True), config)
+        down = []
+        engine.client.mover.watch_moves(
+            lambda chunk, src, dst, s, e: down.append(chunk.index) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None
+        )
+        losses = []
+        try:
+            for step in range(6):
+                if step == 1:
+                    down.clear()
+                x, y = tokens(step)
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
+                losses.append(loss.item())
+            return losses, down, engine.state_dict()
+        finally:
+            engine.close()
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        want_losses, _, want = run(False)
+        got_losses, down, got = run(True)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert got_losses == want_losses
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert down == [], "no param chunk came down for its step"
