@@ -127,6 +127,8 @@ class DeviceCasts:
             stream = self._streams.get(on_worker)
             if stream is None:
                 stream = self._streams[on_worker] = torch.cuda.Stream(self.store.compute.torch_device)
+            # a buffer let go for a larger one is not lent again while this stream still uses it
+            buf.record_stream(stream)
             start = torch.cuda.Event()
             start.record()  # on the compute stream: the grads are final here
         return ChunkCasts(buf, host, stream, start)
