@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU checks still open, as calls of under 10 minutes each on a GPU machine without network
+# (the wheels first: `bash scripts/fetch_gpu_wheels.sh .whl` on a networked machine, carried
+# along in .whl/; results go to $OUT, default ./gpu-out). In order of value:
+#   bash scripts/gpu_session.sh a        gpu tests; casts on the GPU against the CPU at 8 x 1024
+#                                        tokens (bit-equal, iteration time); meta_init on the GPU
+#   bash scripts/gpu_session.sh largest  the plan's largest (260 layers on an H100 + 120 GB host),
+#                                        the host arena's churn in its timed steps
+#   bash scripts/gpu_session.sh peers    DeepSpeed's offload modes and HybridPS at 97 layers
+#   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+w="python3 scripts/gpu_validate.py --worker hybridps --hidden 2048 --heads 16 --batch 8 --seq-len 1024 --precision bf16 --warmup 1"
+show() { for f in "$@"; do python3 -c "
+import json
+for line in open('$f'):
+    if line.startswith('GPU_VALIDATE_RESULT '):
+        d=json.loads(line[len('GPU_VALIDATE_RESULT '):]); print('$f', {k: d.get(k) for k in ('n_layer','init_s','init_device','step_s','step_s_all','tflops','losses','hybridps_arena_timed_steps','host_rss_bytes')})
+"; done; }
+case "${1:-a}" in
+a)
+  timeout 100 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -3
+  timeout 200 python3 scripts/bench_overlap_step.py --device cuda:0 --d-model 2048 --heads 16 --layers 24 --seq 1024 --vocab 50304 --precision bf16 --capacity 1.0 --steps 4 --warmup 2 --batch 8 --clips no_clip --modes auto,auto_casts_on_gpu --deterministic --components > $OUT/overlap.json 2>> $OUT/log.txt
+  echo "rc $? overlap"
+  python3 -c "
+import json; d=json.load(open('$OUT/overlap.json'))
+print('components', d.get('components'))
+for c, modes in d['cases'].items():
+    for m, r in modes.items(): print(c, m, {k: r.get(k) for k in ('iteration_s', 'step_s', 'exposed_optimizer_s', 'losses_equal_to_off', 'step_over_max')})
+"
+  timeout 90 python3 scripts/bench_init.py --layers 8 > $OUT/init.json 2>> $OUT/log.txt; echo "rc $? init"; cat $OUT/init.json
+  ;;
+largest)
+  timeout 420 $w --layers 260 --checkpoint --steps 2 --cpu-bytes 120240000000 > $OUT/w_largest.txt 2>> $OUT/log.txt; echo "rc $? largest 260"
+  show $OUT/w_largest.txt
+  ;;
+peers)
+  timeout 580 python3 scripts/gpu_validate.py --phases env,peers --ds-layers 97 --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 570 --run-timeout-s 170 > $OUT/peers.json 2>> $OUT/log.txt
+  echo "rc $? peers"; python3 -c "import json; d=json.load(open('$OUT/peers.json')); print(json.dumps(d.get('peers'))[:3000])"
+  ;;
+7b)
+  timeout 420 python3 scripts/gpu_validate.py --worker hybridps --layers 32 --hidden 4096 --heads 32 --batch 8 --accum 16 --seq-len 1024 --precision bf16 --checkpoint --steps 2 --warmup 1 > $OUT/w_7b.txt 2>> $OUT/log.txt
+  echo "rc $? 7b"; show $OUT/w_7b.txt
+  ;;
+esac
+tail -c 1500 $OUT/log.txt
