@@ -13,6 +13,25 @@ from tests.training import SMALL_GPT, adamw_groups, model_data_bytes, tokens
 pytestmark = pytest.mark.gpu
 
 
+def _deterministically(run, *modes):
+    """``run(mode)`` for each mode under torch's deterministic kernels (restored after)."""
+    import os
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        return [run(mode) for mode in modes]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _assert_same_training(got_losses, got_state, want_losses, want_state):
+    assert got_losses == want_losses
+    for key, value in want_state.items():
+        assert torch.equal(got_state[key], value), key
+
+
 def _pair():
     torch.manual_seed(0)
     from hybridps.models import GPT
@@ -161,7 +180,6 @@ def test_steps_beside_the_next_forward_train_bit_for_bit_like_steps_in_step():
     """Every optimizer row on the CPU and a clip each step (so ``"auto"`` leaves every chunk to
     ``step()``): ``step()`` returns with the CPU steps on the worker and the next forward
     settles them, bit-equal to ``overlap_step=False`` under deterministic kernels."""
-    import os
 
     def run(overlap):
         torch.manual_seed(0)
@@ -190,18 +208,9 @@ def test_steps_beside_the_next_forward_train_bit_for_bit_like_steps_in_step():
         finally:
             engine.close()
 
-    previous = torch.are_deterministic_algorithms_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    try:
-        want_losses, _, want = run(False)
-        got_losses, in_flight, got = run("auto")
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    (want_losses, _, want), (got_losses, in_flight, got) = _deterministically(run, False, "auto")
     assert max(in_flight[1:]) > 0, in_flight  # step() returned with steps on the worker
-    assert got_losses == want_losses
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    _assert_same_training(got_losses, got, want_losses, want)
 
 
 def test_meta_init_on_the_gpu_gives_the_values_of_a_gpu_build():
@@ -240,7 +249,6 @@ def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
     every optimizer row on the CPU, steps beside backward and beside the next forward; the
     losses and the final state equal those with the casts on the CPU, under deterministic
     kernels, and no param chunk comes down for its step after the first backward."""
-    import os
 
     from hybridps.client.chunks.chunk import ChunkKind
 
@@ -276,15 +284,6 @@ def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
         finally:
             engine.close()
 
-    previous = torch.are_deterministic_algorithms_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    try:
-        want_losses, _, want = run(False)
-        got_losses, down, got = run(True)
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    assert got_losses == want_losses
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    (want_losses, _, want), (got_losses, down, got) = _deterministically(run, False, True)
+    _assert_same_training(got_losses, got, want_losses, want)
     assert down == [], "no param chunk came down for its step"
