@@ -13,6 +13,22 @@ from tests.training import SMALL_GPT, adamw_groups, model_data_bytes, tokens
 pytestmark = pytest.mark.gpu
 
 
+def _rows_on_the_cpu(fraction: float, **config):
+    """The small GPT (seed 0) on the GPU with every optimizer row on the CPU, the GPU's budget
+    ``fraction`` of its model data plus room for activations."""
+    from hybridps.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(SMALL_GPT)
+    config = hybridps.Config(
+        devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * fraction) + 64 * 2**20},
+        placement="cpu_optimizer",
+        simulate=False,
+        **config,
+    )
+    return hybridps.initialize(model, adamw_groups(model, lr=1e-3, fused=True), config)
+
+
 def _deterministically(run, *modes):
     """``run(mode)`` for each mode under torch's deterministic kernels (restored after)."""
     import os
@@ -182,17 +198,7 @@ def test_steps_beside_the_next_forward_train_bit_for_bit_like_steps_in_step():
     settles them, bit-equal to ``overlap_step=False`` under deterministic kernels."""
 
     def run(overlap):
-        torch.manual_seed(0)
-        from hybridps.models import GPT
-
-        model = GPT(SMALL_GPT)
-        config = hybridps.Config(
-            devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.5) + 64 * 2**20},
-            placement="cpu_optimizer",
-            overlap_step=overlap,
-            simulate=False,
-        )
-        engine = hybridps.initialize(model, adamw_groups(model, lr=1e-3, fused=True), config)
+        engine = _rows_on_the_cpu(0.5, overlap_step=overlap)
         losses, in_flight = [], []
         try:
             for step in range(6):
@@ -253,18 +259,7 @@ def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
     from hybridps.client.chunks.chunk import ChunkKind
 
     def run(casts):
-        torch.manual_seed(0)
-        from hybridps.models import GPT
-
-        model = GPT(SMALL_GPT)
-        config = hybridps.Config(
-            devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.6) + 64 * 2**20},
-            precision="bf16",
-            placement="cpu_optimizer",
-            casts_on_gpu=casts,
-            simulate=False,
-        )
-        engine = hybridps.initialize(model, adamw_groups(model, lr=1e-3, fused=True), config)
+        engine = _rows_on_the_cpu(0.6, precision="bf16", casts_on_gpu=casts)
         down = []
         engine.client.mover.watch_moves(
             lambda chunk, src, dst, s, e: down.append(chunk.index) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None

@@ -395,14 +395,14 @@ class ChunkedAdam(torch.optim.Optimizer):
                 if kind is grad_kind and backup is not None:
                     backup.param_states = previous
             grad_chunk = store.rows[grad_kind][index]
-            buffer = None
-            if not (grad_chunk.dtype == torch.float32 and inv_scale is None):
+            casts = None if cast_on is None else self.casts.prepare(grad_chunk.capacity, index, on_worker=on_worker)
+            buffer = None if casts is None else casts.host  # the fp32 grads: the casts' pinned buffer if any
+            if buffer is None and not (grad_chunk.dtype == torch.float32 and inv_scale is None):
                 buffer = (
                     self._worker_buffer(grad_chunk.capacity, index)
                     if on_worker
                     else self._buffer(device, grad_chunk.capacity, index)
                 )
-            casts = None if cast_on is None else self.casts.prepare(grad_chunk.capacity, index, on_worker=on_worker)
             compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer, casts)
             if on_worker:
                 chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
@@ -464,7 +464,7 @@ class ChunkedAdam(torch.optim.Optimizer):
             if buffer is None:
                 grads = grad_payload
             elif casts is not None:
-                grads = casts.host if casts.host is not None else buffer
+                grads = buffer
                 casts.grads_down(grad_payload, grads, used)  # cast on the GPU, then down
             else:
                 grads = buffer

@@ -49,7 +49,8 @@ class ChunkCasts:
 
     #: the fp32 buffer on the GPU (grads down, then the master up)
     buffer: torch.Tensor
-    #: the page-locked fp32 buffer the grads come down into (None: the step's own, pageable)
+    #: the page-locked fp32 buffer the grads come down into (None: the arena had none; the
+    #: step then takes its own pageable one)
     host: torch.Tensor | None
     #: the stream the casts and copies run on (None on a simulated GPU)
     stream: torch.cuda.Stream | None
@@ -86,14 +87,8 @@ class DeviceCasts:
         self.store = store
         self.mover = mover
         compute = store.compute
-        #: bf16 with grad reuse on a GPU: the param chunk holds the grads, the master is apart
-        self.enabled = (
-            enabled
-            and compute.is_gpu
-            and store.grad_kind is ChunkKind.PARAM
-            and store.master_kind is not ChunkKind.PARAM
-            and store.param_dtype == torch.bfloat16
-        )
+        #: bf16 (so an fp32 master apart) with grad reuse (the param chunk holds the grads) on a GPU
+        self.enabled = enabled and compute.is_gpu and store.grad_kind is ChunkKind.PARAM and store.param_dtype == torch.bfloat16
         self._real = compute.is_gpu and not compute.simulated and not compute.meta
         #: per thread that steps (True: the step worker): its fp32 buffers and stream
         self._buffers: dict[bool, torch.Tensor] = {}
