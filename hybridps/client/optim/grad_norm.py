@@ -103,17 +103,21 @@ def norm_sources(params: list[ParamInfo], param_group_of: list[int | None], back
 def total_norm(store: ChunkStore, sources: list[NormSource], norm_type: float, groups: ChunkGroups | None) -> torch.Tensor:
     """The norm of order ``norm_type`` over ``sources`` (and every other rank's grads)."""
     low = store.param_dtype != torch.float32
-    norms: list[torch.Tensor] = []
+    by_param: list[tuple[int, torch.Tensor]] = []
     first_device = None
     for infos, backup in sources:
         if backup is None:
             views = [store.grad_view(i) for i in infos]
             first_device = first_device or views[0].device
-            norms.extend(chunk_norms(views, norm_type, low))
+            by_param.extend(zip((i.slot.index for i in infos), chunk_norms(views, norm_type, low), strict=True))
         else:
             ahead = backup.norms.get(float(norm_type))
             first_device = first_device or (ahead[0].device if ahead else backup.grad.device)
-            norms.extend(ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low))
+            found = ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low)
+            by_param.extend(zip((i.slot.index for i in backup.infos), found, strict=True))
+    # in registration order, as clip_grad_norm_ stacks them: a chunk's params need not be
+    # neighbours in it (layout.py, [Note: past an oversize tensor]), and the sum's order is its rounding
+    norms = [n for _, n in sorted(by_param, key=lambda pair: pair[0])]
     if groups is None:
         return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
     return global_norm(norms, norm_type, groups)
