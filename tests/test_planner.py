@@ -107,7 +107,7 @@ def test_planned_peaks_and_verdicts_match_real_simulated_training(shape, mode, c
     choose = {
         "fits": activations + model_data // 3,
         "below_working_set": working_set // 2,
-        "activations_fill_it": activations + working_set // 2,
+        "activations_fill_it": working_set + activations // 2,  # the working set fits, half the activations do
         "holds_everything": activations + model_data + model_data // 4,
     }
     peaks_seen = set()

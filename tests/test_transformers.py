@@ -130,19 +130,60 @@ _SHAPES = {
         num_hidden_layers=4,
         vocab_size=32000,
     ),
+    # weights past the 64 Mi-element bound, or chunks that hold them padding much
+    "llama-2-13b": lambda: transformers.LlamaConfig(
+        hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_hidden_layers=4, vocab_size=32000
+    ),
+    "llama-3-70b": lambda: transformers.LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=128256,
+    ),
+    "qwen2.5-3b": lambda: transformers.Qwen2Config(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-32b": lambda: transformers.Qwen2Config(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=152064,
+    ),
+    "phi-3-mini": lambda: transformers.Phi3Config(
+        hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_hidden_layers=4, vocab_size=32064
+    ),
+    "gemma-2b": lambda: transformers.GemmaConfig(
+        hidden_size=2048,
+        intermediate_size=16384,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        num_hidden_layers=4,
+        vocab_size=256000,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_SHAPES))
-def test_llama_qwen2_and_mistral_shapes_are_laid_out_with_at_most_3_percent_padding(name):
-    from hybridps.client.chunks.layout import ChunkLayout, auto_chunk_size
+def test_llama_qwen2_mistral_phi3_and_gemma_shapes_are_laid_out_with_at_most_3_percent_padding(name):
+    from hybridps.client.chunks.layout import auto_layout
     from hybridps.common.devices import DeviceSpec
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(_SHAPES[name]())
     numels = [p.numel() for p in {id(p): p for p in model.parameters()}.values()]  # as a client registers them
     config = hybridps.Config(precision="bf16")
-    layout = ChunkLayout(auto_chunk_size(numels, config, DeviceSpec(name="cuda:0", capacity_bytes=80 << 30), 1), config.alignment)
+    layout = auto_layout(numels, config, DeviceSpec(name="cuda:0", capacity_bytes=80 << 30), 1)  # as a client lays them out
     for n in numels:
         layout.add(n)
     assert 1 - layout.tensor_elements / layout.total_elements <= 0.03

@@ -117,7 +117,7 @@ def _group_layout(
 ) -> _GroupLayout:
     """The client's layout for ``shard_size``: ``chunk_size`` if given, else the simulation's
     requested chunk size, else the one the client picks."""
-    from hybridps.client.chunks.layout import ChunkLayout, auto_chunk_size
+    from hybridps.client.chunks.layout import ChunkLayout, auto_chunk_size, fills_past_oversize
     from hybridps.common.config import Config
     from hybridps.common.devices import DeviceSpec
 
@@ -132,7 +132,7 @@ def _group_layout(
         size = auto_chunk_size(list(sim.param_numels), config, compute, shard_size)
     else:
         size = sim.chunk_size_elements or 1
-    layout = ChunkLayout(size, sim.alignment)
+    layout = ChunkLayout(size, sim.alignment, fill_past_oversize=fills_past_oversize(shard_size))
     chunk_of = tuple(layout.add(n).chunk for n in sim.param_numels)
     layout.pad_to_multiple(shard_size)
     return _GroupLayout(

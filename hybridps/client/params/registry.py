@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
-from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_chunk_size
+from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_layout
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.optim.adam import ChunkedAdam
@@ -163,7 +163,7 @@ class ParamRegistry:
             for _, p in named:
                 p.grad = None
         if self.store.layout is None:
-            self.store.layout = ChunkLayout(self._pick_chunk_size([p.numel() for _, p in named]), self.config.alignment)
+            self.store.layout = self._new_layout([p.numel() for _, p in named])
         plan = self.store.layout.copy()
         slots = [plan.add(p.numel()) for _, p in named]
         if self.groups is not None:
@@ -217,10 +217,11 @@ class ParamRegistry:
             largest = max((layout.capacity(i) for i in range(layout.num_chunks)), default=0)
             self.mover.pool.resize(4 * 4 * largest)
 
-    def _pick_chunk_size(self, numels: list[int]) -> int:
-        size = auto_chunk_size(numels, self.config, self.compute, self.shard_size)
+    def _new_layout(self, numels: list[int]) -> ChunkLayout:
+        layout = auto_layout(numels, self.config, self.compute, self.shard_size)
+        size = layout.chunk_size
         logger.info("chunk size %d elements (%s per param chunk)", size, format_bytes(size * self.param_dtype.itemsize))
-        return size
+        return layout
 
     def _check_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
         """Refuse, before anything moves, a capacity that no module could run in, or model
