@@ -12,9 +12,10 @@ with the same code, from sizes alone.
 [Note: past an oversize tensor]
 A tensor larger than the chunk size gets a chunk of exactly its size. For a client alone in
 its shard group (``fills_past_oversize``) the chunk open before it stays open: the small
-tensors after it (its bias, the next norm) go on filling that chunk. Closing it instead made every bias between two large weights open a chunk of its own,
-mostly empty: a GPT of d_model 5120 (three of a block's four weights above the 64 Mi-element
-bound) padded 4.8%, 0.8% with the open chunk kept (6144: 3.4% -> 0.8%). A chunk's tensors are
+tensors after it (its bias, the next norm) go on filling that chunk. Closing it instead
+made every bias between two large weights open a chunk of its own, mostly empty: a GPT of
+d_model 5120 (three of a block's four weights above the 64 Mi-element bound) padded 4.8%,
+0.8% with the open chunk kept (6144: 3.4% -> 0.8%). A chunk's tensors are
 then not always neighbours in registration order. A chunk is accessed, stepped and reduced
 by its own members' states, whichever modules use them; what sums over params in their order
 sorts them (the grad norm stacks per-param norms as ``clip_grad_norm_`` does, grad_norm.py).
