@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import re
 import time
@@ -50,6 +51,8 @@ from hybridps.client.dist.watchdog import (
     read_records,
 )
 from hybridps.common.errors import HybridPSError
+
+logger = logging.getLogger(__name__)
 
 
 class CollectiveError(HybridPSError, RuntimeError):
@@ -371,7 +374,22 @@ def _post_first_differences(
     store.set(keys[comm.rank], json.dumps(post))
     store.wait(keys, timeout)
     posts = [_peer_json(v) for v in _get_all(store, keys)]
+    _leave_together(comm, store, base, timeout)
     return ref, posts
+
+
+def _leave_together(comm: Watched, store: dist.Store, base: str, timeout: datetime.timedelta) -> None:
+    """A last round: every rank waits until every rank has read the posts, so none leaves
+    first. Each raises right after and may exit, and the rank hosting the store takes it
+    along: a peer still reading then lost the store ("Connection reset by peer") instead of
+    naming the divergence. Best effort: a rank that never reads only costs the others the
+    timeout, and what they read stands."""
+    if store.add(f"{base}/read", 1) == comm.world_size:
+        store.set(f"{base}/all_read", "1")
+    try:
+        store.wait([f"{base}/all_read"], timeout)
+    except Exception:  # the posts are read; a peer that never reads changes nothing here
+        logger.debug("not every rank confirmed reading the order check's posts", exc_info=True)
 
 
 def _divergence_message(comm: Watched, what: str, head: str, ref: list[tuple], posts: list) -> str:
