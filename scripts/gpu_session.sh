@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks still open, as calls of under 10 minutes each on a GPU machine without network
+# The GPU checks, as calls of under 10 minutes each on a GPU machine without network
 # (the wheels first: `bash scripts/fetch_gpu_wheels.sh .whl` on a networked machine, carried
-# along in .whl/; results go to $OUT, default ./gpu-out). In order of value:
+# along in .whl/; results go to $OUT, default ./gpu-out). Only `largest` is still open:
 #   bash scripts/gpu_session.sh a        gpu tests; casts on the GPU against the CPU at 8 x 1024
 #                                        tokens (bit-equal, iteration time); meta_init on the GPU
 #   bash scripts/gpu_session.sh largest  the plan's largest (260 layers on an H100 + 120 GB host),

@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("env", "tests", "bandwidth", "plan", "largest", "tokens", "overlap", "peers")
 #: DeepSpeed's offload modes the ``peers`` phase measures beside HybridPS, at one size
-DEEPSPEED_MODES = ("deepspeed-zero-offload", "deepspeed-zenflow", "zero3-twinflow")
+DEEPSPEED_MODES = ("zero3-twinflow", "deepspeed-zenflow", "deepspeed-zero-offload")
 RESULT_PREFIX = "GPU_VALIDATE_RESULT "
 
 
@@ -591,9 +591,9 @@ def phase_largest(clock: Clock, env: dict, args, plan: dict, have_deepspeed: boo
 
 
 def phase_peers(clock: Clock, env: dict, args, largest: dict, have_deepspeed: bool) -> dict:
-    """HybridPS against DeepSpeed's best offload mode at one size: each mode in
-    ``DEEPSPEED_MODES`` trains ``--steps`` timed steps, then HybridPS; the ratio is HybridPS's
-    TFLOPS over the best mode's that trained."""
+    """HybridPS against DeepSpeed's best offload mode at one size: HybridPS first, then each
+    mode in ``DEEPSPEED_MODES``, trains ``--steps`` timed steps; the ratio is HybridPS's TFLOPS
+    over the best mode's that trained."""
     n_layer = args.ds_layers
     if n_layer is None and isinstance(largest, dict):
         ds = largest.get("deepspeed-zero-offload")
@@ -603,12 +603,26 @@ def phase_peers(clock: Clock, env: dict, args, largest: dict, have_deepspeed: bo
     if not have_deepspeed:
         return {"skipped": "deepspeed is not importable (carry its wheel: scripts/fetch_gpu_wheels.sh)"}
     out: dict = {"n_layer": n_layer, "runs": {}}
-    for system in (*DEEPSPEED_MODES, "hybridps"):
+    # HybridPS first, then the peers in DEEPSPEED_MODES' order: a budget that runs out leaves
+    # out the mode measured before (ZeRO-Offload), not the one this phase is about
+    for system in ("hybridps", *DEEPSPEED_MODES):
         if clock.left_s() < 60:
             out["runs"][system] = "skipped: the time budget is spent"
             continue
         r = _train(system, n_layer, clock, env, args, steps=args.steps, timeout_s=args.run_timeout_s)
-        keep = ("trained", "tflops", "step_s", "init_s", "n_params", "losses", "host_rss_bytes", "out_of_memory", "stderr_tail")
+        keep = (
+            "trained",
+            "rc",
+            "seconds",
+            "tflops",
+            "step_s",
+            "init_s",
+            "n_params",
+            "losses",
+            "host_rss_bytes",
+            "out_of_memory",
+            "stderr_tail",
+        )
         out["runs"][system] = {k: r.get(k) for k in keep if k in r}
     trained = {s: r["tflops"] for s, r in out["runs"].items() if isinstance(r, dict) and r.get("trained") and s != "hybridps"}
     mine = out["runs"].get("hybridps")

@@ -45,7 +45,7 @@ def test_the_peers_phase_compares_hybridps_with_the_best_deepspeed_mode_that_tra
     args = argparse.Namespace(ds_layers=None, steps=2, run_timeout_s=60.0)
     largest = {"deepspeed-zero-offload": {"largest": {"n_layer": 97}}}
     out = gv.phase_peers(gv.Clock(600.0), {}, args, largest, have_deepspeed=True)
-    assert [s for s, _ in asked] == [*gv.DEEPSPEED_MODES, "hybridps"] and {n for _, n in asked} == {97}
+    assert [s for s, _ in asked] == ["hybridps", *gv.DEEPSPEED_MODES] and {n for _, n in asked} == {97}
     assert out["best_deepspeed_mode"] == "deepspeed-zenflow"
     assert out["hybridps_over_best_deepspeed_tflops"] == 1.25
     assert out["runs"]["zero3-twinflow"]["out_of_memory"] is True

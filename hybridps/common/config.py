@@ -242,7 +242,8 @@ class Config:
             "H200 host) and the param chunk stays on the GPU; the link carries 8 B a param instead of 4 (the master "
             "chunks on the CPU are page-locked arena slots then, for the trip up at the pinned link's speed), and the "
             "GPU holds one fp32 chunk more while a step runs. Same results, bit for bit (the casts are exact). Off by "
-            "default until measured on a GPU; `hybridps plan` plans without it."
+            "default: on an H200 at 8 x 1024 tokens it was no faster (0.789 s an iteration against 0.779 s); "
+            "`hybridps plan` plans without it."
         ),
     )
     overlap_step: bool | Literal["auto"] = _field(
