@@ -8,6 +8,9 @@
 #                                        the host arena's churn in its timed steps
 #   bash scripts/gpu_session.sh peers    DeepSpeed's offload modes and HybridPS at 97 layers
 #   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step
+#   bash scripts/gpu_session.sh tokens   1.31 B fitting against the GPU at half its model data,
+#                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024 is short
+#                                        of 0.7x; last measured on an H100 before steps beside forward)
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -43,6 +46,10 @@ peers)
 7b)
   timeout 420 python3 scripts/gpu_validate.py --worker hybridps --layers 32 --hidden 4096 --heads 32 --batch 8 --accum 16 --seq-len 1024 --precision bf16 --checkpoint --steps 2 --warmup 1 > $OUT/w_7b.txt 2>> $OUT/log.txt
   echo "rc $? 7b"; show $OUT/w_7b.txt
+  ;;
+tokens)
+  timeout 560 python3 scripts/gpu_validate.py --phases env,tokens --tokens-layers 24 --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 550 --run-timeout-s 150 > $OUT/tokens.json 2>> $OUT/log.txt
+  echo "rc $? tokens"; python3 -c "import json; d=json.load(open('$OUT/tokens.json')); print(json.dumps(d.get('tokens'))[:3000])"
   ;;
 esac
 tail -c 1500 $OUT/log.txt
