@@ -7,22 +7,7 @@ fixed-size chunks that move between CPU and GPU memory on demand.
     engine = hybridps.initialize(model, optimizer, config=hybridps.Config(devices={"cuda:0": "8GiB"}))
 """
 
-from hybridps.client.chunks.states import ChunkState, TensorState
-from hybridps.client.client import Client
-from hybridps.common.config import Config, LossScaleConfig
-from hybridps.common.errors import (
-    CapacityError,
-    ConfigError,
-    HybridPSError,
-    ManagerError,
-    ProtocolError,
-    RegistrationError,
-    StateError,
-)
-from hybridps.deferred_init import meta_init
-from hybridps.engine import Engine, initialize
 from hybridps.integrations import strategy_name as _strategy_name
-from hybridps.launch import init_distributed
 
 __version__ = "0.1.0"
 
@@ -30,15 +15,46 @@ __version__ = "0.1.0"
 # (integrations/strategy_name.py, [Note: registering with Lightning on import])
 _strategy_name.register()
 
+# [Note: a lazy package]
+# The public names are imported on first use (PEP 562), so that ``import hybridps.manager``,
+# which runs this file first, does not import torch: the per-node daemon (``hybridps-manager``)
+# and ``hybridps status`` need pyzmq and msgpack only, and importing torch cost each of them
+# about 1.9 s and the daemon about 300 MiB of resident memory. ``hybridps.plan`` (the capacity
+# planner and its command line) is imported on first use for the same reason.
+_PUBLIC = {
+    "ChunkState": "hybridps.client.chunks.states",
+    "TensorState": "hybridps.client.chunks.states",
+    "Client": "hybridps.client.client",
+    "Config": "hybridps.common.config",
+    "LossScaleConfig": "hybridps.common.config",
+    "CapacityError": "hybridps.common.errors",
+    "ConfigError": "hybridps.common.errors",
+    "HybridPSError": "hybridps.common.errors",
+    "ManagerError": "hybridps.common.errors",
+    "ProtocolError": "hybridps.common.errors",
+    "RegistrationError": "hybridps.common.errors",
+    "StateError": "hybridps.common.errors",
+    "meta_init": "hybridps.deferred_init",
+    "Engine": "hybridps.engine",
+    "initialize": "hybridps.engine",
+    "init_distributed": "hybridps.launch",
+    "plan": "hybridps.planner",
+}
+
 
 def __getattr__(name: str):
-    # ``hybridps.plan`` (the capacity planner, hybridps/planner/) is imported on first use, so
-    # ``import hybridps`` does not load the planner and its command line.
-    if name == "plan":
-        from hybridps.planner import plan
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridps' has no attribute {name!r}")
+    import importlib
 
-        return plan
-    raise AttributeError(f"module 'hybridps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
 
 
 __all__ = [

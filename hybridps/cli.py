@@ -27,6 +27,7 @@ from hybridps.common.devices import (
     DeviceSpec,
     available_cpu_memory,
     canonical_device_name,
+    gpu_driver_present,
 )
 from hybridps.common.endpoints import TOKEN_ENV, parse_endpoint, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
@@ -252,6 +253,8 @@ def probe_gpu_capacities() -> dict[str, int]:
     MiB of that GPU for the life of the process. The daemon lives as long as the node's job,
     so it asks from a child and never holds a context itself.
     """
+    if not gpu_driver_present():  # no GPU driver on this machine: torch is not even imported
+        return {}
     import torch
 
     if not torch.cuda.is_available():  # asks the driver, creates no context

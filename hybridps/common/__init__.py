@@ -1,6 +1,5 @@
 """What the manager and the clients share: devices, config, units, errors and the wire protocol."""
 
-from hybridps.common.config import PRECISIONS, Config
 from hybridps.common.devices import DeviceInventory, DeviceSpec, canonical_device_name
 from hybridps.common.errors import (
     CapacityError,
@@ -12,6 +11,17 @@ from hybridps.common.errors import (
     StateError,
 )
 from hybridps.common.units import format_bytes, parse_bytes
+
+
+def __getattr__(name: str):
+    # the config needs torch (its dtypes); the manager imports this package and never needs
+    # either, so they are imported on first use ([Note: a lazy package] in hybridps/__init__.py)
+    if name in ("Config", "PRECISIONS"):
+        from hybridps.common import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'hybridps.common' has no attribute {name!r}")
+
 
 __all__ = [
     "PRECISIONS",

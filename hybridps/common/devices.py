@@ -6,7 +6,9 @@ accounted, scheduled, evicted and reported exactly as a GPU of the stated capaci
 everything except real CUDA copies is testable without a GPU.
 
 Does not own placement decisions (manager/policy.py) nor usage accounting (manager/ledger.py).
-Nothing here probes CUDA at import time; ``DeviceInventory.build`` does it when called.
+Nothing here probes CUDA at import time; ``DeviceInventory.build`` does it when called. Nor
+does it import torch at import time: the manager daemon reads device specs and never needs it
+(see [Note: a lazy package] in hybridps/__init__.py).
 
 [Note: simulate modes]
 ``simulate=True`` ("auto") simulates a listed ``cuda:N`` only when that GPU is not visible,
@@ -34,11 +36,13 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,8 @@ class DeviceSpec:
     @property
     def torch_device(self) -> torch.device:
         """Where this device's chunk payloads physically live."""
+        import torch
+
         if self.meta:
             return torch.device("meta")
         if self.type == "cpu" or self.simulated:
@@ -441,9 +447,22 @@ def _cpu_spec(cap: int | None) -> DeviceSpec:
 
 GPU_SOURCE = "torch.cuda.mem_get_info"
 
+#: files a GPU driver creates: NVIDIA's control device and its /proc entry, AMD's compute
+#: device (ROCm, which PyTorch drives as torch.cuda), WSL2's GPU paravirtualization device
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present(paths: Iterable[str] = GPU_DRIVER_PATHS) -> bool:
+    """Whether this machine may have a GPU PyTorch can use: any of ``paths`` exists. False
+    means none can be visible, and lets a process that needs no GPU (the manager daemon on a
+    CPU node) skip importing torch to ask; True is no promise (torch is asked then)."""
+    return any(os.path.exists(path) for path in paths)
+
 
 def visible_gpu_capacities() -> dict[str, int]:
     """Bytes HybridPS may use on each visible CUDA GPU: a fraction of what is free now."""
+    import torch
+
     if not torch.cuda.is_available():
         return {}
     out = {}
@@ -460,6 +479,8 @@ def use_expandable_segments() -> str:
     holes between fixed-size chunk buffers and activations of every size."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         return f"kept PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']!r}"
+    import torch
+
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:
         return "expandable segments not available in this PyTorch"

@@ -186,11 +186,13 @@ def test_a_default_cpu_capacity_leaves_the_process_a_tenth_of_the_available_memo
 
 
 def test_expandable_segments_keep_a_users_allocator_settings(monkeypatch):
+    import torch
+
     from hybridps.common import devices
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     calls = []
-    monkeypatch.setattr(devices.torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     assert "kept" in devices.use_expandable_segments() and calls == []
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert devices.use_expandable_segments() == "expandable segments on"

@@ -1,0 +1,61 @@
+"""The node daemon and the status command stay small: no torch where none is needed."""
+
+import subprocess
+import sys
+
+import pytest
+
+import hybridps
+from hybridps.common import devices
+from tests.daemon import daemons  # noqa: F401 - the fixture
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_manager_the_command_line_and_the_package_import_without_torch():
+    proc = _run(
+        "import sys, hybridps, hybridps.common, hybridps.manager.server, hybridps.manager.service, hybridps.cli\n"
+        "print(hybridps.__version__)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hybridps'))\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == hybridps.__version__
+
+
+def test_every_public_name_resolves_on_first_use_and_an_unknown_one_raises():
+    proc = _run(
+        "import sys, hybridps\n"
+        "assert 'torch' not in sys.modules\n"
+        "values = {n: getattr(hybridps, n) for n in hybridps.__all__}\n"
+        "assert 'torch' in sys.modules\n"
+        "assert set(hybridps.__all__) <= set(dir(hybridps))\n"
+        "ns = {}\n"
+        "exec('from hybridps import *', ns)\n"
+        "assert all(ns[n] is values[n] for n in hybridps.__all__)\n"
+        "from hybridps import Config, initialize, HybridPSError\n"
+        "from hybridps.common import Config as C2, PRECISIONS\n"
+        "assert Config is C2 and issubclass(HybridPSError, Exception) and callable(initialize) and 'bf16' in PRECISIONS\n"
+        "try:\n"
+        "    hybridps.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no attribute 'no_such_name'" in proc.stdout
+
+
+def test_the_gpu_driver_check_reads_the_driver_files(tmp_path):
+    assert not devices.gpu_driver_present([str(tmp_path / "nvidiactl"), str(tmp_path / "kfd")])
+    (tmp_path / "kfd").write_text("")
+    assert devices.gpu_driver_present([str(tmp_path / "nvidiactl"), str(tmp_path / "kfd")])
+
+
+@pytest.mark.skipif(devices.gpu_driver_present(), reason="a GPU driver is present: the daemon asks torch for its GPUs")
+def test_a_daemon_on_a_node_without_a_gpu_driver_never_loads_torch(daemons):
+    d = daemons.start("--device", "cpu=1GiB", "--device", "cuda:0=64MiB", "--simulate")
+    maps = open(f"/proc/{d.proc.pid}/maps").read()
+    assert "libtorch" not in maps
+    rss_kib = int(open(f"/proc/{d.proc.pid}/status").read().split("VmRSS:")[1].split()[0])
+    assert rss_kib < 100 * 1024, f"the daemon holds {rss_kib} KiB"  # about 30 MiB; torch alone is about 200 MiB
