@@ -271,14 +271,21 @@ def probe_gpu_capacities() -> dict[str, int]:
 # -- hybridps -----------------------------------------------------------------------------
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hybridps.train import run  # torch and the engine, only once a run is asked for
+
+    run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridps", description="HybridPS tools.")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_status_parser(subparsers)
-    from hybridps import planner, train  # their parsers live with their code
+    from hybridps import planner, train_args  # their parsers live with their code, without torch
 
-    train.add_subcommand(subparsers)
+    train_args.add_subcommand(subparsers, _train)
     planner.add_subcommand(subparsers)
     return parser
 

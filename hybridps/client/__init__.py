@@ -1,9 +1,33 @@
 """Per-rank side of HybridPS: chunks, states, layout, mover, hooks, optimizer, Client; ``build``
 puts a model and its optimizer under a Client and builds what the engine drives (assembly.py)."""
 
-from hybridps.client.assembly import Parts, build
-from hybridps.client.chunks.chunk import Chunk, ChunkKind
-from hybridps.client.chunks.states import ChunkState, TensorState
-from hybridps.client.client import Client, ParamInfo
+# loaded on first use, so that the daemon's client stub (remote.py, which ``hybridps status``
+# uses) imports no torch ([Note: a lazy package] in hybridps/__init__.py)
+_PUBLIC = {
+    "Parts": "hybridps.client.assembly",
+    "build": "hybridps.client.assembly",
+    "Chunk": "hybridps.client.chunks.chunk",
+    "ChunkKind": "hybridps.client.chunks.chunk",
+    "ChunkState": "hybridps.client.chunks.states",
+    "TensorState": "hybridps.client.chunks.states",
+    "Client": "hybridps.client.client",
+    "ParamInfo": "hybridps.client.client",
+}
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridps.client' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = ["Chunk", "ChunkKind", "ChunkState", "Client", "ParamInfo", "Parts", "TensorState", "build"]

@@ -12,6 +12,7 @@ training, with payloads on the meta device.
 
 Modules, each importing only those above it:
 
+- ``defaults``: the figures the command line's parser shows, without torch;
 - ``validation``: checks of counts and byte figures shared by the records;
 - ``model``: the planned model family (``PlannedModel``, ``GPTShape``, ``ModelFactory``);
 - ``node``: the node (``NodeSpec``, ``parse_gpus``);
@@ -31,31 +32,69 @@ This module re-exports the names the rest of the project and users import from
 ``hybridps.planner``.
 """
 
-from hybridps.planner.cli import add_subcommand, main, run_command
-from hybridps.planner.compare import LayoutComparison, LayoutRow, compare_layouts
-from hybridps.planner.host_peak import CHECKPOINT_BYTES_PER_PARAM, PROCESS_OVERHEAD_BYTES, InitPeak, init_peak
-from hybridps.planner.model import GPTShape, ModelFactory, PlannedModel
-from hybridps.planner.node import NodeSpec, parse_gpus
-from hybridps.planner.peers import (
-    DEEPSPEED_BUFFER_FACTOR,
-    PEER_RULES,
-    deepspeed_zero2_offload_bytes,
-    deepspeed_zero3_offload_bytes,
-    peer_plans,
-)
-from hybridps.planner.ranks import RankShare, derive_rank_share, owners_by_bytes
-from hybridps.planner.report import HybridPSPlan, LargestModel, PeerPlan, PlanReport
-from hybridps.planner.search import (
-    DEFAULT_MAX_LAYERS,
-    DEFAULT_MAX_PROBES,
-    UNBOUNDED_CPU_BYTES,
-    Evaluation,
-    Planner,
-    PlanRequest,
-    plan,
-)
-from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, Sharding, parse_shard_group_size
-from hybridps.planner.simulation import DeviceFigures, Simulation, deepspeed_param_counts, simulate
+# the names below load on first use, so that the ``hybridps`` command line (which builds the
+# ``plan`` parser in every command, ``hybridps status`` included) imports no torch
+# ([Note: a lazy package] in hybridps/__init__.py)
+_PUBLIC = {
+    "add_subcommand": "hybridps.planner.cli",
+    "main": "hybridps.planner.cli",
+    "run_command": "hybridps.planner.cli",
+    "LayoutComparison": "hybridps.planner.compare",
+    "LayoutRow": "hybridps.planner.compare",
+    "compare_layouts": "hybridps.planner.compare",
+    "CHECKPOINT_BYTES_PER_PARAM": "hybridps.planner.host_peak",
+    "PROCESS_OVERHEAD_BYTES": "hybridps.planner.host_peak",
+    "InitPeak": "hybridps.planner.host_peak",
+    "init_peak": "hybridps.planner.host_peak",
+    "GPTShape": "hybridps.planner.model",
+    "ModelFactory": "hybridps.planner.model",
+    "PlannedModel": "hybridps.planner.model",
+    "NodeSpec": "hybridps.planner.node",
+    "parse_gpus": "hybridps.planner.node",
+    "DEEPSPEED_BUFFER_FACTOR": "hybridps.planner.defaults",
+    "PEER_RULES": "hybridps.planner.peers",
+    "deepspeed_zero2_offload_bytes": "hybridps.planner.peers",
+    "deepspeed_zero3_offload_bytes": "hybridps.planner.peers",
+    "peer_plans": "hybridps.planner.peers",
+    "RankShare": "hybridps.planner.ranks",
+    "derive_rank_share": "hybridps.planner.ranks",
+    "owners_by_bytes": "hybridps.planner.ranks",
+    "HybridPSPlan": "hybridps.planner.report",
+    "LargestModel": "hybridps.planner.report",
+    "PeerPlan": "hybridps.planner.report",
+    "PlanReport": "hybridps.planner.report",
+    "DEFAULT_MAX_LAYERS": "hybridps.planner.defaults",
+    "DEFAULT_MAX_PROBES": "hybridps.planner.defaults",
+    "UNBOUNDED_CPU_BYTES": "hybridps.planner.search",
+    "Evaluation": "hybridps.planner.search",
+    "Planner": "hybridps.planner.search",
+    "PlanRequest": "hybridps.planner.search",
+    "plan": "hybridps.planner.search",
+    "Communication": "hybridps.planner.sharding",
+    "ShardGroupTooLargeError": "hybridps.planner.sharding",
+    "Sharding": "hybridps.planner.sharding",
+    "parse_shard_group_size": "hybridps.planner.sharding",
+    "DeviceFigures": "hybridps.planner.simulation",
+    "Simulation": "hybridps.planner.simulation",
+    "deepspeed_param_counts": "hybridps.planner.simulation",
+    "simulate": "hybridps.planner.simulation",
+}
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridps.planner' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = [
     "CHECKPOINT_BYTES_PER_PARAM",

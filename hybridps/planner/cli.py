@@ -17,17 +17,19 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import parse_bytes
-from hybridps.planner.compare import compare_layouts
-from hybridps.planner.model import GPTShape, PlannedModel
+from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_LAYERS, PRECISION_NAMES
 from hybridps.planner.node import NodeSpec
-from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR
-from hybridps.planner.search import DEFAULT_MAX_LAYERS, plan
 from hybridps.planner.sharding import parse_shard_group_size
+
+if TYPE_CHECKING:
+    from hybridps.planner.model import PlannedModel
+
+# the parser is built in every ``hybridps`` command: what needs torch (the model family, the
+# search) is imported where a plan is made ([Note: a lazy package] in hybridps/__init__.py)
 
 
 def _positive_int(text: str) -> int:
@@ -75,7 +77,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="a callable taking no arguments that returns a hybridps.planner.ModelFactory or GPTShape (overrides the shape flags except --layers)",
     )
     t = p.add_argument_group("training")
-    t.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    t.add_argument("--precision", choices=list(PRECISION_NAMES), default="fp16")
     t.add_argument(
         "--grad-reuse",
         action=argparse.BooleanOptionalAction,
@@ -150,6 +152,8 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
         raise ConfigError(
             f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE"
         )
+    from hybridps.planner.model import GPTShape
+
     heads = args.heads or max(1, args.hidden // 128)
     return GPTShape(
         n_layer=args.layers,
@@ -164,6 +168,9 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed ``plan`` command; returns the exit status."""
+    from hybridps.planner.compare import compare_layouts
+    from hybridps.planner.search import plan
+
     # The report carries every warning that matters; the engine's own messages (a failing
     # candidate of the search, say) are for -v.
     logging.basicConfig(format="%(name)s: %(message)s")

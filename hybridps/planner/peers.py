@@ -13,12 +13,9 @@ take (``simulation.deepspeed_param_counts``), the search for a peer's largest mo
 from __future__ import annotations
 
 from hybridps.common.units import format_bytes
+from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.report import PeerPlan
-
-#: DeepSpeed's default ``additional_buffer_factor`` of its memory estimators.
-DEEPSPEED_BUFFER_FACTOR = 1.5
-
 
 PEER_RULES = {
     "deepspeed-zero-offload": (

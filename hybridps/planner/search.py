@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
+from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_LAYERS, DEFAULT_MAX_PROBES
 from hybridps.planner.host_peak import InitPeak, init_peak
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
-from hybridps.planner.peers import DEEPSPEED_BUFFER_FACTOR, peer_bytes, peer_plans
+from hybridps.planner.peers import peer_bytes, peer_plans
 from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
 from hybridps.planner.report import HybridPSPlan, LargestModel, PlanReport
 from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, Sharding, smaller_shard_sizes
@@ -41,9 +42,6 @@ logger = logging.getLogger("hybridps.planner")
 #: CPU capacity given to the simulated rank of a multi-rank job: that rank holds the whole
 #: model (the sharded layout is derived afterwards), so its CPU must not be what fails.
 UNBOUNDED_CPU_BYTES = 2**50
-
-DEFAULT_MAX_LAYERS = 1024
-DEFAULT_MAX_PROBES = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_manager_the_command_line_and_the_package_import_without_torch():
+    """The daemon, ``hybridps status`` and the parsers of every ``hybridps`` command."""
     proc = _run(
         "import sys, hybridps, hybridps.common, hybridps.manager.server, hybridps.manager.service, hybridps.cli\n"
+        "import hybridps.client.remote  # the daemon's stub, which hybridps status uses\n"
+        "hybridps.cli.build_parser().parse_args(['status', '--json'])  # every command's parser, plan and train too\n"
         "print(hybridps.__version__)\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('hybridps'))\n"
     )
@@ -59,3 +62,23 @@ def test_a_daemon_on_a_node_without_a_gpu_driver_never_loads_torch(daemons):
     assert "libtorch" not in maps
     rss_kib = int(open(f"/proc/{d.proc.pid}/status").read().split("VmRSS:")[1].split()[0])
     assert rss_kib < 100 * 1024, f"the daemon holds {rss_kib} KiB"  # about 30 MiB; torch alone is about 200 MiB
+
+
+def test_the_planners_precisions_are_the_configs():
+    from hybridps.common.config import PRECISIONS
+    from hybridps.planner.defaults import PRECISION_NAMES
+
+    assert PRECISION_NAMES == tuple(PRECISIONS)
+
+
+def test_the_status_command_runs_without_torch(tmp_path):
+    proc = _run(
+        "import sys\n"
+        "from hybridps.cli import main\n"
+        f"rc = main(['status', '--endpoint', 'ipc://{tmp_path}/none.sock'])\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('rc', rc)\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rc 1" in proc.stdout or "rc 2" in proc.stdout, proc.stdout  # no daemon answers there
+    assert "no hybridps-manager answered" in proc.stderr
