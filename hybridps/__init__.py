@@ -19,8 +19,10 @@ _strategy_name.register()
 # The public names are imported on first use (PEP 562), so that ``import hybridps.manager``,
 # which runs this file first, does not import torch: the per-node daemon (``hybridps-manager``)
 # and ``hybridps status`` need pyzmq and msgpack only, and importing torch cost each of them
-# about 1.9 s and the daemon about 300 MiB of resident memory. ``hybridps.plan`` (the capacity
-# planner and its command line) is imported on first use for the same reason.
+# about 1.9 s and the daemon about 200 MiB of resident memory. ``hybridps.client`` and
+# ``hybridps.planner`` load their names the same way, and the parsers every ``hybridps``
+# command builds read torch-free modules only (train_args.py, planner/defaults.py);
+# tests/manager/test_footprint.py holds all of it.
 _PUBLIC = {
     "ChunkState": "hybridps.client.chunks.states",
     "TensorState": "hybridps.client.chunks.states",
