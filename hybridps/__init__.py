@@ -7,6 +7,7 @@ fixed-size chunks that move between CPU and GPU memory on demand.
     engine = hybridps.initialize(model, optimizer, config=hybridps.Config(devices={"cuda:0": "8GiB"}))
 """
 
+from hybridps.common.lazy import lazy_exports
 from hybridps.integrations import strategy_name as _strategy_name
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 # Trainer(strategy="hybridps") in PyTorch Lightning, without importing Lightning here
 # (integrations/strategy_name.py, [Note: registering with Lightning on import])
 _strategy_name.register()
+
 
 # [Note: a lazy package]
 # The public names are imported on first use (PEP 562), so that ``import hybridps.manager``,
@@ -44,19 +46,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hybridps' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 
 __all__ = [

@@ -1,6 +1,8 @@
 """Per-rank side of HybridPS: chunks, states, layout, mover, hooks, optimizer, Client; ``build``
 puts a model and its optimizer under a Client and builds what the engine drives (assembly.py)."""
 
+from hybridps.common.lazy import lazy_exports
+
 # loaded on first use, so that the daemon's client stub (remote.py, which ``hybridps status``
 # uses) imports no torch ([Note: a lazy package] in hybridps/__init__.py)
 _PUBLIC = {
@@ -15,19 +17,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hybridps.client' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 
 __all__ = ["Chunk", "ChunkKind", "ChunkState", "Client", "ParamInfo", "Parts", "TensorState", "build"]

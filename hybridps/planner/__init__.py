@@ -32,6 +32,8 @@ This module re-exports the names the rest of the project and users import from
 ``hybridps.planner``.
 """
 
+from hybridps.common.lazy import lazy_exports
+
 # the names below load on first use, so that the ``hybridps`` command line (which builds the
 # ``plan`` parser in every command, ``hybridps status`` included) imports no torch
 # ([Note: a lazy package] in hybridps/__init__.py)
@@ -81,19 +83,7 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hybridps.planner' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 
 __all__ = [
