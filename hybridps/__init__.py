@@ -49,23 +49,4 @@ _PUBLIC = {
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 
-__all__ = [
-    "CapacityError",
-    "ChunkState",
-    "Client",
-    "Config",
-    "ConfigError",
-    "Engine",
-    "HybridPSError",
-    "LossScaleConfig",
-    "ManagerError",
-    "ProtocolError",
-    "RegistrationError",
-    "StateError",
-    "TensorState",
-    "__version__",
-    "init_distributed",
-    "initialize",
-    "meta_init",
-    "plan",
-]
+__all__ = sorted([*_PUBLIC, "__version__"])  # what the package exports, derived from the map above

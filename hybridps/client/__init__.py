@@ -20,4 +20,4 @@ _PUBLIC = {
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())
 
 
-__all__ = ["Chunk", "ChunkKind", "ChunkState", "Client", "ParamInfo", "Parts", "TensorState", "build"]
+__all__ = sorted(_PUBLIC)  # what the package exports, derived from the map above

@@ -10,17 +10,14 @@ from hybridps.common.errors import (
     RegistrationError,
     StateError,
 )
+from hybridps.common.lazy import lazy_exports
 from hybridps.common.units import format_bytes, parse_bytes
 
-
-def __getattr__(name: str):
-    # the config needs torch (its dtypes); the manager imports this package and never needs
-    # either, so they are imported on first use ([Note: a lazy package] in hybridps/__init__.py)
-    if name in ("Config", "PRECISIONS"):
-        from hybridps.common import config
-
-        return getattr(config, name)
-    raise AttributeError(f"module 'hybridps.common' has no attribute {name!r}")
+# the config needs torch (its dtypes); the manager imports this package and never needs
+# either, so they are imported on first use ([Note: a lazy package] in hybridps/__init__.py)
+__getattr__, __dir__ = lazy_exports(
+    __name__, {"Config": "hybridps.common.config", "PRECISIONS": "hybridps.common.config"}, globals()
+)
 
 
 __all__ = [
