@@ -26,6 +26,16 @@ from hybridps.planner import GPTShape
 from hybridps.planner.attention import meta_attention_as_flash
 
 
+def _resident(store) -> dict:
+    """Chunks with a payload, by kind and device, and their bytes."""
+    out: collections.Counter = collections.Counter()
+    for kind, row in store.rows.items():
+        for chunk in row:
+            if chunk.payload is not None:
+                out[f"{kind.name.lower()} {chunk.device}"] += chunk.nbytes
+    return dict(sorted(out.items()))
+
+
 def run(args) -> dict:
     shape = GPTShape(
         n_layer=args.layers,
@@ -71,6 +81,7 @@ def run(args) -> dict:
                         "arena_held_bytes": after["held_bytes"],
                         "moves": dict(sorted(moves.items())),
                         "moved_bytes": {k: v - moved_before.get(k, 0) for k, v in sorted(mover.counts.moved_bytes.items())},
+                        "resident_after": _resident(engine.client.store),
                     }
                 )
     finally:
@@ -85,6 +96,7 @@ def run(args) -> dict:
         "cpu_bytes": int(args.cpu_bytes),
         "margin_bytes": int(args.margin_bytes),
         "chunk_size": stats["chunk_size"],
+        "optimizer_rows": engine.client.optimizer_rows.record,
         "iterations": iterations,
     }
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks, as calls of under 10 minutes each on a GPU machine without network
 # (the wheels first: `bash scripts/fetch_gpu_wheels.sh .whl` on a networked machine, carried
-# along in .whl/; results go to $OUT, default ./gpu-out). Only `largest` is still open:
+# along in .whl/; results go to $OUT, default ./gpu-out):
 #   bash scripts/gpu_session.sh a        gpu tests; casts on the GPU against the CPU at 8 x 1024
 #                                        tokens (bit-equal, iteration time); meta_init on the GPU
-#   bash scripts/gpu_session.sh largest  the plan's largest (260 layers on an H100, 340 on an H200),
-#                                        the host arena's churn in its timed steps
+#   bash scripts/gpu_session.sh largest  the plan's largest (260 layers on an H100, 340 on an H200,
+#                                        trained on one 2026-11-27), the host arena's churn in its
+#                                        timed steps
+#   bash scripts/gpu_session.sh register what a host arena segment costs (map, pin, unpin, unmap)
 #   bash scripts/gpu_session.sh peers    DeepSpeed's offload modes and HybridPS at 97 layers
 #   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step, fitting and at half
 #   bash scripts/gpu_session.sh tokens   1.31 B fitting against the GPU at half its model data,
-#                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024 is short
-#                                        of 0.7x; last measured on an H100 before steps beside forward)
+#                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024
+#                                        is noise-bound around 0.7x: 0.52-0.74x on an H200)
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -60,6 +62,10 @@ peers)
     timeout 240 python3 scripts/gpu_validate.py --worker hybridps --layers 32 --hidden 4096 --heads 32 --batch 8 --accum 16 --seq-len 1024 --precision bf16 --checkpoint --steps 2 --warmup 1 ${gb:+--gpu-bytes $gb} > $OUT/w_7b$gb.txt 2>> $OUT/log.txt
     echo "rc $? 7b $gb"; show $OUT/w_7b$gb.txt
   done
+  ;;
+register)
+  timeout 100 python3 scripts/bench_host_register.py --sizes-mib 32,96,192,768 --reps 6 > $OUT/register.json 2>> $OUT/log.txt
+  echo "rc $? register"; cat $OUT/register.json
   ;;
 tokens)
   timeout 560 python3 scripts/gpu_validate.py --phases env,tokens --tokens-layers 24 --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 550 --run-timeout-s 150 > $OUT/tokens.json 2>> $OUT/log.txt
