@@ -9,6 +9,8 @@ segment grown is pure overhead: the bytes were pinned before and were let go.
 
     python scripts/bench_host_churn.py                       # the H100's largest, 240 layers
     python scripts/bench_host_churn.py --layers 24 --gpu-bytes 20e9 --cpu-bytes 60e9
+    python scripts/bench_host_churn.py --layers 340 --gpu-bytes 137.59e9 --cpu-bytes 119.3e9 \
+        --iterations 4                            # the H200 node's largest
 """
 
 from __future__ import annotations
@@ -58,13 +60,21 @@ def run(args) -> dict:
     mover = engine.client.mover
     arena = mover.arena
     moves: collections.Counter = collections.Counter()
-    mover.watch_moves(lambda chunk, src, dst, seconds, evicted: moves.update([f"{chunk.kind.name.lower()} {src}->{dst}"]))
+    into_arena: collections.Counter = collections.Counter()
+
+    def on_move(chunk, src, dst, seconds, evicted):
+        moves.update([f"{chunk.kind.name.lower()} {src}->{dst}"])
+        if arena is not None and arena.owns(chunk.payload):
+            into_arena[f"{src}->{dst}"] += chunk.nbytes
+
+    mover.watch_moves(on_move)
     iterations = []
     try:
         with meta_attention_as_flash():
             for it in range(args.iterations):
                 before, moved_before = arena.stats(), dict(mover.counts.moved_bytes)
                 moves.clear()
+                into_arena.clear()
                 t0 = time.perf_counter()
                 out = engine(*shape.inputs(torch.device("meta")))
                 engine.backward(shape.loss(out))
@@ -78,6 +88,7 @@ def run(args) -> dict:
                         "arena_grown": after["grown"] - before["grown"],
                         "arena_released": after["released"] - before["released"],
                         "arena_lends": after["lends"] - before["lends"],
+                        "moved_bytes_into_arena_slots": dict(sorted(into_arena.items())),
                         "arena_held_bytes": after["held_bytes"],
                         "moves": dict(sorted(moves.items())),
                         "moved_bytes": {k: v - moved_before.get(k, 0) for k, v in sorted(mover.counts.moved_bytes.items())},
