@@ -132,6 +132,8 @@ class Chunk:
         self.index = index
         self.capacity = capacity
         self.dtype = dtype
+        #: the payload's bytes (capacity and dtype never change; read on every eviction scan)
+        self.nbytes = capacity * dtype.itemsize
         self.chunk_id = chunk_id
         self.payload: torch.Tensor | None = None
         self.device: str | None = None  # logical device name while a payload exists
@@ -281,10 +283,6 @@ class Chunk:
         return False
 
     # -- payload ---------------------------------------------------------------------------
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.dtype.itemsize
 
     @property
     def allocated(self) -> bool:
