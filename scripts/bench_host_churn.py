@@ -10,7 +10,7 @@ segment grown is pure overhead: the bytes were pinned before and were let go.
     python scripts/bench_host_churn.py                       # the H100's largest, 240 layers
     python scripts/bench_host_churn.py --layers 24 --gpu-bytes 20e9 --cpu-bytes 60e9
     python scripts/bench_host_churn.py --layers 340 --gpu-bytes 137.59e9 --cpu-bytes 119.3e9 \
-        --iterations 4                            # the H200 node's largest
+        --iterations 4 --time-calls               # the H200 node's largest
 """
 
 from __future__ import annotations
@@ -38,6 +38,20 @@ def _resident(store) -> dict:
     return dict(sorted(out.items()))
 
 
+def _timed(fn, name: str, seconds: collections.Counter, calls: collections.Counter):
+    """``fn`` that adds its wall time and one call under ``name``."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - t0
+            calls[name] += 1
+
+    return timed
+
+
 def run(args) -> dict:
     shape = GPTShape(
         n_layer=args.layers,
@@ -61,13 +75,20 @@ def run(args) -> dict:
     arena = mover.arena
     moves: collections.Counter = collections.Counter()
     into_arena: collections.Counter = collections.Counter()
+    evictions: collections.Counter = collections.Counter()
 
     def on_move(chunk, src, dst, seconds, evicted):
         moves.update([f"{chunk.kind.name.lower()} {src}->{dst}"])
+        evictions.update([evicted])
         if arena is not None and arena.owns(chunk.payload):
             into_arena[f"{src}->{dst}"] += chunk.nbytes
 
     mover.watch_moves(on_move)
+    seconds: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    if args.time_calls:  # the Python of choosing victims, per iteration
+        for owner, name in ((mover, "evictable"), (mover.placement, "victim"), (mover.placement, "prefetch_victims")):
+            setattr(owner, name, _timed(getattr(owner, name), name, seconds, calls))
     iterations = []
     try:
         with meta_attention_as_flash():
@@ -75,6 +96,9 @@ def run(args) -> dict:
                 before, moved_before = arena.stats(), dict(mover.counts.moved_bytes)
                 moves.clear()
                 into_arena.clear()
+                evictions.clear()
+                seconds.clear()
+                calls.clear()
                 t0 = time.perf_counter()
                 out = engine(*shape.inputs(torch.device("meta")))
                 engine.backward(shape.loss(out))
@@ -90,7 +114,13 @@ def run(args) -> dict:
                         "arena_lends": after["lends"] - before["lends"],
                         "moved_bytes_into_arena_slots": dict(sorted(into_arena.items())),
                         "arena_held_bytes": after["held_bytes"],
+                        **(
+                            {"python_s": {k: round(v, 3) for k, v in seconds.items()}, "calls": dict(calls)}
+                            if args.time_calls
+                            else {}
+                        ),
                         "moves": dict(sorted(moves.items())),
+                        "evictions": evictions[True],
                         "moved_bytes": {k: v - moved_before.get(k, 0) for k, v in sorted(mover.counts.moved_bytes.items())},
                         "resident_after": _resident(engine.client.store),
                     }
@@ -127,6 +157,9 @@ def main(argv=None) -> int:
         "--margin-bytes", type=float, default=1648361472, help="the plan's transient allowance for a real GPU at this shape"
     )
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument(
+        "--time-calls", action="store_true", help="time the Python of choosing victims (evictable, victim, prefetch_victims)"
+    )
     args = ap.parse_args(argv)
     print(json.dumps(run(args)))
     return 0

@@ -14,7 +14,7 @@ def test_host_churn_reports_every_chunk_once_and_the_rows_placed():
     cmd = [
         sys.executable, str(ROOT / "scripts" / "bench_host_churn.py"), "--layers", "4", "--hidden", "256",
         "--heads", "4", "--vocab", "1024", "--seq-len", "64", "--batch", "2", "--gpu-bytes", "40e6",
-        "--cpu-bytes", "4e9", "--margin-bytes", "0", "--iterations", "3", "--precision", "bf16",
+        "--cpu-bytes", "4e9", "--margin-bytes", "0", "--iterations", "3", "--precision", "bf16", "--time-calls",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,3 +35,6 @@ def test_host_churn_reports_every_chunk_once_and_the_rows_placed():
         # the GPU's budget (40 MB) holds under a third of the 16 B a param: the rest is on the CPU
         on_gpu = sum(n for key, n in it["resident_after"].items() if key.endswith("cuda:0"))
         assert on_gpu <= 40e6 < sum(it["resident_after"].values())
+        # --time-calls: every eviction chose its victim among the chunks the scan found
+        assert set(it["python_s"]) == set(it["calls"]) <= {"evictable", "victim", "prefetch_victims"}
+        assert it["calls"].get("evictable", 0) >= (1 if it["evictions"] else 0)

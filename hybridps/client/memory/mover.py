@@ -533,12 +533,9 @@ class ChunkMover:
         return self._free_to_go(device, protect)
 
     def _free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
-        """The chunks on ``device`` not in ``protect``, not in COMPUTE (no slot computing:
-        ``Chunk.state``) and not under a collective (``Chunk.in_flight``). [Note: the
-        eviction scan] This runs over every chunk on the device for each eviction, so at the
-        largest model (2,000 chunks on the GPU, 1,200 scans a step) it reads the chunk's
-        fields directly: through the two properties it took 24% of the planner's simulation
-        of a 17.23 B GPT (scripts/bench_host_churn.py)."""
+        """The chunks on ``device`` not in ``protect``, in COMPUTE (``Chunk.state``) or under a
+        collective (``Chunk.in_flight``), read from the chunks' fields: this scans every chunk
+        on the device for each eviction (docs/BENCHMARKS.md, "The eviction scan")."""
         compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
         if protect:
             return [
