@@ -533,17 +533,16 @@ class ChunkMover:
         return self._free_to_go(device, protect)
 
     def _free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
-        """The chunks on ``device`` not in ``protect``, in COMPUTE (``Chunk.state``) or under a
-        collective (``Chunk.in_flight``), read from the chunks' fields: this scans every chunk
-        on the device for each eviction (docs/BENCHMARKS.md, "The eviction scan")."""
+        """The chunks on ``device`` that are not in ``protect``, not in COMPUTE (``Chunk.state``)
+        and not under a collective (``Chunk.in_flight``), read from the chunks' fields: this
+        scans every chunk on the device for each eviction (docs/BENCHMARKS.md, "The eviction
+        scan")."""
         compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
-        if protect:
-            return [
-                c
-                for c in self.resident[device].values()
-                if not c.counts[compute] and c.payload_state is not in_collective and c not in protect
-            ]
-        return [c for c in self.resident[device].values() if not c.counts[compute] and c.payload_state is not in_collective]
+        return [
+            c
+            for c in self.resident[device].values()
+            if not c.counts[compute] and c.payload_state is not in_collective and c not in protect
+        ]
 
     def shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
