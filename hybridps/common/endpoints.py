@@ -3,7 +3,8 @@
 Owns the default per-user endpoint (an ``ipc://`` socket in a runtime directory only its
 user can enter), the parsing of ``ipc://`` and ``tcp://`` endpoints, the loopback test of a
 host (which decides how far a tcp endpoint or the metrics server can be reached), the checks
-of the runtime directory (created 0700 with any missing parent) and of a socket file's owner.
+of the runtime directory (created 0700 with any missing parent) and of a socket file's owner,
+and where an endpoint's lock file lies (manager/server.py, [Note: one owner per endpoint]).
 
 Does not own sockets (common/transport.py, manager/server.py), who may talk to the daemon
 (manager/server.py, [Note: who may talk to the daemon]) or tokens' values.
@@ -29,6 +30,9 @@ from pathlib import Path
 from hybridps.common.errors import ConfigError
 
 SOCKET_NAME = "manager.sock"
+
+#: Added to an ipc socket's file name to name the lock file beside it.
+LOCK_SUFFIX = ".lock"
 
 #: Longest path an AF_UNIX socket address holds on Linux (sun_path minus the final NUL).
 MAX_IPC_PATH_BYTES = 107
@@ -160,6 +164,17 @@ def check_socket_owner(path: Path) -> None:
 def is_default_runtime_path(path: Path, env: Mapping[str, str] | None = None) -> bool:
     """Whether ``path`` (a socket file) lies in the default runtime directory."""
     return path.parent == runtime_dir(env)
+
+
+def endpoint_lock_path(endpoint: Endpoint, env: Mapping[str, str] | None = None) -> Path:
+    """The lock file whose holder owns ``endpoint`` (manager/server.py, [Note: one owner per
+    endpoint]): beside an ipc socket, in the socket's directory; for tcp, in the runtime
+    directory, keyed by host and port (like the tcp roster file of manager/recovery.py)."""
+    if endpoint.transport == "ipc":
+        assert endpoint.path is not None
+        return endpoint.path.with_name(endpoint.path.name + LOCK_SUFFIX)
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in endpoint.host)
+    return runtime_dir(env) / f"manager-tcp-{host}-{endpoint.port}{LOCK_SUFFIX}"
 
 
 def token_from_env(token: str | None = None, env: Mapping[str, str] | None = None) -> str:

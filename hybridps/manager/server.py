@@ -1,11 +1,12 @@
 """The daemon's event loop: one ROUTER socket, one poll loop, lease expiry on a timer.
 
-Owns the endpoint's life (the runtime directory's and socket file's modes, refusing to
-start beside a live daemon, removing a dead one's socket file, removing ours on close), who
-may talk to the daemon (the listening policy, the ipc peer-uid check, the token check), what
-one message may cost it (frame size and count limits), the multipart framing, measuring
-each request's handling time, and stopping on SIGTERM/SIGINT. Every message that arrives
-with a reply address and within the limits gets exactly one reply.
+Owns the endpoint's life (the runtime directory's and socket file's modes, the endpoint's
+lock, refusing to start beside a live daemon, removing a dead one's socket file, removing
+ours on close), who may talk to the daemon (the listening policy, the ipc peer-uid check,
+the token check), what one message may cost it (frame size and count limits), the
+multipart framing, measuring each request's handling time, and stopping on SIGTERM/SIGINT.
+Every message that arrives with a reply address and within the limits gets exactly one
+reply.
 
 Does not own what a request means (service.py) nor the wire format (common/protocol.py),
 nor the metrics server's access rule (metrics.py, same policy).
@@ -24,6 +25,29 @@ nor the metrics server's access rule (metrics.py, same policy).
 - The token is compared in constant time but travels in clear text, like the requests: it
   keeps out those who cannot read the traffic, not those who can. Use tcp off the machine
   only on a trusted network.
+
+[Note: one owner per endpoint]
+A daemon owns its endpoint by holding an exclusive ``flock`` on the endpoint's lock file
+(endpoints.endpoint_lock_path: ``<socket>.lock`` beside an ipc socket, in the socket's
+directory; ``manager-tcp-HOST-PORT.lock`` in the user's runtime directory for tcp), taken
+without waiting before it looks at the socket and held until close(). It used to ping
+whoever was there and bind when nobody answered: a check then an act. Two daemons started
+at the same instant on one ipc endpoint each checked before the other bound and, since
+binding an ipc endpoint replaces its socket file, both ran (in about 1 of 24 tries; 2 to 32
+of 100 started at once), so a node had two ledgers, each booking for its own share of the
+clients. The kernel gives the lock to one process only and takes it back when that process
+ends, however it ends, so a crashed daemon's lock never blocks its successor. Details:
+- The holder writes its pid into the file, so that a refused daemon can name it.
+- close() removes the socket file first and the lock file last, while still holding it: a
+  successor that takes the lock never loses its fresh socket file to our unlink. Whoever
+  takes the lock then checks that its file is still the one at the path (else it opens the
+  path again): a daemon that opened the old file just before it was removed would otherwise
+  hold a lock of its own beside the one holding the new file.
+- The ping stays, under the lock, for a daemon of an earlier release (which holds no lock),
+  and so does the "listens but does not answer" refusal, for another program on the socket.
+- On tcp the kernel refuses a second bind of a port anyway (EADDRINUSE); the lock makes a
+  second daemon of the same user hear ``already_running`` at once. A daemon of another user
+  on that port has another runtime directory, so only EADDRINUSE stops it.
 
 [Note: message limits]
 libzmq's ``MAXMSGSIZE`` bounds each frame before it is allocated (a larger one closes the
@@ -46,6 +70,7 @@ import ctypes
 import dataclasses
 import enum
 import errno
+import fcntl
 import hmac
 import logging
 import os
@@ -55,6 +80,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import zmq
 
@@ -63,6 +89,7 @@ from hybridps.common import transport
 from hybridps.common.endpoints import (
     Endpoint,
     check_socket_owner,
+    endpoint_lock_path,
     ensure_private_dir,
     is_default_runtime_path,
     parse_endpoint,
@@ -74,6 +101,14 @@ logger = logging.getLogger(__name__)
 
 #: How long a starting daemon waits for an existing one to answer its ping.
 PING_TIMEOUT_S = 1.0
+
+#: How long a daemon refused by the endpoint's lock waits to read the holder's pid, which the
+#: holder writes just after taking the lock (see [Note: one owner per endpoint]).
+HOLDER_PID_WAIT_S = 1.0
+
+#: Times a daemon opens the lock file again when the one it locked was removed meanwhile by a
+#: daemon closing (each time means another daemon made progress; more is not an accident).
+LOCK_ATTEMPTS = 20
 
 #: Largest frame the daemon reads at all (requests are refused beyond MAX_REQUEST_BYTES);
 #: see [Note: message limits].
@@ -117,6 +152,138 @@ def check_listen_policy(endpoint: Endpoint, token: str, insecure_local_tcp: bool
         )
 
 
+def _already_running(url: str, pid: int | str | None, lock_path: Path | None = None) -> ManagerError:
+    if pid is None:  # it holds the lock but its pid could not be read
+        who = f"its pid is unknown; it holds {lock_path}"
+        stop = "stop it first"
+    else:
+        who, stop = f"pid {pid}", f"stop it first (kill {pid})"
+    return ManagerError(
+        f"a hybridps-manager is already running on {url} ({who}); {stop} or start this one on another --endpoint",
+        code="already_running",
+    )
+
+
+class EndpointLock:
+    """An exclusive ``flock`` on an endpoint's lock file, held by the daemon that owns the
+    endpoint for its whole life (see [Note: one owner per endpoint])."""
+
+    def __init__(self, path: Path, url: str):
+        self.path = Path(path)
+        self.url = url
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock without waiting and write our pid into it; raise ManagerError
+        ``already_running`` naming the holder when another process has it."""
+        if self._fd is not None:
+            return
+        for _ in range(LOCK_ATTEMPTS):
+            fd = self._open()
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    locked = False
+                if not self._is_current(fd):
+                    os.close(fd)  # removed by a daemon that closed meanwhile: open the path again
+                    continue
+                if not locked:
+                    raise _already_running(self.url, self._holder_pid(fd), self.path)
+                pid = f"{os.getpid()}\n".encode()
+                # Written over the old text, then cut to length: a reader sees a whole pid
+                # or text it cannot parse and reads again, never a predecessor's pid cut short.
+                os.pwrite(fd, pid, 0)
+                os.ftruncate(fd, len(pid))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                raise
+            self._fd = fd
+            logger.debug("holding %s for %s", self.path, self.url)
+            return
+        raise ManagerError(
+            f"the lock file {self.path} of {self.url} was replaced {LOCK_ATTEMPTS} times while this daemon tried to take "
+            f"it; something keeps removing it. Stop that, or pick another --endpoint",
+            code="bind",
+        )
+
+    def release(self) -> None:
+        """Remove the lock file, then let the lock go (the order matters: see the Note)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if self._is_current(fd):  # never remove a file someone else holds
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    def _open(self) -> int:
+        try:
+            # O_NOFOLLOW: a symlink planted at the path must not make us write our pid elsewhere.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ManagerError(
+                f"cannot open the lock file {self.path} of {self.url}: {exc.strerror}; remove it if it is not a "
+                f"hybridps-manager's, or pick another --endpoint",
+                code="bind",
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                # Its owner could hold it to keep us off our own endpoint, or read our pid.
+                raise ConfigError(
+                    f"the lock file {self.path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); remove it, "
+                    f"or pass --endpoint with a directory of your own"
+                )
+            if not stat.S_ISREG(st.st_mode):
+                raise ManagerError(
+                    f"{self.path} is not a regular file; remove it so the manager can lock its endpoint there",
+                    code="bind",
+                )
+            os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)  # exactly 0600 whatever the umask or an old mode
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _is_current(self, fd: int) -> bool:
+        """Whether ``fd`` is the file at the path now (not one a closing daemon removed)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        own = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+    def _holder_pid(self, fd: int) -> int | None:
+        """The holder's pid from the file; None when it is not there within HOLDER_PID_WAIT_S."""
+        deadline_s = time.monotonic() + HOLDER_PID_WAIT_S
+        while True:
+            try:
+                pid = int(os.pread(fd, 32, 0).decode("ascii", "replace"))
+            except ValueError:  # not written yet, or being written
+                pid = 0
+            # A pid that is gone is a crashed predecessor's, read before the holder wrote its own.
+            if pid > 0 and _pid_exists(pid):
+                return pid
+            if time.monotonic() >= deadline_s:
+                return None
+            time.sleep(0.01)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, of another user
+        return True
+    return True
+
+
 @dataclasses.dataclass
 class Received:
     """One message as read: its first MAX_MESSAGE_FRAMES frames, and what was not kept."""
@@ -155,6 +322,7 @@ class ManagerServer:
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
         self._socket: zmq.Socket | None = None
+        self._lock = EndpointLock(endpoint_lock_path(self.endpoint), self.endpoint.url)
         # Expiry is checked at least this often, so a lease ends at most tick_s late.
         self.tick_s = min(tick_s, service.lease_s / 10)
         self._token_bytes = token.encode()
@@ -172,10 +340,31 @@ class ManagerServer:
             assert ep.path is not None
             # The default directory is always checked (see [Note: runtime directory] in
             # endpoints.py); a directory someone names explicitly is theirs to choose, and
-            # the socket file itself is made owner-only below in either case.
+            # the socket and lock files are made owner-only in either case.
             if is_default_runtime_path(ep.path) or not ep.path.parent.exists():
                 ensure_private_dir(ep.path.parent)
-            self._clear_stale_socket(ep.path)
+        else:
+            ensure_private_dir(self._lock.path.parent)  # the runtime directory, where a tcp lock file lies
+        # The lock first, and only then the look at the socket and the bind: see
+        # [Note: one owner per endpoint].
+        self._lock.acquire()
+        try:
+            if ep.path is not None:
+                self._clear_stale_socket(ep.path)
+            self._bind_socket()
+        except BaseException:
+            self._lock.release()
+            raise
+        logger.info("listening on %s (instance %s, pid %d)", ep.url, self.service.instance_id, os.getpid())
+        if self.insecure_local_tcp:
+            logger.warning(
+                "listening on %s without a token (--insecure-local-tcp): every user of this machine can read the "
+                "status and register, book for and unregister any client",
+                ep.url,
+            )
+
+    def _bind_socket(self) -> None:
+        ep = self.endpoint
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # A client that vanished must not make the daemon block or grow its queues: replies
@@ -199,13 +388,6 @@ class ManagerServer:
         if ep.path is not None:
             os.chmod(ep.path, stat.S_IRUSR | stat.S_IWUSR)
         self._socket = sock
-        logger.info("listening on %s (instance %s, pid %d)", ep.url, self.service.instance_id, os.getpid())
-        if self.insecure_local_tcp:
-            logger.warning(
-                "listening on %s without a token (--insecure-local-tcp): every user of this machine can read the "
-                "status and register, book for and unregister any client",
-                ep.url,
-            )
 
     def _set_peer_check(self, sock: zmq.Socket) -> IpcPeerCheck:
         """Refuse ipc peers of another uid: by libzmq's filter where it has one."""
@@ -222,6 +404,10 @@ class ManagerServer:
         return IpcPeerCheck.FILTER
 
     def _clear_stale_socket(self, path) -> None:
+        """Remove a dead daemon's socket file at ``path``; refuse a live one's.
+
+        Called with the endpoint's lock held, so no daemon of this release is live there: one
+        that answers is of an earlier release, one that does not is another program."""
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -247,12 +433,7 @@ class ManagerServer:
             return
         if reply is None:
             return
-        pid = reply.pid if isinstance(reply, p.Pong) else "?"
-        raise ManagerError(
-            f"a hybridps-manager is already running on {self.url} (pid {pid}); stop it first (kill {pid}) or start this "
-            f"one on another --endpoint",
-            code="already_running",
-        )
+        raise _already_running(self.url, reply.pid if isinstance(reply, p.Pong) else "?")
 
     def close(self) -> None:
         if self._socket is not None:
@@ -261,6 +442,8 @@ class ManagerServer:
             if self.endpoint.path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     self.endpoint.path.unlink()
+        # Last, once our socket file is gone: see [Note: one owner per endpoint].
+        self._lock.release()
         if self._own_context:
             self._context.term()
 
