@@ -42,3 +42,13 @@ class ProtocolError(HybridPSError, ValueError):
     def __init__(self, message: str, code: str = "bad_request"):
         super().__init__(message)
         self.code = code
+
+
+class DiskError(HybridPSError, RuntimeError):
+    """The disk tier's scratch file failed: an I/O error, a read that failed its checks (the
+    file removed, replaced or truncated, a checksum), a wait past its timeout, or a second
+    owner of the same file. ``errno`` is the OS error's number where one caused it."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno

@@ -1,0 +1,203 @@
+"""Disk tier bandwidth: the scratch file's chunk writes and reads against a raw sequential
+write and read of the same bytes on the same file system.
+
+(a) raw: one file written with ``os.write`` from one buffer in pieces of a chunk, fsync'd,
+dropped from the page cache (``posix_fadvise(DONTNEED)``), then read back sequentially;
+(b) the ``ScratchFile``: every chunk written (all in flight, then waited for), fsync'd,
+dropped from the page cache, then every chunk read back (all in flight) and checked.
+
+From the second repetition on, both overwrite blocks they hold (the raw file is not
+truncated, the tier reuses its freed extents); the first also allocates them. Each way is
+timed per repetition and the median printed, in GB/s (1e9 B/s), with the ratios
+tier/raw, the machine, the file system of the directory and whether O_DIRECT was used. Give
+``--dir`` on the disk to measure: the default is a temporary directory under the current one,
+since /tmp may be tmpfs (host memory).
+
+    python scripts/bench_nvme.py                                  # JSON on stdout
+    python scripts/bench_nvme.py --dir /mnt/nvme/bench --chunk-bytes 64MiB --chunks 16 --threads 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+
+import torch
+
+from hybridps.client.memory.scratch_file import ScratchFile
+from hybridps.common.units import parse_bytes
+
+
+def _drop_cache(path: pathlib.Path) -> bool:
+    """fsync ``path`` and drop its pages from the page cache; False where that is not possible."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _mount_of(directory: pathlib.Path) -> dict:
+    """The /proc/mounts entry whose mount point holds ``directory`` (the longest match)."""
+    real, best = str(directory.resolve()), None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                device, point, fs_type = line.split()[:3]
+                point = point.replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[1])):
+                    best = (device, point, fs_type)
+    except OSError:
+        return {"fs_type": "unknown (no /proc/mounts)"}
+    return {"fs_type": best[2], "mount_point": best[1], "device": best[0]} if best else {"fs_type": "unknown"}
+
+
+def _buffers(chunk_bytes: int, chunks: int, aligned: bool) -> tuple[mmap.mmap | None, list[torch.Tensor]]:
+    """``chunks`` buffers: page-aligned ones carved from one mapping (as the host arena's
+    slots are), or the torch allocator's (pageable, not page-aligned: buffered I/O)."""
+    if not aligned:
+        return None, [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(chunks)]
+    memory = mmap.mmap(-1, chunk_bytes * chunks)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    return memory, [whole[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)]
+
+
+def raw_round(path: pathlib.Path, source: torch.Tensor, chunks: int) -> tuple[float, float, bool]:
+    """One sequential write of ``chunks`` copies of ``source`` and one read back: seconds each,
+    and whether the page cache was dropped between them."""
+    view = memoryview(source.numpy())
+    t0 = time.perf_counter()
+    # no O_TRUNC: from the second round on it overwrites blocks it holds, as the tier's reused extents do
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(chunks):
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    write_s = time.perf_counter() - t0
+    dropped = _drop_cache(path)
+    sink = memoryview(torch.empty_like(source).numpy())
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [sink]) > 0:
+            pass
+    finally:
+        os.close(fd)
+    return write_s, time.perf_counter() - t0, dropped
+
+
+def tier_round(sf: ScratchFile, chunks: list[torch.Tensor], back: list[torch.Tensor]) -> tuple[float, float, bool]:
+    """Every chunk written (all in flight), fsync'd; dropped from the cache; every chunk read."""
+    t0 = time.perf_counter()
+    tickets = [sf.write(key, buf, f"chunk {key}") for key, buf in enumerate(chunks)]
+    for ticket in tickets:
+        ticket.synchronize()
+    fd = os.open(sf.path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    write_s = time.perf_counter() - t0
+    dropped = _drop_cache(sf.path)
+    t0 = time.perf_counter()
+    tickets = [sf.read(key, buf, f"chunk {key}") for key, buf in enumerate(back)]
+    for ticket in tickets:
+        ticket.synchronize()
+    read_s = time.perf_counter() - t0
+    for key, (buf, got) in enumerate(zip(chunks, back, strict=True)):
+        if not torch.equal(buf, got):
+            raise AssertionError(f"chunk {key} came back different")
+    return write_s, read_s, dropped
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temporary one under .)")
+    ap.add_argument("--chunk-bytes", default="64MiB", help="bytes of one chunk (e.g. 64MiB)")
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--block-bytes", default="16MiB", help="bytes of one pwritev/preadv of the tier")
+    ap.add_argument("--buffers", choices=("aligned", "pageable"), default="aligned", help="page-aligned (O_DIRECT) or torch's")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; the median is printed")
+    args = ap.parse_args(argv)
+    chunk_bytes = parse_bytes(args.chunk_bytes, what="--chunk-bytes")
+    block_bytes = parse_bytes(args.block_bytes, what="--block-bytes")
+    made = args.dir is None
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="bench-nvme-", dir=".") if made else args.dir)
+    total = chunk_bytes * args.chunks
+    _mapping, chunks = _buffers(chunk_bytes, args.chunks, args.buffers == "aligned")
+    _back_mapping, back = _buffers(chunk_bytes, args.chunks, args.buffers == "aligned")
+    for buf in chunks:
+        buf.copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8))  # incompressible
+    t0 = time.perf_counter()
+    zlib.crc32(memoryview(chunks[0].numpy()))
+    crc_gbps = chunk_bytes / (time.perf_counter() - t0) / 1e9
+    raw, tier, dropped = [], [], []
+    try:
+        with ScratchFile(directory, rank=0, threads=args.threads, block_bytes=block_bytes) as sf:
+            for _ in range(args.reps):
+                *times, ok = raw_round(directory / "bench-raw.dat", chunks[0], args.chunks)
+                raw.append(times)
+                dropped.append(ok)
+                *times, ok = tier_round(sf, chunks, back)
+                tier.append(times)
+                dropped.append(ok)
+            stats = sf.stats()
+    finally:
+        (directory / "bench-raw.dat").unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def gbps(samples: list, way: int) -> float:
+        return round(total / statistics.median(s[way] for s in samples) / 1e9, 3)
+
+    raw_gbps = {"write_gbps": gbps(raw, 0), "read_gbps": gbps(raw, 1)}
+    tier_gbps = {"write_gbps": gbps(tier, 0), "read_gbps": gbps(tier, 1)}
+    moved = stats["read_bytes"] + stats["written_bytes"]
+    out = {
+        "benchmark": "nvme",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "dir": str(directory.resolve()),
+        **_mount_of(directory),
+        "chunk_bytes": chunk_bytes,
+        "chunks": args.chunks,
+        "total_bytes": total,
+        "threads": args.threads,
+        "block_bytes": block_bytes,
+        "buffers": args.buffers,
+        "reps": args.reps,
+        "page_cache_dropped": all(dropped),
+        "raw": {**raw_gbps, "samples_s": [[round(x, 4) for x in s] for s in raw]},
+        "tier": {
+            **tier_gbps,
+            "o_direct": stats["direct"],
+            "direct_fraction": round(stats["direct_bytes"] / moved, 4) if moved else None,
+            "samples_s": [[round(x, 4) for x in s] for s in tier],
+        },
+        "ratio": {
+            "write": round(tier_gbps["write_gbps"] / raw_gbps["write_gbps"], 3),
+            "read": round(tier_gbps["read_gbps"] / raw_gbps["read_gbps"], 3),
+        },
+        "crc32_gbps_one_core": round(crc_gbps, 2),
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
