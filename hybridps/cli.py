@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hybridps.common.devices import (
     GPU_SOURCE,
+    NVME,
     DeviceSpec,
     available_cpu_memory,
     canonical_device_name,
@@ -75,8 +76,9 @@ def _manager_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME[=SIZE]",
-        help="a device and its capacity, e.g. cpu=64GiB or cuda:0=8GiB (repeat). Without SIZE: what the machine "
-        "has. Without any --device: the CPU and every visible GPU",
+        help="a device and its capacity, e.g. cpu=64GiB, cuda:0=8GiB or nvme=2TiB (the disk tier the node's ranks "
+        "share; a size is needed) (repeat). Without SIZE: what the machine has. Without any --device: the CPU and "
+        "every visible GPU",
     )
     parser.add_argument(
         "--simulate",
@@ -217,6 +219,11 @@ def manager_devices(specs: Sequence[str], *, simulate: bool | str, cpu_reserve: 
             )
         cpu = available - reserve
     devices.append(DeviceSpec(name="cpu", capacity_bytes=cpu, capacity_source=cpu_source))
+    if NVME in requested:  # the node's disk tier: its ranks share this capacity (docs/MANAGER.md)
+        nvme = requested.pop(NVME)
+        if nvme is None:
+            raise ConfigError("--device nvme needs a capacity, the disk the node's ranks may fill: --device nvme=2TiB")
+        devices.append(DeviceSpec(name=NVME, capacity_bytes=nvme))
     if not requested:
         requested = {name: None for name in visible}
     for name, cap in requested.items():

@@ -38,6 +38,7 @@ from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.optimizer_rows import OptimizerRows
 from hybridps.client.memory.placement import make_policy
+from hybridps.client.memory.scratch_file import ScratchFile
 from hybridps.client.memory.sim_link import SimulatedLink
 from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
@@ -87,9 +88,16 @@ class Client:
         #: ranks that hold one copy of the model data between them: chunk groups are this wide
         self.shard_size = self.shard_layout.shard_size
         self.inventory = inventory or DeviceInventory.build(
-            self.config.devices, simulate=self.config.simulate, local_rank=local_rank, world_size=world_size
+            self.config.devices,
+            simulate=self.config.simulate,
+            local_rank=local_rank,
+            world_size=world_size,
+            nvme_path=self.config.nvme_path,
         )
         self.compute = self.inventory.compute_device
+        #: the disk tier's file of this rank (scratch_file.py), taken before anything is booked:
+        #: a second job on the same nvme_path, or a disk too small, is refused before training
+        self.scratch = self._scratch_file()
         if self.compute.is_gpu and not self.compute.simulated and self.config.expandable_segments:
             logger.info("CUDA allocator: %s", use_expandable_segments())
         self.param_dtype = self.config.param_dtype
@@ -97,7 +105,12 @@ class Client:
             rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(self.inventory.names)
         )
         if connection is None:
-            connection = self._connect(info)
+            try:
+                connection = self._connect(info)
+            except BaseException:
+                if self.scratch is not None:
+                    self.scratch.close()
+                raise
         self.connection = connection
         self.mover = self._mover(host_registrar)
         #: the rank's chunk rows and param records (store.py): what every collaborator takes
@@ -126,13 +139,29 @@ class Client:
         self._params_side()
         self._closed = False
 
+    def _scratch_file(self) -> ScratchFile | None:
+        disk = self.inventory.disk
+        if disk is None or disk.meta:
+            return None  # no disk tier, or the planner's (nothing is written)
+        scratch = ScratchFile(
+            self.config.nvme_path, rank=self.rank, threads=self.config.nvme_threads, timeout_s=self.config.nvme_timeout_s
+        )
+        try:
+            scratch.check_room(disk.capacity_bytes)
+        except BaseException:
+            scratch.close()
+            raise
+        return scratch
+
     def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
         """The mover (mover.py: allocates, copies, books chunks), the link, placement and trace it uses."""
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
         #: where each kind of model data lives (placement.py)
-        self.placement = make_policy(self.config.placement, self.compute, margin_bytes=self.config.margin)
+        self.placement = make_policy(
+            self.config.placement, self.compute, margin_bytes=self.config.margin, disk=self.inventory.disk is not None
+        )
         #: the non-model memory of the compute device and what the warm-up used, driven by the
         #: engine's tracer, read by the mover, the placement and the prefetcher (trace.py)
         self.trace = MomentTrace(self.compute, margin_bytes=self.config.margin)
@@ -145,7 +174,17 @@ class Client:
             trace=self.trace,
             arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
             arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if self.config.casts_on_gpu else ())),
+            scratch=self.scratch,
+            host_sharers=self._ranks_on_node() if self.config.manager is not None else 1,
         )
+
+    def _ranks_on_node(self) -> int:
+        """The ranks of this node (torchrun's ``LOCAL_WORLD_SIZE``; the world without it)."""
+        try:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        except ValueError:
+            local = self.world_size
+        return max(1, min(local, self.world_size))
 
     def _params_side(self) -> None:
         """The params' collaborators (params/): each takes the store, the mover and what else
@@ -395,6 +434,8 @@ class Client:
             "rank": self.rank,
             "world_size": self.world_size,
             **({"dist": self.groups.stats()} if self.groups is not None else {}),
+            # the disk tier: its scratch file and the bytes read and written so far
+            **({"nvme": self.mover.disk.stats()} if self.mover.disk is not None else {}),
         }
 
     def host_memory(self) -> dict:
@@ -436,6 +477,8 @@ class Client:
             self.connection.close()
             if self.link is not None:
                 self.link.close()
+            if self.scratch is not None:
+                self.scratch.close()  # the file goes, whatever release_all did
 
     def __enter__(self) -> Client:
         return self

@@ -10,6 +10,10 @@ pushes out a chunk needed sooner). On a real GPU the copies run on the copy stre
 chunk's first use waits for its event; on a simulated GPU they are plain copies made
 earlier, which keeps the logic testable on CPU.
 
+With a disk tier it also reads back the chunks on the disk that the trace uses within a longer
+window (``PlacementPolicy.disk_prefetch_candidates``) into host memory, so the read overlaps
+compute and the GPU's own prefetch then finds them there.
+
 With several ranks the prefetcher also starts the gathers of the chunk groups the next
 moment needs, asynchronously, so they overlap the current module's compute. Which groups a
 moment gathers is recorded during warm-up from the gathers themselves, which are the same
@@ -77,6 +81,10 @@ class Prefetcher:
                 self.groups.prefetch(g)
         compute = self.store.compute.name
         mover = self.mover
+        if mover.disk is not None:  # reads from the disk first: they take longest
+            for chunk in placement.disk_prefetch_candidates(trace.by_moment, now=now, window=self.window, chunk_of=self._chunk):
+                if not mover.prefetch(chunk, "cpu"):
+                    break  # no room in host memory now: later ones would not fit either
         for chunk in placement.prefetch_candidates(trace.by_moment, now=now, window=self.window, chunk_of=self._chunk):
             if not mover.prefetch(chunk, compute):
                 return  # the budget is full: later chunks would not fit either

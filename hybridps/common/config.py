@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from hybridps.common.devices import SIMULATE_MODES, canonical_device_name, parse_capacity, parse_link
+from hybridps.common.devices import NVME, SIMULATE_MODES, canonical_device_name, parse_capacity, parse_link
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes, parse_bytes
 
@@ -99,6 +99,35 @@ class Config:
             "came from is kept as `DeviceSpec.capacity_source` and shown by `hybridps status`. Empty: every "
             "visible GPU (with several ranks, this rank's GPU) and the CPU. A value of `None` means \"what the "
             'machine has".'
+        ),
+    )
+    nvme_path: str | None = _field(
+        None,
+        section="Memory and devices",
+        unit="directory",
+        doc=(
+            "Where the disk tier keeps its scratch files (one per rank, `hybridps-rank<R>.scratch`, made new at "
+            'start and removed at close; a second job on the same directory is refused). With `"nvme"` in `devices` '
+            "(its capacity: the bytes the node's ranks may write there together; `None`: the file system's free "
+            "space less 10%), chunks go to the disk when the host memory is full, those the trace uses furthest "
+            'ahead first, and come back ahead of their use. Setting `nvme_path` alone lists `"nvme"` with the '
+            "default capacity. Scratch only: checkpoints never point into it. See *the disk tier* in "
+            "[CONCEPTS.md](CONCEPTS.md)."
+        ),
+    )
+    nvme_threads: int = _field(
+        4,
+        section="Memory and devices",
+        unit="threads",
+        doc="Threads doing the disk tier's reads and writes (each a `preadv`/`pwritev` off the GIL): the requests in flight.",
+    )
+    nvme_timeout_s: float = _field(
+        300.0,
+        section="Memory and devices",
+        unit="seconds",
+        doc=(
+            "How long a read or write of the disk tier may take before the step fails with a `DiskError` naming the "
+            "file, the chunk and the bytes; a wait past 10 s is logged with the same names while it lasts."
         ),
     )
     simulate: bool | Literal["always", "meta"] = _field(
@@ -372,14 +401,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
-        if not isinstance(self.devices, Mapping):
-            raise ConfigError(f"devices={self.devices!r} must be a mapping such as {{'cuda:0': '8GiB'}}")
-        devices: dict[str, int | None] = {}
-        for name, cap in self.devices.items():
-            canon = canonical_device_name(name)
-            if canon in devices:
-                raise ConfigError(f"devices lists {canon} twice (as {name!r}); keep one entry")
-            devices[canon] = parse_capacity(canon, cap)
+        devices = self._devices()
         object.__setattr__(self, "devices", types.MappingProxyType(devices))
         if self.simulate not in SIMULATE_MODES:
             raise ConfigError(f"simulate={self.simulate!r}; use True (simulate missing GPUs), False, 'always' or 'meta'")
@@ -421,6 +443,9 @@ class Config:
         if not (0.0 < self.loss_scale_backoff_factor < 1.0):
             raise ConfigError(f"loss_scale_backoff_factor={self.loss_scale_backoff_factor!r} must be in (0, 1)")
         _positive("collective_timeout_s", self.collective_timeout_s)
+        _positive("nvme_timeout_s", self.nvme_timeout_s)
+        if isinstance(self.nvme_threads, bool) or not isinstance(self.nvme_threads, int) or self.nvme_threads < 1:
+            raise ConfigError(f"nvme_threads={self.nvme_threads!r} must be a positive number of threads")
         if self.shard_group_size not in ("node", "world") and (
             isinstance(self.shard_group_size, bool) or not isinstance(self.shard_group_size, int) or self.shard_group_size < 1
         ):
@@ -439,6 +464,30 @@ class Config:
             raise ConfigError(f"prefetch_window={self.prefetch_window!r} must be a number of moments >= 0 (0 turns prefetch off)")
         if not isinstance(self.loss_scale_growth_interval, int) or self.loss_scale_growth_interval < 1:
             raise ConfigError(f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a positive int")
+
+    def _devices(self) -> dict[str, int | None]:
+        """``devices`` by canonical name with capacities in bytes, and the disk tier's path:
+        ``nvme_path`` alone lists ``"nvme"`` (its capacity read from the disk), ``"nvme"``
+        without a path is refused (but in the planner's ``simulate="meta"``: nothing is written)."""
+        if not isinstance(self.devices, Mapping):
+            raise ConfigError(f"devices={self.devices!r} must be a mapping such as {{'cuda:0': '8GiB'}}")
+        devices: dict[str, int | None] = {}
+        for name, cap in self.devices.items():
+            canon = canonical_device_name(name)
+            if canon in devices:
+                raise ConfigError(f"devices lists {canon} twice (as {name!r}); keep one entry")
+            devices[canon] = parse_capacity(canon, cap)
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):
+                raise ConfigError(f"nvme_path={self.nvme_path!r} must be a directory path")
+            object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+            devices.setdefault(NVME, None)
+        elif NVME in devices and self.simulate != "meta":
+            raise ConfigError(
+                "devices lists 'nvme' but nvme_path is not set; name a directory on a local disk, e.g. "
+                "Config(devices={..., 'nvme': '2TiB'}, nvme_path='/mnt/nvme/hps')"
+            )
+        return devices
 
     @property
     def param_dtype(self) -> torch.dtype:

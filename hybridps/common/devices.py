@@ -1,6 +1,6 @@
 """Device inventory: which memories model data may live in, and how big each one is.
 
-Owns device names ("cpu", "cuda:N"), their capacities, and the distinction between real
+Owns device names ("cpu", "cuda:N", "nvme"), their capacities, and the distinction between real
 and *simulated* GPUs. A simulated ``cuda:N`` keeps its chunks in CPU memory but is
 accounted, scheduled, evicted and reported exactly as a GPU of the stated capacity, so
 everything except real CUDA copies is testable without a GPU.
@@ -27,6 +27,14 @@ ancestors): Slurm, Kubernetes and Docker limit a job by cgroup, and a capacity a
 cgroup's limit ends in the kernel's OOM killer instead of a CapacityError. psutil reads only
 the host's figures, so the cgroup files are read here. Every DeviceSpec keeps where its
 capacity came from (``capacity_source``), shown by ``hybridps status``.
+
+[Note: the disk tier]
+``"nvme"`` names a third memory: a scratch file per rank on a local disk (``Config.nvme_path``),
+where chunks go when the host memory is full (client/memory/scratch_file.py does its I/O). It is
+booked by the node's ledger like the others (the ranks of a node share its capacity), but no
+payload lives *in* it as a tensor: a chunk on it has a stand-in on the ``meta`` device
+(``torch_device``), and its bytes are read back into host memory before any use. A default
+capacity is the free space of the file system holding ``nvme_path``, less 10%.
 """
 
 from __future__ import annotations
@@ -46,7 +54,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+_NAME = re.compile(r"^(cpu|cuda|nvme)(?::(\d+))?$")
+
+#: the disk tier's device name (see [Note: the disk tier])
+NVME = "nvme"
 
 SIMULATE_MODES = (True, False, "always", "meta")
 
@@ -95,19 +106,23 @@ def parse_link(value: str | int | float | None) -> tuple[float, float] | None:
 
 
 def canonical_device_name(name: str) -> str:
-    """Return the canonical form of a device name: "cpu" or "cuda:N" ("cuda" is "cuda:0")."""
+    """Return the canonical form of a device name: "cpu", "cuda:N" ("cuda" is "cuda:0") or "nvme"."""
     if not isinstance(name, str):
-        raise ConfigError(f"device name {name!r} is not a string; use 'cpu' or 'cuda:N'")
+        raise ConfigError(f"device name {name!r} is not a string; use 'cpu', 'cuda:N' or 'nvme'")
     if name.strip().lower() == LOCAL_GPU:
         return LOCAL_GPU
     m = _NAME.match(name.strip().lower())
     if m is None:
-        raise ConfigError(f"unknown device {name!r}; use 'cpu' or 'cuda:N' (for example 'cuda:0')")
+        raise ConfigError(f"unknown device {name!r}; use 'cpu', 'cuda:N' (for example 'cuda:0') or 'nvme'")
     kind, index = m.group(1), m.group(2)
     if kind == "cpu":
         if index not in (None, "0"):
             raise ConfigError(f"unknown device {name!r}; there is one CPU memory per node, name it 'cpu'")
         return "cpu"
+    if kind == NVME:
+        if index not in (None, "0"):
+            raise ConfigError(f"unknown device {name!r}; the disk tier is one device per node, name it 'nvme'")
+        return NVME
     return f"cuda:{int(index or 0)}"
 
 
@@ -128,34 +143,39 @@ class DeviceSpec:
         object.__setattr__(self, "name", canonical_device_name(self.name))
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
             raise ConfigError(f"device {self.name}: capacity_bytes={self.capacity_bytes!r} must be a non-negative int")
-        if self.simulated and self.name == "cpu":
-            raise ConfigError("the CPU cannot be simulated; only 'cuda:N' devices can")
+        if self.simulated and self.name in ("cpu", NVME):
+            raise ConfigError(f"the {self.name} device cannot be simulated; only 'cuda:N' devices can")
 
     @property
     def type(self) -> str:
-        return "cpu" if self.name == "cpu" else "cuda"
+        return self.name if self.name in ("cpu", NVME) else "cuda"
 
     @property
     def index(self) -> int | None:
-        return None if self.name == "cpu" else int(self.name.split(":")[1])
+        return int(self.name.split(":")[1]) if self.type == "cuda" else None
 
     @property
     def is_gpu(self) -> bool:
         return self.type == "cuda"
 
     @property
+    def is_disk(self) -> bool:
+        """The disk tier (see [Note: the disk tier]): payloads are bytes in a file, not tensors."""
+        return self.name == NVME
+
+    @property
     def torch_device(self) -> torch.device:
-        """Where this device's chunk payloads physically live."""
+        """Where this device's chunk payloads physically live (the disk tier's stand-ins: meta)."""
         import torch
 
-        if self.meta:
+        if self.meta or self.name == NVME:
             return torch.device("meta")
         if self.type == "cpu" or self.simulated:
             return torch.device("cpu")
         return torch.device(self.name)
 
     def describe(self) -> str:
-        kind = "simulated GPU" if self.simulated else ("GPU" if self.is_gpu else "CPU")
+        kind = "simulated GPU" if self.simulated else ("GPU" if self.is_gpu else ("disk" if self.is_disk else "CPU"))
         return f"{self.name} ({kind}, {format_bytes(self.capacity_bytes)})"
 
 
@@ -273,7 +293,7 @@ def available_cpu_bytes() -> int:
 
 
 class DeviceInventory:
-    """The ordered set of devices of one client: the CPU first, then GPUs by index."""
+    """The ordered set of devices of one client: the CPU first, then GPUs by index, then the disk."""
 
     def __init__(self, devices: Iterable[DeviceSpec]):
         by_name: dict[str, DeviceSpec] = {}
@@ -283,7 +303,7 @@ class DeviceInventory:
             by_name[d.name] = d
         if "cpu" not in by_name:
             raise ConfigError("the inventory needs the 'cpu' device")
-        order = sorted(by_name, key=lambda n: -1 if n == "cpu" else int(n.split(":")[1]))
+        order = sorted(by_name, key=_device_order)
         self._devices = {n: by_name[n] for n in order}
 
     @classmethod
@@ -295,12 +315,13 @@ class DeviceInventory:
         cuda_capacities: Mapping[str, int] | None = None,
         local_rank: int = 0,
         world_size: int = 1,
+        nvme_path: str | os.PathLike | None = None,
     ) -> DeviceInventory:
         """Build an inventory from ``{name: capacity_bytes or None}``.
 
         ``cuda_capacities`` maps visible GPU names to the bytes HybridPS may use on each; when
         None it is read from the CUDA driver (only here, never at import time). A capacity of
-        None means "what the machine has".
+        None means "what the machine has" (for ``nvme``: the free space under ``nvme_path``).
         """
         if simulate not in SIMULATE_MODES:
             raise ConfigError(f"simulate={simulate!r}; use True (simulate missing GPUs), False, 'always' or 'meta'")
@@ -309,7 +330,7 @@ class DeviceInventory:
         if cuda_capacities is None:
             cuda_capacities = visible_gpu_capacities()
         requested = resolve_local({canonical_device_name(k): v for k, v in requested.items()}, local_rank)
-        if not any(n != "cpu" for n in requested) and simulate != "always":
+        if not any(n.startswith("cuda") for n in requested) and simulate != "always":
             # Nothing asked for: every visible GPU at its default capacity (this rank's GPU
             # when there are several ranks).
             visible = {n: None for n in cuda_capacities}
@@ -321,6 +342,9 @@ class DeviceInventory:
         for name, cap in requested.items():
             if name == "cpu":
                 specs.append(_cpu_spec(cap))
+                continue
+            if name == NVME:
+                specs.append(_nvme_spec(cap, nvme_path))
                 continue
             real = name in cuda_capacities and simulate != "always"
             if real:
@@ -365,7 +389,7 @@ class DeviceInventory:
             name = canonical_device_name(name)
             if cap is None:
                 raise ConfigError(f"{name} needs a capacity under simulate='meta' (nothing is read from the machine)")
-            specs.append(DeviceSpec(name=name, capacity_bytes=cap, simulated=name != "cpu", meta=True))
+            specs.append(DeviceSpec(name=name, capacity_bytes=cap, simulated=name.startswith("cuda"), meta=True))
         if not any(s.name == "cpu" for s in specs):
             raise ConfigError("simulate='meta' needs a 'cpu' capacity too, e.g. devices={'cuda:0': '80GiB', 'cpu': '1TiB'}")
         return cls(specs)
@@ -401,6 +425,11 @@ class DeviceInventory:
     @property
     def gpus(self) -> list[DeviceSpec]:
         return [d for d in self._devices.values() if d.is_gpu]
+
+    @property
+    def disk(self) -> DeviceSpec | None:
+        """The disk tier, when one is listed (see [Note: the disk tier])."""
+        return self._devices.get(NVME)
 
     @property
     def compute_device(self) -> DeviceSpec:
@@ -442,6 +471,45 @@ def _cpu_spec(cap: int | None) -> DeviceSpec:
         name="cpu",
         capacity_bytes=figure.bytes - default_cpu_reserve(figure.bytes),
         capacity_source=f"{figure.source} less 10% (at least 2 GiB) for the process",
+    )
+
+
+def _device_order(name: str) -> tuple[int, int]:
+    """The CPU first, then GPUs by index, then the disk."""
+    if name == "cpu":
+        return (0, 0)
+    if name == NVME:
+        return (2, 0)
+    return (1, int(name.split(":")[1]))
+
+
+#: the part of the disk's free space a default ``nvme`` capacity leaves to everything else
+DEFAULT_NVME_RESERVE_FRACTION = 0.10
+
+
+def disk_free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged process may still write on the file system holding ``path``
+    (its nearest existing ancestor, when ``path`` is not made yet)."""
+    probe = os.path.abspath(os.fspath(path))
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def _nvme_spec(cap: int | None, nvme_path: str | os.PathLike | None) -> DeviceSpec:
+    if cap is not None:
+        return DeviceSpec(name=NVME, capacity_bytes=cap)
+    if nvme_path is None:
+        raise ConfigError("devices lists 'nvme' without a capacity and without nvme_path; set Config(nvme_path=...)")
+    free = disk_free_bytes(nvme_path)
+    return DeviceSpec(
+        name=NVME,
+        capacity_bytes=int(free * (1 - DEFAULT_NVME_RESERVE_FRACTION)),
+        capacity_source=f"free space under {os.fspath(nvme_path)} less 10%",
     )
 
 

@@ -2,7 +2,8 @@
 
 ``schedule`` answers the seed's ``schedule(size, refer_device)``: the referred device if it
 has room, else the CPU, else another GPU the client can reach (the one with most room), else
-a CapacityError that names every size involved.
+the disk tier (``nvme``: the slowest memory, taken last), else a CapacityError that names
+every size involved.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def schedule(
     candidates = [refer_device, "cpu"]
     others = sorted(
         (d for d in reachable if d not in ("cpu", refer_device)),
-        key=lambda d: (-free_bytes.get(d, 0), reachable.index(d)),
+        key=lambda d: (d == "nvme", -free_bytes.get(d, 0), reachable.index(d)),
     )
     candidates += others
     for device in candidates:

@@ -32,6 +32,15 @@ for the step and finishes it, so the states the user then sets are not overwritt
 step's give-back, and the payload it reads or moves is the stepped one. ``settling`` says a
 chunk is handed over (the prefetcher leaves it where it is). The chunk knows only that a
 settler exists, not what it waits for.
+
+[Note: a chunk on the disk]
+A chunk on the disk tier (common/devices.py, [Note: the disk tier]) has a stand-in payload on
+the ``meta`` device: its bytes are in the rank's scratch file. A write into the stand-in would
+be lost without a word, so the same ``settle`` that every use calls first also brings such a
+chunk back to host memory: the mover gives the chunk a *fetcher* when it goes down
+(``went_to_disk``) and takes it away when it comes back (``left_disk``), and ``view`` /
+``shaped_view`` settle a chunk that has one. ARRIVING on the disk means its write is still in
+flight (``ready_event`` is the write's ticket), so a read of it waits for the write first.
 """
 
 from __future__ import annotations
@@ -157,6 +166,9 @@ class Chunk:
         #: while its optimizer step computes on the step worker: finishes that step (see
         #: [Note: a chunk handed over])
         self._settler: Callable[[Chunk], None] | None = None
+        #: while its bytes are on the disk tier: brings them back to host memory (see
+        #: [Note: a chunk on the disk])
+        self._fetcher: Callable[[Chunk], None] | None = None
 
     # -- slots and states ------------------------------------------------------------------
 
@@ -256,10 +268,27 @@ class Chunk:
         self._settler = None
 
     def settle(self) -> None:
-        """Before a use of the chunk: finish the step it was handed over to, if any."""
+        """Before a use of the chunk: finish the step it was handed over to, if any, and
+        bring its bytes back from the disk tier ([Note: a chunk on the disk])."""
         settler = self._settler
         if settler is not None:
             settler(self)
+        fetcher = self._fetcher
+        if fetcher is not None:
+            fetcher(self)
+
+    @property
+    def on_disk(self) -> bool:
+        """The payload is a stand-in; the bytes are on the disk tier."""
+        return self._fetcher is not None
+
+    def went_to_disk(self, fetcher: Callable[[Chunk], None]) -> None:
+        """The bytes are on the disk tier from now on; ``fetcher(chunk)`` brings them back."""
+        self._fetcher = fetcher
+
+    def left_disk(self) -> None:
+        """The bytes are back in memory (or the chunk was freed)."""
+        self._fetcher = None
 
     def land_collective(self) -> None:
         """Wait for the collective on the payload (the mover needs the room now)."""
@@ -289,12 +318,16 @@ class Chunk:
         return self.payload is not None
 
     def view(self, slot: Slot) -> torch.Tensor:
+        if self._fetcher is not None:
+            self.settle()  # never a view of a stand-in ([Note: a chunk on the disk])
         assert self.payload is not None, f"{self} has no payload"
         return self.payload[slot.offset : slot.end]
 
     def shaped_view(self, slot: Slot, shape: torch.Size) -> torch.Tensor:
         """The slot as a tensor of ``shape``; cached until the payload changes, so repeated
         accesses of a resident chunk build no new views (and no stale one outlives a move)."""
+        if self._fetcher is not None:
+            self.settle()  # never a view of a stand-in ([Note: a chunk on the disk])
         view = self._views.get(slot.index)
         if view is None:
             view = self._views[slot.index] = self.view(slot).view(shape)

@@ -260,6 +260,7 @@ class ChunkGroups:
                 chunk = store.rows[kind][own_index]
                 if chunk.payload is None:
                     continue  # a padding row keeps no master: it holds no params
+                chunk.settle()  # a chunk on the disk is read back first (chunk.py)
                 if mine is not None:
                     chunk.payload.copy_(mine[: chunk.capacity])
                 for slot in chunk.slots:
@@ -568,6 +569,7 @@ class ChunkGroups:
         reuse = self.config.grad_reuse
         if reuse:
             own = self.store.rows[ChunkKind.PARAM][own_index]
+            own.settle()  # a chunk on the disk is read back first (chunk.py)
             if own.payload is not result:
                 own.payload.copy_(result)
             if own.slots:  # a padding row has no params to write back
@@ -609,6 +611,7 @@ class ChunkGroups:
         fresh = chunk.payload is None
         if fresh:
             self.mover.place(chunk, self.placement.home(ChunkKind.GRAD))
+        chunk.settle()  # a chunk on the disk is read back first (chunk.py)
         assert chunk.payload is not None
         if fresh:
             chunk.payload.copy_(reduced.to(chunk.payload.device))
@@ -710,6 +713,7 @@ class ChunkGroups:
         cap = max(rows[i].capacity for i in members)
         own = rows[members[self.rank]]
         mine = torch.zeros(cap, dtype=own.dtype, device=self.comm.device)
+        own.settle()  # a step still computing on it ends, a chunk on the disk is read back (chunk.py)
         if own.payload is not None:
             mine[: own.capacity].copy_(own.payload)
         outputs = [torch.empty_like(mine) for _ in members]

@@ -15,7 +15,7 @@ Owns the decisions, one method each:
 - ``optimizer_rows_for_gpu``: which rows (master, momentum, variance of one chunk index)
   move there;
 - ``eviction_refer``: where an evicted chunk should go (the device the node manager's
-  ``schedule`` is asked to prefer: the CPU);
+  ``schedule`` is asked to prefer: the CPU; from the CPU, the disk tier when there is one);
 - ``victim``: which chunk leaves a full device: the furthest next use in the warm-up trace
   (Belady's OPT) once a trace is wired in (``use_trace``, ``Config.eviction`` "opt"/"auto"),
   the least recently used before (and always with "lru");
@@ -54,6 +54,7 @@ from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import ConfigError
 
 CPU = "cpu"
+NVME = "nvme"
 
 
 class PlacementPolicy:
@@ -62,9 +63,11 @@ class PlacementPolicy:
 
     name = "tidal"
 
-    def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0):
+    def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False):
         self.compute = compute
         self.margin_bytes = margin_bytes
+        #: a disk tier is listed: what leaves a full CPU goes there
+        self.disk = disk
         #: the trace's next use of a chunk (a moment; inf beyond the horizon), and whether the
         #: trace is being replayed: wired by ``use_trace``, else None (LRU)
         self._next_use: Callable[[Chunk], float] | None = None
@@ -77,8 +80,8 @@ class PlacementPolicy:
         same index's master chunk lies, for momentum and variance)."""
         if kind in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.BUFFER):
             return self.compute.name  # computed with (or written by backward) right there
-        if kind is ChunkKind.MASTER:
-            return CPU
+        if kind is ChunkKind.MASTER or master_device == NVME:
+            return CPU  # a payload is made in memory; the disk only takes what memory cannot hold
         return master_device or CPU  # momentum, variance: beside the master they step with
 
     # -- budgets ---------------------------------------------------------------------------
@@ -96,8 +99,10 @@ class PlacementPolicy:
 
     def step_device(self, master: Chunk) -> str:
         """Where chunk ``master.index``'s optimizer step runs: where its master copy lies
-        (the seed design: Adam on the CPU unless the states are already on a GPU)."""
-        return master.device or CPU
+        (the seed design: Adam on the CPU unless the states are already on a GPU; a master on
+        the disk comes back to the CPU for its step)."""
+        device = master.device
+        return CPU if device is None or device == NVME else device
 
     def optimizer_room_bytes(self, *, non_model_peak_bytes: int, per_iteration_bytes: int) -> int:
         """GPU bytes optimizer rows may keep for good once the warm-up trace exists: what
@@ -159,11 +164,34 @@ class PlacementPolicy:
                     continue
                 yield chunk
 
+    #: how many times ``Config.prefetch_window`` the disk's reads look ahead: a read from the
+    #: disk takes several times a copy over the GPU's link, and lands in host memory, from where
+    #: the GPU's prefetch takes it
+    disk_window_factor: int = 4
+
+    def disk_prefetch_candidates(
+        self,
+        uses: Mapping[int, Sequence[tuple[int, str]]],
+        *,
+        now: int,
+        window: int,
+        chunk_of: Callable[[int], Chunk | None],
+    ) -> Iterator[Chunk]:
+        """The chunks on the disk to read back ahead of their use, best first: those the trace
+        uses (on any device) in the ``window`` x ``disk_window_factor`` moments after ``now``,
+        in the order of use. Lazy, as ``prefetch_candidates``."""
+        for moment in range(now + 1, now + 1 + window * self.disk_window_factor):
+            for chunk_id, _device in uses.get(moment, ()):
+                chunk = chunk_of(chunk_id)
+                if chunk is not None and chunk.on_disk:
+                    yield chunk
+
     def eviction_refer(self, chunk: Chunk) -> str:
         """The device an evicted chunk should land near: the node manager's ``schedule``
         picks a device with room, preferring this one (the CPU, whose memory the node's
-        ranks share), never the device it leaves or a GPU over its budget."""
-        return CPU
+        ranks share), never the device it leaves or a GPU over its budget; from the CPU, the
+        disk tier when there is one (the trace's furthest use goes down first: ``victim``)."""
+        return NVME if self.disk and chunk.device == CPU else CPU
 
     #: whether a prefetch may evict chunks the trace uses after the one it brings
     prefetch_may_evict: bool = True
@@ -207,9 +235,9 @@ class CpuOptimizerPolicy(PlacementPolicy):
 POLICIES: dict[str, type[PlacementPolicy]] = {cls.name: cls for cls in (PlacementPolicy, CpuOptimizerPolicy)}
 
 
-def make_policy(name: str, compute: DeviceSpec, *, margin_bytes: int = 0) -> PlacementPolicy:
+def make_policy(name: str, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False) -> PlacementPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ConfigError(f"placement={name!r} is not a placement policy; use one of {', '.join(sorted(POLICIES))}") from None
-    return cls(compute, margin_bytes=margin_bytes)
+    return cls(compute, margin_bytes=margin_bytes, disk=disk)

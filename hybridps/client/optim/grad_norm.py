@@ -143,6 +143,7 @@ def found_overflow(store: ChunkStore, indices: Iterable[int], backups: Mapping[i
     extremes = [torch.zeros(2)]
     for index in indices:
         chunk = store.rows[store.grad_kind][index]
+        chunk.settle()  # a chunk on the disk is read back first (chunk.py)
         assert chunk.payload is not None
         # min and max see NaN, +inf and -inf, in the grads' own dtype: half the work of
         # an fp32-accumulating sum
