@@ -443,7 +443,7 @@ def _device_table(cells: _StatusCells, devices: dict) -> list[str]:
     field = cells.field
     rows = [("DEVICE", "KIND", "CAPACITY", "USED", "FREE", "PEAK")]
     for name, d in devices.items():
-        kind = "cpu" if name == "cpu" else ("simulated GPU" if isinstance(d, dict) and d.get("simulated") else "GPU")
+        kind = name if name in ("cpu", NVME) else ("simulated GPU" if isinstance(d, dict) and d.get("simulated") else "GPU")
         rows.append(
             (
                 str(name),

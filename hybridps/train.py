@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world)
     config = base.replace(
         devices=devices,
+        nvme_path=args.nvme_path or base.nvme_path,
         precision=args.precision,
         manager=args.manager or base.manager,
         record=bool(args.plot or args.trace) or base.record,
@@ -234,6 +235,12 @@ def _device_capacities(args: argparse.Namespace, base: Config, n_params: int, ac
         devices = {"cuda:local": parse_bytes(args.gpu_capacity, what="--gpu-capacity")}
     if base.devices and args.gpu_capacity == "auto":
         devices = dict(base.devices)  # the file's, unless --gpu-capacity says otherwise
+    else:
+        devices.update({k: v for k, v in base.devices.items() if k in ("cpu", "nvme")})
+    if args.cpu_capacity:
+        devices["cpu"] = parse_bytes(args.cpu_capacity, what="--cpu-capacity")
+    if args.nvme:
+        devices["nvme"] = parse_bytes(args.nvme, what="--nvme")
     return devices
 
 
@@ -323,6 +330,7 @@ def _summary(
             )
             for name, d in stats["devices"].items()
         },
+        **({"nvme": {k: stats["nvme"][k] for k in ("path", "read_bytes", "written_bytes")}} if "nvme" in stats else {}),
         "moves": stats["moves"] - stats0["moves"],
         "moved_bytes": sum(stats["moved_bytes"].values()) - sum(stats0["moved_bytes"].values()),
         "checkpoint": str(args.ckpt) if args.ckpt else None,
@@ -376,13 +384,16 @@ def _summary_text(s: dict) -> str:
         f"per rank; {s['moves']} chunk moves ({format_bytes(s['moved_bytes'])})",
     ]
     for name, d in s["devices"].items():
-        kind = "simulated GPU" if d["simulated"] else ("GPU" if name != "cpu" else "CPU")
+        kind = "simulated GPU" if d["simulated"] else {"cpu": "CPU", "nvme": "disk"}.get(name, "GPU")
         extra = ""
         if "peak_total_bytes" in d:
             extra = f", peak chunks + activations {format_bytes(d['peak_total_bytes'])}"
         lines.append(
             f"  {name} ({kind}): peak chunks {format_bytes(d['peak_bytes'])} of {format_bytes(d['capacity_bytes'])}{extra}"
         )
+    if "nvme" in s:
+        n = s["nvme"]
+        lines.append(f"  disk tier {n['path']}: read {format_bytes(n['read_bytes'])}, written {format_bytes(n['written_bytes'])}")
     if s["checkpoint"]:
         lines.append(f"checkpoint: {s['checkpoint']}")
     if s.get("saved"):

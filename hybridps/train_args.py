@@ -51,6 +51,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="capacity of the (simulated) GPU: bytes with units, or 'auto' = 90%% of the model data "
         "(more when the activations need it)",
     )
+    ap.add_argument(
+        "--cpu-capacity",
+        default=None,
+        help="host memory for model data (bytes with units); default: the --config file's, else what the host has",
+    )
+    ap.add_argument(
+        "--nvme",
+        default=None,
+        metavar="SIZE",
+        help="a disk tier of this capacity under --nvme-path: chunks the host memory cannot hold go there",
+    )
+    ap.add_argument("--nvme-path", default=None, metavar="DIR", help="the disk tier's directory (Config.nvme_path)")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--manager", default=None, help="node daemon endpoint ('auto' for the default); default: embedded")
     ap.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here at the end")

@@ -255,3 +255,29 @@ def test_status_reports_an_error_from_whatever_answers_in_one_safe_bounded_line(
     assert err.count("\n") == 1 and err.endswith("\n") and not CONTROL.search(err[:-1])
     assert err.startswith(r"hybridps status: \x1b[2J\x1b[31mred\r\x00\nAAA")
     assert len(err) <= MAX_ERROR_MESSAGE_CHARS + 100 and err.rstrip().endswith(" chars]")
+
+
+@pytest.mark.slow
+def test_status_and_metrics_show_the_disk_tier_and_what_each_rank_holds_there(capsys):
+    import urllib.request
+
+    pool = Daemons()
+    try:
+        d = pool.start("--device", "cpu=1GiB", "--device", "nvme=2TiB", "--metrics-port", "0")
+        info = ClientInfo(rank=0, local_rank=0, pid=os.getpid(), host="node-a", devices=("cpu", "nvme"))
+        with connect_remote(d.endpoint, info) as conn:
+            conn.update(book={"nvme": 5 * 1024 * 1024})
+            assert cli.main(["status", "--endpoint", d.endpoint]) == 0
+            lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+            assert ["nvme", "nvme", "2.00", "TiB", "5.00", "MiB", "2.00", "TiB", "5.00", "MiB"] in lines
+            assert cli.main(["status", "--endpoint", d.endpoint, "--json"]) == 0
+            status = json.loads(capsys.readouterr().out)
+            assert status["devices"]["nvme"]["used_bytes"] == 5 * 1024 * 1024
+            assert status["clients"][0]["usage"]["nvme"] == 5 * 1024 * 1024
+            url = next(line for line in d.stderr.splitlines() + [status.get("metrics_url") or ""] if "http://" in line)
+            url = url[url.index("http://") :].split()[0]
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+            assert any('device="nvme"' in line and line.endswith(str(5 * 1024 * 1024)) for line in text.splitlines())
+    finally:
+        pool.close()

@@ -1,6 +1,7 @@
 """`hybridps train`: the README's main job, run as a user would."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -155,3 +156,27 @@ def test_hybridps_train_refuses_lora_without_a_hugging_face_model():
         [sys.executable, "-m", "hybridps", "train", "--lora", "4", "--steps", "1"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0 and "--model PATH or --model-config FILE" in proc.stderr
+
+
+@pytest.mark.slow
+def test_hybridps_train_with_a_disk_tier_puts_what_the_cpu_cannot_hold_on_it(tmp_path):
+    """``--cpu-capacity`` below the model data and ``--nvme``/``--nvme-path``: the summary
+    shows the disk and the bytes read and written there, and the file is gone at the end."""
+    config = tmp_path / "hps.json"
+    config.write_text(json.dumps({"nvme_path": str(tmp_path / "from-file"), "devices": {"cpu": "12MiB", "nvme": "1GiB"}}))
+    args = ["--steps", "3", "--batch", "2", "--eval-every", "100", "--data-bytes", "256KiB", "--json", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", *args, "--config", str(config), "--gpu-capacity", "40MiB"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["devices"]["nvme"]["peak_bytes"] > 0 and summary["devices"]["cpu"]["capacity_bytes"] == 12 << 20
+    assert summary["nvme"]["written_bytes"] > 0 and summary["nvme"]["read_bytes"] > 0
+    assert summary["nvme"]["path"].startswith(str(tmp_path / "from-file")) and not os.listdir(tmp_path / "from-file")
+    flags = ["--cpu-capacity", "12MiB", "--nvme", "1GiB", "--nvme-path", str(tmp_path / "flags"), "--gpu-capacity", "40MiB"]
+    proc = subprocess.run([sys.executable, "-m", "hybridps", "train", *args, *flags], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["nvme"]["path"].startswith(str(tmp_path / "flags"))

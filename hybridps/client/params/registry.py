@@ -356,6 +356,24 @@ class ParamRegistry:
         chunked.attach_state()
         return chunked
 
+    def _check_step_fits_the_cpu(self) -> None:
+        """With a disk tier the optimizer rows step on the CPU, coming up from the disk a chunk
+        at a time: refuse, before training, a CPU share smaller than one chunk's step."""
+        if self.mover.disk is None:
+            return
+        owned = [i for i, c in enumerate(self.store.rows[ChunkKind.MOMENTUM]) if c.owned and c.slots]
+        if not owned:
+            return
+        need = max(_step_bytes(self.store, i) for i in owned)
+        share = self.inventory.cpu.capacity_bytes // self.mover.host_sharers
+        if need > share:
+            raise CapacityError(
+                f"with a disk tier each chunk's optimizer step runs on the CPU, which must hold its master, momentum, "
+                f"variance and grads at once: {format_bytes(need)} ({need} B), but this rank's share of the CPU is "
+                f"{format_bytes(share)} ({share} B); raise the cpu capacity to at least {need * self.mover.host_sharers} B "
+                f"or lower chunk_size"
+            )
+
     def _book_optimizer_states(self) -> None:
         """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
         master chunks, now rather than at the first step: a model whose Adam states do not
@@ -367,6 +385,7 @@ class ParamRegistry:
             if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
         ]
         need = sum(chunk.nbytes for chunk, _ in rows)
+        self._check_step_fits_the_cpu()
         try:
             for chunk, master in rows:
                 self.mover.place(chunk, self.placement.home(chunk.kind, master_device=master.device))
@@ -376,6 +395,13 @@ class ParamRegistry:
                 f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
                 f"the model's {format_bytes(self.store.model_data_bytes - need)}: {exc}"
             ) from exc
+
+
+def _step_bytes(store, index: int) -> int:
+    """Host bytes one chunk's optimizer step holds at once: its master, momentum, variance and
+    grads, taken together (optim/adam.py)."""
+    kinds = dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind))
+    return sum(store.rows[kind][index].nbytes for kind in kinds)
 
 
 def _leave_meta(p: nn.Parameter, device: torch.device) -> None:
