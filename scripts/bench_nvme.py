@@ -13,8 +13,15 @@ tier/raw, the machine, the file system of the directory and whether O_DIRECT was
 ``--dir`` on the disk to measure: the default is a temporary directory under the current one,
 since /tmp may be tmpfs (host memory).
 
+(c) ``--part step``: a GPT trained on a simulated GPU holding 30% of its model data, with
+the CPU's capacity set so that about 25% and 50% of the model data lie on the disk tier,
+against all of it in memory (the same model, seed and batches): the median step time of
+each and its ratio to memory alone, the fraction of the model data on the disk at the end,
+and the disk's bytes read and written per step. ``--part both`` (the default) runs all.
+
     python scripts/bench_nvme.py                                  # JSON on stdout
     python scripts/bench_nvme.py --dir /mnt/nvme/bench --chunk-bytes 64MiB --chunks 16 --threads 8
+    python scripts/bench_nvme.py --part step --layers 8 --d-model 512
 """
 
 from __future__ import annotations
@@ -125,6 +132,59 @@ def tier_round(sf: ScratchFile, chunks: list[torch.Tensor], back: list[torch.Ten
     return write_s, read_s, dropped
 
 
+def step_round(directory: pathlib.Path, disk_fraction: float, args, gpu_held_bytes: int = 0) -> dict:
+    """Train ``args.warmup + args.steps`` steps with ``disk_fraction`` of the model data meant
+    for the disk (0: everything in memory; else the CPU holds the rest less ``gpu_held_bytes``,
+    what the GPU held at the end in memory alone); the median of the last ``args.steps`` step
+    times."""
+    import hybridps
+    from hybridps.models import GPT, GPTConfig
+    from hybridps.models.data import arithmetic_batch
+
+    cfg = GPTConfig(
+        n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64), seq_len=args.seq, vocab_size=256
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model_bytes = cfg.n_params * 16
+    gpu_fraction = 0.3
+    devices = {"cuda:0": int(model_bytes * gpu_fraction)}
+    extra = {}
+    if disk_fraction > 0:
+        devices.update(cpu=int(model_bytes * (1 - disk_fraction)) - gpu_held_bytes, nvme=2 * model_bytes)
+        extra["nvme_path"] = str(directory / f"step-{disk_fraction}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    engine = hybridps.initialize(model, optimizer, hybridps.Config(devices=devices, **extra))
+    times, before = [], None
+    try:
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                before = engine.memory_stats().get("nvme")
+            x, y = arithmetic_batch(step, args.batch, args.seq, cfg.vocab_size)
+            t0 = time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+            loss.item()
+            times.append(time.perf_counter() - t0)
+        stats = engine.memory_stats()
+    finally:
+        engine.close()
+    out = {
+        "disk_fraction_asked": disk_fraction,
+        "step_s": round(statistics.median(times[args.warmup :]), 4),
+        "model_data_bytes": model_bytes,
+        "on_disk_fraction": round(stats["devices"].get("nvme", {}).get("used_bytes", 0) / model_bytes, 3),
+        "gpu_held_bytes": stats["devices"]["cuda:0"]["used_bytes"],
+    }
+    if before is not None and "nvme" in stats:
+        for key in ("read_bytes", "written_bytes"):
+            out[f"disk_{key}_per_step"] = (stats["nvme"][key] - before[key]) // args.steps
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temporary one under .)")
@@ -134,7 +194,35 @@ def main(argv=None) -> int:
     ap.add_argument("--block-bytes", default="16MiB", help="bytes of one pwritev/preadv of the tier")
     ap.add_argument("--buffers", choices=("aligned", "pageable"), default="aligned", help="page-aligned (O_DIRECT) or torch's")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the median is printed")
+    ap.add_argument("--part", choices=("io", "step", "both"), default="both", help="bandwidth, step time, or both")
+    ap.add_argument("--layers", type=int, default=6, help="step part: GPT layers")
+    ap.add_argument("--d-model", type=int, default=256, help="step part: GPT width")
+    ap.add_argument("--seq", type=int, default=32, help="step part: tokens a sequence")
+    ap.add_argument("--batch", type=int, default=2, help="step part: sequences a step")
+    ap.add_argument("--steps", type=int, default=4, help="step part: timed steps (the median is printed)")
+    ap.add_argument("--warmup", type=int, default=2, help="step part: steps before timing (the first records the trace)")
     args = ap.parse_args(argv)
+    out = {"benchmark": "nvme", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}}
+    if args.part in ("io", "both"):
+        out.update(io_part(args))
+    if args.part in ("step", "both"):
+        made = args.dir is None
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="bench-nvme-", dir=".") if made else args.dir)
+        try:
+            runs = [step_round(directory, 0.0, args)]
+            runs += [step_round(directory, f, args, runs[0]["gpu_held_bytes"]) for f in (0.25, 0.5)]
+        finally:
+            if made:
+                shutil.rmtree(directory, ignore_errors=True)
+        base = runs[0]["step_s"]
+        for run in runs:
+            run["ratio_to_memory"] = round(run["step_s"] / base, 3)
+        out["step"] = {"layers": args.layers, "d_model": args.d_model, "tokens_per_step": args.batch * args.seq, "runs": runs}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def io_part(args) -> dict:
     chunk_bytes = parse_bytes(args.chunk_bytes, what="--chunk-bytes")
     block_bytes = parse_bytes(args.block_bytes, what="--block-bytes")
     made = args.dir is None
@@ -169,9 +257,7 @@ def main(argv=None) -> int:
     raw_gbps = {"write_gbps": gbps(raw, 0), "read_gbps": gbps(raw, 1)}
     tier_gbps = {"write_gbps": gbps(tier, 0), "read_gbps": gbps(tier, 1)}
     moved = stats["read_bytes"] + stats["written_bytes"]
-    out = {
-        "benchmark": "nvme",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+    return {
         "dir": str(directory.resolve()),
         **_mount_of(directory),
         "chunk_bytes": chunk_bytes,
@@ -195,8 +281,6 @@ def main(argv=None) -> int:
         },
         "crc32_gbps_one_core": round(crc_gbps, 2),
     }
-    print(json.dumps(out, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -145,17 +145,20 @@ def translate(ds: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> De
     for key, value in zero.items():
         if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
             device = value.get("device", "none")
-            if device == "nvme":
-                ignored.append(
-                    (f"zero_optimization.{key}.device", "there is no NVMe tier: model data lives in GPU and CPU memory")
-                )
+            mapped = {"device", "pin_memory"}
+            if device == "nvme" and value.get("nvme_path"):
+                # the disk tier: what host memory cannot hold goes there, by the trace, whatever its kind
+                fields.setdefault("nvme_path", str(value["nvme_path"]))
+                mapped.add("nvme_path")
+            elif device == "nvme":
+                ignored.append((f"zero_optimization.{key}.device", "the disk tier needs a directory: give nvme_path"))
             elif device not in ("none", None):
                 ignored.append((f"zero_optimization.{key}.device", "chunks go to the CPU when the trace says so, not by rule"))
             if value.get("pin_memory") is False and key == "offload_param":
                 fields["pinned_bytes"] = 0
             for sub in value:
-                if sub not in ("device", "pin_memory"):
-                    ignored.append((f"zero_optimization.{key}.{sub}", "no NVMe tier or buffer settings here"))
+                if sub not in mapped:
+                    ignored.append((f"zero_optimization.{key}.{sub}", "no such buffer setting here: the tier's I/O sizes itself"))
         else:
             ignored.append((f"zero_optimization.{key}", _ZERO_IGNORED.get(key, "no equivalent in HybridPS")))
     known = {"fp16", "bf16", "bfloat16", "optimizer", "zero_optimization", *_TRAINING_KEYS}

@@ -57,6 +57,26 @@ from hybridps.common.errors import CapacityError
 from hybridps.manager.embedded import ManagerConnection
 
 
+def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor of ``numel`` elements of ``dtype`` starting on a page.
+
+    [Note: page-aligned payloads]
+    The disk tier reads and writes a block with ``O_DIRECT`` only where the buffer's address is
+    a multiple of 4096 (memory/scratch_file.py); torch's allocator gives 64-byte alignment, and
+    such buffers go through the page cache at 0.3-0.5x the disk's speed (scripts/bench_nvme.py).
+    With a disk tier the mover makes new host payloads here: one page more, and a view that
+    starts on a page boundary; the view is the storage's only user, as a plain buffer is, so
+    the pool takes it back alike."""
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
+    start = -raw.data_ptr() % ALIGN_BYTES
+    return raw[start : start + nbytes].view(dtype)
+
+
+#: a page: the alignment O_DIRECT asks of a buffer
+ALIGN_BYTES = 4096
+
+
 class HostBuffers:
     """The pool, the arena and the copies in flight of one client, and their booking."""
 

@@ -49,7 +49,7 @@ from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.disk_moves import DiskMoves
 from hybridps.client.memory.figures import ChunkFigures, MoveCounts
-from hybridps.client.memory.host_buffers import HostBuffers
+from hybridps.client.memory.host_buffers import HostBuffers, page_aligned_empty
 from hybridps.client.memory.placement import PlacementPolicy
 from hybridps.client.memory.pool import PayloadPool, PoolPlan
 from hybridps.client.memory.scratch_file import ScratchFile
@@ -481,9 +481,11 @@ class ChunkMover:
         if buf is not None:
             return buf
         spec = self._specs[device]
-        return self._retry_out_of_memory(
-            device, lambda: chunk.new_buffer(spec), f"{chunk} ({format_bytes(chunk.nbytes)})", protect
-        )
+        if self.disk is not None and device in self._host and not spec.meta:
+            make = functools.partial(page_aligned_empty, chunk.capacity, chunk.dtype)  # [Note: page-aligned payloads]
+        else:
+            make = functools.partial(chunk.new_buffer, spec)
+        return self._retry_out_of_memory(device, make, f"{chunk} ({format_bytes(chunk.nbytes)})", protect)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
         """A working buffer that is not model data (the optimizer's fp32 grads of a chunk), with
