@@ -137,7 +137,7 @@ def test_a_hugging_face_llama_trains_through_the_disk_bit_equal(tmp_path):
     engine.close()
 
 
-def _train_two_ranks_on_disk(rank, world, endpoint, nvme_path, on_disk):
+def _train_two_ranks_on_disk(rank, world, endpoint, nvme_path, on_disk, ckpt):
     from tests.training import gpt_pair as pair
     from tests.training import train_engine as train
 
@@ -150,6 +150,7 @@ def _train_two_ranks_on_disk(rank, world, endpoint, nvme_path, on_disk):
     config = hybridps.Config(manager=endpoint, devices=devices, collective_timeout_s=60, **extra)
     engine = hybridps.initialize(model, adamw(model), config)
     losses = train(engine, 3, batch=4, rank=rank, world=world, mean_over_ranks=True)
+    engine.save_checkpoint(ckpt)  # the rows on the disk come back for it
     stats = engine.memory_stats()
     engine.close()
     return losses, stats["devices"].get("nvme", {}).get("peak_bytes", 0)
@@ -168,15 +169,21 @@ def test_two_ranks_sharing_the_node_daemons_disk_train_as_they_do_in_memory(tmp_
             *("--device", f"cpu={cpu}", "--device", f"cuda:0={gpu}", "--device", f"cuda:1={gpu}"),
             *("--device", f"nvme={4 * MODEL_BYTES}", "--simulate", "always"),
         )
-        on_disk = run_ranks(_train_two_ranks_on_disk, 2, daemon.endpoint, str(tmp_path / "nvme"), True, timeout_s=180)
-        memory = hybridps.initialize  # noqa: F841 - the same job without the disk, on its own daemon
+        ckpts = [str(tmp_path / "disk-ck"), str(tmp_path / "memory-ck")]
+        on_disk = run_ranks(_train_two_ranks_on_disk, 2, daemon.endpoint, str(tmp_path / "nvme"), True, ckpts[0], timeout_s=180)
+        # the same job without the disk, on its own daemon
         daemon2 = pool.start(
             *("--device", "cpu=1GiB", "--device", f"cuda:0={gpu}", "--device", f"cuda:1={gpu}", "--simulate", "always"),
             endpoint=pool.endpoint("second.sock"),
         )
-        in_memory = run_ranks(_train_two_ranks_on_disk, 2, daemon2.endpoint, "", False, timeout_s=180)
+        in_memory = run_ranks(_train_two_ranks_on_disk, 2, daemon2.endpoint, "", False, ckpts[1], timeout_s=180)
         assert [r[0] for r in on_disk] == [r[0] for r in in_memory]
         assert all(r[1] > 0 for r in on_disk)  # each rank wrote rows to the disk the node shares
+        from safetensors.torch import load_file
+
+        for name in ("model-00001-of-00002", "model-00002-of-00002", "optimizer-00001-of-00002"):
+            disk, memory = (load_file(os.path.join(c, f"{name}.safetensors")) for c in ckpts)
+            assert disk.keys() == memory.keys() and all(torch.equal(disk[k], memory[k]) for k in disk), name
     finally:
         pool.close()
 
@@ -280,4 +287,25 @@ def test_a_slow_disk_fails_past_its_timeout_naming_what_it_waited_for(tmp_path, 
         tiny_steps(engine, 1)
     release.set()  # the disk answers again: what was in flight lands, nothing was lost
     engine.client.scratch.timeout_s = 30.0
+    engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [{"precision": "bf16"}, {"overlap_step": True}, {"grad_reuse": False}, {"precision": "fp16"}],
+    ids=["bf16", "steps-during-backward", "accumulation", "fp16"],
+)
+def test_every_mode_trains_through_the_disk_as_it_does_in_memory(tmp_path, extra):
+    in_memory, on_disk = gpt_pair()
+    memory = hybridps.initialize(
+        in_memory, adamw(in_memory), hybridps.Config(devices={"cuda:0": int(MODEL_BYTES * 0.3)}, **extra)
+    )
+    expected = train_engine(memory, 2)
+    engine = hybridps.initialize(on_disk, adamw(on_disk), disk_config(tmp_path, cpu=0.35, **extra))
+    assert train_engine(engine, 2) == expected
+    assert engine.memory_stats()["nvme"]["read_bytes"] > 0
+    for a, b in zip(memory.module.state_dict().values(), engine.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    memory.close()
     engine.close()
