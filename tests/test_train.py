@@ -177,6 +177,8 @@ def test_hybridps_train_with_a_disk_tier_puts_what_the_cpu_cannot_hold_on_it(tmp
     assert summary["nvme"]["written_bytes"] > 0 and summary["nvme"]["read_bytes"] > 0
     assert summary["nvme"]["path"].startswith(str(tmp_path / "from-file")) and not os.listdir(tmp_path / "from-file")
     flags = ["--cpu-capacity", "12MiB", "--nvme", "1GiB", "--nvme-path", str(tmp_path / "flags"), "--gpu-capacity", "40MiB"]
-    proc = subprocess.run([sys.executable, "-m", "hybridps", "train", *args, *flags], capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", *args, *flags], capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["nvme"]["path"].startswith(str(tmp_path / "flags"))
