@@ -155,13 +155,8 @@ class PlacementPolicy:
         earlier candidate's copy brought already is not offered again; the caller stops at the
         first that does not fit."""
         compute = self.compute.name
-        for moment in range(now + 1, now + 1 + window):
-            for chunk_id, device in uses.get(moment, ()):
-                if device != compute:
-                    continue
-                chunk = chunk_of(chunk_id)
-                if chunk is None or chunk.payload is None or chunk.device == compute:
-                    continue
+        for chunk, device in _used_after(uses, now, window, chunk_of):
+            if device == compute and chunk.payload is not None and chunk.device != compute:
                 yield chunk
 
     #: how many times ``Config.prefetch_window`` the disk's reads look ahead: a read from the
@@ -180,11 +175,9 @@ class PlacementPolicy:
         """The chunks on the disk to read back ahead of their use, best first: those the trace
         uses (on any device) in the ``window`` x ``disk_window_factor`` moments after ``now``,
         in the order of use. Lazy, as ``prefetch_candidates``."""
-        for moment in range(now + 1, now + 1 + window * self.disk_window_factor):
-            for chunk_id, _device in uses.get(moment, ()):
-                chunk = chunk_of(chunk_id)
-                if chunk is not None and chunk.on_disk:
-                    yield chunk
+        for chunk, _device in _used_after(uses, now, window * self.disk_window_factor, chunk_of):
+            if chunk.on_disk:
+                yield chunk
 
     def eviction_refer(self, chunk: Chunk) -> str:
         """The device an evicted chunk should land near: the node manager's ``schedule``
@@ -220,6 +213,18 @@ class PlacementPolicy:
         """The chunk groups to gather ahead at moment ``now`` (several ranks): those the
         warm-up gathered at the next moment (``gathers_at``: moment -> groups)."""
         return gathers_at.get(now + 1, ())
+
+
+def _used_after(
+    uses: Mapping[int, Sequence[tuple[int, str]]], now: int, window: int, chunk_of: Callable[[int], Chunk | None]
+) -> Iterator[tuple[Chunk, str]]:
+    """(chunk, device) of every access the trace ``uses`` in the ``window`` moments after ``now``,
+    in the order of use (a chunk id that names no chunk is passed over)."""
+    for moment in range(now + 1, now + 1 + window):
+        for chunk_id, device in uses.get(moment, ()):
+            chunk = chunk_of(chunk_id)
+            if chunk is not None:
+                yield chunk, device
 
 
 class CpuOptimizerPolicy(PlacementPolicy):
