@@ -81,6 +81,9 @@ class MomentTrace:
         self.live_saved_bytes = 0
         self.mode = TraceMode.OFF
         self.moment = 0
+        #: the mover's access clock when this moment began (the tracer sets it at each tick):
+        #: a chunk used since then has had its use of this moment (``next_use``)
+        self.moment_clock = 0
         self.iterations = 0
         # the trace (valid once the warm-up iteration ended)
         self.labels: list[Hashable] = []
@@ -248,6 +251,10 @@ class MomentTrace:
         if not uses:
             return float("inf")
         i = bisect.bisect_left(uses, self.moment)
+        if i < len(uses) and uses[i] == self.moment and chunk.last_use > self.moment_clock:
+            # used already in this moment (the optimizer's step takes every row in one moment):
+            # its next use is the one after; rows stepped already leave before rows to come
+            i += 1
         if i < len(uses):
             return uses[i]
         return len(self.labels) + uses[0]  # first use in the next iteration

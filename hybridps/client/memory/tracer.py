@@ -275,6 +275,7 @@ class MemoryTracer:
         live = self.live_non_model()
         if self.trace.mark(label, live):  # departed from the trace: it is dropped
             self._listen(False)
+        self.trace.moment_clock = self.mover.clock
         self.observe(live)
         for listener in self.tick_listeners:
             listener(label, live)
