@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temporary one under .)")
     ap.add_argument("--chunk-bytes", default="64MiB", help="bytes of one chunk (e.g. 64MiB)")
     ap.add_argument("--chunks", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--block-bytes", default="16MiB", help="bytes of one pwritev/preadv of the tier")
     ap.add_argument("--buffers", choices=("aligned", "pageable"), default="aligned", help="page-aligned (O_DIRECT) or torch's")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the median is printed")

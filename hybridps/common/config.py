@@ -116,7 +116,7 @@ class Config:
         ),
     )
     nvme_threads: int = _field(
-        4,
+        8,
         section="Memory and devices",
         unit="threads",
         doc="Threads doing the disk tier's reads and writes (each a `preadv`/`pwritev` off the GIL): the requests in flight.",

@@ -21,9 +21,10 @@ before Linux 6.6 refuses it): no copy, and no page cache filling the host memory
 there to relieve. The rest (a payload's tail, a buffer off a page boundary, the headers) is
 buffered. The checksums (``zlib.crc32``, off the GIL too, 1-4 GB/s a core) run on the same
 threads. Measured with ``scripts/bench_nvme.py`` on a 2-core VM (ext4 on a virtio disk, 1 GiB
-in 64 MiB chunks): page-aligned buffers (O_DIRECT) wrote at 0.8-0.86x and read at 1.13-1.16x
-a raw sequential ``write``/``read`` of the same bytes; torch's own buffers (not page-aligned:
-buffered) at 0.52x and 0.31x. So the buffers handed to it should be page-aligned, as the host
+in 64 MiB chunks): page-aligned buffers (O_DIRECT) on 8 threads (the default) wrote at
+1.02-1.12x and read at 0.95-1.07x a raw sequential ``write``/``read`` of the same bytes; on 4
+threads 0.70-1.38x and 0.67-1.16x (more requests in flight keep the disk busier); torch's own
+buffers (not page-aligned: buffered) at 0.52x and 0.31x. So the buffers handed to it should be page-aligned, as the host
 arena's slots are when a chunk's bytes are whole pages.
 
 [Note: fresh every run]
@@ -204,7 +205,7 @@ class ScratchFile:
         directory: str | os.PathLike,
         *,
         rank: int,
-        threads: int = 4,
+        threads: int = 8,
         block_bytes: int = 16 << 20,
         timeout_s: float = 600.0,
         warn_after_s: float = 10.0,
