@@ -68,8 +68,8 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
     config = hybridps.Config(devices={"cuda:0": capacity}, simulate="always", precision="fp32", manager=manager)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), config)
     client = engine.client
-    counting = CountingConnection(client.mover.connection)
-    client.mover.connection = counting
+    counting = CountingConnection(client.mover.host.connection)
+    client.mover.host.connection = counting  # the host buffers make every manager request
     start = None
     losses = []
     by_step = []
@@ -105,7 +105,7 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
         "ledger_matches": booked == held,
         "losses": losses,
     }
-    client.mover.connection = counting.inner
+    client.mover.host.connection = counting.inner
     engine.close()
     return result
 

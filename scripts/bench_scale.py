@@ -121,8 +121,8 @@ def run(world: int, layout: str, args) -> dict:
             return {"world": world, "layout": layout, "refused": f"{type(exc).__name__}: {exc}"}
         init_s = time.perf_counter() - t0
         client = engine.client
-        counting = CountingConnection(client.mover.connection)
-        client.mover.connection = counting
+        counting = CountingConnection(client.mover.host.connection)
+        client.mover.host.connection = counting  # the host buffers make every manager request
         groups = client.groups
         assert groups is not None
         times, coll_s, collectives, manager = [], [], [], []
@@ -179,7 +179,7 @@ def run(world: int, layout: str, args) -> dict:
             },
         }
         out["manager_calls_per_step"] = statistics.median(manager)
-        client.mover.connection = counting.inner
+        client.mover.host.connection = counting.inner
         engine.close()
         return out
     finally:

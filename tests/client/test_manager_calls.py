@@ -207,7 +207,7 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     manager = engine.client.mover
     conn = CountingConnection(manager.connection)
-    manager.connection = conn
+    manager.host.connection = conn
     try:
         for step in range(4):
             if step == 2:  # the warm-up steps have placed what they place
@@ -227,7 +227,7 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
             assert moved > 0 and sum(calls.values()) <= moved, (calls, moved)
         assert_exact(manager, conn)
     finally:
-        manager.connection = conn.inner
+        manager.host.connection = conn.inner
         engine.close()
 
 

@@ -89,7 +89,6 @@ class ChunkMover:
         self.inventory = inventory
         #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
         self.link = link
-        self.connection = connection
         self.compute = inventory.compute_device
         self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
         #: devices whose payloads are host memory (the CPU, simulated GPUs): the pool serves them
@@ -436,6 +435,11 @@ class ChunkMover:
         self._move(chunk, None, evicted=True, asynchronous=True, refer=refer, exclude=exclude)
 
     # the host buffers' figures and verbs that readers outside the memory package use
+
+    @property
+    def connection(self) -> ManagerConnection:
+        """The node manager's connection, whose every request the host buffers make."""
+        return self.host.connection
 
     @property
     def arena_idle_bytes(self) -> int:
