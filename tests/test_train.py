@@ -163,20 +163,21 @@ def test_hybridps_train_with_a_disk_tier_puts_what_the_cpu_cannot_hold_on_it(tmp
     """``--cpu-capacity`` below the model data and ``--nvme``/``--nvme-path``: the summary
     shows the disk and the bytes read and written there, and the file is gone at the end."""
     config = tmp_path / "hps.json"
-    config.write_text(json.dumps({"nvme_path": str(tmp_path / "from-file"), "devices": {"cpu": "12MiB", "nvme": "1GiB"}}))
+    config.write_text(json.dumps({"nvme_path": str(tmp_path / "from-file"), "devices": {"cpu": "1200KiB", "nvme": "1GiB"}}))
     args = ["--steps", "3", "--batch", "2", "--eval-every", "100", "--data-bytes", "256KiB", "--json", "--quiet"]
+    args += ["--layers", "2", "--d-model", "128", "--heads", "4"]
     proc = subprocess.run(
-        [sys.executable, "-m", "hybridps", "train", *args, "--config", str(config), "--gpu-capacity", "40MiB"],
+        [sys.executable, "-m", "hybridps", "train", *args, "--config", str(config), "--gpu-capacity", "4MiB"],
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
-    assert summary["devices"]["nvme"]["peak_bytes"] > 0 and summary["devices"]["cpu"]["capacity_bytes"] == 12 << 20
+    assert summary["devices"]["nvme"]["peak_bytes"] > 0 and summary["devices"]["cpu"]["capacity_bytes"] == 1200 << 10
     assert summary["nvme"]["written_bytes"] > 0 and summary["nvme"]["read_bytes"] > 0
     assert summary["nvme"]["path"].startswith(str(tmp_path / "from-file")) and not os.listdir(tmp_path / "from-file")
-    flags = ["--cpu-capacity", "12MiB", "--nvme", "1GiB", "--nvme-path", str(tmp_path / "flags"), "--gpu-capacity", "40MiB"]
+    flags = ["--cpu-capacity", "1200KiB", "--nvme", "1GiB", "--nvme-path", str(tmp_path / "flags"), "--gpu-capacity", "4MiB"]
     proc = subprocess.run(
         [sys.executable, "-m", "hybridps", "train", *args, *flags], capture_output=True, text=True, timeout=1200
     )

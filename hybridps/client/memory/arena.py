@@ -214,6 +214,12 @@ class HostArena:
 
     # -- lending ---------------------------------------------------------------------------
 
+    def has_free(self, nbytes: int) -> bool:
+        """Whether a slot of ``nbytes`` is free now (``take`` would lend one)."""
+        with self._lock:
+            self._drain()
+            return bool(self._free.get(nbytes))
+
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         """A free slot as a tensor of ``numel`` elements of ``dtype``, or None when no slot of
         that many bytes is free (``growth_bytes`` says whether the arena can grow for one)."""

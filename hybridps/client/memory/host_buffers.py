@@ -243,9 +243,7 @@ class HostBuffers:
         one slot at most (see [Note: the arena's booking])."""
         plan.cancel()  # a pooled buffer taken goes; the old payload is not pooled
         if any(pooled for _, _, pooled in self._in_flight):
-            for event, _, _ in self._in_flight:  # old payloads an eviction's copy or write still reads
-                event.synchronize()
-            self.collect()  # they join the pool, which lets them go below
+            self.land_in_flight()  # old payloads an eviction's copy or write still reads join the pool, which lets them go below
         released = self.pool.release(need_bytes)
         if self.arena is not None and released < need_bytes:
             self.arena.release_idle(need_bytes - released)
@@ -305,6 +303,11 @@ class HostBuffers:
                 plan.give_bytes = nbytes if in_flight else nbytes - dropped
         return plan
 
+    def free_slot_for(self, chunk: Chunk, device: str) -> bool:
+        """Whether ``chunk`` coming to ``device`` would take an arena slot that is free now:
+        bytes the CPU holds already, which it needs no new room for."""
+        return self._in_arena(chunk, device) and self.arena.has_free(chunk.nbytes)
+
     def _in_arena(self, chunk: Chunk, device: str) -> bool:
         """Whether ``chunk`` on ``device`` takes its payload from the arena: chunks of the
         arena's kinds (those that cross to the GPU every iteration) on the CPU."""
@@ -352,6 +355,13 @@ class HostBuffers:
             slot = arena.grow_and_take(dtype, numel, grow, who="a pinned scratch buffer")
             self.settle()  # booked as grown; a segment the host refused is unbooked
         return slot
+
+    def land_in_flight(self) -> None:
+        """Wait for every copy and write still reading an old payload, and recycle them all
+        (their arena slots free, their pooled buffers in the pool)."""
+        for event, _, _ in self._in_flight:
+            event.synchronize()
+        self.collect()
 
     def collect(self, force: bool = False) -> None:
         """Recycle host buffers whose outgoing copies have finished (those booked as joining

@@ -231,7 +231,7 @@ class ChunkMover:
             chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
         protect = (chunk, *protect)
-        self.make_room(device, chunk.nbytes, protect=protect, who=who)
+        self.make_room(device, chunk.nbytes, protect=protect, who=who, coming=chunk)
         bring = functools.partial(self._bring_payload, chunk, device, protect, zero=zero, asynchronous=asynchronous)
         if device == CPU:
             self._with_cpu_room(bring, chunk.nbytes, protect, who)
@@ -330,7 +330,7 @@ class ChunkMover:
         ``protect``) down."""
         who = f"a read of {chunk.kind.value} chunk {chunk.index} from the disk"
         protect = (chunk, *protect)
-        self.make_room(CPU, chunk.nbytes, protect=protect, who=who)
+        self.make_room(CPU, chunk.nbytes, protect=protect, who=who, coming=chunk)
         self._with_cpu_room(lambda: self._move(chunk, CPU, protect=protect), chunk.nbytes, protect, who)
 
     def _with_cpu_room(self, operation: Callable[[], object], size: int, protect: Collection[Chunk], who: object):
@@ -368,16 +368,26 @@ class ChunkMover:
                 else:
                     freed += victim.nbytes
         if not enough(freed):
+            # last: the old payloads the writes still read back to the pool and the arena, whose
+            # idle buffers and empty segments then go
+            self.host.land_in_flight()
+            self.host.release()
+        if not enough(freed):
             raise CapacityError(
                 self.figures.no_room_message(CPU, size_bytes=size, budget_bytes=self.budget(CPU), who=who, protect=protect)
             )
 
-    def make_room(self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "") -> None:
-        """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget."""
+    def make_room(
+        self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "", coming: Chunk | None = None
+    ) -> None:
+        """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget
+        (``coming``: the chunk they are for, which may take an arena slot free already)."""
         budget = self.budget(device)
         if self.used_bytes[device] + size <= budget:
             return
         if device == CPU and self.disk is not None:
+            if coming is not None and self.host.free_slot_for(coming, CPU):
+                size = 0  # its slot is booked already, among the arena's idle bytes the budget leaves out
             self._to_disk(lambda freed: self.used_bytes[CPU] + size <= self.budget(CPU), protect=protect, who=who, size=size)
             return
         need = self.used_bytes[device] + size - budget
