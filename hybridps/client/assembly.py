@@ -21,6 +21,7 @@ owns its own work. A registration that fails closes the client before the error 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,8 @@ from hybridps.client.params import optimizer_view
 from hybridps.client.params.hooks import ModelHook, ModuleHooks
 from hybridps.client.prefetch import Prefetcher
 from hybridps.common.config import Config
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -94,8 +97,11 @@ def build(
             zero_grad_listeners=[on_zero_grad],
         )
         unset_params = deferred_init.give_values(record, client, model)
-    except BaseException:
-        client.close()
+    except BaseException as exc:
+        try:
+            client.close(restore=not client.compute.meta)  # under meta there are no values to give back
+        except Exception:  # the error that stopped the build is the one to see
+            logger.exception("closing the client after a failed build (%s) failed too", type(exc).__name__)
         raise
     trace = client.trace
     prefetcher = (

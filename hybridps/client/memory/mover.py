@@ -353,9 +353,11 @@ class ChunkMover:
         whose bytes leave it only with a whole segment (see [Note: the arena's booking])."""
         victims = self.evictable(CPU, protect, need_bytes=size)
         arena = self.arena
-        pinned = [c for c in victims if arena is not None and arena.owns(c.payload)]
+        pinned, pageable = [], []
+        for c in victims:
+            (pinned if arena is not None and c.kind in self.host.arena_kinds and arena.owns(c.payload) else pageable).append(c)
         freed = 0
-        for group in ([c for c in victims if c not in pinned], pinned):
+        for group in (pageable, pinned):
             while group and not enough(freed):
                 victim = self.placement.victim(group)
                 group.remove(victim)
@@ -613,7 +615,7 @@ class ChunkMover:
         if device == NVME:  # see [Note: the disk tier's moves]
             return self.disk.write_down(chunk, buf, asynchronous=asynchronous), asynchronous
         if src == NVME:
-            assert device in self._host, f"{chunk}: a read from the disk lands in host memory, not on {device}"
+            assert device in self._host or spec.meta, f"{chunk}: a read from the disk lands in host memory, not on {device}"
             return self.disk.read_up(chunk, spec, buf, asynchronous=asynchronous), False
         link_direction = self._link_direction(src, device)
         if link_direction is not None:
