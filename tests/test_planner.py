@@ -573,3 +573,217 @@ def test_the_json_carries_the_shard_group_its_gathered_groups_and_its_communicat
     table = capsys.readouterr().out
     assert "planned, not measured" in table and "gathered/group" in table and "comm/rank/step" in table
     assert 'refused: shard group "world" = 256 ranks, 1 replica over 64 nodes x 4 ranks: a chunk group gathers' in table
+
+
+# -- the disk tier --------------------------------------------------------------------------
+
+# eight layers of fp32 model data (6.5 MiB) do not fit a 3 MiB GPU beside a 2 MiB CPU
+DISK_GPT = GPTShape(n_layer=8, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
+
+
+def test_a_disk_tier_makes_a_model_fit_and_its_steady_traffic_takes_bytes_over_bandwidth():
+    without = hybridps.plan(DISK_GPT, gpus="1x3MiB", cpu="2MiB", precision="fp32", search_largest=False)
+    assert not without.fits and "does not fit" in without.hybridps.reason
+    report = hybridps.plan(
+        DISK_GPT, gpus="1x3MiB", cpu="2MiB", nvme="16MiB", nvme_read_gbps=2.5, nvme_write_gbps=1.25, precision="fp32",
+        search_largest=False,
+    )  # fmt: skip
+    h = report.hybridps
+    assert report.fits and report.iterations == 3, "with a disk the third iteration is the steady one"
+    # where the bytes go: GPU, CPU and disk, the disk holding what memory does not
+    assert h.nvme.device == "nvme" and h.nvme.capacity_bytes == 16 * 2**20
+    assert 0 < h.nvme.peak_bytes == h.nvme_node_bytes <= 16 * 2**20
+    assert h.model_data_bytes > h.gpu.capacity_bytes + h.cpu.capacity_bytes
+    # a steady iteration reads and writes the disk, and the seconds are bytes / bandwidth
+    assert h.nvme_read_bytes_per_step > 0 and h.nvme_write_bytes_per_step > 0
+    assert h.nvme_read_bytes_per_step == sum(v for k, v in h.moved_bytes_per_step.items() if k.startswith("nvme->"))
+    assert h.nvme_write_bytes_per_step == sum(v for k, v in h.moved_bytes_per_step.items() if k.endswith("->nvme"))
+    assert h.nvme_read_s_per_step == pytest.approx(h.nvme_read_bytes_per_step / 2.5e9)
+    assert h.nvme_write_s_per_step == pytest.approx(h.nvme_write_bytes_per_step / 1.25e9)
+    out = report.to_dict()
+    assert out["node"]["nvme_bytes"] == 16 * 2**20 and out["node"]["nvme_read_gbps"] == 2.5
+    assert out["hybridps"]["nvme"]["peak_bytes"] == h.nvme.peak_bytes
+    assert out["hybridps"]["nvme_read_s_per_step"] == pytest.approx(h.nvme_read_s_per_step, abs=1e-6)  # JSON: to the us
+    assert "disk per step (steady iteration): reads" in report.format_table()
+    assert "disk/node" in report.format_table()
+
+
+def test_a_plan_without_a_disk_reports_no_disk_figures():
+    report = hybridps.plan(DISK_GPT.with_layers(2), gpus="1x3MiB", cpu="16MiB", precision="fp32", search_largest=False)
+    out = report.to_dict()
+    assert report.iterations == 2
+    assert not any(k.startswith("nvme") for k in out["hybridps"]) and not any(k.startswith("nvme") for k in out["node"])
+    assert list(out["node"]) == ["gpus", "gpu_bytes", "cpu_bytes", "ranks_per_node", "nodes", "world_size"]
+    assert "disk" not in report.format_table() and "nvme" not in report.format_table()
+
+
+def test_several_ranks_of_a_node_share_its_disk_like_its_cpu():
+    roomy = hybridps.plan(DISK_GPT, gpus="4x3MiB", cpu="64MiB", precision="fp32", search_largest=False).hybridps
+    need = roomy.cpu_node_bytes  # what the node's four ranks keep on the CPU without a disk
+    cpu = need // 2
+    without = hybridps.plan(DISK_GPT, gpus="4x3MiB", cpu=cpu, precision="fp32", search_largest=False)
+    assert not without.fits and "CPU of a node" in without.hybridps.reason
+    with_disk = hybridps.plan(DISK_GPT, gpus="4x3MiB", cpu=cpu, nvme="64MiB", precision="fp32", search_largest=False)
+    h, share = with_disk.hybridps, with_disk.hybridps.rank_share
+    assert with_disk.fits and h.derived and h.nvme.derived
+    # the node's CPU holds what it can of its ranks' shares, its disk the rest
+    assert h.cpu_node_bytes == cpu and h.nvme_node_bytes == share.nvme_node_bytes == need - cpu
+    # every byte on the disk is read and written once a step: a rank's (what its slice of the CPU
+    # cannot hold) among its moves, the node's in the disk's figures (its ranks share its bandwidth)
+    assert 0 < share.nvme_bytes <= share.nvme_node_bytes
+    assert h.moved_bytes_per_step["nvme->cpu"] == h.moved_bytes_per_step["cpu->nvme"] == share.nvme_bytes
+    assert h.nvme_read_bytes_per_step == h.nvme_write_bytes_per_step == share.nvme_node_bytes
+    assert h.nvme_read_s_per_step == pytest.approx(share.nvme_node_bytes / 3e9)
+    assert h.nvme_write_s_per_step == pytest.approx(share.nvme_node_bytes / 2e9)
+    assert {"nvme_bytes", "nvme_node_bytes", "cpu_step_bytes"} <= set(with_disk.to_dict()["hybridps"]["rank_share"])
+    # a disk too small for the node's share, and a CPU slice below one chunk's optimizer step
+    small = hybridps.plan(DISK_GPT, gpus="4x3MiB", cpu=cpu, nvme=need - cpu - 1, precision="fp32", search_largest=False)
+    assert not small.fits and "disk of a node needs" in small.hybridps.reason and "(derived)" in small.hybridps.reason
+    tiny_cpu = 4 * share.cpu_step_bytes - 4
+    starved = hybridps.plan(DISK_GPT, gpus="4x3MiB", cpu=tiny_cpu, nvme="1GiB", precision="fp32", search_largest=False)
+    assert not starved.fits and "optimizer step runs on the CPU" in starved.hybridps.reason
+
+
+def test_the_largest_model_with_a_disk_is_simulated_while_the_search_has_time():
+    report = hybridps.plan(DISK_GPT.with_layers(4), gpus="1x3MiB", cpu="2MiB", nvme="16MiB", precision="fp32")
+    without = hybridps.plan(DISK_GPT.with_layers(4), gpus="1x3MiB", cpu="2MiB", precision="fp32")
+    largest = report.hybridps.largest
+    assert largest.method == "simulated" and largest.confirmed
+    assert largest.n_layer > without.hybridps.largest.n_layer
+    assert "GPU + CPU + disk" in report.largest_model_method
+
+
+def test_out_of_search_time_the_largest_model_is_the_linear_rules(monkeypatch):
+    from hybridps.planner.report import RULE
+
+    node = NodeSpec.parse("1x16MiB", "2MiB", nvme="12MiB")
+    planner = Planner(PlanRequest(model=DISK_GPT.with_layers(4), node=node, precision="fp32", search_seconds=1e-6))
+    planner.learn_transient_allowance()
+    for n in (4, 1):  # two fitting sizes make the line
+        assert planner.evaluate(n).fits
+    simulated = set(planner.evals)
+    largest = planner.search_largest()
+    assert set(planner.evals) == simulated, "no candidate is simulated once the time is spent"
+    assert largest.method == RULE and not largest.confirmed and largest.n_layer == planner.predict_largest() > 4
+    # by the line, n_layer fits and n_layer + 1 does not
+    a, b = planner._fits_line()
+
+    def on_line(n):  # every (need, capacity) on the line through 1 and 4 layers
+        return [
+            (need_4 + (need_4 - need_1) * (n - 4) / 3, cap)
+            for (need_1, cap), (need_4, _) in zip(planner._needs(a), planner._needs(b), strict=True)
+        ]
+
+    assert (a.sim.n_layer, b.sim.n_layer) == (1, 4)
+    assert all(need <= cap for need, cap in on_line(largest.n_layer))
+    assert any(need > cap for need, cap in on_line(largest.n_layer + 1))
+    assert largest.n_params == DISK_GPT.with_layers(largest.n_layer).n_params
+    assert "(linear rule, unconfirmed)" in hybridps.planner.report._largest_text(largest)
+
+
+def test_the_planned_size_is_simulated_once_with_the_allowance_learnt_from_one_layer(monkeypatch):
+    """The real-GPU transient allowance is learnt from a one-layer simulation, so the planned
+    size is simulated once; the report is the one the planner made by simulating it twice."""
+    from hybridps.planner import search
+
+    sizes = []
+    real_simulate = search.simulate
+
+    def recording(model, **kwargs):
+        sizes.append(model.n_layer)
+        return real_simulate(model, **kwargs)
+
+    monkeypatch.setattr(search, "simulate", recording)
+    shape = DISK_GPT.with_layers(3)
+    learnt = hybridps.plan(shape, gpus="1x3MiB", cpu="4MiB", precision="fp32", search_largest=False)
+    assert sizes == [1, 3] and learnt.transient_allowance_bytes > 0
+    sizes.clear()
+    monkeypatch.setattr(search.Planner, "learn_transient_allowance", lambda self: None)
+    twice = hybridps.plan(shape, gpus="1x3MiB", cpu="4MiB", precision="fp32", search_largest=False)
+    assert sizes == [3, 3]
+    drop = {"seconds"}
+    assert {k: v for k, v in learnt.to_dict().items() if k not in drop} == {
+        k: v for k, v in twice.to_dict().items() if k not in drop
+    }
+
+
+@pytest.mark.parametrize("nvme", [None, "32MiB"])
+def test_remembered_meta_kernels_change_nothing_a_simulation_shows(monkeypatch, nvme):
+    import contextlib
+    import dataclasses
+
+    from hybridps.planner import simulation
+
+    shape = GPTShape(n_layer=6, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2, checkpoint=True)
+    kwargs = dict(gpu_bytes=3 * 2**20, cpu_bytes=2 * 2**20, precision="bf16", iterations=3, nvme_bytes=nvme and 32 * 2**20)
+    remembered = simulation.simulate(shape, **kwargs)
+    monkeypatch.setattr(simulation, "remembered_meta_kernels", contextlib.nullcontext)
+    every_kernel = simulation.simulate(shape, **kwargs)
+    assert remembered.completed and sum(remembered.moved_bytes_per_step.values()) > 0
+    assert (remembered.nvme_read_bytes_per_step > 0) == bool(nvme)
+    assert dataclasses.replace(remembered, seconds=0.0) == dataclasses.replace(every_kernel, seconds=0.0)
+
+
+def test_remembered_meta_kernels_keep_views_in_place_ops_and_fresh_outputs():
+    from hybridps.planner.meta_kernels import remembered_meta_kernels
+
+    def storage(t):
+        return t.untyped_storage()._cdata
+
+    with remembered_meta_kernels() as mode:
+        for _ in range(3):
+            a = torch.empty(4, 8, device="meta")
+            fresh = a.t() + 1  # strided input: the output's strides follow it
+            assert fresh.shape == (8, 4) and fresh.stride() == (1, 8) and storage(fresh) != storage(a)
+            assert storage(a.view(8, 4)) == storage(a) and storage(a[1:]) == storage(a)  # views alias, always
+            assert a.mul_(2) is a and a.shape == (4, 8)
+            out = torch.empty(0, device="meta")
+            assert torch.add(a, 1, out=out) is out and out.shape == (4, 8)  # a resize is never remembered
+            lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*(torch.empty(1, 2, 16, 8, device="meta"),) * 3)
+            assert [t.shape for t in lse] == [(1, 2, 16, 8), (1, 2, 16)] and storage(lse[0]) != storage(lse[1])
+            assert (torch.ones(2) + 1).tolist() == [2.0, 2.0]  # tensors with values: their kernel, always
+        assert mode.hits > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nvme-read-gbps", "0"], r"argument --nvme-read-gbps: bandwidth 0.0 is not a bandwidth; give GB/s"),
+        (["--nvme-write-gbps", "-2"], r"argument --nvme-write-gbps: bandwidth -2.0 is not a bandwidth"),
+        (["--nvme-read-gbps", "fast"], r"argument --nvme-read-gbps: 'fast' is not a number; give GB/s"),
+        (["--nvme-read-gbps", "nan"], r"argument --nvme-read-gbps: bandwidth nan is not a bandwidth"),
+        (["--nvme-write-gbps", "inf"], r"argument --nvme-write-gbps: bandwidth inf is not a bandwidth"),
+        (["--search-seconds", "0"], r"argument --search-seconds: '0': give seconds above 0"),
+    ],
+)
+def test_bad_disk_flags_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--layers", "2", "--hidden", "64", "--nvme", "1GiB", *argv])
+    assert exit_info.value.code != 0
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nvme", "lots"], r"--nvme: cannot read 'lots' as bytes"),
+        (["--nvme-read-gbps", "5"], r"--nvme-read-gbps is the disk tier's bandwidth: give the disk too, e.g. --nvme 2TiB"),
+        (["--nvme", "1GiB", "--cpu", "1GiB", "--gpus", "1x1GiB", "--search-seconds", "inf"], None),
+    ],
+)
+def test_the_disk_flags_reach_the_plan_or_name_the_fix(argv, message, capsys):
+    base = ["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "16", "--no-search", "--json"]
+    status = main([*base, *argv])
+    captured = capsys.readouterr()
+    if message is not None:
+        assert status == 2 and captured.err.startswith("hybridps plan: error:")
+        assert re.search(message, captured.err), captured.err
+        return
+    assert status == 0, captured.err
+    out = json.loads(captured.out)
+    assert out["node"]["nvme_bytes"] == 2**30 and (out["node"]["nvme_read_gbps"], out["node"]["nvme_write_gbps"]) == (3.0, 2.0)
+    assert out["training"]["iterations"] == 3 and "nvme_read_bytes_per_step" in out["hybridps"]
+    args = argparse.ArgumentParser()
+    add_subcommand(args.add_subparsers(dest="command"))
+    parsed = args.parse_args(["plan", *base, "--nvme", "2TiB", "--nvme-read-gbps", "6.5", "--nvme-write-gbps", "4"])
+    assert (parsed.nvme, parsed.nvme_read_gbps, parsed.nvme_write_gbps) == ("2TiB", 6.5, 4.0)

@@ -15,16 +15,19 @@ Modules, each importing only those above it:
 - ``defaults``: the figures the command line's parser shows, without torch;
 - ``validation``: checks of counts and byte figures shared by the records;
 - ``model``: the planned model family (``PlannedModel``, ``GPTShape``, ``ModelFactory``);
-- ``node``: the node (``NodeSpec``, ``parse_gpus``);
+- ``node``: the node, its disk tier included (``NodeSpec``, ``parse_gpus``);
 - ``sharding``: the shard-group layout and its communication (``Sharding``,
   ``Communication``, ``ShardGroupTooLargeError``);
 - ``attention``: attention on meta tensors as a real run saves it, only while simulating;
+- ``meta_kernels``: each distinct op on meta tensors runs its meta kernel once while simulating;
 - ``simulation``: one meta-simulated run (``simulate``, ``Simulation``, ``DeviceFigures``);
 - ``ranks``: one rank's derived share of a multi-rank job (``derive_rank_share``);
 - ``host_peak``: one rank's host peak while building on meta and loading (``init_peak``);
 - ``report``: the report's records, its JSON and its table (``PlanReport``);
 - ``peers``: DeepSpeed's published rules (``peer_plans``);
-- ``search``: the request, the verdict per size and the search (``plan``, ``Planner``);
+- ``request``: the planner's inputs and its verdict on one size (``PlanRequest``, ``Evaluation``);
+- ``largest``: the search for the largest model of the family, a part of ``Planner``;
+- ``search``: the verdict per size and the plan (``plan``, ``Planner``);
 - ``compare``: several node counts and shard group sizes side by side (``compare_layouts``);
 - ``cli``: ``hybridps plan`` and ``python -m hybridps.planner``.
 
@@ -68,9 +71,9 @@ _PUBLIC = {
     "DEFAULT_MAX_LAYERS": "hybridps.planner.defaults",
     "DEFAULT_MAX_PROBES": "hybridps.planner.defaults",
     "UNBOUNDED_CPU_BYTES": "hybridps.planner.search",
-    "Evaluation": "hybridps.planner.search",
+    "Evaluation": "hybridps.planner.request",
     "Planner": "hybridps.planner.search",
-    "PlanRequest": "hybridps.planner.search",
+    "PlanRequest": "hybridps.planner.request",
     "plan": "hybridps.planner.search",
     "Communication": "hybridps.planner.sharding",
     "ShardGroupTooLargeError": "hybridps.planner.sharding",

@@ -1,10 +1,10 @@
 """The command line of the planner: ``hybridps plan`` and ``python -m hybridps.planner``.
 
-Owns the arguments (model shape or ``--factory``, training, node and shard group, output),
-turning them into a model and a node, running ``plan()`` (one layout) or
-``compare_layouts()`` (several node counts or shard group sizes, given as comma lists) and
-printing the table or the JSON, and the exit status (2 with a message for a ``ConfigError``,
-a refused layout included).
+Owns the arguments (model shape or ``--factory``, training, node with its disk tier
+(``--nvme`` and its bandwidth) and shard group, output), turning them into a model and a
+node, running ``plan()`` (one layout) or ``compare_layouts()`` (several node counts or shard
+group sizes, given as comma lists) and printing the table or the JSON, and the exit status
+(2 with a message for a ``ConfigError``, a refused layout included).
 
 Does not own planning (``search``, ``compare``) or the report's text (``report``); the
 ``hybridps`` command adds ``plan`` to its subcommands through ``add_subcommand``.
@@ -21,8 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import parse_bytes
-from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_LAYERS, PRECISION_NAMES
-from hybridps.planner.node import NodeSpec
+from hybridps.planner.defaults import (
+    DEEPSPEED_BUFFER_FACTOR,
+    DEFAULT_ITERATIONS,
+    DEFAULT_ITERATIONS_WITH_DISK,
+    DEFAULT_MAX_LAYERS,
+    DEFAULT_MAX_LAYERS_WITH_DISK,
+    DEFAULT_NVME_READ_GBPS,
+    DEFAULT_NVME_WRITE_GBPS,
+    DEFAULT_SEARCH_SECONDS_WITH_DISK,
+    PRECISION_NAMES,
+)
+from hybridps.planner.node import NodeSpec, check_gbps
 from hybridps.planner.sharding import parse_shard_group_size
 
 if TYPE_CHECKING:
@@ -60,6 +70,27 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _gbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give GB/s (1e9 B/s) such as 3.0") from None
+    try:
+        return check_gbps("bandwidth", value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give e.g. 300, or inf for no limit") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, or inf for no limit")
+    return value
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a GPT-style shape, or --factory)")
     m.add_argument("--layers", type=_positive_int, help="transformer blocks (n_layer)")
@@ -93,10 +124,69 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan a run on simulated GPUs (their chunks in host memory, the host arena unpinned) instead of a real node",
     )
-    t.add_argument("--iterations", type=_positive_int, default=2, help="simulated iterations (default 2: warm-up + replay)")
+    t.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=None,
+        help=f"simulated iterations (default {DEFAULT_ITERATIONS}: warm-up + replay; {DEFAULT_ITERATIONS_WITH_DISK} with "
+        f"--nvme on one rank, whose steady disk traffic shows in the third)",
+    )
+    _add_node_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
+    o.add_argument(
+        "--max-layers",
+        type=_positive_int,
+        default=None,
+        help=f"upper end of the search (default {DEFAULT_MAX_LAYERS}, {DEFAULT_MAX_LAYERS_WITH_DISK} with --nvme)",
+    )
+    o.add_argument(
+        "--search-seconds",
+        type=_seconds,
+        default=None,
+        help=f"seconds of simulation the search for the largest model may spend: a candidate predicted to take longer is "
+        f"not simulated, and the largest is then the linear rule's, unconfirmed (default: no limit; "
+        f"{DEFAULT_SEARCH_SECONDS_WITH_DISK:g} with --nvme; inf: none)",
+    )
+    t.add_argument(
+        "--deepspeed-buffer-factor",
+        type=float,
+        default=DEEPSPEED_BUFFER_FACTOR,
+        help="additional_buffer_factor of DeepSpeed's estimators for the peers' CPU (default 1.5, theirs)",
+    )
+    o.add_argument("-v", "--verbose", action="count", default=0, help="log each simulation (-vv: the engine too)")
+
+
+def _add_node_arguments(p: argparse.ArgumentParser) -> None:
     n = p.add_argument_group("node")
     n.add_argument("--gpus", default="1x80GiB", help="GPUs per node as COUNTxSIZE, e.g. 8x80GiB (default 1x80GiB)")
     n.add_argument("--cpu", default="128GiB", help="CPU memory per node, e.g. 1TiB (default 128GiB)")
+    n.add_argument(
+        "--nvme",
+        default=None,
+        metavar="SIZE",
+        help="a disk tier per node, shared by its ranks like the CPU, e.g. 2TiB: chunks go to it when the CPU is full "
+        "(default: none)",
+    )
+    n.add_argument(
+        "--nvme-read-gbps",
+        type=_gbps,
+        default=None,
+        metavar="GB/S",
+        help=f"the node's disk's sustained read bandwidth in GB/s (1e9 B/s; several drives striped: their sum), for the "
+        f"seconds its reads take per step (default "
+        f"{DEFAULT_NVME_READ_GBPS:.1f}: a PCIe 4.0 x4 NVMe drive under mixed load, about 45%% of its ~7 GB/s sequential "
+        f"read; see docs/PLANNING.md)",
+    )
+    n.add_argument(
+        "--nvme-write-gbps",
+        type=_gbps,
+        default=None,
+        metavar="GB/S",
+        help=f"the disk's sustained write bandwidth in GB/s (default {DEFAULT_NVME_WRITE_GBPS:.1f}: the same drive's writes "
+        f"past its cache, about 40%% of its ~5 GB/s sequential write)",
+    )
     n.add_argument("--ranks-per-node", type=_positive_int, default=None, help="ranks per node (default: one per GPU)")
     n.add_argument(
         "--nodes",
@@ -111,17 +201,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help='ranks sharing one copy of the model data: "node" (default: the ranks of a node), "world" or a number '
         "dividing the world; a comma list such as node,world compares them",
     )
-    o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
-    o.add_argument("--max-layers", type=_positive_int, default=DEFAULT_MAX_LAYERS, help="upper end of the search")
-    t.add_argument(
-        "--deepspeed-buffer-factor",
-        type=float,
-        default=DEEPSPEED_BUFFER_FACTOR,
-        help="additional_buffer_factor of DeepSpeed's estimators for the peers' CPU (default 1.5, theirs)",
-    )
-    o.add_argument("-v", "--verbose", action="count", default=0, help="log each simulation (-vv: the engine too)")
 
 
 def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -166,6 +245,16 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
     )
 
 
+def _node_from_args(args: argparse.Namespace) -> NodeSpec:
+    bandwidth = {k: v for k, v in (("nvme_read_gbps", args.nvme_read_gbps), ("nvme_write_gbps", args.nvme_write_gbps)) if v}
+    if bandwidth and not args.nvme:
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in bandwidth)
+        raise ConfigError(f"{given} is the disk tier's bandwidth: give the disk too, e.g. --nvme 2TiB")
+    return NodeSpec.parse(
+        args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes[0], nvme=args.nvme, **bandwidth
+    )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed ``plan`` command; returns the exit status."""
     from hybridps.planner.compare import compare_layouts
@@ -178,7 +267,7 @@ def run_command(args: argparse.Namespace) -> int:
     logging.getLogger("hybridps.planner").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         model = _model_from_args(args)
-        node = NodeSpec.parse(args.gpus, args.cpu, ranks_per_node=args.ranks_per_node, nodes=args.nodes[0])
+        node = _node_from_args(args)
         training = dict(
             precision=args.precision,
             grad_reuse=args.grad_reuse,
@@ -187,6 +276,7 @@ def run_command(args: argparse.Namespace) -> int:
             iterations=args.iterations,
             search_largest=args.search,
             max_layers=args.max_layers,
+            search_seconds=args.search_seconds,
             deepspeed_buffer_factor=args.deepspeed_buffer_factor,
         )
         if len(args.nodes) > 1 or len(args.shard_group_size) > 1:

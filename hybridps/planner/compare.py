@@ -24,7 +24,8 @@ from hybridps.common.units import format_bytes
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.report import LargestModel, _count, _largest_text, _plain, _table
-from hybridps.planner.search import Planner, PlanRequest
+from hybridps.planner.request import PlanRequest
+from hybridps.planner.search import Planner
 from hybridps.planner.sharding import Communication, Sharding
 
 
@@ -197,7 +198,8 @@ def compare_layouts(
         n_params=first.n_params,
         precision=first.precision,
         node_shape=f"{node.gpus} x {format_bytes(node.gpu_bytes)} GPU, {format_bytes(node.cpu_bytes)} CPU, "
-        f"{node.ranks_per_node} ranks",
+        + (f"{format_bytes(node.nvme_bytes)} NVMe, " if node.has_disk else "")
+        + f"{node.ranks_per_node} ranks",
         rows=tuple(rows),
         seconds=time.perf_counter() - start,
         simulations=len(simulations),

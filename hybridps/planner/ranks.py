@@ -3,8 +3,9 @@
 Owns ``RankShare`` and ``derive_rank_share``: the multi-rank chunk layout of a shard-group
 layout (``sharding.Sharding``) and its owner assignment (the client's own rules, applied to
 the simulated model's param sizes), the bytes a rank owns, what a node's ranks own together,
-the chunk groups a module gathers while it computes, what that leaves of a rank's GPU and of
-its node's CPU, and the communication per rank per step of that layout.
+the chunk groups a module gathers while it computes, what that leaves of a rank's GPU, of
+its node's CPU and of its node's disk tier, and the communication per rank per step of that
+layout.
 
 Does not own any multi-rank code: no ranks are started and nothing is simulated here; the
 figures are derived and the report marks them so. Does not own whether they fit the node
@@ -63,6 +64,13 @@ class RankShare:
     cpu_node_bytes: int
     moved_bytes_per_step: Mapping[str, int]
     communication: Communication
+    #: with a disk tier: what of one rank's CPU bytes its slice of the node's CPU cannot hold
+    #: (the largest rank), and what the node's ranks keep on the node's disk together
+    nvme_bytes: int = 0
+    nvme_node_bytes: int = 0
+    #: with a disk tier: the host bytes of the largest chunk's optimizer step (its master,
+    #: momentum, variance and grads at once), which a rank's slice of the CPU must hold
+    cpu_step_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("world_size", self.world_size)
@@ -78,6 +86,9 @@ class RankShare:
             "gpu_peak_bytes",
             "cpu_bytes",
             "cpu_node_bytes",
+            "nvme_bytes",
+            "nvme_node_bytes",
+            "cpu_step_bytes",
         ):
             check_bytes(f, getattr(self, f))
 
@@ -229,7 +240,7 @@ def derive_rank_share(
       engine fits model data up to CPU + GPU minus activations and working set: the same
       rule), plus, when some of it is on the CPU, the most the host arena holds beyond its
       lent slots (``arena.idle_bound_bytes`` of the param chunk sizes); a node's ranks share
-      its CPU, so their CPU bytes add up;
+      its CPU, so their CPU bytes add up (with a disk tier, see ``_on_the_disk``);
     - GPU peak: the single-rank simulation's GPU peak (the GPU budget is the same), at most
       the rank's share plus the gathered set;
     - bytes moved per step between CPU and GPU: the single-rank simulation's, scaled by the
@@ -253,8 +264,8 @@ def derive_rank_share(
     node_owned = _busiest_node(shares, sharding, node.ranks_per_node)
     cpu_node = _busiest_node(cpu_of_place, sharding, node.ranks_per_node)
     fraction = owned / sim.model_data_bytes if sim.model_data_bytes and cpu else 0.0
-    sim_gpu_peak = sim.gpu.peak_bytes if sim.gpu else 0
-    return RankShare(
+    moved = {k: math.ceil(v * fraction) for k, v in sim.moved_bytes_per_step.items() if fraction}
+    share = RankShare(
         world_size=node.world_size,
         sharding=sharding,
         chunk_groups=lay.groups,
@@ -270,11 +281,35 @@ def derive_rank_share(
         gathered_bytes=gathered,
         gathered_module=gathered_module,
         gpu_need_bytes=gpu_need,
-        gpu_peak_bytes=min(max(sim_gpu_peak, gathered), owned + gathered),
+        gpu_peak_bytes=min(max(sim.gpu.peak_bytes if sim.gpu else 0, gathered), owned + gathered),
         cpu_bytes=cpu,
         cpu_node_bytes=cpu_node,
-        moved_bytes_per_step={k: math.ceil(v * fraction) for k, v in sim.moved_bytes_per_step.items() if fraction},
+        moved_bytes_per_step=moved,
         communication=Communication.of(sum(lay.capacities) * param_elem, sharding),
+    )
+    return _on_the_disk(share, sim, lay, node) if node.has_disk else share
+
+
+def _on_the_disk(share: RankShare, sim: Simulation, lay: _GroupLayout, node: NodeSpec) -> RankShare:
+    """``share`` beside the node's disk tier (``node.nvme_bytes``): the node's ranks share its
+    CPU through the ledger, so it holds what it can of their CPU bytes and its disk the rest
+    (``nvme_node_bytes``); a rank's disk bytes are what its even slice of the CPU cannot hold,
+    each read once and written once per step ([Note: the disk's traffic, derived]); and a
+    rank's slice must hold the largest chunk's optimizer step (``cpu_step_bytes``: its
+    master, momentum, variance and grads), which the client checks at registration whenever
+    a disk tier is listed."""
+    cpu_slice = node.cpu_bytes // node.ranks_per_node
+    nvme = max(0, share.cpu_bytes - cpu_slice)
+    moved = {**share.moved_bytes_per_step, "cpu->nvme": nvme, "nvme->cpu": nvme} if nvme else share.moved_bytes_per_step
+    largest_chunk = max((c for c, h in zip(lay.capacities, lay.has_slots, strict=True) if h), default=0)
+    return dataclasses.replace(
+        share,
+        cpu_bytes=min(share.cpu_bytes, cpu_slice),
+        cpu_node_bytes=min(share.cpu_node_bytes, node.cpu_bytes),
+        moved_bytes_per_step=moved,
+        nvme_bytes=nvme,
+        nvme_node_bytes=max(0, share.cpu_node_bytes - node.cpu_bytes),
+        cpu_step_bytes=largest_chunk * _step_elem_bytes(sim),
     )
 
 
@@ -311,3 +346,22 @@ def _busiest_node(bytes_of_place: Sequence[int], sharding: Sharding, ranks_per_n
 def _param_elem_bytes(sim: Simulation) -> int:
     """Bytes per element of a param chunk alone (what an empty padding chunk costs its owner)."""
     return 4 if sim.precision == "fp32" else 2
+
+
+def _step_elem_bytes(sim: Simulation) -> int:
+    """Host bytes per element of one chunk's optimizer step with a disk tier: its master,
+    momentum, variance and grads at once (the client's ``_step_bytes``, params/registry.py).
+    Every kind of the chunk but a 16-bit param chunk kept beside separate grads: with grad
+    reuse the grads are in the param chunk, and in fp32 the param chunk is the master."""
+    separate_16bit_param = sim.precision != "fp32" and sim.compute_bytes_per_element == 2 * _param_elem_bytes(sim)
+    return sim.bytes_per_element - (_param_elem_bytes(sim) if separate_16bit_param else 0)
+
+
+# [Note: the disk's traffic, derived]
+# The simulated rank of a multi-rank job holds the whole model beside an unbounded CPU, so it
+# shows no disk traffic of its own. A rank's bytes on the disk are the rows the trace uses
+# furthest ahead (Belady, memory/placement.py): the optimizer's, used once a step, at the
+# step. Each of them is read once and written once per step (every row is updated), so the
+# derived traffic is the rank's disk bytes each way. The single-rank simulations with a disk
+# read and write about that: the client's own benchmark reports "the bytes on it and no more"
+# per step (docs/BENCHMARKS.md), and the planner's single-rank figures are simulated.

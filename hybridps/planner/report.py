@@ -28,9 +28,17 @@ from hybridps.planner.validation import check_bytes, check_count
 # -- records ------------------------------------------------------------------------------
 
 
+#: ``LargestModel.method`` of a largest size the search did not simulate: it takes the size
+#: the linear rule through simulated sizes gives (search.Planner.predict_largest) when the
+#: simulations at the boundary would take longer than the search's time allows
+RULE = "linear rule"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LargestModel:
-    """The largest member of the model's family that fits, and how it was found."""
+    """The largest member of the model's family that fits, and how it was found: "simulated"
+    (``n_layer`` simulated, and with ``confirmed`` so is ``n_layer + 1``, which does not
+    fit), "published rule" (the peers) or ``RULE``."""
 
     method: str
     n_layer: int  # 0: not even one layer fits
@@ -106,8 +114,22 @@ class HybridPSPlan:
     #: why the client would refuse this layout for the model at registration (the plan went
     #: on because it was asked to: a comparison of layouts); None: not refused
     refused: str | None = None
+    #: the disk tier (``--nvme``; every field below None without one): its figures for one
+    #: rank (device "nvme"; for several ranks its share of the node's disk, derived), the
+    #: most the node's ranks keep on it together, and in a steady iteration (not the warm-up)
+    #: the bytes the node's disk reads and writes (all its ranks') and the seconds they take
+    #: at its bandwidths
+    nvme: DeviceFigures | None = None
+    nvme_node_bytes: int | None = None
+    nvme_read_bytes_per_step: int | None = None
+    nvme_write_bytes_per_step: int | None = None
+    nvme_read_s_per_step: float | None = None
+    nvme_write_s_per_step: float | None = None
 
     def __post_init__(self) -> None:
+        for f in ("nvme_node_bytes", "nvme_read_bytes_per_step", "nvme_write_bytes_per_step"):
+            if getattr(self, f) is not None:
+                check_bytes(f, getattr(self, f))
         for f in (
             "group_bytes",
             "chunk_bytes",
@@ -151,8 +173,13 @@ class PlanReport:
         return self.hybridps.fits
 
     def to_dict(self) -> dict:
-        node = dataclasses.asdict(self.node)
-        node["world_size"] = self.node.world_size
+        hybrid = _plain(self.hybridps)
+        if not self.node.has_disk:  # a plan without a disk tier reports what it did before there was one
+            for key in DISK_FIELDS:
+                del hybrid[key]
+            if hybrid["rank_share"] is not None:
+                for key in RANK_SHARE_DISK_FIELDS:
+                    del hybrid["rank_share"][key]
         return {
             "fits": self.fits,
             "model": {**self.model, "n_params": self.n_params},
@@ -163,8 +190,8 @@ class PlanReport:
                 "transient_allowance_bytes": self.transient_allowance_bytes,
                 "iterations": self.iterations,
             },
-            "node": node,
-            "hybridps": _plain(self.hybridps),
+            "node": self.node.to_dict(),
+            "hybridps": hybrid,
             "peers": [_plain(p) for p in self.peers],
             "largest_model_method": self.largest_model_method,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -176,6 +203,19 @@ class PlanReport:
 
     def format_table(self) -> str:
         return _format_report(self)
+
+
+#: the keys of ``hybridps`` in the JSON that only a plan with a disk tier has
+DISK_FIELDS = (
+    "nvme",
+    "nvme_node_bytes",
+    "nvme_read_bytes_per_step",
+    "nvme_write_bytes_per_step",
+    "nvme_read_s_per_step",
+    "nvme_write_s_per_step",
+)
+#: the same of ``hybridps.rank_share``
+RANK_SHARE_DISK_FIELDS = ("nvme_bytes", "nvme_node_bytes", "cpu_step_bytes")
 
 
 # -- output -------------------------------------------------------------------------------
@@ -203,6 +243,10 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s >= 1 or s == 0 else f"{s:.2g} s"
+
+
 def _count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -216,7 +260,7 @@ def _largest_text(largest: LargestModel | None) -> str:
     if largest.n_layer == 0:
         return "none"
     more = "+" if largest.at_search_limit else ""
-    check = "" if largest.confirmed else " (unconfirmed)"
+    check = "" if largest.confirmed else (" (linear rule, unconfirmed)" if largest.method == RULE else " (unconfirmed)")
     return f"{largest.n_layer}{more} layers, {_count(largest.n_params)} params{check}"
 
 
@@ -231,11 +275,13 @@ def _format_report(r: PlanReport) -> str:
         + f"; {r.node.describe()}",
         "",
     ]
-    rows = [("", "fits", "GPU need/rank", "CPU/node", "largest of the family")]
+    disk = r.node.has_disk
+    rows = [("", "fits", "GPU need/rank", "CPU/node", *(("disk/node",) if disk else ()), "largest of the family")]
     hyb_gpu = h.gpu_need_bytes if h.simulation_failure is None else None
     tag = " (derived)" if h.derived else " (simulated)"
     hyb_cpu = h.cpu_node_bytes if h.simulation_failure is None else None
-    rows.append(("HybridPS" + tag, "yes" if h.fits else "no", _gb(hyb_gpu), _gb(hyb_cpu), _largest_text(h.largest)))
+    hyb_disk = (_gb(h.nvme_node_bytes if h.simulation_failure is None else None),) if disk else ()
+    rows.append(("HybridPS" + tag, "yes" if h.fits else "no", _gb(hyb_gpu), _gb(hyb_cpu), *hyb_disk, _largest_text(h.largest)))
     for p in r.peers:
         rows.append(
             (
@@ -243,6 +289,7 @@ def _format_report(r: PlanReport) -> str:
                 "yes" if p.fits else "no",
                 _gb(p.gpu_need_bytes),
                 _gb(p.cpu_node_bytes),
+                *(("-",) if disk else ()),
                 _largest_text(p.largest),
             )
         )
@@ -256,20 +303,7 @@ def _format_report(r: PlanReport) -> str:
             f"{format_bytes(h.min_compute_bytes)} ({h.min_compute_module}"
             f"{', its chunk groups gathered' if h.derived else ''})"
         )
-    dev_rows = [("device", "capacity", "model data after step", "peak model data", "activations peak", "peak total")]
-    for d in (h.gpu, h.cpu):
-        if d is not None:
-            dev_rows.append(
-                (
-                    d.device + (" (derived)" if d.derived else ""),
-                    _gb(d.capacity_bytes),
-                    _gb(d.model_data_bytes),
-                    _gb(d.peak_bytes),
-                    _gb(d.non_model_peak_bytes) if d.device != "cpu" else "-",
-                    _gb(d.peak_total_bytes) if d.device != "cpu" else "-",
-                )
-            )
-    lines += ["  " + line for line in _table(dev_rows)]
+    lines += _device_lines(h)
     if h.cpu is not None and h.cpu.arena_bytes:
         lines.append(
             f"  host arena: {format_bytes(h.cpu.arena_bytes)} held at most (the CPU's param chunks and free slots; "
@@ -284,6 +318,7 @@ def _format_report(r: PlanReport) -> str:
         )
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.moved_bytes_per_step.items()) or "none"
     lines.append(f"  moved per step{' (derived)' if h.derived else ''}: {moved}")
+    lines += _disk_lines(r)
     lines += _layout_lines(h)
     if not h.fits:
         lines.append(f"  does not fit: {h.reason}")
@@ -296,6 +331,38 @@ def _format_report(r: PlanReport) -> str:
     s = r.seconds
     lines.append(f"\nPlanned in {s['total']:.1f} s (first simulation {s['simulation']:.1f} s, search {s['search']:.1f} s).")
     return "\n".join(lines)
+
+
+def _device_lines(h: HybridPSPlan) -> list[str]:
+    """The table of the devices: GPU, CPU and the disk tier when there is one."""
+    dev_rows = [("device", "capacity", "model data after step", "peak model data", "activations peak", "peak total")]
+    for d in (h.gpu, h.cpu, h.nvme):
+        if d is not None:
+            dev_rows.append(
+                (
+                    d.device + (" (derived)" if d.derived else ""),
+                    _gb(d.capacity_bytes),
+                    _gb(d.model_data_bytes),
+                    _gb(d.peak_bytes),
+                    _gb(d.non_model_peak_bytes) if d.device.startswith("cuda") else "-",
+                    _gb(d.peak_total_bytes) if d.device.startswith("cuda") else "-",
+                )
+            )
+    return ["  " + line for line in _table(dev_rows)]
+
+
+def _disk_lines(r: PlanReport) -> list[str]:
+    """The disk's bytes and seconds per step (none without a disk tier)."""
+    h, n = r.hybridps, r.node
+    if not n.has_disk or h.nvme_read_bytes_per_step is None:
+        return []
+    which = " (derived, the node's ranks together)" if h.derived else " (steady iteration)"
+    return [
+        f"  disk per step{which}: reads "
+        f"{format_bytes(h.nvme_read_bytes_per_step)} ({_secs(h.nvme_read_s_per_step)} at {n.nvme_read_gbps:g} GB/s), "
+        f"writes {format_bytes(h.nvme_write_bytes_per_step)} ({_secs(h.nvme_write_s_per_step)} at "
+        f"{n.nvme_write_gbps:g} GB/s); the node's disk holds {format_bytes(h.nvme_node_bytes)} at most"
+    ]
 
 
 def _layout_lines(h: HybridPSPlan) -> list[str]:

@@ -1,17 +1,18 @@
 """Planning one request: whether the model fits the node, and the largest member of its
 family that does, for HybridPS and for the peers.
 
-Owns the planner's inputs (``PlanRequest``, and ``plan()`` which builds one), the verdict on
-one member of the family (``Planner.evaluate``: simulated, and for multi-rank jobs its
-derived share checked against the node), the refusal of a shard-group layout whose gathered
+Owns ``plan()`` (which builds a ``request.PlanRequest`` and runs it), the verdict on one
+member of the family (``Planner.evaluate``: simulated, and for multi-rank jobs its derived
+share checked against the node), the refusal of a shard-group layout whose gathered
 chunk groups cannot fit the GPU (``Planner.refusal``, the client's registration rule), the
-transient allowance for real GPUs, the search for the largest ``n_layer`` (simulated for
-HybridPS, by the published rules for the peers) and putting the report together
-(``Planner.run``).
+transient allowance for real GPUs (learnt from a one-layer member before the planned size),
+the disk tier's figures of a plan and putting the report together (``Planner.run``).
 
-Does not own the simulation itself (``simulation``), the multi-rank derivation (``ranks``),
-the shard-group layout and its communication (``sharding``), the peers' formulas
-(``peers``), the host peak at init (``host_peak``) or how the report prints (``report``).
+Does not own the inputs (``request``), the search for the largest ``n_layer`` (``largest``,
+a part of ``Planner``), the simulation itself (``simulation``), the multi-rank derivation
+(``ranks``), the shard-group layout and its communication (``sharding``), the peers'
+formulas (``peers``), the host peak at init (``host_peak``) or how the report prints
+(``report``).
 """
 
 from __future__ import annotations
@@ -20,21 +21,22 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
 
 from hybridps.common.config import PRECISIONS
+from hybridps.common.devices import NVME
 from hybridps.common.errors import ConfigError
-from hybridps.common.units import format_bytes, parse_bytes
-from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_LAYERS, DEFAULT_MAX_PROBES
+from hybridps.common.units import format_bytes
+from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_PROBES
 from hybridps.planner.host_peak import InitPeak, init_peak
+from hybridps.planner.largest import LargestModelSearch
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
-from hybridps.planner.peers import peer_bytes, peer_plans
+from hybridps.planner.peers import peer_plans
 from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
-from hybridps.planner.report import HybridPSPlan, LargestModel, PlanReport
-from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, Sharding, smaller_shard_sizes
+from hybridps.planner.report import RULE, HybridPSPlan, LargestModel, PlanReport
+from hybridps.planner.request import Evaluation, PlanRequest
+from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, smaller_shard_sizes
 from hybridps.planner.simulation import DeviceFigures, Simulation, simulate
-from hybridps.planner.validation import check_positive_int
 
 #: the package's logger ("hybridps.planner"), whose level ``hybridps plan -v`` sets
 logger = logging.getLogger("hybridps.planner")
@@ -42,69 +44,6 @@ logger = logging.getLogger("hybridps.planner")
 #: CPU capacity given to the simulated rank of a multi-rank job: that rank holds the whole
 #: model (the sharded layout is derived afterwards), so its CPU must not be what fails.
 UNBOUNDED_CPU_BYTES = 2**50
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """The planner's inputs, validated."""
-
-    model: PlannedModel
-    node: NodeSpec
-    precision: str = "fp16"
-    grad_reuse: bool = True
-    margin_bytes: int = 0
-    chunk_size: int | None = None
-    #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
-    #: real-GPU transients) instead of a real node
-    simulated_gpus: bool = False
-    iterations: int = 2
-    search_largest: bool = True
-    max_layers: int = DEFAULT_MAX_LAYERS
-    max_probes: int = DEFAULT_MAX_PROBES
-    deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR
-    #: ranks sharing one copy of the model data (``Config.shard_group_size``): "node", "world"
-    #: or a number of ranks dividing the world
-    shard_group_size: int | str = "node"
-    #: raise ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
-    #: GPU (as the client does at registration); False: report it and plan on (comparisons)
-    refuse_unfit_layout: bool = True
-
-    def __post_init__(self) -> None:
-        for attr in ("n_layer", "with_layers", "build", "inputs", "loss", "describe"):
-            if not hasattr(self.model, attr):
-                raise ConfigError(
-                    f"model {self.model!r} lacks {attr!r}; pass a GPTShape(...) or a ModelFactory(build_fn=..., inputs_fn=..., n_layer=...)"
-                )
-        check_positive_int("n_layer", self.model.n_layer)
-        if not isinstance(self.node, NodeSpec):
-            raise ConfigError(f"node={self.node!r} must be a NodeSpec, e.g. NodeSpec.parse('8x80GiB', '1TiB')")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
-        if not isinstance(self.grad_reuse, bool):
-            raise ConfigError(f"grad_reuse={self.grad_reuse!r} must be True or False")
-        object.__setattr__(self, "margin_bytes", parse_bytes(self.margin_bytes, what="margin"))
-        if self.margin_bytes >= self.node.gpu_bytes:
-            raise ConfigError(
-                f"margin {format_bytes(self.margin_bytes)} leaves nothing of the {format_bytes(self.node.gpu_bytes)} GPU; "
-                f"lower the margin"
-            )
-        if self.chunk_size is not None:
-            check_positive_int("chunk_size", self.chunk_size)
-        check_positive_int("iterations", self.iterations)
-        if self.iterations < 2:
-            raise ConfigError(
-                f"iterations={self.iterations}: the first iteration is the warm-up; plan with at least 2 so one "
-                f"iteration replays the trace as training does"
-            )
-        check_positive_int("max_layers", self.max_layers)
-        check_positive_int("max_probes", self.max_probes)
-        if not (isinstance(self.deepspeed_buffer_factor, (int, float)) and self.deepspeed_buffer_factor > 0):
-            raise ConfigError(f"deepspeed_buffer_factor={self.deepspeed_buffer_factor!r} must be a positive number")
-        object.__setattr__(self, "shard_group_size", self.sharding.requested)  # validated against the node
-
-    @property
-    def sharding(self) -> Sharding:
-        return Sharding.resolve(self.shard_group_size, self.node)
 
 
 def plan(
@@ -115,23 +54,28 @@ def plan(
     cpu: str | int | None = None,
     ranks_per_node: int | None = None,
     nodes: int | None = None,
+    nvme: str | int | None = None,
+    nvme_read_gbps: float | None = None,
+    nvme_write_gbps: float | None = None,
     precision: str = "fp16",
     grad_reuse: bool = True,
     margin: int | str = 0,
     chunk_size: int | None = None,
     simulated_gpus: bool = False,
-    iterations: int = 2,
+    iterations: int | None = None,
     search_largest: bool = True,
-    max_layers: int = DEFAULT_MAX_LAYERS,
+    max_layers: int | None = None,
     max_probes: int = DEFAULT_MAX_PROBES,
+    search_seconds: float | None = None,
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR,
     shard_group_size: int | str = "node",
 ) -> PlanReport:
     """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the
     node described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"),
-    ``ranks_per_node`` (default: one per GPU) and ``nodes`` (default 1), with
-    ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a
-    number of ranks dividing the world; see ``Config.shard_group_size``).
+    ``ranks_per_node`` (default: one per GPU), ``nodes`` (default 1) and ``nvme`` (a disk
+    tier per node, e.g. "2TiB", reading ``nvme_read_gbps`` and writing ``nvme_write_gbps``
+    GB/s; default none), with ``shard_group_size`` ranks sharing one copy of the model data
+    ("node", "world" or a number of ranks dividing the world; see ``Config.shard_group_size``).
 
     Raises ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
     GPU with that shard group (the client would refuse it at registration).
@@ -141,10 +85,24 @@ def plan(
     published placement rules and, with ``search_largest``, finds the largest ``n_layer`` of
     the family that fits for each of them.
     """
-    described = {"gpus": gpus, "cpu": cpu, "ranks_per_node": ranks_per_node, "nodes": nodes}
+    described = {
+        "gpus": gpus,
+        "cpu": cpu,
+        "ranks_per_node": ranks_per_node,
+        "nodes": nodes,
+        "nvme": nvme,
+        "nvme_read_gbps": nvme_read_gbps,
+        "nvme_write_gbps": nvme_write_gbps,
+    }
     if node is None:
+        bandwidth = {k: v for k, v in described.items() if k.endswith("_gbps") and v is not None}
         node = NodeSpec.parse(
-            gpus or "1x80GiB", "128GiB" if cpu is None else cpu, ranks_per_node=ranks_per_node, nodes=nodes or 1
+            gpus or "1x80GiB",
+            "128GiB" if cpu is None else cpu,
+            ranks_per_node=ranks_per_node,
+            nodes=nodes or 1,
+            nvme=nvme,
+            **bandwidth,
         )
     elif any(v is not None for v in described.values()):
         given = ", ".join(k for k, v in described.items() if v is not None)
@@ -161,23 +119,14 @@ def plan(
         search_largest=search_largest,
         max_layers=max_layers,
         max_probes=max_probes,
+        search_seconds=search_seconds,
         deepspeed_buffer_factor=deepspeed_buffer_factor,
         shard_group_size=shard_group_size,
     )
     return Planner(request).run()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Evaluation:
-    """One member of the family on the node: the simulation and the verdict built on it."""
-
-    sim: Simulation
-    share: RankShare | None
-    fits: bool
-    reason: str
-
-
-class Planner:
+class Planner(LargestModelSearch):
     """Runs the simulations of one request, caching one per layer count.
 
     ``simulations``, when given, is a cache shared with other planners of the same model:
@@ -218,6 +167,53 @@ class Planner:
 
     # -- one member ----------------------------------------------------------------------
 
+    def _simulate(self, n_layer: int, margin_bytes: int) -> Simulation:
+        """The simulation of ``n_layer`` planned with ``margin_bytes``, from the cache when
+        it ran before. The simulated rank of a multi-rank job gets an unbounded CPU and no
+        disk (its share of the node's CPU and disk is derived); one rank alone gets both."""
+        req, node = self.request, self.node
+        multi = node.world_size > 1
+        cpu_bytes = UNBOUNDED_CPU_BYTES if multi else node.cpu_bytes
+        nvme_bytes = 0 if multi else node.nvme_bytes
+        key = (n_layer, node.gpu_bytes, cpu_bytes, margin_bytes, req.precision, req.grad_reuse, req.chunk_size,
+               req.simulated_gpus, req.iterations)  # fmt: skip
+        if nvme_bytes:  # a key without a disk stays as it was (simulations shared by compare)
+            key += (nvme_bytes,)
+        if key in self.simulations:
+            return self.simulations[key]
+        sim = simulate(
+            req.model.with_layers(n_layer),
+            gpu_bytes=node.gpu_bytes,
+            cpu_bytes=cpu_bytes,
+            precision=req.precision,
+            grad_reuse=req.grad_reuse,
+            margin_bytes=margin_bytes,
+            chunk_size=req.chunk_size,
+            iterations=req.iterations,
+            nvme_bytes=nvme_bytes,
+        )
+        self.sim_seconds += sim.seconds
+        self.simulations[key] = sim
+        return sim
+
+    def learn_transient_allowance(self) -> None:
+        """Learn the real-GPU transient allowance from the smallest member before the first
+        size is planned, so that size is simulated once instead of twice (first without the
+        allowance, then with it: see ``evaluate``).
+
+        [Note: the allowance learnt from one layer]
+        The allowance is the largest single tensor autograd saves (``transient_allowance``):
+        for the families planned here the logits or another per-batch tensor, whose size does
+        not depend on the depth. One layer shows it in a fraction of a second, where a
+        simulation of the planned size (with a disk tier, minutes) would otherwise run twice.
+        The figures are the same: ``run`` simulates the planned size with exactly its own
+        allowance, redoing it in the rare family whose one-layer member saves a larger tensor."""
+        if self.request.simulated_gpus or self.transient_bytes:
+            return
+        allowance = self.transient_allowance(self._simulate(1, self.margin_bytes))
+        if allowance and self.request.margin_bytes + allowance < self.node.gpu_bytes:
+            self.transient_bytes = allowance
+
     def evaluate(self, n_layer: int) -> Evaluation:
         if n_layer in self.evals:
             return self.evals[n_layer]
@@ -225,24 +221,7 @@ class Planner:
         multi = node.world_size > 1
 
         def run() -> Simulation:
-            cpu_bytes = UNBOUNDED_CPU_BYTES if multi else node.cpu_bytes
-            key = (n_layer, node.gpu_bytes, cpu_bytes, self.margin_bytes, req.precision, req.grad_reuse, req.chunk_size,
-                   req.simulated_gpus, req.iterations)  # fmt: skip
-            if key in self.simulations:
-                return self.simulations[key]
-            sim = simulate(
-                req.model.with_layers(n_layer),
-                gpu_bytes=node.gpu_bytes,
-                cpu_bytes=cpu_bytes,
-                precision=req.precision,
-                grad_reuse=req.grad_reuse,
-                margin_bytes=self.margin_bytes,
-                chunk_size=req.chunk_size,
-                iterations=req.iterations,
-            )
-            self.sim_seconds += sim.seconds
-            self.simulations[key] = sim
-            return sim
+            return self._simulate(n_layer, self.margin_bytes)
 
         sim = run()
         # The allowance is learnt from the first simulation (the largest saved tensor rarely
@@ -272,6 +251,18 @@ class Planner:
                 reasons.append(
                     f"CPU of a node needs {format_bytes(share.cpu_node_bytes)} (what {node.ranks_per_node} ranks' shares "
                     f"leave beside their GPUs) of {format_bytes(node.cpu_bytes)} (derived)"
+                )
+            if share.nvme_node_bytes > node.nvme_bytes:
+                reasons.append(
+                    f"disk of a node needs {format_bytes(share.nvme_node_bytes)} (what {node.ranks_per_node} ranks' shares "
+                    f"leave beside their GPUs and the node's {format_bytes(node.cpu_bytes)} CPU) of "
+                    f"{format_bytes(node.nvme_bytes)} (derived)"
+                )
+            if node.has_disk and share.cpu_step_bytes > node.cpu_bytes // node.ranks_per_node:
+                reasons.append(
+                    f"with a disk tier each chunk's optimizer step runs on the CPU: the largest holds "
+                    f"{format_bytes(share.cpu_step_bytes)} at once, above a rank's slice of the CPU "
+                    f"({format_bytes(node.cpu_bytes // node.ranks_per_node)}); the client refuses it at registration (derived)"
                 )
         ev = Evaluation(sim=sim, share=share, fits=not reasons, reason="; ".join(reasons))
         # a simulation shared by several layouts (compare) ran once; its seconds are that run's
@@ -353,7 +344,14 @@ class Planner:
         start = time.perf_counter()
         self._refuse_chunk_groups_up_front()
         n0 = req.model.n_layer
+        self.learn_transient_allowance()
         ev = self.evaluate(n0)
+        if self.transient_allowance(ev.sim) < self.transient_bytes:
+            # the one-layer member saved a larger tensor than this size: plan it with its own
+            # allowance, as without the one-layer simulation ([Note: the allowance learnt from one layer])
+            self.transient_bytes = self.transient_allowance(ev.sim)
+            self.evals.clear()
+            ev = self.evaluate(n0)
         refused = self.refusal(ev)
         if refused is not None and req.refuse_unfit_layout:
             raise ShardGroupTooLargeError(refused)
@@ -378,6 +376,18 @@ class Planner:
                 "n_layer fits and n_layer + 1 does not; peers by their published rules over n_layer, with activations "
                 "interpolated linearly between simulated sizes"
             )
+            if req.search_seconds is not None and not math.isinf(req.search_seconds):
+                method += (
+                    f"; a candidate whose simulation is predicted to take longer than the {req.search_seconds:g} s the "
+                    f"search may spend (--search-seconds) is not simulated, and the largest is then the linear rule's "
+                    f"(every need on the line through two simulated sizes fits at n_layer and not at n_layer + 1; "
+                    f'method "{RULE}", unconfirmed)'
+                )
+            if node.has_disk and node.world_size == 1:
+                method += (
+                    "; with the disk tier its capacity adds to memory's: model data + activations + margin against "
+                    "GPU + CPU + disk"
+                )
         return PlanReport(
             model=req.model.describe(),
             n_params=ev.sim.n_params,
@@ -433,6 +443,7 @@ class Planner:
             init=init,
             sharding=self.sharding,
             refused=refused,
+            **self._disk_figures(sim, share),
         )
         if share is None:
             return HybridPSPlan(
@@ -457,6 +468,38 @@ class Planner:
             moved_bytes_per_step=share.moved_bytes_per_step,
             rank_share=share,
             **common,
+        )
+
+    def _disk_figures(self, sim: Simulation, share: RankShare | None) -> dict:
+        """The plan's disk-tier fields (``HybridPSPlan.nvme`` ...): the simulated rank's, or a
+        multi-rank job's derived ones; none without a disk tier or a finished simulation."""
+        node = self.node
+        if not node.has_disk or not sim.completed:
+            return {}
+        if share is None:
+            disk = sim.nvme
+            node_bytes = disk.peak_bytes if disk else 0
+            read, write = sim.nvme_read_bytes_per_step, sim.nvme_write_bytes_per_step
+        else:
+            disk = DeviceFigures(
+                device=NVME,
+                capacity_bytes=node.nvme_bytes // node.ranks_per_node,
+                model_data_bytes=share.nvme_bytes,
+                peak_bytes=share.nvme_bytes,
+                derived=True,
+            )
+            node_bytes = share.nvme_node_bytes
+            # the disk is the node's: its ranks' reads and writes share its bandwidth, so the
+            # bytes (and seconds) per step are the node's, each byte on it read and written once
+            read = write = share.nvme_node_bytes
+        return dict(
+            nvme=disk,
+            nvme_node_bytes=node_bytes,
+            nvme_read_bytes_per_step=read,
+            nvme_write_bytes_per_step=write,
+            # GB/s are 1e9 B/s, as the drives' data sheets count them
+            nvme_read_s_per_step=read / (node.nvme_read_gbps * 1e9),
+            nvme_write_s_per_step=write / (node.nvme_write_gbps * 1e9),
         )
 
     def _notes(self, ev: Evaluation, activation: int) -> list[str]:
@@ -491,173 +534,26 @@ class Planner:
             notes.append("the simulation did not finish, so the peers' activations are extrapolated from smaller sizes")
         if self.request.precision == "fp32":
             notes.append("the DeepSpeed rules are written for 16-bit params with fp32 optimizer states; applied unchanged")
+        if self.node.has_disk:
+            node = self.node
+            if node.world_size == 1:
+                traffic = (
+                    f"its bytes per step are those of iteration {self.request.iterations} (steady: the first replay "
+                    f"still reads back what the warm-up left there)"
+                )
+            else:
+                traffic = (
+                    "with several ranks its figures are derived: the node's CPU holds what it can of its ranks' shares "
+                    "and its disk the rest, and each byte of a rank's share on the disk is read once and written once "
+                    "per step"
+                )
+            notes.append(
+                f"the disk tier: chunks go to it when the CPU is full and come back through the CPU before their use; "
+                f"{traffic}; its seconds per step are those bytes at the node's sustained {node.nvme_read_gbps:g} GB/s "
+                f"read and {node.nvme_write_gbps:g} GB/s write (not overlapped with compute here); the peers are "
+                f"planned without it (ZeRO-Infinity's NVMe offload is not modelled)"
+            )
         return notes
-
-    # -- the largest model ---------------------------------------------------------------
-
-    def search_largest(self) -> LargestModel:
-        """The largest n_layer that fits, confirmed by simulation where the probe budget allows.
-
-        Needs (model data + activations against CPU + GPU, activations + working sets
-        against the GPU, the derived per-rank needs) grow linearly with n_layer, so a line
-        through two fitting sizes predicts the boundary; candidates are simulated there, then
-        next to it, bisecting once predictions miss twice, until n_layer fits and
-        n_layer + 1 does not.
-        """
-        req = self.request
-        start = time.perf_counter()
-        done_before = len(self.evals)
-        lo, hi = 0, None  # largest size known to fit, smallest known not to
-        for n, ev in self.evals.items():
-            lo, hi = _bracket(lo, hi, n, ev.fits)
-
-        def budget_left() -> bool:
-            return len(self.evals) - done_before < req.max_probes
-
-        def probe(n: int) -> bool:
-            nonlocal lo, hi
-            fits = self.evaluate(n).fits
-            lo, hi = _bracket(lo, hi, n, fits)
-            return fits
-
-        # Two fitting sizes make the line: halve until one fits, then take a quarter of it.
-        n = req.model.n_layer // 2
-        while lo == 0 and n >= 1 and budget_left():
-            probe(n)
-            n //= 2
-        if lo == 0 and 1 not in self.evals and budget_left():
-            probe(1)
-        if lo and sum(ev.fits for ev in self.evals.values()) == 1 and budget_left():
-            second = max(1, lo // 4) if lo > 1 else 2
-            if second not in self.evals:
-                probe(second)
-        misses, step = 0, 1
-        while lo and budget_left() and (hi is None or hi - lo > 1) and lo < req.max_layers:
-            upper = hi if hi is not None else req.max_layers + 1
-            guess = self.predict_largest() if misses < 2 else None
-            candidate = None
-            if guess is not None:
-                guess = min(max(guess, lo), upper - 1)
-                if guess > lo and guess not in self.evals:
-                    candidate = guess  # where the line says the boundary is
-                elif lo + 1 < upper and lo + 1 not in self.evals:
-                    candidate = lo + 1  # the line says lo is the largest: check the next size
-            if candidate is None:
-                candidate = min(lo + step, req.max_layers) if hi is None else (lo + hi) // 2
-                step *= 2
-            if candidate in self.evals:
-                break
-            fits = probe(candidate)
-            if guess is not None and fits != (candidate <= guess):
-                misses += 1
-        if lo == 0:
-            confirmed = 1 in self.evals and not self.evals[1].fits
-        else:
-            confirmed = hi is not None and hi - lo == 1
-        return LargestModel(
-            method="simulated",
-            n_layer=lo,
-            n_params=self.evals[lo].sim.n_params if lo else 0,
-            confirmed=confirmed,
-            probes=len(self.evals) - done_before,
-            at_search_limit=lo >= req.max_layers,
-            seconds=time.perf_counter() - start,
-        )
-
-    def _fits_line(self) -> list[Evaluation]:
-        """The two fitting evaluations that span the widest range of n_layer near the top."""
-        fitting = sorted((n, ev) for n, ev in self.evals.items() if ev.fits)
-        if len(fitting) < 2:
-            return []
-        return [fitting[0][1], fitting[-1][1]] if len(fitting) == 2 else [fitting[-2][1], fitting[-1][1]]
-
-    def predict_largest(self) -> int | None:
-        """Largest n_layer whose needs, on the line through two fitting sizes, fit."""
-        line = self._fits_line()
-        if not line:
-            return None
-        a, b = line
-        needs = [(self._needs(a), a.sim.n_layer), (self._needs(b), b.sim.n_layer)]
-        best: float = float(self.request.max_layers)
-        for (need_a, cap), (need_b, _) in zip(needs[0][0], needs[1][0], strict=True):
-            slope = (need_b - need_a) / (needs[1][1] - needs[0][1])
-            if slope > 0:
-                best = min(best, needs[0][1] + (cap - need_a) / slope)
-        return max(0, math.floor(best))
-
-    def _needs(self, ev: Evaluation) -> list[tuple[int, int]]:
-        """(need, capacity) pairs of one fitting evaluation, one per constraint."""
-        sim, node, margin = ev.sim, self.node, self.margin_bytes
-        act = sim.non_model_peak_bytes
-        out = [(act + sim.min_compute_bytes + margin, node.gpu_bytes)]
-        if ev.share is None:
-            out.append((sim.model_data_bytes + act + margin, node.cpu_bytes + node.gpu_bytes))
-        else:
-            share, rpn = ev.share, node.ranks_per_node
-            out.append((share.gpu_need_bytes, node.gpu_bytes))
-            # the node's ranks keep on the CPU what of their shares their GPUs cannot hold; kept
-            # unclipped (shares + GPU needs against CPU + GPUs) so the line stays a line
-            out.append((share.node_owned_bytes + rpn * share.gpu_need_bytes, node.cpu_bytes + rpn * node.gpu_bytes))
-        return out
-
-    def activation_bytes(self, n_layer: int) -> int:
-        """Activation peak at ``n_layer``: measured when that size was simulated to the end,
-        else on the line through the two nearest completed simulations."""
-        ev = self.evals.get(n_layer)
-        if ev is not None and ev.sim.completed:
-            return ev.sim.non_model_peak_bytes
-        line = self._completed_line()
-        if not line:
-            return ev.sim.non_model_peak_bytes if ev else 0
-        return max(0, round(_on_line(line, n_layer, lambda s: s.non_model_peak_bytes)))
-
-    def _completed_line(self) -> list[Simulation]:
-        done = sorted((n, ev.sim) for n, ev in self.evals.items() if ev.sim.completed)
-        return [done[-2][1], done[-1][1]] if len(done) >= 2 else []
-
-    def peer_largest(self, name: str) -> LargestModel:
-        """Largest n_layer a peer fits by its published rule (monotone in n_layer: bisect)."""
-        start = time.perf_counter()
-        line = self._completed_line()
-        if not line:
-            return LargestModel(method="published rule", n_layer=0, n_params=0, confirmed=False, seconds=0.0)
-        node, req = self.node, self.request
-        largest_layer = line[-1].largest_layer_params
-
-        def params(n: int) -> int:
-            return max(0, round(_on_line(line, n, lambda s: s.n_params)))
-
-        def fits(n: int) -> bool:
-            cpu, gpu = peer_bytes(name, params(n), largest_layer, node, req.deepspeed_buffer_factor)
-            act = max(0, round(_on_line(line, n, lambda s: s.non_model_peak_bytes)))
-            return gpu + act + self.margin_bytes <= node.gpu_bytes and cpu <= node.cpu_bytes
-
-        lo, hi = 0, req.max_layers + 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return LargestModel(
-            method="published rule",
-            n_layer=lo,
-            n_params=params(lo) if lo else 0,
-            confirmed=True,
-            at_search_limit=lo >= req.max_layers,
-            seconds=time.perf_counter() - start,
-        )
-
-
-def _bracket(lo: int, hi: int | None, n: int, fits: bool) -> tuple[int, int | None]:
-    if fits:
-        return max(lo, n), hi
-    return lo, n if hi is None else min(hi, n)
-
-
-def _on_line(line: Sequence[Simulation], n: int, value: Callable[[Simulation], int]) -> float:
-    a, b = line[0], line[-1]
-    if a.n_layer == b.n_layer:
-        return float(value(a))
-    slope = (value(b) - value(a)) / (b.n_layer - a.n_layer)
-    return value(a) + slope * (n - a.n_layer)
 
 
 def _plan_warnings(sim: Simulation, share: RankShare | None, init: InitPeak | None, node: NodeSpec) -> list[str]:

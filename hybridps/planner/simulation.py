@@ -2,10 +2,10 @@
 real engine under ``simulate="meta"``, and what its memory did.
 
 Owns ``simulate`` (build the model on meta, ``initialize`` it, run the iterations with
-attention as a real run saves it), the records of what it showed (``Simulation``,
-``DeviceFigures``) read from ``memory_stats()`` and the client's layout
-(``_read_simulation``), and the parameter counts the peers' rules take
-(``deepspeed_param_counts``).
+attention as a real run saves it and meta kernels remembered, beside a disk tier when one is
+given), the records of what it showed (``Simulation``, ``DeviceFigures``) read from
+``memory_stats()`` and the client's layout (``_read_simulation``), and the parameter counts
+the peers' rules take (``deepspeed_param_counts``).
 
 Does not own chunk layout, placement, eviction, tidal budgets or activation measurement:
 the engine does all of that here exactly as in training (the same ``initialize``, hooks,
@@ -24,9 +24,11 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.common.config import Config
+from hybridps.common.devices import NVME
 from hybridps.common.errors import CapacityError, ConfigError
 from hybridps.engine import initialize
 from hybridps.planner.attention import meta_attention_as_flash
+from hybridps.planner.meta_kernels import remembered_meta_kernels
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.validation import check_bytes, check_count, check_positive_int
 
@@ -95,6 +97,8 @@ class Simulation:
     precision: str = "fp16"
     #: the chunk size asked for (``Config.chunk_size``); None: chosen as the client would
     requested_chunk_size: int | None = None
+    #: the disk tier's figures (device "nvme"); None: simulated without one
+    nvme: DeviceFigures | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -109,6 +113,16 @@ class Simulation:
     def non_model_peak_bytes(self) -> int:
         return self.gpu.non_model_peak_bytes if self.gpu else 0
 
+    @property
+    def nvme_read_bytes_per_step(self) -> int:
+        """Bytes the disk tier read in the last (replayed) iteration: every move off it."""
+        return sum(v for k, v in self.moved_bytes_per_step.items() if k.startswith(f"{NVME}->"))
+
+    @property
+    def nvme_write_bytes_per_step(self) -> int:
+        """Bytes written to the disk tier in the last (replayed) iteration: every move onto it."""
+        return sum(v for k, v in self.moved_bytes_per_step.items() if k.endswith(f"->{NVME}"))
+
 
 def simulate(
     model: PlannedModel,
@@ -120,49 +134,68 @@ def simulate(
     margin_bytes: int = 0,
     chunk_size: int | None = None,
     iterations: int = 2,
+    nvme_bytes: int = 0,
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
-    ``cpu_bytes`` of CPU, every payload on the meta device, and report what happened.
+    ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0), every payload on
+    the meta device, and report what happened.
 
     Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
     budget and furthest-next-use eviction, as every later iteration would, so two are enough
-    for the peaks and for the bytes moved per step. A plan for simulated GPUs runs the same
+    for the peaks and for the bytes moved per step (with a disk tier three: the first replay
+    still reads back what the warm-up left there). A plan for simulated GPUs runs the same
     client: host chunks come from the same arena there, only unpinned.
     """
     start = time.perf_counter()
+    devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes}
+    if nvme_bytes:  # under simulate="meta" no path: moves are booked and counted, nothing is written
+        devices[NVME] = nvme_bytes
     config = Config(
-        devices={"cuda:0": gpu_bytes, "cpu": cpu_bytes},
+        devices=devices,
         simulate="meta",
         precision=precision,
         grad_reuse=grad_reuse,
         margin=margin_bytes,
         chunk_size=chunk_size,
     )
-    with torch.device("meta"):
-        module = model.build()
-    n_params, largest_layer = deepspeed_param_counts(module)
-    owners = _module_params(module)
-    optimizer = torch.optim.AdamW(module.parameters())  # AdamW and Adam keep the same states
-    device = torch.device("meta")
-    failure: str | None = None
-    engine = None
-    done = 0
-    moved_before: dict[str, int] = {}
-    moved_after: dict[str, int] = {}
-    try:
-        engine = initialize(module, optimizer, config)
-        with meta_attention_as_flash():
-            for _ in range(iterations):
-                moved_before = dict(engine.client.mover.counts.moved_bytes)
-                out = engine(*model.inputs(device))
-                engine.backward(model.loss(out))
-                engine.step()
-                engine.zero_grad()
-                done += 1
-        moved_after = dict(engine.client.mover.counts.moved_bytes)
-    except (ConfigError, CapacityError) as exc:
-        where = "initialize" if engine is None else f"iteration {done + 1}"
-        failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
+    # every op of the build, the init and the iterations on meta tensors: each distinct call
+    # runs its meta kernel once ([Note: why remember meta kernels] in meta_kernels.py)
+    with remembered_meta_kernels():
+        with torch.device("meta"):
+            module = model.build()
+        n_params, largest_layer = deepspeed_param_counts(module)
+        owners = _module_params(module)
+        optimizer = torch.optim.AdamW(module.parameters())  # AdamW and Adam keep the same states
+        device = torch.device("meta")
+        failure: str | None = None
+        engine = None
+        done = 0
+        moved_before: dict[str, int] = {}
+        moved_after: dict[str, int] = {}
+        try:
+            engine = initialize(module, optimizer, config)
+            with meta_attention_as_flash():
+                for _ in range(iterations):
+                    moved_before = dict(engine.client.mover.counts.moved_bytes)
+                    out = engine(*model.inputs(device))
+                    engine.backward(model.loss(out))
+                    engine.step()
+                    engine.zero_grad()
+                    done += 1
+            moved_after = dict(engine.client.mover.counts.moved_bytes)
+        except (ConfigError, CapacityError) as exc:
+            where = "initialize" if engine is None else f"iteration {done + 1}"
+            failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
+        except NotImplementedError as exc:
+            # A refusal at registration after the params were laid out (with a disk tier: a
+            # CPU share below one chunk's optimizer step) makes the engine's build close its
+            # client, which copies the params' values back out of their chunks; on the meta
+            # device there are none, so torch raises this over the refusal. The refusal is
+            # the verdict.
+            refusal = exc.__context__
+            if engine is not None or not isinstance(refusal, (ConfigError, CapacityError)):
+                raise
+            failure = f"{type(refusal).__name__} at initialize: {str(refusal).splitlines()[0]}"
     try:
         return _read_simulation(
             engine, model, config, owners, n_params, largest_layer, failure, done, moved_before, moved_after, start
@@ -200,22 +233,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         (name, tuple(sorted({client.param_info(p).slot.chunk for p in params if client.is_registered(p)})))
         for name, params in owners.items()
     )
-    gpu_stats, cpu_stats = stats["devices"]["cuda:0"], stats["devices"]["cpu"]
-    gpu = DeviceFigures(
-        device="cuda:0",
-        capacity_bytes=gpu_stats["capacity_bytes"],
-        model_data_bytes=gpu_stats["used_bytes"],
-        peak_bytes=gpu_stats["peak_bytes"],
-        non_model_peak_bytes=gpu_stats["non_model_peak_bytes"],
-        peak_total_bytes=gpu_stats["peak_total_bytes"],
-    )
-    cpu = DeviceFigures(
-        device="cpu",
-        capacity_bytes=cpu_stats["capacity_bytes"],
-        model_data_bytes=cpu_stats["used_bytes"],
-        peak_bytes=cpu_stats["peak_bytes"],
-        arena_bytes=stats["arena"]["peak_held_bytes"] if "arena" in stats else 0,
-    )
+    gpu, cpu, nvme = _device_figures(stats)
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in after} if failure is None else {}
     return Simulation(
         largest_saved_bytes=stats["trace"]["largest_saved_bytes"],
@@ -246,12 +264,43 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         padding_elements=layout.total_elements - layout.tensor_elements,
         gpu=gpu,
         cpu=cpu,
-        peak_total_warmup_bytes=gpu_stats.get("peak_total_warmup_bytes", 0),
+        nvme=nvme,
+        peak_total_warmup_bytes=stats["devices"]["cuda:0"].get("peak_total_warmup_bytes", 0),
         moved_bytes_per_step={k: v for k, v in sorted(moved.items()) if v},
         min_compute_bytes=stats["min_compute_bytes"],
         min_compute_module=stats["min_compute_module"],
         seconds=time.perf_counter() - start,
     )
+
+
+def _device_figures(stats: Mapping) -> tuple[DeviceFigures, DeviceFigures, DeviceFigures | None]:
+    """The GPU's, the CPU's and the disk tier's figures (None without one) of ``memory_stats()``."""
+    gpu_stats, cpu_stats = stats["devices"]["cuda:0"], stats["devices"]["cpu"]
+    gpu = DeviceFigures(
+        device="cuda:0",
+        capacity_bytes=gpu_stats["capacity_bytes"],
+        model_data_bytes=gpu_stats["used_bytes"],
+        peak_bytes=gpu_stats["peak_bytes"],
+        non_model_peak_bytes=gpu_stats["non_model_peak_bytes"],
+        peak_total_bytes=gpu_stats["peak_total_bytes"],
+    )
+    cpu = DeviceFigures(
+        device="cpu",
+        capacity_bytes=cpu_stats["capacity_bytes"],
+        model_data_bytes=cpu_stats["used_bytes"],
+        peak_bytes=cpu_stats["peak_bytes"],
+        arena_bytes=stats["arena"]["peak_held_bytes"] if "arena" in stats else 0,
+    )
+    nvme_stats = stats["devices"].get(NVME)
+    nvme = None
+    if nvme_stats is not None:
+        nvme = DeviceFigures(
+            device=NVME,
+            capacity_bytes=nvme_stats["capacity_bytes"],
+            model_data_bytes=nvme_stats["used_bytes"],
+            peak_bytes=nvme_stats["peak_bytes"],
+        )
+    return gpu, cpu, nvme
 
 
 def _module_params(module: nn.Module) -> dict[str, list[nn.Parameter]]:
