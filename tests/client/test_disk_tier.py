@@ -309,3 +309,21 @@ def test_every_mode_trains_through_the_disk_as_it_does_in_memory(tmp_path, extra
         assert torch.equal(a, b)
     memory.close()
     engine.close()
+
+
+def test_a_chunk_taken_where_it_lies_on_the_disk_is_taken_in_memory_and_keeps_what_is_written(tmp_path):
+    """A caller that takes a chunk "where it lies" (the roll-back of an early step, a state
+    write) gets it in host memory: writing into the disk's stand-in would be lost."""
+    engine, _ = tiny_engine(tmp_path)
+    tiny_steps(engine, 1)
+    mover = engine.client.mover
+    mover.sync()
+    chunk = next(c for c in mover.resident["nvme"].values())
+    states = mover.take(chunk, chunk.device)
+    assert chunk.device == "cpu" and not chunk.payload.is_meta
+    chunk.payload.fill_(0.5)
+    mover.give_back(chunk, states)
+    # push it down again (the policy's victims until it is one), then read it back through a view
+    mover._to_disk(lambda freed: chunk.device == "nvme", protect=(), who="the test", size=chunk.nbytes)
+    assert bool((chunk.view(chunk.slots[0]) == 0.5).all())
+    engine.close()

@@ -217,7 +217,10 @@ class ChunkMover:
         """Make sure ``chunk`` lies on ``device``, evicting other chunks there if needed;
         ``asynchronous``: a copy of its payload may still run when this returns (its user
         waits for ``chunk.ready_event``). The caller has already put the chunk (or one of its
-        slots) in COMPUTE, or otherwise protects it, so it is never chosen as its own victim."""
+        slots) in COMPUTE, or otherwise protects it, so it is never chosen as its own victim.
+        A chunk is used in memory: brought "to the disk" (where it lies), it comes to the CPU."""
+        if device == NVME:
+            device = CPU  # a payload on the disk is a stand-in: computing into it would be lost
         if chunk.on_disk:
             self._fetch(chunk, protect)  # to host memory first, the caller's chunks kept where they are
         chunk.settle()  # for a use that did not settle it first (chunk.py, [Note: a chunk handed over])

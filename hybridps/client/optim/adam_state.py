@@ -154,7 +154,7 @@ def read(store: ChunkStore, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
 def write(store: ChunkStore, mover: ChunkMover, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
     """``value`` into ``info``'s slot in its chunk of ``kind``, where that chunk lies."""
     chunk = store.rows[kind][info.chunk]
-    device = "cpu" if chunk.device in (None, "nvme") else chunk.device  # a chunk on the disk is written in memory
+    device = chunk.device or "cpu"  # a chunk on the disk comes to the CPU (ChunkMover.bring)
     previous = mover.take(chunk, device)
     try:
         chunk.view(info.slot).copy_(value.reshape(-1))
