@@ -21,6 +21,7 @@ import torch
 
 from hybridps.common.devices import NVME, SIMULATE_MODES, canonical_device_name, parse_capacity, parse_link
 from hybridps.common.errors import ConfigError
+from hybridps.common.optimizer_states import OptimizerStates, layout_alignment, parse_optimizer_states
 from hybridps.common.units import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 #: the values ``Config.precision``, ``Config.eviction`` and ``Config.placement`` accept: types
 #: only, the values stay plain strings
 PrecisionName = Literal["fp32", "fp16", "bf16"]
+OptimizerStatesName = Literal["fp32", "int8"]
 EvictionName = Literal["auto", "lru", "opt"]
 #: placement policies (hybridps/client/memory/placement.py, POLICIES)
 PlacementName = Literal["tidal", "cpu_optimizer"]
@@ -79,6 +81,20 @@ class Config:
         doc=(
             "What forward and backward compute in. Master weights, momentum and variance are fp32 in every mode. "
             "fp16 uses dynamic loss scaling."
+        ),
+    )
+    optimizer_states: OptimizerStatesName = _field(
+        "fp32",
+        section="Model data layout",
+        unit='`"fp32"`, `"int8"`',
+        doc=(
+            'How Adam\'s momentum and variance are stored. `"fp32"`: exact (the same bits as torch\'s Adam). `"int8"`: '
+            "blockwise 8-bit codes with an fp32 scale per 256 elements, the algorithm of bitsandbytes' and torchao's "
+            "8-bit Adam (a signed dynamic map for the momentum, an unsigned one for the variance), dequantized and "
+            "re-quantized inside each step wherever the chunk steps: 2.03 B a param for both moments instead of 8, so "
+            "mixed precision with grad reuse keeps 8.03 B/param of model data instead of 14. Not exact: the losses "
+            "follow the fp32 run's within the figures in [CONCEPTS.md](CONCEPTS.md) (*compact optimizer states*). "
+            "`optimizer.state` and `state_dict()` show dequantized fp32 moments; a checkpoint keeps the codes."
         ),
     )
     devices: Mapping[str, int | str | None] = _field(
@@ -401,6 +417,10 @@ class Config:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        try:
+            parse_optimizer_states(self.optimizer_states)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         devices = self._devices()
         object.__setattr__(self, "devices", types.MappingProxyType(devices))
         if self.simulate not in SIMULATE_MODES:
@@ -488,6 +508,17 @@ class Config:
                 "Config(devices={..., 'nvme': '2TiB'}, nvme_path='/mnt/nvme/hps')"
             )
         return devices
+
+    @property
+    def moment_states(self) -> OptimizerStates:
+        """``optimizer_states`` as the enum."""
+        return parse_optimizer_states(self.optimizer_states)
+
+    @property
+    def layout_alignment(self) -> int:
+        """The offsets tensors get in chunks: ``alignment``, and a whole block of the compact
+        states under ``optimizer_states="int8"`` (common/optimizer_states.py)."""
+        return layout_alignment(self.alignment, self.moment_states)
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -291,7 +291,7 @@ def auto_chunk_size(numels: list[int], config: Config, compute: DeviceSpec, worl
         numels,
         elem_bytes=config.param_dtype.itemsize,
         capacity_bytes=cap,
-        alignment=config.alignment,
+        alignment=config.layout_alignment,
         # several ranks: enough chunks that each rank owns a balanced share
         min_chunks=4 if world_size == 1 else 8 * world_size,
         fill_past_oversize=alone,
@@ -304,6 +304,6 @@ def auto_layout(numels: list[int], config: Config, compute: DeviceSpec, shard_si
     ``numels`` out in (the planner builds the same)."""
     return ChunkLayout(
         auto_chunk_size(numels, config, compute, shard_size),
-        config.alignment,
+        config.layout_alignment,
         fill_past_oversize=fills_past_oversize(shard_size),
     )

@@ -27,6 +27,10 @@ from hybridps.client.chunks.ownership import Ownership
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
 from hybridps.common.errors import RegistrationError
+from hybridps.common.optimizer_states import compact_row_bytes
+
+#: the optimizer's moment rows (fp32, or compact under Config.optimizer_states="int8")
+MOMENT_KINDS = frozenset({ChunkKind.MOMENTUM, ChunkKind.VARIANCE})
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +67,8 @@ class ChunkStore:
         self.compute = compute
         self.rank, self.world_size = rank, world_size
         self.param_dtype = config.param_dtype
+        #: how momentum and variance rows are stored (Config.optimizer_states)
+        self.moment_states = config.moment_states
         self.layout: ChunkLayout | None = None
         #: kind -> chunk index -> chunk (momentum and variance appear with the optimizer)
         self.rows: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}
@@ -102,8 +108,27 @@ class ChunkStore:
     def grad_kind(self) -> ChunkKind:
         return ChunkKind.PARAM if self.config.grad_reuse else ChunkKind.GRAD
 
+    @property
+    def compact_moments(self) -> bool:
+        """Momentum and variance rows hold 8-bit codes and block scales
+        (``Config.optimizer_states="int8"``; common/optimizer_states.py)."""
+        return self.moment_states.compact
+
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
-        return self.param_dtype if kind in (ChunkKind.PARAM, ChunkKind.GRAD) else torch.float32
+        if kind in (ChunkKind.PARAM, ChunkKind.GRAD):
+            return self.param_dtype
+        if self.moment_states.compact and kind in MOMENT_KINDS:
+            return torch.uint8
+        return torch.float32
+
+    def row_capacity(self, kind: ChunkKind, elements: int) -> int:
+        """A chunk of ``kind`` laid out for ``elements`` elements holds this many of its dtype:
+        ``elements``, or a compact moment row's bytes (codes and block scales)."""
+        return compact_row_bytes(elements) if self.moment_states.compact and kind in MOMENT_KINDS else elements
+
+    def row_bytes(self, kind: ChunkKind, elements: int) -> int:
+        """Bytes of a chunk of ``kind`` laid out for ``elements`` elements."""
+        return self.row_capacity(kind, elements) * self.kind_dtype(kind).itemsize
 
     # -- chunks and ownership --------------------------------------------------------------
 

@@ -261,14 +261,10 @@ class ParamRegistry:
     def _check_model_data_fits(self, plan: ChunkLayout) -> None:
         store = self.store
         kinds = store.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self._optimizer_follows else [])
-        per_kind = {k: plan.total_elements * store.kind_dtype(k).itemsize // self.shard_size for k in kinds}
+        per_kind = {k: _layout_bytes(store, k, plan) // self.shard_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
-        already = (
-            store.layout.total_elements * sum(store.kind_dtype(k).itemsize for k in kinds) // self.shard_size
-            if store.layout
-            else 0
-        )
+        already = sum(_layout_bytes(store, k, store.layout) for k in kinds) // self.shard_size if store.layout else 0
         if total - already > room:
             parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
             raise CapacityError(
@@ -342,7 +338,7 @@ class ParamRegistry:
         for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
             chunks = []
             for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
-                chunk = self.store.new_chunk(kind, i, param_chunk.capacity)
+                chunk = self.store.new_chunk(kind, i, self.store.row_capacity(kind, param_chunk.capacity))
                 for slot in param_chunk.slots:
                     chunk.add_slot(slot)
                 chunks.append(chunk)
@@ -395,6 +391,11 @@ class ParamRegistry:
                 f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
                 f"the model's {format_bytes(self.store.model_data_bytes - need)}: {exc}"
             ) from exc
+
+
+def _layout_bytes(store: ChunkStore, kind: ChunkKind, layout: ChunkLayout) -> int:
+    """Bytes of every chunk of ``kind`` that ``layout`` lays out."""
+    return sum(store.row_bytes(kind, layout.capacity(i)) for i in range(layout.num_chunks))
 
 
 def _step_bytes(store, index: int) -> int:
