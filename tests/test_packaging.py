@@ -40,6 +40,7 @@ def test_the_wheel_carries_the_version_entry_points_and_type_marker(wheel):
         entry_points = z.read(f"{dist}/entry_points.txt").decode()
         metadata = z.read(f"{dist}/METADATA").decode()
     assert "hybridps/py.typed" in names and "hybridps/client/memory/mover.py" in names
+    assert "hybridps/client/optim/native/compact_adam.c" in names  # the compact step's kernel, built at first use
     assert not any(n.startswith(("tests/", "scripts/")) for n in names)
     assert "hybridps = hybridps.cli:main" in entry_points and "hybridps-manager = hybridps.cli:manager_main" in entry_points
     assert f"Version: {hybridps.__version__}" in metadata and "Provides-Extra: hf" in metadata
