@@ -8,50 +8,36 @@ torch kernels a plain optimizer would use, applied to whole runs of params at on
 chunk steps, its low-precision params are written back into the param chunk in one copy.
 
 Owns: the torch surface (``step``, ``zero_grad``, ``clip_grad_norm_``, ``state_dict``,
-``optimizer.state``), step counts per param, one chunk's step (its kernel calls, the fp32
+``optimizer.state``), step counts per param, one chunk's step (what it takes, the fp32
 grads it steps with, the write-back) and when it runs: after backward, or during backward on
 this thread or the step worker (step_worker.py), validated or undone at the step. Does not
-own, beside it: the grad norm, the clip and the fp16 overflow check (grad_norm.py); the
+own, beside it: the kernels and their calls (adam_kernels.py, [Note: exactness]; the step
+over compact 8-bit moments, compact_adam.py); the grad norm, the clip and the fp16 overflow check (grad_norm.py); the
 translation of the Adam states to and from torch's shape (adam_state.py); which chunk may
 step early and the undoing of speculative steps (early_step.py, [Note: early steps]); the
 backups themselves (speculation.py); the runs of a chunk (step_plan.py); chunk placement
 (the mover and the placement policy) or the loss scale value (loss_scaler.py).
-
-[Note: exactness]
-Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
-stepping a run of params as one flat view of a chunk reproduces the per-param step exactly.
-Each param group steps with the kernel the user's optimizer would have run (``adam_kernel``):
-``fused=True`` the fused kernel, ``foreach=True`` the foreach kernel, ``fused=False`` or
-``foreach=False`` the for-loop kernel, and neither given (torch's default) what torch picks for
-the tensors at hand: foreach for CUDA tensors, the for-loop kernel on the CPU. So a chunk steps
-bit for bit as the same torch optimizer would over the same values on the same device. The
-kernels differ in their last bits from each other (fused vs for-loop: at most a few ulp per
-step); the fused one is several times faster on the CPU, so an offloaded run wants
-``fused=True`` (``hybridps train`` and the benchmarks ask for it). The global norm for
-clipping is computed as ``torch.nn.utils.clip_grad_norm_`` does (per-param norms, then the
-norm of those).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.optim.adam as torch_adam
-from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.optim import adam_state, early_step, grad_norm, registration
+from hybridps.client.optim.adam_kernels import CompactCall, adam_calls, run_adam, run_compact
 from hybridps.client.optim.adam_state import AdamStateView
 from hybridps.client.optim.device_casts import ChunkCasts, DeviceCasts
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
+from hybridps.client.optim.moment_codes import MomentRow
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
-from hybridps.client.optim.step_plan import StepPlan, StepPlans, StepTensors
+from hybridps.client.optim.step_plan import StepPlans, StepTensors
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.common.errors import StateError
 
@@ -62,40 +48,6 @@ if TYPE_CHECKING:
     from hybridps.client.memory.placement import PlacementPolicy
 
 logger = logging.getLogger(__name__)
-
-
-def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
-    """(fused, foreach): the kernel torch's Adam/AdamW runs for ``group`` over ``params``, as
-    ``torch.optim.adam.adam`` resolves it (see [Note: exactness])."""
-    fused, foreach = group.get("fused"), group.get("foreach")
-    if fused is None and foreach is None:
-        _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-        if foreach and isinstance(group["lr"], torch.Tensor):
-            foreach = False  # torch's own rule: a tensor lr runs the for-loop kernel unless capturable
-    return bool(fused), bool(foreach)
-
-
-@dataclasses.dataclass(eq=False)
-class _AdamCall:
-    """One kernel call of a chunk's step, worked out on the calling thread."""
-
-    #: which pieces of each row it takes (step_plan.py)
-    pieces: tuple[int, ...]
-    #: a step tensor per piece
-    steps: list[torch.Tensor]
-    fused: bool
-    foreach: bool
-    decoupled_weight_decay: bool
-    #: lr, beta1, beta2, weight_decay, eps, maximize: the param group's when the step was taken
-    hyper: dict
-    #: the fused kernel's found_inf where a scale is folded in
-    found_inf: torch.Tensor | None = None
-
-
-def _scalar(x):
-    """A hyperparameter as torch's fused Adam takes it (``torch.optim.optimizer._to_scalar``):
-    a 1-element tensor of more dimensions becomes 0-dimensional."""
-    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
 class ChunkedAdam(torch.optim.Optimizer):
@@ -449,7 +401,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
             backup.plan = plan
         device = master.device
-        calls = self._adam_calls(plan, base_step, master)
+        compact = store.compact_moments
+        calls = adam_calls(plan, base_step, master, self.param_groups, self.tensors, compact=compact)
+        # compact moment rows are read through their codes and block scales (moment_codes.py)
+        elements = store.rows[master_kind][index].capacity
+        moments = (MomentRow(m, elements, signed=True), MomentRow(v, elements, signed=False)) if compact else None
         # what the kernels divide the grads by (unscale and clip, folded), or the clip factor
         # of fp32 grads stepped in place
         divisor = None if buffer is None else self.tensors.divisor(inv_scale, clip_coef, device)
@@ -470,109 +426,25 @@ class ChunkedAdam(torch.optim.Optimizer):
                 grads = buffer
                 grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
             bounds = plan.bounds  # every run's view of each row, one native call per row
-            rows = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
+            if moments is None:
+                rows = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
+            else:  # the compact step takes whole rows and its runs' ranges
+                rows = ((), grads.tensor_split(bounds), (), ())
             if coef is not None:
                 # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
                 torch._foreach_mul_(list(map(rows[1].__getitem__, plan.run_pieces)), coef)
             for call in calls:
-                self._adam(call, rows, divisor)
+                if isinstance(call, CompactCall):
+                    assert moments is not None
+                    run_compact(call, master, grads, *moments, rows[1], divisor)
+                else:
+                    run_adam(call, rows, divisor)
             if casts is not None:
                 casts.params_up(master, param, used)  # up, then cast on the GPU
             elif param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
 
         return compute
-
-    def _adam_calls(self, plan: StepPlan, base_step: int, master: torch.Tensor) -> list[_AdamCall]:
-        """The kernel calls of one chunk's step: per param group, the kernel its optimizer
-        would run (see [Note: exactness]), its hyperparameters now, and its step tensors."""
-        device = master.device
-        calls = []
-        for group_index in dict.fromkeys(call.group for call in plan.by_group):
-            group = self.param_groups[group_index]
-            fused, foreach = adam_kernel(group, [master])
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            if fused:  # as torch.optim.adam's _fused_adam passes them
-                beta1, beta2 = _scalar(beta1), _scalar(beta2)
-                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
-                    lr = lr.to(device=device, non_blocking=True)
-            if isinstance(lr, torch.Tensor) and lr is group["lr"]:
-                lr = self.tensors.copy_of(lr)  # a scheduler fills the group's tensor in place, maybe before the worker reads it
-            hyper = {
-                "lr": lr,
-                "beta1": beta1,
-                "beta2": beta2,
-                "weight_decay": group["weight_decay"],
-                "eps": group["eps"],
-                "maximize": group.get("maximize", False),
-            }
-            if fused:
-                # the fused kernel reads a step per tensor and counts none: one tensor per count
-                # (after this step) and device serves every run and chunk
-                call = next(c for c in plan.by_group if c.group == group_index)
-                steps = [self.tensors.step(base_step + plan.runs[k].step_offset + 1, device) for k in call.runs]
-                calls.append(
-                    _AdamCall(call.pieces, steps, True, False, group["decoupled_weight_decay"], hyper, self.tensors.zero(device))
-                )
-                continue
-            for call in plan.by_step:  # these kernels add 1 to their step tensors: new ones each time
-                if call.group == group_index:
-                    assert call.step_offset is not None
-                    step = float(base_step + call.step_offset)
-                    steps = [torch.tensor(step, dtype=torch.float32) for _ in call.runs]
-                    calls.append(_AdamCall(call.pieces, steps, False, foreach, group["decoupled_weight_decay"], hyper))
-        return calls
-
-    def _adam(self, call: _AdamCall, rows: tuple[tuple[torch.Tensor, ...], ...], divisor: torch.Tensor | None) -> None:
-        """Adam over the runs ``call`` takes of one chunk's ``rows`` (master, grads,
-        momentum, variance, each cut by its plan); ``divisor`` scales the grads down first
-        (folded into the fused kernel)."""
-        pieces = call.pieces
-        # map over a tuple's __getitem__: picking the pieces runs no Python frame
-        params = list(map(rows[0].__getitem__, pieces))
-        grads = list(map(rows[1].__getitem__, pieces))
-        exp_avgs = list(map(rows[2].__getitem__, pieces))
-        exp_avg_sqs = list(map(rows[3].__getitem__, pieces))
-        hyper = call.hyper
-        if call.fused:
-            # torch.optim.adam's _fused_adam without its per-call Python (grouping by device,
-            # adding 1 to each step tensor): the same kernel on the same arguments
-            kernel = torch._fused_adamw_ if call.decoupled_weight_decay else torch._fused_adam_
-            kernel(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                call.steps,
-                amsgrad=False,
-                grad_scale=divisor,
-                found_inf=None if divisor is None else call.found_inf,
-                **hyper,
-            )
-            return
-        if divisor is not None:  # the for-loop and foreach kernels take no scale: one pass
-            for g in grads:
-                g.div_(divisor)
-        torch_adam.adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            call.steps,
-            foreach=call.foreach,
-            capturable=False,
-            differentiable=False,
-            fused=False,
-            grad_scale=None,
-            found_inf=None,
-            has_complex=False,
-            decoupled_weight_decay=call.decoupled_weight_decay,
-            amsgrad=False,
-            **hyper,
-        )
 
     def _finish_step(self, index: int, taken: list, casts: ChunkCasts | None = None) -> None:
         """The end of a step computed on the worker, on the calling thread."""
@@ -797,3 +669,9 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def _write(self, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
         adam_state.write(self.store, self.mover, kind, info, value)
+
+    def _read_codes(self, kind: ChunkKind, info: ParamInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        return adam_state.read_codes(self.store, kind, info)
+
+    def _write_codes(self, kind: ChunkKind, info: ParamInfo, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        adam_state.write_codes(self.store, self.mover, kind, info, codes, scales)

@@ -33,7 +33,10 @@ import torch
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.read_only import ReadOnlyCopy
 from hybridps.client.chunks.states import TensorState
+from hybridps.client.chunks.store import MOMENT_KINDS
+from hybridps.client.optim.moment_codes import MomentRow
 from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.optimizer_states import BLOCK_ELEMENTS, block_count
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
@@ -142,25 +145,76 @@ class AdamStateView(Mapping):
 # -- one param's states -----------------------------------------------------------------------
 
 
+def _compact_row(store: ChunkStore, kind: ChunkKind, info: ParamInfo) -> MomentRow | None:
+    """The compact moment row ``info``'s state of ``kind`` lies in, or None where that state
+    is a plain fp32 slot (common/optimizer_states.py, [Note: a compact moment row])."""
+    if not (store.compact_moments and kind in MOMENT_KINDS):
+        return None
+    chunk = store.rows[kind][info.chunk]
+    assert chunk.payload is not None
+    return MomentRow(chunk.payload, store.rows[ChunkKind.PARAM][info.chunk].capacity, signed=kind is ChunkKind.MOMENTUM)
+
+
 def read(store: ChunkStore, kind: ChunkKind, info: ParamInfo) -> torch.Tensor:
-    """A CPU copy of ``info``'s slot in its chunk of ``kind`` (zeros where it has no payload)."""
+    """A CPU copy of ``info``'s slot in its chunk of ``kind`` (zeros where it has no payload),
+    dequantized where it is a compact moment."""
     chunk = store.rows[kind][info.chunk]
     chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
     if chunk.payload is None:
         return torch.zeros(info.shape, dtype=torch.float32)
+    row = _compact_row(store, kind, info)
+    if row is not None:
+        return row.dequantize(info.slot.offset, info.slot.end).view(info.shape).to("cpu", copy=True)
     return chunk.view(info.slot).view(info.shape).to("cpu", copy=True)
 
 
 def write(store: ChunkStore, mover: ChunkMover, kind: ChunkKind, info: ParamInfo, value: torch.Tensor) -> None:
-    """``value`` into ``info``'s slot in its chunk of ``kind``, where that chunk lies."""
+    """``value`` into ``info``'s slot in its chunk of ``kind``, where that chunk lies
+    (quantized into the param's own blocks where it is a compact moment)."""
     chunk = store.rows[kind][info.chunk]
     device = chunk.device or "cpu"  # a chunk on the disk comes to the CPU (ChunkMover.bring)
     previous = mover.take(chunk, device)
     try:
-        chunk.view(info.slot).copy_(value.reshape(-1))
+        row = _compact_row(store, kind, info)
+        if row is not None:
+            row.quantize_into(info.slot.offset, value.reshape(-1).to(device=row.codes.device, dtype=torch.float32))
+        else:
+            chunk.view(info.slot).copy_(value.reshape(-1))
     finally:
-        after = TensorState.HOLD if kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else previous
+        after = TensorState.HOLD if kind in MOMENT_KINDS else previous
         mover.give_back(chunk, after)
+
+
+def read_codes(store: ChunkStore, kind: ChunkKind, info: ParamInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU copies of the codes and block scales of ``info``'s compact moment of ``kind``:
+    its own blocks, the checkpoint's lossless form of the state."""
+    chunk = store.rows[kind][info.chunk]
+    chunk.settle()
+    blocks = block_count(info.slot.numel)
+    if chunk.payload is None:
+        return torch.zeros(blocks * BLOCK_ELEMENTS, dtype=torch.uint8), torch.zeros(blocks, dtype=torch.float32)
+    row = _compact_row(store, kind, info)
+    assert row is not None, "read_codes of a state kept in fp32"
+    first = info.slot.offset // BLOCK_ELEMENTS
+    codes = row.codes[info.slot.offset : info.slot.offset + blocks * BLOCK_ELEMENTS]
+    return codes.to("cpu", copy=True), row.scales[first : first + blocks].to("cpu", copy=True)
+
+
+def write_codes(
+    store: ChunkStore, mover: ChunkMover, kind: ChunkKind, info: ParamInfo, codes: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """The codes and block scales of ``info``'s compact moment of ``kind`` (as ``read_codes``
+    gave them) into its blocks, where the chunk lies."""
+    chunk = store.rows[kind][info.chunk]
+    previous = mover.take(chunk, chunk.device or "cpu")
+    try:
+        row = _compact_row(store, kind, info)
+        assert row is not None, "write_codes of a state kept in fp32"
+        first = info.slot.offset // BLOCK_ELEMENTS
+        row.codes[info.slot.offset : info.slot.offset + codes.numel()].copy_(codes)
+        row.scales[first : first + scales.numel()].copy_(scales)
+    finally:
+        mover.give_back(chunk, TensorState.HOLD if kind in MOMENT_KINDS else previous)
 
 
 def state_entry(owner: StateOwner, info: ParamInfo) -> dict[str, torch.Tensor] | None:

@@ -134,6 +134,8 @@ def _backup(
         store.layout.used(index),
         store.kind_dtype(store.grad_kind),
         [],
+        moment_numel=store.rows[ChunkKind.MOMENTUM][index].capacity if store.compact_moments else None,
+        moment_dtype=store.kind_dtype(ChunkKind.MOMENTUM),
     )
     if backup is None:
         return None
@@ -187,7 +189,8 @@ def _restore(index: int, backup: Backup, *, store: ChunkStore, mover: ChunkMover
         backup.restore(*payloads, grad)
         for chunk, _ in taken:
             assert chunk.device is not None
-            mover.count_transfer(BACKUP_DEVICE, chunk.device, backup.used * chunk.dtype.itemsize)
+            numel = backup.momentum.numel() if chunk.kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE) else backup.used
+            mover.count_transfer(BACKUP_DEVICE, chunk.device, numel * chunk.dtype.itemsize)
     finally:
         for chunk, after in reversed(taken):
             mover.give_back(chunk, after)

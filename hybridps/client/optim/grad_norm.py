@@ -3,7 +3,7 @@ overflow check, and a stored grad as ``param.grad`` shows it.
 
 Owns: how these figures are computed over chunks and across ranks, exactly as
 ``torch.nn.utils.clip_grad_norm_`` computes the norm (per-param norms, then the norm of
-those; see adam.py, [Note: exactness]), and one step's ``Clip`` (its bound, its total norm,
+those; see adam_kernels.py, [Note: exactness]), and one step's ``Clip`` (its bound, its total norm,
 the coefficient the step multiplies grads by). Does not own when a clip or an overflow
 check happens, nor what a failed speculation undoes (``ChunkedAdam``, adam.py), the backups
 whose figures it reads (speculation.py), or the loss scale (loss_scaler.py). Every function

@@ -28,6 +28,14 @@ def check_optimizer(optimizer: object) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         cls = type(optimizer)
         name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
+        if _eight_bit_adam(cls):
+            adamw = "AdamW" in cls.__name__
+            raise ConfigError(
+                f"{name}: HybridPS keeps 8-bit Adam states itself, in its chunks, wherever they step (the same algorithm: "
+                f"256-element blocks, dynamic maps). Pass torch.optim.{'AdamW' if adamw else 'Adam'}(params, lr=..., "
+                f"betas=..., weight_decay=...) with this optimizer's hyper-parameters and set "
+                f"Config(optimizer_states='int8')"
+            )
         raise ConfigError(f"unsupported optimizer {name}; HybridPS steps {' and '.join(SUPPORTED_OPTIMIZERS)} over chunks")
     for i, group in enumerate(optimizer.param_groups):
         for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
@@ -35,6 +43,11 @@ def check_optimizer(optimizer: object) -> None:
                 raise ConfigError(
                     f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
                 )
+
+
+def _eight_bit_adam(cls: type) -> bool:
+    """An 8-bit Adam of torchao or bitsandbytes (what ``Config.optimizer_states="int8"`` replaces)."""
+    return cls.__module__.split(".")[0] in ("torchao", "bitsandbytes") and "Adam" in cls.__name__ and "8bit" in cls.__name__
 
 
 def check_params(store: ChunkStore, optimizer: torch.optim.Optimizer) -> None:

@@ -110,7 +110,8 @@ class Backup:
     steps_before: list[int]
     #: elements of the chunk in use
     used: int
-    #: fp32 master, momentum and variance before the step, and the grads it used (their dtype)
+    #: fp32 master, momentum and variance before the step (a compact moment row whole), and
+    #: the grads it used (their dtype)
     master: torch.Tensor
     momentum: torch.Tensor
     variance: torch.Tensor
@@ -149,8 +150,8 @@ class Backup:
         (the pure compute: runs on the step worker where the step does)."""
         used = self.used
         self.master.copy_(master[:used])
-        self.momentum.copy_(momentum[:used])
-        self.variance.copy_(variance[:used])
+        self.momentum.copy_(momentum[: self.momentum.numel()])
+        self.variance.copy_(variance[: self.variance.numel()])
         self.grad.copy_(grad[:used])
         if norm_type not in self.norms:  # not taken where the grads lay before the step
             self.norms[norm_type] = chunk_norms(self.grad_views(), norm_type, low_precision)
@@ -161,8 +162,8 @@ class Backup:
     def restore(self, master: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor, grad: torch.Tensor) -> None:
         used = self.used
         master[:used].copy_(self.master)
-        momentum[:used].copy_(self.momentum)
-        variance[:used].copy_(self.variance)
+        momentum[: self.momentum.numel()].copy_(self.momentum)
+        variance[: self.variance.numel()].copy_(self.variance)
         grad[:used].copy_(self.grad)
 
     @property
@@ -220,11 +221,25 @@ class Speculation:
         return self.mode
 
     def new_backup(
-        self, index: int, infos: list[ParamInfo], steps_before: list[int], used: int, grad_dtype: torch.dtype, param_states
+        self,
+        index: int,
+        infos: list[ParamInfo],
+        steps_before: list[int],
+        used: int,
+        grad_dtype: torch.dtype,
+        param_states,
+        *,
+        moment_numel: int | None = None,
+        moment_dtype: torch.dtype = torch.float32,
     ) -> Backup | None:
-        """Buffers for the backup of chunk ``index``, or None (and STOPPED) if there is no room."""
+        """Buffers for the backup of chunk ``index``, or None (and STOPPED) if there is no room.
+        ``moment_numel``/``moment_dtype``: what a moment row's backup holds where it is not
+        the first ``used`` fp32 elements (a compact row is backed up whole: its block scales
+        lie after its codes)."""
+        moment_numel = used if moment_numel is None else moment_numel
         try:
-            buffers = [self._buffer(used, torch.float32, index) for _ in range(3)]
+            buffers = [self._buffer(used, torch.float32, index)]
+            buffers += [self._buffer(moment_numel, moment_dtype, index) for _ in range(2)]
             try:
                 buffers.append(self._buffer(used, grad_dtype, index))
             except BaseException:

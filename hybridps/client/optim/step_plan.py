@@ -1,7 +1,7 @@
 """StepPlan: how one chunk's optimizer step cuts its rows into runs, worked out once and kept.
 
 A chunk steps as *runs*: maximal stretches of neighbouring params of one param group at one
-step count, each a flat view of the chunk's rows (adam.py, [Note: exactness]). Finding
+step count, each a flat view of the chunk's rows (adam_kernels.py, [Note: exactness]). Finding
 the runs is a Python loop over the chunk's params, and slicing the four rows (master,
 grads, momentum, variance) into views is a Python call per run and row. Where the step runs
 on the step worker beside backward, every such call holds the GIL that the thread launching
