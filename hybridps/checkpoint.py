@@ -6,7 +6,9 @@ A checkpoint is a directory:
   ``model.safetensors.index.json`` (several ranks): fp32 weights under the model's own
   ``state_dict`` keys (tied params under each of their keys), loadable by
   ``model.load_state_dict`` and by transformers' ``from_pretrained``;
-- ``optimizer-0000r-of-0000W.safetensors``: ``<name>.exp_avg`` and ``<name>.exp_avg_sq``;
+- ``optimizer-0000r-of-0000W.safetensors``: ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` (fp32),
+  or under compact states their codes and block scales (``<name>.exp_avg.codes``,
+  ``<name>.exp_avg.scales``, ...; see [Note: compact states saved]);
 - ``hybridps.json``: format version, world size, precision, every param's shape and step
   count, param-group hyper-parameters, loss scaler, engine step, LR scheduler and the
   caller's own state.
@@ -35,6 +37,15 @@ checkpoint must stay loadable. So:
   is not ``<dir>`` itself.
 
 Every filesystem change of a save passes ``_fs_step`` first, where a test injects a crash.
+
+[Note: compact states saved]
+Under ``Config.optimizer_states="int8"`` a moment is saved as it is kept: the codes and block
+scales of the param's own blocks (every param starts on a block boundary, so its blocks hold
+nothing else: common/optimizer_states.py), so a save and a load change no bit, whatever the
+number of ranks on either side. A load takes either form into either kind of run: codes into a
+compact run as they are, codes into an exact run dequantized (what the int8 run stepped with),
+fp32 moments into a compact run quantized; so a run moves from exact to compact states at a
+resume, or back.
 """
 
 from __future__ import annotations
@@ -52,12 +63,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.optim.moment_codes import dequantize_codes
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
     from hybridps.client.optim.adam import ChunkedAdam
     from hybridps.client.optim.loss_scaler import LossScaler
+
+
+#: a moment's key suffix in the optimizer files and the row it is kept in
+MOMENT_SUFFIXES = ((".exp_avg", ChunkKind.MOMENTUM), (".exp_avg_sq", ChunkKind.VARIANCE))
+#: what follows a moment's key for its codes and block scales (see [Note: compact states saved])
+CODES_SUFFIX, SCALES_SUFFIX = ".codes", ".scales"
 
 
 class EngineParts(Protocol):
@@ -181,8 +199,13 @@ def _owned_tensors(
         step = optimizer.steps[info.slot.index]
         steps[info.name] = step
         if step:
-            states[f"{info.name}.exp_avg"] = optimizer._read(ChunkKind.MOMENTUM, info).contiguous()
-            states[f"{info.name}.exp_avg_sq"] = optimizer._read(ChunkKind.VARIANCE, info).contiguous()
+            for suffix, kind in MOMENT_SUFFIXES:
+                if client.store.compact_moments:  # the codes themselves: lossless ([Note: compact states saved])
+                    codes, scales = optimizer._read_codes(kind, info)
+                    states[f"{info.name}{suffix}{CODES_SUFFIX}"] = codes
+                    states[f"{info.name}{suffix}{SCALES_SUFFIX}"] = scales
+                else:
+                    states[f"{info.name}{suffix}"] = optimizer._read(kind, info).contiguous()
     return weights, states, steps
 
 
@@ -199,6 +222,7 @@ def _meta(
         "generation": generation,
         "world_size": world,
         "precision": client.config.precision,
+        "optimizer_states": client.config.optimizer_states,
         "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
         "param_groups": [
             {
@@ -420,8 +444,8 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
             step = int(saved_params[info.name]["step"])
             optimizer.steps[info.slot.index] = step
             if step:
-                for suffix, kind in ((".exp_avg", ChunkKind.MOMENTUM), (".exp_avg_sq", ChunkKind.VARIANCE)):
-                    optimizer._write(kind, info, tensor(opt_keys[info.name + suffix], info.name + suffix))
+                for suffix, kind in MOMENT_SUFFIXES:
+                    _load_moment(client, optimizer, kind, info, info.name + suffix, opt_keys, tensor)
         for key, buf in buffers.items():
             if key in weight_map:
                 buf.copy_(tensor(weight_map[key], key))
@@ -436,6 +460,23 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
         lr_scheduler.load_state_dict(meta["lr_scheduler"])
     logger.info("checkpoint loaded from %s (written by %d ranks)", src, meta["world_size"])
     return meta.get("client_state")
+
+
+def _load_moment(client: Client, optimizer: ChunkedAdam, kind: ChunkKind, info, key: str, opt_keys: dict, tensor) -> None:
+    """One moment of one param from the checkpoint, in whichever form it was saved: codes
+    into a compact row as they are, codes into an fp32 row dequantized, fp32 values into
+    either (quantized into a compact row). See [Note: compact states saved]."""
+    if key + CODES_SUFFIX in opt_keys:
+        codes = tensor(opt_keys[key + CODES_SUFFIX], key + CODES_SUFFIX)
+        scales = tensor(opt_keys[key + SCALES_SUFFIX], key + SCALES_SUFFIX)
+        if client.store.compact_moments:
+            optimizer._write_codes(kind, info, codes, scales)
+        else:
+            signed = kind is ChunkKind.MOMENTUM
+            values = dequantize_codes(codes, scales, signed=signed)[: info.slot.numel]
+            optimizer._write(kind, info, values.view(info.shape))
+        return
+    optimizer._write(kind, info, tensor(opt_keys[key], key))
 
 
 def _weight_map(src: Path) -> dict[str, str]:

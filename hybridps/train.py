@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridps.common.optimizer_states import compact_row_bytes
 from hybridps.common.units import format_bytes, parse_bytes
 from hybridps.train_args import DESCRIPTION, add_arguments
 
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     rank, local_rank, world = hybridps.init_distributed()
     base = hybridps.Config.from_file(args.config) if args.config else hybridps.Config()
     args.precision = args.precision or base.precision
+    args.optimizer_states = args.optimizer_states or base.optimizer_states
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
     torch.manual_seed(args.seed)
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
         devices=devices,
         nvme_path=args.nvme_path or base.nvme_path,
         precision=args.precision,
+        optimizer_states=args.optimizer_states,
         manager=args.manager or base.manager,
         record=bool(args.plot or args.trace) or base.record,
     )
@@ -144,6 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace:
         engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
     summary = _summary(args, task.n_params, world, losses, val, tokens, elapsed, engine.memory_stats(), stats0)
+    if args.losses is not None and rank == 0:
+        args.losses.write_text(json.dumps(losses))
     if rank == 0:
         print(json.dumps(summary, indent=2) if args.json else _summary_text(summary))
     engine.close()
@@ -216,8 +221,9 @@ def _device_capacities(args: argparse.Namespace, base: Config, n_params: int, ac
     """The ``Config.devices`` of the run: with no GPU visible a simulated GPU smaller than the
     model data (``--gpu-capacity auto``) or of ``--gpu-capacity``; the config file's devices
     unless ``--gpu-capacity`` is given."""
-    per_param = 14 if args.precision != "fp32" else 16
-    model_bytes = n_params * per_param // world
+    moments = 2 * 4 if args.optimizer_states != "int8" else 2 * compact_row_bytes(2**20) / 2**20
+    per_param = (6 if args.precision != "fp32" else 8) + moments
+    model_bytes = int(n_params * per_param) // world
     devices: dict = {}
     if not torch.cuda.is_available():
         if args.gpu_capacity == "auto":
@@ -312,6 +318,7 @@ def _summary(
         "model": str(args.model or args.model_config or "byte-level GPT") + (f" + LoRA r={args.lora}" if args.lora else ""),
         "ranks": world,
         "precision": args.precision,
+        "optimizer_states": args.optimizer_states,
         "steps": args.steps,
         "first_loss": losses[0],
         "last_loss": losses[-1],

@@ -44,6 +44,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None, help="default: the --config file's, else fp32")
+    ap.add_argument(
+        "--optimizer-states",
+        choices=["fp32", "int8"],
+        default=None,
+        help="Adam's moments exact (fp32) or 8-bit blockwise (int8, 2.03 B/param instead of 8); default: the --config "
+        "file's, else fp32 (Config.optimizer_states)",
+    )
     ap.add_argument("--config", type=Path, default=None, help="a HybridPS Config file (.json or .toml); the flags here win")
     ap.add_argument(
         "--gpu-capacity",
@@ -68,6 +75,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ckpt", type=Path, default=None, help="save a checkpoint here at the end")
     ap.add_argument("--resume", type=Path, default=None, help="continue from this checkpoint")
     ap.add_argument("--plot", type=Path, default=None, help="write the memory plot (PNG) here")
+    ap.add_argument("--losses", type=Path, default=None, help="write every step's loss here (a JSON list)")
     ap.add_argument("--trace", type=Path, default=None, help="write a Chrome trace of chunk events here")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)

@@ -183,3 +183,26 @@ def test_hybridps_train_with_a_disk_tier_puts_what_the_cpu_cannot_hold_on_it(tmp
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["nvme"]["path"].startswith(str(tmp_path / "flags"))
+
+
+def test_hybridps_train_takes_int8_optimizer_states_and_writes_its_losses(tmp_path):
+    """``--optimizer-states int8``: the summary says so and counts the compact rows (a bf16
+    model keeps about 8 B a param of model data instead of 14); ``--losses`` writes every
+    step's loss."""
+    args = ["--steps", "3", "--batch", "2", "--eval-every", "100", "--data-bytes", "256KiB", "--json", "--quiet"]
+    args += ["--layers", "2", "--d-model", "128", "--heads", "4", "--precision", "bf16", "--seq", "32"]
+    summaries = {}
+    for states in ("fp32", "int8"):
+        losses = tmp_path / f"losses-{states}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybridps", "train", *args, "--optimizer-states", states, "--losses", str(losses)],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries[states] = json.loads(proc.stdout)
+        assert len(json.loads(losses.read_text())) == 3
+    assert summaries["int8"]["optimizer_states"] == "int8"
+    per_param = {s: summaries[s]["model_data_bytes"] / summaries[s]["params"] for s in summaries}
+    assert per_param["int8"] < 0.7 * per_param["fp32"], per_param

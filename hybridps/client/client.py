@@ -421,6 +421,8 @@ class Client:
             "host": self.host_memory(),
             "chunks": sum(1 for c in self.all_chunks() if c.owned),
             "model_data_bytes": self.model_data_bytes,
+            # how Adam's moments are kept: exact fp32 or compact 8-bit rows (Config.optimizer_states)
+            "optimizer_states": self.config.optimizer_states,
             "peak_model_data_bytes": self.mover.peak_all_bytes,
             "params": len(self.params),
             "param_elements": sum(i.slot.numel for i in self.params),
