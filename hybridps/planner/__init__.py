@@ -20,6 +20,8 @@ Modules, each importing only those above it:
   ``Communication``, ``ShardGroupTooLargeError``);
 - ``attention``: attention on meta tensors as a real run saves it, only while simulating;
 - ``meta_kernels``: each distinct op on meta tensors runs its meta kernel once while simulating;
+- ``chunk_rows``: the bytes of a chunk's rows per kind, as the chunk store allocates them
+  (fp32 or compact int8 moments: ``ChunkRows``);
 - ``simulation``: one meta-simulated run (``simulate``, ``Simulation``, ``DeviceFigures``);
 - ``ranks``: one rank's derived share of a multi-rank job (``derive_rank_share``);
 - ``host_peak``: one rank's host peak while building on meta and loading (``init_peak``);
@@ -75,6 +77,7 @@ _PUBLIC = {
     "Planner": "hybridps.planner.search",
     "PlanRequest": "hybridps.planner.request",
     "plan": "hybridps.planner.search",
+    "ChunkRows": "hybridps.planner.chunk_rows",
     "Communication": "hybridps.planner.sharding",
     "ShardGroupTooLargeError": "hybridps.planner.sharding",
     "Sharding": "hybridps.planner.sharding",

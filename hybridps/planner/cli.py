@@ -1,6 +1,7 @@
 """The command line of the planner: ``hybridps plan`` and ``python -m hybridps.planner``.
 
-Owns the arguments (model shape or ``--factory``, training, node with its disk tier
+Owns the arguments (model shape or ``--factory``, training with the optimizer states'
+storage, node with its disk tier
 (``--nvme`` and its bandwidth) and shard group, output), turning them into a model and a
 node, running ``plan()`` (one layout) or ``compare_layouts()`` (several node counts or shard
 group sizes, given as comma lists) and printing the table or the JSON, and the exit status
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.common.optimizer_states import OPTIMIZER_STATES
 from hybridps.common.units import parse_bytes
 from hybridps.planner.defaults import (
     DEEPSPEED_BUFFER_FACTOR,
@@ -113,7 +115,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--grad-reuse",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="grads in the params' slots (14 B/param in 16-bit)",
+        help="grads in the params' slots (14 B/param in 16-bit; 8.03 with --optimizer-states int8)",
+    )
+    t.add_argument(
+        "--optimizer-states",
+        choices=list(OPTIMIZER_STATES),
+        default="fp32",
+        help="how Adam's momentum and variance are stored (Config.optimizer_states): fp32 (default, exact), or int8: "
+        "8-bit codes and an fp32 scale per 256 elements, 2.03 B a param for both instead of 8",
     )
     t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
     t.add_argument(
@@ -271,6 +280,7 @@ def run_command(args: argparse.Namespace) -> int:
         training = dict(
             precision=args.precision,
             grad_reuse=args.grad_reuse,
+            optimizer_states=args.optimizer_states,
             chunk_size=args.chunk_size,
             simulated_gpus=args.simulated_gpus,
             iterations=args.iterations,

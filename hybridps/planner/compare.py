@@ -67,12 +67,15 @@ class LayoutComparison:
     rows: tuple[LayoutRow, ...]
     seconds: float
     simulations: int
+    #: how Adam's momentum and variance are stored (``Config.optimizer_states``)
+    optimizer_states: str = "fp32"
 
     def to_dict(self) -> dict:
         return {
             "comparison": {
                 "model": {**self.model, "n_params": self.n_params},
                 "precision": self.precision,
+                "optimizer_states": self.optimizer_states,
                 "node_shape": self.node_shape,
                 "layouts": [r.to_dict() for r in self.rows],
                 "seconds": round(self.seconds, 3),
@@ -87,7 +90,8 @@ class LayoutComparison:
         model = ", ".join(f"{k}={v}" for k, v in self.model.items())
         lines = [
             f"HybridPS shard-group layouts (planned, not measured): {model}",
-            f"  {_count(self.n_params)} params, {self.precision}; per node: {self.node_shape}",
+            f"  {_count(self.n_params)} params, {self.precision}, optimizer states {self.optimizer_states}; per node: "
+            f"{self.node_shape}",
             "",
         ]
         rows = [
@@ -197,6 +201,7 @@ def compare_layouts(
         model=dict(first.model),
         n_params=first.n_params,
         precision=first.precision,
+        optimizer_states=first.optimizer_states,
         node_shape=f"{node.gpus} x {format_bytes(node.gpu_bytes)} GPU, {format_bytes(node.cpu_bytes)} CPU, "
         + (f"{format_bytes(node.nvme_bytes)} NVMe, " if node.has_disk else "")
         + f"{node.ranks_per_node} ranks",

@@ -135,15 +135,16 @@ def _group_layout(
     compute = DeviceSpec(name="cuda:0", capacity_bytes=node.gpu_bytes, simulated=True, meta=True)
     config = Config(
         precision=sim.precision,
-        alignment=sim.alignment,
+        alignment=sim.alignment,  # the simulated layout's (whole blocks under compact moments)
         margin=margin_bytes,
         chunk_size=chunk_size or sim.requested_chunk_size,
+        optimizer_states=sim.optimizer_states,
     )
     if sim.param_numels:
         size = auto_chunk_size(list(sim.param_numels), config, compute, shard_size)
     else:
         size = sim.chunk_size_elements or 1
-    layout = ChunkLayout(size, sim.alignment, fill_past_oversize=fills_past_oversize(shard_size))
+    layout = ChunkLayout(size, config.layout_alignment, fill_past_oversize=fills_past_oversize(shard_size))
     chunk_of = tuple(layout.add(n).chunk for n in sim.param_numels)
     layout.pad_to_multiple(shard_size)
     return _GroupLayout(
@@ -225,8 +226,8 @@ def derive_rank_share(
     foreign ones dropped after) chooses its chunk size for the shard size and assigns owners
     by bytes; both follow the client's own rules, applied here to the model's param sizes:
 
-    - owned: the largest share over the places of a shard group, every kind of chunk it owns
-      (padding chunks carry only a param chunk); a replica owns the same;
+    - owned: the largest share over the places of a shard group, every row of a chunk it
+      owns as the store allocates it (``sim.rows``), a padding chunk's param row; so a replica;
     - node: a node's ranks are consecutive, so they own the shard places ``offset ..
       offset + ranks_per_node - 1`` (modulo the shard size) of one or more shard groups: with
       "node" every chunk once, with "world" 1/world per rank, with shard groups of half a
@@ -254,9 +255,8 @@ def derive_rank_share(
     s = sharding.shard_size
     lay = _group_layout(sim, s, node, margin_bytes=margin_bytes)
     param_elem = _param_elem_bytes(sim)
-    shares = _place_shares(sim, lay, param_elem)
+    shares = _place_shares(sim, lay)
     owned = max(shares, default=0)
-    even = math.ceil(sum(shares) / s)
     gathered, gathered_module = _gathered(sim, lay)
     gpu_need = sim.non_model_peak_bytes + gathered + margin_bytes
     cpu_of_place = _cpu_of_places(shares, lay, param_elem, gpu_room_bytes=max(0, node.gpu_bytes - gpu_need))
@@ -276,7 +276,7 @@ def derive_rank_share(
         group_bytes=s * lay.chunk_size * param_elem,
         largest_group_bytes=max(lay.group_elements(), default=0) * param_elem,
         owned_bytes=owned,
-        even_share_bytes=even,
+        even_share_bytes=math.ceil(sum(shares) / s),
         node_owned_bytes=node_owned,
         gathered_bytes=gathered,
         gathered_module=gathered_module,
@@ -309,19 +309,20 @@ def _on_the_disk(share: RankShare, sim: Simulation, lay: _GroupLayout, node: Nod
         moved_bytes_per_step=moved,
         nvme_bytes=nvme,
         nvme_node_bytes=max(0, share.cpu_node_bytes - node.cpu_bytes),
-        cpu_step_bytes=largest_chunk * _step_elem_bytes(sim),
+        cpu_step_bytes=sim.rows.step_bytes(largest_chunk),
     )
 
 
-def _place_shares(sim: Simulation, lay: _GroupLayout, param_elem_bytes: int) -> list[int]:
+def _place_shares(sim: Simulation, lay: _GroupLayout) -> list[int]:
     """The bytes each place of a shard group owns in layout ``lay``, owners assigned by bytes
-    as the client assigns them: every kind of chunk of a chunk with params, only the param
-    chunk (``param_elem_bytes`` an element) of a padding chunk."""
+    as the client assigns them: every row of a chunk with params (``sim.rows``: compact
+    moment rows under ``optimizer_states="int8"``), only the param row of a padding chunk."""
     weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
     owner_of = owners_by_bytes(weights, lay.shard_size)
+    rows = sim.rows
     shares = [0] * lay.shard_size
     for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
-        shares[owner_of[i]] += cap * (sim.bytes_per_element if filled else param_elem_bytes)
+        shares[owner_of[i]] += rows.chunk_bytes(cap) if filled else rows.param_bytes(cap)
     return shares
 
 
@@ -345,16 +346,7 @@ def _busiest_node(bytes_of_place: Sequence[int], sharding: Sharding, ranks_per_n
 
 def _param_elem_bytes(sim: Simulation) -> int:
     """Bytes per element of a param chunk alone (what an empty padding chunk costs its owner)."""
-    return 4 if sim.precision == "fp32" else 2
-
-
-def _step_elem_bytes(sim: Simulation) -> int:
-    """Host bytes per element of one chunk's optimizer step with a disk tier: its master,
-    momentum, variance and grads at once (the client's ``_step_bytes``, params/registry.py).
-    Every kind of the chunk but a 16-bit param chunk kept beside separate grads: with grad
-    reuse the grads are in the param chunk, and in fp32 the param chunk is the master."""
-    separate_16bit_param = sim.precision != "fp32" and sim.compute_bytes_per_element == 2 * _param_elem_bytes(sim)
-    return sim.bytes_per_element - (_param_elem_bytes(sim) if separate_16bit_param else 0)
+    return sim.rows.param_bytes(1)
 
 
 # [Note: the disk's traffic, derived]

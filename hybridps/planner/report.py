@@ -17,6 +17,7 @@ from typing import Any
 
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
+from hybridps.common.optimizer_states import OPTIMIZER_STATES
 from hybridps.common.units import format_bytes
 from hybridps.planner.host_peak import InitPeak
 from hybridps.planner.node import NodeSpec
@@ -109,6 +110,10 @@ class HybridPSPlan:
     sharding: Sharding | None = None
     #: gathered bytes per chunk group: shard_size x param chunk bytes
     group_bytes: int = 0
+    #: the simulated rank's model data over the model's params, padding included: every
+    #: kind of chunk (about 14 for 16-bit params with grad reuse and fp32 optimizer states,
+    #: 8.03 with int8 ones); 0 when the simulation stopped at initialize
+    model_data_bytes_per_param: float = 0.0
     #: bytes per rank per step of the layout's collectives, and of ZeRO-3 over the world
     communication: Communication | None = None
     #: why the client would refuse this layout for the model at registration (the plan went
@@ -162,11 +167,15 @@ class PlanReport:
     notes: tuple[str, ...] = ()
     #: GPU bytes planned beside the margin for a real GPU's transients (Planner.transient_allowance)
     transient_allowance_bytes: int = 0
+    #: how Adam's momentum and variance are stored (``Config.optimizer_states``)
+    optimizer_states: str = "fp32"
 
     def __post_init__(self) -> None:
         check_count("n_params", self.n_params)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            raise ConfigError(f"optimizer_states={self.optimizer_states!r}; use one of {', '.join(OPTIMIZER_STATES)}")
 
     @property
     def fits(self) -> bool:
@@ -186,6 +195,7 @@ class PlanReport:
             "training": {
                 "precision": self.precision,
                 "grad_reuse": self.grad_reuse,
+                "optimizer_states": self.optimizer_states,
                 "margin_bytes": self.margin_bytes,
                 "transient_allowance_bytes": self.transient_allowance_bytes,
                 "iterations": self.iterations,
@@ -270,7 +280,7 @@ def _format_report(r: PlanReport) -> str:
     lines = [
         f"HybridPS capacity plan (planned, not measured): {model}",
         f"  {_count(r.n_params)} params, {r.precision}, grad reuse {'on' if r.grad_reuse else 'off'}, "
-        f"margin {format_bytes(r.margin_bytes)}"
+        f"optimizer states {r.optimizer_states}, margin {format_bytes(r.margin_bytes)}"
         + (f" + {format_bytes(r.transient_allowance_bytes)} real-GPU transients" if r.transient_allowance_bytes else "")
         + f"; {r.node.describe()}",
         "",
@@ -299,7 +309,9 @@ def _format_report(r: PlanReport) -> str:
         lines.append(
             f"HybridPS layout: chunk size {h.chunk_size_elements} elements ({format_bytes(h.chunk_bytes)} per "
             f"{r.precision} chunk), {h.chunks} chunk rows, padding {100 * h.padding_fraction:.1f}%, model data "
-            f"{format_bytes(h.model_data_bytes)}{' per rank' if h.derived else ''}; smallest GPU working set "
+            f"{format_bytes(h.model_data_bytes)}{' per rank' if h.derived else ''} "
+            f"({h.model_data_bytes_per_param:.2f} B/param{' of the whole model' if h.derived else ''}, optimizer states "
+            f"{r.optimizer_states}); smallest GPU working set "
             f"{format_bytes(h.min_compute_bytes)} ({h.min_compute_module}"
             f"{', its chunk groups gathered' if h.derived else ''})"
         )

@@ -14,6 +14,7 @@ import dataclasses
 
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
+from hybridps.common.optimizer_states import parse_optimizer_states
 from hybridps.common.units import format_bytes, parse_bytes
 from hybridps.planner.defaults import (
     DEEPSPEED_BUFFER_FACTOR,
@@ -40,6 +41,9 @@ class PlanRequest:
     node: NodeSpec
     precision: str = "fp16"
     grad_reuse: bool = True
+    #: how Adam's momentum and variance are stored (``Config.optimizer_states``): "fp32", or
+    #: "int8" (compact rows: 2.03 B a param for both instead of 8)
+    optimizer_states: str = "fp32"
     margin_bytes: int = 0
     chunk_size: int | None = None
     #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
@@ -77,6 +81,10 @@ class PlanRequest:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if not isinstance(self.grad_reuse, bool):
             raise ConfigError(f"grad_reuse={self.grad_reuse!r} must be True or False")
+        try:
+            object.__setattr__(self, "optimizer_states", parse_optimizer_states(self.optimizer_states).value)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         object.__setattr__(self, "margin_bytes", parse_bytes(self.margin_bytes, what="margin"))
         if self.margin_bytes >= self.node.gpu_bytes:
             raise ConfigError(

@@ -26,6 +26,7 @@ from hybridps.common.config import PRECISIONS
 from hybridps.common.devices import NVME
 from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes
+from hybridps.planner.chunk_rows import chunk_rows
 from hybridps.planner.defaults import DEEPSPEED_BUFFER_FACTOR, DEFAULT_MAX_PROBES
 from hybridps.planner.host_peak import InitPeak, init_peak
 from hybridps.planner.largest import LargestModelSearch
@@ -59,6 +60,7 @@ def plan(
     nvme_write_gbps: float | None = None,
     precision: str = "fp16",
     grad_reuse: bool = True,
+    optimizer_states: str = "fp32",
     margin: int | str = 0,
     chunk_size: int | None = None,
     simulated_gpus: bool = False,
@@ -70,20 +72,19 @@ def plan(
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR,
     shard_group_size: int | str = "node",
 ) -> PlanReport:
-    """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the
-    node described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"),
-    ``ranks_per_node`` (default: one per GPU), ``nodes`` (default 1) and ``nvme`` (a disk
-    tier per node, e.g. "2TiB", reading ``nvme_read_gbps`` and writing ``nvme_write_gbps``
-    GB/s; default none), with ``shard_group_size`` ranks sharing one copy of the model data
-    ("node", "world" or a number of ranks dividing the world; see ``Config.shard_group_size``).
-
-    Raises ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
-    GPU with that shard group (the client would refuse it at registration).
+    """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the node
+    described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"), ``ranks_per_node``
+    (default: one per GPU), ``nodes`` (default 1) and ``nvme`` (a disk tier per node, e.g.
+    "2TiB", reading ``nvme_read_gbps`` and writing ``nvme_write_gbps`` GB/s; default none), with
+    ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a number
+    of ranks dividing the world; see ``Config.shard_group_size``), Adam's moments stored as
+    ``optimizer_states`` ("fp32", or "int8": ``Config.optimizer_states``).
 
     Runs ``iterations`` training iterations of the real engine under ``simulate="meta"``
     (nothing is allocated), derives per-rank figures for multi-rank jobs, applies the peers'
     published placement rules and, with ``search_largest``, finds the largest ``n_layer`` of
-    the family that fits for each of them.
+    the family that fits for each of them. Raises ``ShardGroupTooLargeError`` when the model's
+    gathered chunk groups cannot fit the GPU with that shard group (the client would refuse it).
     """
     described = {
         "gpus": gpus,
@@ -112,6 +113,7 @@ def plan(
         node=node,
         precision=precision,
         grad_reuse=grad_reuse,
+        optimizer_states=optimizer_states,
         margin_bytes=margin,
         chunk_size=chunk_size,
         simulated_gpus=simulated_gpus,
@@ -179,6 +181,8 @@ class Planner(LargestModelSearch):
                req.simulated_gpus, req.iterations)  # fmt: skip
         if nvme_bytes:  # a key without a disk stays as it was (simulations shared by compare)
             key += (nvme_bytes,)
+        if req.optimizer_states != "fp32":  # likewise with exact moments
+            key += (req.optimizer_states,)
         if key in self.simulations:
             return self.simulations[key]
         sim = simulate(
@@ -191,6 +195,7 @@ class Planner(LargestModelSearch):
             chunk_size=req.chunk_size,
             iterations=req.iterations,
             nvme_bytes=nvme_bytes,
+            optimizer_states=req.optimizer_states,
         )
         self.sim_seconds += sim.seconds
         self.simulations[key] = sim
@@ -393,6 +398,7 @@ class Planner(LargestModelSearch):
             n_params=ev.sim.n_params,
             precision=req.precision,
             grad_reuse=req.grad_reuse,
+            optimizer_states=req.optimizer_states,
             margin_bytes=req.margin_bytes,
             transient_allowance_bytes=self.transient_bytes,
             iterations=req.iterations,
@@ -431,6 +437,7 @@ class Planner(LargestModelSearch):
             chunk_bytes=chunk_bytes,
             chunks=chunks,
             padding_fraction=padding,
+            model_data_bytes_per_param=sim.model_data_bytes_per_param,
             min_compute_bytes=working_set,
             min_compute_module=working_module,
             non_model_peak_bytes=sim.non_model_peak_bytes,
@@ -534,6 +541,8 @@ class Planner(LargestModelSearch):
             notes.append("the simulation did not finish, so the peers' activations are extrapolated from smaller sizes")
         if self.request.precision == "fp32":
             notes.append("the DeepSpeed rules are written for 16-bit params with fp32 optimizer states; applied unchanged")
+        if self.request.optimizer_states != "fp32":
+            notes.append(_compact_states_note(ev.sim))
         if self.node.has_disk:
             node = self.node
             if node.world_size == 1:
@@ -554,6 +563,25 @@ class Planner(LargestModelSearch):
                 f"planned without it (ZeRO-Infinity's NVMe offload is not modelled)"
             )
         return notes
+
+
+def _compact_states_note(sim: Simulation) -> str:
+    """The note of a plan with compact optimizer states: what its model data counts."""
+    note = (
+        f"optimizer states {sim.optimizer_states}: Adam's momentum and variance are each kept as a row of 8-bit codes "
+        f"and an fp32 scale per 256 elements (Config.optimizer_states; every tensor starts on a 256-element boundary)"
+    )
+    size = sim.chunk_size_elements
+    if size and sim.model_data_bytes:
+        exact = chunk_rows(sim.precision, sim.grad_reuse, "fp32")
+        note += (
+            f": a chunk's rows take {sim.rows.bytes_per_element(sim.rows.kinds, size):.3f} B an element where fp32 "
+            f"moments take {exact.bytes_per_element(exact.kinds, size):g}, {sim.model_data_bytes_per_param:.2f} B/param "
+            f"of model data here, padding included"
+        )
+    return (
+        note + "; the step is not exact (moments are re-quantized every step); the peers are planned with their own fp32 states"
+    )
 
 
 def _plan_warnings(sim: Simulation, share: RankShare | None, init: InitPeak | None, node: NodeSpec) -> list[str]:

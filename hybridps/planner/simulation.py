@@ -3,9 +3,10 @@ real engine under ``simulate="meta"``, and what its memory did.
 
 Owns ``simulate`` (build the model on meta, ``initialize`` it, run the iterations with
 attention as a real run saves it and meta kernels remembered, beside a disk tier when one is
-given), the records of what it showed (``Simulation``, ``DeviceFigures``) read from
-``memory_stats()`` and the client's layout (``_read_simulation``), and the parameter counts
-the peers' rules take (``deepspeed_param_counts``).
+given, the optimizer's moments stored as ``Config.optimizer_states`` says), the records of
+what it showed (``Simulation``, ``DeviceFigures``) read from ``memory_stats()`` and the
+client's layout (``_read_simulation``), and the parameter counts the peers' rules take
+(``deepspeed_param_counts``). The bytes of a chunk's rows are ``chunk_rows``'s.
 
 Does not own chunk layout, placement, eviction, tidal budgets or activation measurement:
 the engine does all of that here exactly as in training (the same ``initialize``, hooks,
@@ -22,12 +23,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.common.config import Config
 from hybridps.common.devices import NVME
 from hybridps.common.errors import CapacityError, ConfigError
 from hybridps.engine import initialize
 from hybridps.planner.attention import meta_attention_as_flash
+from hybridps.planner.chunk_rows import ChunkRows, chunk_rows
 from hybridps.planner.meta_kernels import remembered_meta_kernels
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.validation import check_bytes, check_count, check_positive_int
@@ -70,8 +71,9 @@ class Simulation:
     chunk_size_elements: int | None
     #: elements of each chunk index (one layout for every kind), padding included
     chunk_capacities: tuple[int, ...]
-    #: bytes per element summed over every chunk kind (14 for fp16 with grad reuse)
-    bytes_per_element: int
+    #: bytes per element of a chunk of ``chunk_size_elements`` summed over every chunk kind
+    #: (14 for fp16 with grad reuse; about 8.03 with compact moments: ``ChunkRows.bytes_per_element``)
+    bytes_per_element: float
     #: bytes per element of the param (+ grad without grad reuse) chunks a module computes with
     compute_bytes_per_element: int
     #: (module name, chunk indices it computes with), for every module holding params
@@ -99,6 +101,10 @@ class Simulation:
     requested_chunk_size: int | None = None
     #: the disk tier's figures (device "nvme"); None: simulated without one
     nvme: DeviceFigures | None = None
+    #: grads in the params' slots (``Config.grad_reuse``)
+    grad_reuse: bool = True
+    #: how Adam's momentum and variance are stored (``Config.optimizer_states``: "fp32", "int8")
+    optimizer_states: str = "fp32"
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -108,6 +114,18 @@ class Simulation:
             check_bytes(f, getattr(self, f))
         if self.completed == (self.failure is not None):
             raise ConfigError(f"Simulation: completed={self.completed} contradicts failure={self.failure!r}")
+
+    @property
+    def rows(self) -> ChunkRows:
+        """The bytes of a chunk's rows under this simulation's training settings (for layouts
+        with other capacities than its own: ``ranks``)."""
+        return chunk_rows(self.precision, self.grad_reuse, self.optimizer_states)
+
+    @property
+    def model_data_bytes_per_param(self) -> float:
+        """Model data over params, padding included (about 14 for 16-bit params with grad reuse
+        and fp32 moments, 8.03 with compact ones); 0 when the simulation stopped at initialize."""
+        return self.model_data_bytes / self.n_params if self.n_params else 0.0
 
     @property
     def non_model_peak_bytes(self) -> int:
@@ -135,16 +153,16 @@ def simulate(
     chunk_size: int | None = None,
     iterations: int = 2,
     nvme_bytes: int = 0,
+    optimizer_states: str = "fp32",
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
-    ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0), every payload on
-    the meta device, and report what happened.
+    ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0), Adam's moments as
+    ``optimizer_states`` says, every payload on the meta device, and report what happened.
 
     Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
-    budget and furthest-next-use eviction, as every later iteration would, so two are enough
-    for the peaks and for the bytes moved per step (with a disk tier three: the first replay
-    still reads back what the warm-up left there). A plan for simulated GPUs runs the same
-    client: host chunks come from the same arena there, only unpinned.
+    budget and furthest-next-use eviction, as every later iteration would, so two show the
+    peaks and the bytes moved per step (with a disk tier three: the first replay still reads
+    back what the warm-up left there). Simulated GPUs: the same client and arena, unpinned.
     """
     start = time.perf_counter()
     devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes}
@@ -157,9 +175,9 @@ def simulate(
         grad_reuse=grad_reuse,
         margin=margin_bytes,
         chunk_size=chunk_size,
+        optimizer_states=optimizer_states,
     )
-    # every op of the build, the init and the iterations on meta tensors: each distinct call
-    # runs its meta kernel once ([Note: why remember meta kernels] in meta_kernels.py)
+    # each distinct op call runs its meta kernel once ([Note: why remember meta kernels] in meta_kernels.py)
     with remembered_meta_kernels():
         with torch.device("meta"):
             module = model.build()
@@ -206,28 +224,23 @@ def simulate(
 
 
 def _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start) -> Simulation:
-    itemsizes = {
-        ChunkKind.PARAM: config.param_dtype.itemsize,
-        ChunkKind.GRAD: config.param_dtype.itemsize,
-        ChunkKind.MASTER: 4,
-        ChunkKind.MOMENTUM: 4,
-        ChunkKind.VARIANCE: 4,
-    }
+    settings = dict(precision=config.precision, grad_reuse=config.grad_reuse, optimizer_states=config.moment_states.value)
     compute_per_elem = config.param_dtype.itemsize * (1 if config.grad_reuse else 2)
     if engine is None:
         return Simulation(
             n_layer=model.n_layer, n_params=n_params, largest_layer_params=largest_layer, completed=False,
             failure=failure, iterations=0, chunk_size_elements=None, chunk_capacities=(), bytes_per_element=0,
             compute_bytes_per_element=compute_per_elem, module_chunks=(), param_numels=(), module_params=(),
-            alignment=config.alignment, model_data_bytes=0, padding_elements=0,
+            alignment=config.layout_alignment, model_data_bytes=0, padding_elements=0,
             gpu=None, cpu=None, peak_total_warmup_bytes=0, moved_bytes_per_step={}, min_compute_bytes=0,
-            min_compute_module="", seconds=time.perf_counter() - start, precision=config.precision,
-            requested_chunk_size=config.chunk_size,
+            min_compute_module="", seconds=time.perf_counter() - start, requested_chunk_size=config.chunk_size,
+            **settings,
         )  # fmt: skip
     client = engine.client
     layout = client.layout
     stats = engine.memory_stats()
-    kinds = [k for k, chunks in client.rows.items() if chunks]
+    rows = chunk_rows(**settings)
+    kinds = tuple(k for k, chunks in client.rows.items() if chunks)
     capacities = tuple(layout.capacity(i) for i in range(layout.num_chunks))
     module_chunks = tuple(
         (name, tuple(sorted({client.param_info(p).slot.chunk for p in params if client.is_registered(p)})))
@@ -237,7 +250,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
     moved = {k: after.get(k, 0) - before.get(k, 0) for k in after} if failure is None else {}
     return Simulation(
         largest_saved_bytes=stats["trace"]["largest_saved_bytes"],
-        precision=config.precision,
+        **settings,
         requested_chunk_size=config.chunk_size,
         n_layer=model.n_layer,
         n_params=n_params,
@@ -247,7 +260,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         iterations=done,
         chunk_size_elements=layout.chunk_size,
         chunk_capacities=capacities,
-        bytes_per_element=sum(itemsizes[k] for k in kinds),
+        bytes_per_element=rows.bytes_per_element(kinds, layout.chunk_size),
         compute_bytes_per_element=compute_per_elem,
         module_chunks=tuple((n, c) for n, c in module_chunks if c),
         param_numels=tuple(i.slot.numel for i in client.params),
@@ -259,7 +272,7 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
             )
             if idx
         ),
-        alignment=config.alignment,
+        alignment=config.layout_alignment,
         model_data_bytes=stats["model_data_bytes"],
         padding_elements=layout.total_elements - layout.tensor_elements,
         gpu=gpu,
