@@ -104,6 +104,21 @@ def test_a_precision_flag_that_contradicts_the_config_is_refused(tmp_path):
         )
 
 
+def test_an_8bit_adam_optim_runs_as_compact_int8_states_and_a_4bit_one_is_refused(tmp_path):
+    """optim="adamw_torch_8bit" (torchao's 8-bit AdamW under plain Trainer) trains as torch's
+    AdamW over HybridPS's own 8-bit states (Config.optimizer_states="int8")."""
+    args = arguments(str(tmp_path / "a"), optim="adamw_torch_8bit", save_strategy="no")
+    ours = HybridPSTrainer(
+        model=model(), args=args, train_dataset=dataset(), hybridps_config=hybridps.Config(devices={"cuda:0": "512KiB"})
+    )
+    ours.train()
+    assert ours.engine.config.optimizer_states == "int8" and ours.engine.memory_stats()["optimizer_states"] == "int8"
+    assert args.optim == "adamw_torch_8bit"  # the caller's arguments are left as they were
+    assert all(math.isfinite(x) for x in logged(ours)["loss"])
+    with pytest.raises(hybridps.HybridPSError, match="adamw_torch_8bit"):
+        HybridPSTrainer(model=model(), args=arguments(str(tmp_path / "b"), optim="adamw_torch_4bit"), train_dataset=dataset())
+
+
 def test_torch_compile_and_full_eval_casts_are_refused_with_the_reason(tmp_path, monkeypatch):
     for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH"):
         monkeypatch.delenv(name, raising=False)  # TrainingArguments(torch_compile=True) sets them for the process

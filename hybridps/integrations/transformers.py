@@ -54,6 +54,33 @@ ENGINE_CHECKPOINT = "hybridps"
 SCHEDULER_NAME = "scheduler.pt"
 
 
+#: TrainingArguments.optim names of 8-bit Adams (torchao's, bitsandbytes'): HybridPS runs them
+#: as torch's AdamW over compact 8-bit states of its own (Config.optimizer_states="int8")
+EIGHT_BIT_ADAMS = ("adamw_torch_8bit", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
+
+
+def _mapped_optimizer(args: transformers.TrainingArguments, config: Config) -> tuple[transformers.TrainingArguments, Config]:
+    """``optim`` of an 8-bit Adam becomes ``Config(optimizer_states="int8")`` over torch's
+    AdamW (the same algorithm, its states kept in HybridPS's chunks); other low-bit Adams are
+    refused with the fix."""
+    name = str(getattr(args.optim, "value", args.optim))
+    if not (name in EIGHT_BIT_ADAMS or "4bit" in name):
+        return args, config
+    if "4bit" in name:
+        raise HybridPSError(
+            f"TrainingArguments(optim={name!r}): HybridPS keeps Adam states exact (fp32) or 8-bit; use "
+            f"optim='adamw_torch_8bit' (or hybridps.Config(optimizer_states='int8') with optim='adamw_torch')"
+        )
+    logger.info(
+        "TrainingArguments(optim=%r): HybridPS runs it as torch's AdamW with Config(optimizer_states='int8') (the same "
+        "8-bit blockwise states, kept in its chunks)",
+        name,
+    )
+    mapped = copy.copy(args)
+    mapped.optim = transformers.training_args.OptimizerNames.ADAMW_TORCH
+    return mapped, config.replace(optimizer_states="int8")
+
+
 def _mapped_arguments(args: transformers.TrainingArguments, config: Config) -> tuple[transformers.TrainingArguments, Config]:
     """The TrainingArguments Trainer gets under HybridPS, and the engine's config.
 
@@ -76,6 +103,7 @@ def _mapped_arguments(args: transformers.TrainingArguments, config: Config) -> t
                 f"TrainingArguments({flag}=True) casts the model for evaluation, whose params live in HybridPS chunks; "
                 f"evaluation runs at the engine's precision already (bf16/fp16 with --bf16/--fp16). Set {flag}=False"
             )
+    args, config = _mapped_optimizer(args, config)
     flag = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     if flag is None:
         return args, config
