@@ -300,38 +300,5 @@ def compact_adam_(
         _torch_path(master, grad, m, v, start, end, h)
 
 
-def compact_adam_torch_(
-    master: Tensor,
-    grad: Tensor,
-    m: MomentRow,
-    v: MomentRow,
-    start: int,
-    end: int,
-    *,
-    lr: float | Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    decoupled_weight_decay: bool,
-    maximize: bool = False,
-) -> None:
-    """``compact_adam_`` in torch ops (any device; always available)."""
-    compact_adam_(
-        master,
-        grad,
-        m,
-        v,
-        start,
-        end,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        step=step,
-        decoupled_weight_decay=decoupled_weight_decay,
-        maximize=maximize,
-        path="torch",
-    )
+#: ``compact_adam_`` in torch ops (any device; always available)
+compact_adam_torch_ = functools.partial(compact_adam_, path="torch")
