@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_args.add_subcommand(subparsers, _train)
     planner.add_subcommand(subparsers)
+    from hybridps.planner import calibrate  # imports torch only when it measures
+
+    calibrate.add_subcommand(subparsers)
     return parser
 
 

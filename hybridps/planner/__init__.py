@@ -23,6 +23,9 @@ Modules, each importing only those above it:
 - ``chunk_rows``: the bytes of a chunk's rows per kind, as the chunk store allocates them
   (fp32 or compact int8 moments: ``ChunkRows``);
 - ``simulation``: one meta-simulated run (``simulate``, ``Simulation``, ``DeviceFigures``);
+- ``rates``: a machine's measured rates, the shipped GPU profiles (``MachineRates``);
+- ``speed``: the predicted seconds per step, tokens/s and TFLOPS of a plan (``predict_speed``);
+- ``calibrate``: ``hybridps calibrate``, measuring this machine's rates;
 - ``ranks``: one rank's derived share of a multi-rank job (``derive_rank_share``);
 - ``host_peak``: one rank's host peak while building on meta and loading (``init_peak``);
 - ``report``: the report's records, its JSON and its table (``PlanReport``);

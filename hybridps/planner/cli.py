@@ -5,7 +5,8 @@ storage, node with its disk tier
 (``--nvme`` and its bandwidth) and shard group, output), turning them into a model and a
 node, running ``plan()`` (one layout) or ``compare_layouts()`` (several node counts or shard
 group sizes, given as comma lists) and printing the table or the JSON, and the exit status
-(2 with a message for a ``ConfigError``, a refused layout included).
+(2 with a message for a ``ConfigError``, a refused layout included); ``--rates`` and
+``--micro-batches`` for the predicted speed (one layout only: ``speed``).
 
 Does not own planning (``search``, ``compare``) or the report's text (``report``); the
 ``hybridps`` command adds ``plan`` to its subcommands through ``add_subcommand``.
@@ -141,6 +142,29 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         f"--nvme on one rank, whose steady disk traffic shows in the third)",
     )
     _add_node_arguments(p)
+    _add_speed_arguments(p)
+    _add_output_arguments(p, t)
+
+
+def _add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    sp = p.add_argument_group("predicted speed")
+    sp.add_argument(
+        "--rates",
+        default=None,
+        metavar="PROFILE_OR_FILE",
+        help="the machine's measured rates for the predicted step: h100 or h200 (shipped profiles), this-machine "
+        "(what `hybridps calibrate` stored) or a JSON file (default: the stored calibration if any, else no prediction)",
+    )
+    sp.add_argument(
+        "--micro-batches",
+        type=_positive_int,
+        default=1,
+        help="micro-batches of --batch accumulated per optimizer step, for the predicted speed (default 1)",
+    )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser, t) -> None:
+    """The output group (and the peers' buffer factor, shown under ``t``, the training group)."""
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     o.add_argument("--search", action=argparse.BooleanOptionalAction, default=True, help="search the largest model of the family")
@@ -299,7 +323,10 @@ def run_command(args: argparse.Namespace) -> int:
                 **training,
             )
         else:
-            report = plan(model, node, margin=args.margin, shard_group_size=args.shard_group_size[0], **training)
+            from hybridps.planner.rates import load_rates
+
+            speed = dict(rates=load_rates(args.rates), micro_batches=args.micro_batches)
+            report = plan(model, node, margin=args.margin, shard_group_size=args.shard_group_size[0], **training, **speed)
     except ConfigError as exc:
         print(f"hybridps plan: error: {exc}", file=sys.stderr)
         return 2

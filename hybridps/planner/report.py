@@ -169,6 +169,10 @@ class PlanReport:
     transient_allowance_bytes: int = 0
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``)
     optimizer_states: str = "fp32"
+    #: the predicted steady step on a machine's rates (``speed.SpeedPrediction``); None: not
+    #: predicted, ``speed_note`` says why (else it names the rates and the composition)
+    speed: Any = None
+    speed_note: str = ""
 
     def __post_init__(self) -> None:
         check_count("n_params", self.n_params)
@@ -206,6 +210,11 @@ class PlanReport:
             "largest_model_method": self.largest_model_method,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "notes": list(self.notes),
+            "speed": {
+                "predicted": self.speed is not None,
+                "note": self.speed_note,
+                **(self.speed.to_dict() if self.speed is not None else {}),
+            },
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -331,6 +340,10 @@ def _format_report(r: PlanReport) -> str:
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.moved_bytes_per_step.items()) or "none"
     lines.append(f"  moved per step{' (derived)' if h.derived else ''}: {moved}")
     lines += _disk_lines(r)
+    if r.speed is not None:
+        lines.append(f"  predicted speed: {r.speed.describe()}")
+    elif r.speed_note:
+        lines.append(f"  predicted speed: none ({r.speed_note})")
     lines += _layout_lines(h)
     if not h.fits:
         lines.append(f"  does not fit: {h.reason}")

@@ -11,6 +11,7 @@ Does not own how a request is planned (``search``, ``largest``) or the node's ow
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hybridps.common.config import PRECISIONS
 from hybridps.common.errors import ConfigError
@@ -64,6 +65,12 @@ class PlanRequest:
     #: ranks sharing one copy of the model data (``Config.shard_group_size``): "node", "world"
     #: or a number of ranks dividing the world
     shard_group_size: int | str = "node"
+    #: the machine's measured rates for the predicted speed (``rates.MachineRates``); None:
+    #: no prediction
+    rates: Any = None
+    #: micro-batches accumulated per optimizer step, for the predicted speed only (the
+    #: simulation runs one: its memory is one micro-batch's)
+    micro_batches: int = 1
     #: raise ``ShardGroupTooLargeError`` when the model's gathered chunk groups cannot fit the
     #: GPU (as the client does at registration); False: report it and plan on (comparisons)
     refuse_unfit_layout: bool = True
@@ -116,6 +123,7 @@ class PlanRequest:
             )
         check_positive_int("max_layers", self.max_layers)
         check_positive_int("max_probes", self.max_probes)
+        check_positive_int("micro_batches", self.micro_batches)
         if not (isinstance(self.deepspeed_buffer_factor, (int, float)) and self.deepspeed_buffer_factor > 0):
             raise ConfigError(f"deepspeed_buffer_factor={self.deepspeed_buffer_factor!r} must be a positive number")
         object.__setattr__(self, "shard_group_size", self.sharding.requested)  # validated against the node

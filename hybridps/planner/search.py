@@ -34,10 +34,12 @@ from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.peers import peer_plans
 from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
+from hybridps.planner.rates import MachineRates
 from hybridps.planner.report import RULE, HybridPSPlan, LargestModel, PlanReport
 from hybridps.planner.request import Evaluation, PlanRequest
 from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, smaller_shard_sizes
 from hybridps.planner.simulation import DeviceFigures, Simulation, simulate
+from hybridps.planner.speed import SpeedPrediction, predict_speed
 
 #: the package's logger ("hybridps.planner"), whose level ``hybridps plan -v`` sets
 logger = logging.getLogger("hybridps.planner")
@@ -71,6 +73,8 @@ def plan(
     search_seconds: float | None = None,
     deepspeed_buffer_factor: float = DEEPSPEED_BUFFER_FACTOR,
     shard_group_size: int | str = "node",
+    rates: MachineRates | None = None,
+    micro_batches: int = 1,
 ) -> PlanReport:
     """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the node
     described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"), ``ranks_per_node``
@@ -78,7 +82,9 @@ def plan(
     "2TiB", reading ``nvme_read_gbps`` and writing ``nvme_write_gbps`` GB/s; default none), with
     ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a number
     of ranks dividing the world; see ``Config.shard_group_size``), Adam's moments stored as
-    ``optimizer_states`` ("fp32", or "int8": ``Config.optimizer_states``).
+    ``optimizer_states`` ("fp32", or "int8": ``Config.optimizer_states``). With ``rates`` (a
+    ``MachineRates``: ``rates.load_rates``) the report predicts the steady step's seconds,
+    ``micro_batches`` accumulated per optimizer step (``speed``).
 
     Runs ``iterations`` training iterations of the real engine under ``simulate="meta"``
     (nothing is allocated), derives per-rank figures for multi-rank jobs, applies the peers'
@@ -86,15 +92,8 @@ def plan(
     the family that fits for each of them. Raises ``ShardGroupTooLargeError`` when the model's
     gathered chunk groups cannot fit the GPU with that shard group (the client would refuse it).
     """
-    described = {
-        "gpus": gpus,
-        "cpu": cpu,
-        "ranks_per_node": ranks_per_node,
-        "nodes": nodes,
-        "nvme": nvme,
-        "nvme_read_gbps": nvme_read_gbps,
-        "nvme_write_gbps": nvme_write_gbps,
-    }
+    described = dict(gpus=gpus, cpu=cpu, ranks_per_node=ranks_per_node, nodes=nodes, nvme=nvme)
+    described.update(nvme_read_gbps=nvme_read_gbps, nvme_write_gbps=nvme_write_gbps)
     if node is None:
         bandwidth = {k: v for k, v in described.items() if k.endswith("_gbps") and v is not None}
         node = NodeSpec.parse(
@@ -124,6 +123,8 @@ def plan(
         search_seconds=search_seconds,
         deepspeed_buffer_factor=deepspeed_buffer_factor,
         shard_group_size=shard_group_size,
+        rates=rates,
+        micro_batches=micro_batches,
     )
     return Planner(request).run()
 
@@ -374,6 +375,7 @@ class Planner(LargestModelSearch):
             peers = [dataclasses.replace(p, largest=self.peer_largest(p.name)) for p in peers]
         hybrid = self._hybridps_plan(ev, largest, refused)
         notes = list(self._notes(ev, activation))
+        speed, speed_note = self._speed(ev)
         method = None
         if req.search_largest:
             method = (
@@ -413,7 +415,24 @@ class Planner(LargestModelSearch):
                 "simulations_total": self.sim_seconds,
             },
             notes=tuple(notes),
+            speed=speed,
+            speed_note=speed_note,
         )
+
+    def _speed(self, ev: Evaluation) -> tuple[SpeedPrediction | None, str]:
+        """The predicted steady step of ``ev`` on the request's rates, or why there is none."""
+        req, node = self.request, self.node
+        if req.rates is None:
+            return None, "no rates: run `hybridps calibrate`, or give --rates h100, h200 or a file"
+        if not ev.sim.completed:
+            return None, "the simulation did not finish: no steady step to time"
+        if node.world_size > 1:
+            return None, "predicted for one rank only (the collectives' time is not modelled)"
+        if not hasattr(req.model, "d_model"):
+            return None, "the speed model needs a GPT shape (its hidden size, sequence and batch)"
+        disk = (node.nvme_read_gbps, node.nvme_write_gbps) if node.has_disk else None
+        speed = predict_speed(ev.sim, req.model, req.rates, micro_batches=req.micro_batches, disk_gbps=disk)
+        return speed, f"rates {req.rates.name} ({req.rates.device}; {req.rates.measured}); {speed.composition}"
 
     def _hybridps_plan(self, ev: Evaluation, largest: LargestModel | None, refused: str | None) -> HybridPSPlan:
         """HybridPS's figures for ``ev``: the simulated rank's own, or for a multi-rank job the

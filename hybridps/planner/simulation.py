@@ -105,6 +105,12 @@ class Simulation:
     grad_reuse: bool = True
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``: "fp32", "int8")
     optimizer_states: str = "fp32"
+    #: where the last (steady) iteration's optimizer steps ran: params (padding excluded) and
+    #: chunks stepped on the CPU and on the GPU (``Placement.step_device``; the speed model's)
+    step_params_cpu: int = 0
+    step_params_gpu: int = 0
+    step_chunks_cpu: int = 0
+    step_chunks_gpu: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -188,19 +194,19 @@ def simulate(
         failure: str | None = None
         engine = None
         done = 0
-        moved_before: dict[str, int] = {}
-        moved_after: dict[str, int] = {}
+        before: dict[str, int] = {}
+        after: dict[str, int] = {}
         try:
             engine = initialize(module, optimizer, config)
             with meta_attention_as_flash():
                 for _ in range(iterations):
-                    moved_before = dict(engine.client.mover.counts.moved_bytes)
+                    before = dict(engine.client.mover.counts.moved_bytes)
                     out = engine(*model.inputs(device))
                     engine.backward(model.loss(out))
                     engine.step()
                     engine.zero_grad()
                     done += 1
-            moved_after = dict(engine.client.mover.counts.moved_bytes)
+            after = dict(engine.client.mover.counts.moved_bytes)
         except (ConfigError, CapacityError) as exc:
             where = "initialize" if engine is None else f"iteration {done + 1}"
             failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
@@ -215,9 +221,8 @@ def simulate(
                 raise
             failure = f"{type(refusal).__name__} at initialize: {str(refusal).splitlines()[0]}"
     try:
-        return _read_simulation(
-            engine, model, config, owners, n_params, largest_layer, failure, done, moved_before, moved_after, start
-        )
+        sim = _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start)
+        return dataclasses.replace(sim, **_step_counts(engine)) if sim.completed else sim
     finally:
         if engine is not None:
             engine.client.close(restore=False)
@@ -284,6 +289,23 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         min_compute_module=stats["min_compute_module"],
         seconds=time.perf_counter() - start,
     )
+
+
+def _step_counts(engine) -> dict[str, int]:
+    """Params and chunks of the steady iteration's optimizer steps on the CPU and on the GPU:
+    each chunk steps where the placement policy says for its master's place, which the
+    iteration after warm-up leaves as every later one finds it."""
+    from hybridps.client.chunks.chunk import ChunkKind
+
+    client = engine.client
+    out = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0)
+    for param_chunk, master in zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True):
+        if not (param_chunk.owned and param_chunk.slots):
+            continue
+        where = "cpu" if client.placement.step_device(master) == "cpu" else "gpu"
+        out[f"step_params_{where}"] += sum(slot.numel for slot in param_chunk.slots)
+        out[f"step_chunks_{where}"] += 1
+    return out
 
 
 def _device_figures(stats: Mapping) -> tuple[DeviceFigures, DeviceFigures, DeviceFigures | None]:

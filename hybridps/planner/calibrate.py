@@ -1,0 +1,330 @@
+"""``hybridps calibrate``: measure this machine's rates for the speed model, in under a minute.
+
+Owns the measurements (``calibrate``) and the ``calibrate`` subcommand
+(``add_subcommand``): a training step's compute rate at a few hidden sizes (bf16 on a CUDA
+GPU, else fp32 on the CPU: a simulated GPU computes on the CPU), the copy rates (pinned
+host <-> GPU with a GPU, else a host memcpy: a simulated GPU's chunk moves), torch's fused
+AdamW and the compact step (``compact_adam_``) on the CPU, the dtype copies of a 16-bit
+step, the optimizer step on the GPU (on a simulated GPU: the CPU's), HybridPS's host time per
+param tensor (a tiny GPT trained by the engine, less the same model's plain step), and the
+disk's sequential rates on a temp file. Stores a ``MachineRates`` as JSON
+(``rates.stored_rates_path`` unless ``--out``).
+
+Does not own the rates' record or the profiles (``rates``), or the prediction (``speed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: hidden sizes timed (``--quick``: the first two)
+HIDDEN_SIZES = (256, 512, 1024)
+_MiB = 1 << 20
+
+
+def _median_s(fn: Callable[[], Any], repeats: int, warmup: int = 1, sync: Callable[[], None] = lambda: None) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _gpt(d_model: int, n_layer: int, seq: int, vocab: int = 256):
+    from hybridps.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model))
+
+
+def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 2) -> float:
+    """A GPT's forward and backward at ``hidden`` (one block, a small vocabulary), FLOPs
+    counted as the speed model counts them: 6 N T + 12 L d S T."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _gpt(hidden, 1, seq).to(device=device, dtype=dtype)
+    x = torch.randint(0, 256, (max(1, tokens // seq), seq), device=device)
+    n = sum(p.numel() for p in model.parameters())
+
+    def step():
+        model(x, x)[1].backward()
+
+    seconds = _median_s(step, repeats, sync=_sync(device))
+    flops = 6.0 * n * x.numel() + 12.0 * 1 * hidden * seq * x.numel()
+    return flops / seconds / 1e12
+
+
+def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
+    """(host -> GPU, GPU -> host) GB/s over pinned memory; without a GPU a host memcpy both ways."""
+    import torch
+
+    n = mib * _MiB
+    if device.type != "cuda":
+        a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        a.fill_(1)
+        s = _median_s(lambda: b.copy_(a), repeats)
+        return n / s / 1e9, n / s / 1e9
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    sync = _sync(device)
+    up = _median_s(lambda: dev.copy_(host, non_blocking=True), repeats, sync=sync)
+    down = _median_s(lambda: host.copy_(dev, non_blocking=True), repeats, sync=sync)
+    return n / up / 1e9, n / down / 1e9
+
+
+def adam_rates(elements: int, *, repeats: int = 3) -> dict[str, float]:
+    """params/s on the CPU of torch's fused AdamW, of ``compact_adam_`` (int8 moments) and of
+    the two dtype copies of a 16-bit step (bf16 grads to fp32, the fp32 master back)."""
+    import torch
+
+    from hybridps.client.optim.compact_adam import compact_adam_, native_kernel_available
+    from hybridps.client.optim.moment_codes import MomentRow, row_bytes
+
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    p, g, m, v = torch.randn(elements), torch.randn(elements) * 1e-3, torch.zeros(elements), torch.zeros(elements)
+    step_t = torch.tensor(1.0)
+    fused = _median_s(
+        lambda: torch._fused_adamw_([p], [g], [m], [v], [], [step_t], amsgrad=False, maximize=False, **hyper), repeats
+    )
+    mom = MomentRow(torch.zeros(row_bytes(elements), dtype=torch.uint8), elements, True)
+    var = MomentRow(torch.zeros(row_bytes(elements), dtype=torch.uint8), elements, False)
+    counter = iter(range(1, 1 << 30))
+    path = "native" if native_kernel_available() else "torch"
+    compact = _median_s(
+        lambda: compact_adam_(p, g, mom, var, 0, elements, step=next(counter), decoupled_weight_decay=True, path=path, **hyper),
+        repeats,
+    )
+    half = torch.empty(elements, dtype=torch.bfloat16)
+    casts = _median_s(lambda: (g.copy_(half), half.copy_(p)), repeats)
+    return {
+        "cpu_adam_params_per_s": elements / fused,
+        "cpu_compact_adam_params_per_s": elements / compact,
+        "cpu_cast_params_per_s": elements / casts,
+    }
+
+
+def gpu_adam_params_per_s(device, elements: int, *, repeats: int = 3) -> float:
+    """Fused AdamW over fp32 rows on the GPU."""
+    import torch
+
+    p, g, m, v = (torch.zeros(elements, device=device) for _ in range(4))
+    step_t = torch.tensor(1.0, device=device)
+    s = _median_s(
+        lambda: torch._fused_adamw_(
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [step_t],
+            amsgrad=False,
+            maximize=False,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+        ),  # fmt: skip
+        repeats,
+        sync=_sync(device),
+    )
+    return elements / s
+
+
+def host_s_per_tensor(device, *, steps: int = 6) -> float:
+    """HybridPS's host time per param tensor per training step: a tiny GPT (everything on
+    the GPU, real or simulated) trained by the engine, over its tensors. Without a GPU the
+    same model's plain step (its compute, counted apart) is taken off."""
+    import torch
+
+    import hybridps
+
+    torch.manual_seed(0)
+    seq, layers = 32, 4
+    x = torch.randint(0, 256, (2, seq))
+    plain = _gpt(64, layers, seq)
+    opt = torch.optim.AdamW(plain.parameters(), fused=device.type != "cuda")
+
+    def plain_step():
+        plain(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+    plain_s = 0.0 if device.type == "cuda" else _median_s(plain_step, steps, warmup=2)
+    model = _gpt(64, layers, seq)
+    tensors = sum(1 for _ in model.parameters())
+    config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32")
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=device.type != "cuda"), config)
+    xe = x.to(engine.client.compute.torch_device)
+
+    def engine_step():
+        engine.backward(engine(xe, xe)[1])
+        engine.step()
+        engine.zero_grad()
+
+    try:
+        engine_s = _median_s(engine_step, steps, warmup=2, sync=_sync(device))
+    finally:
+        engine.close()
+    return max(0.0, engine_s - plain_s) / tensors
+
+
+def disk_gbps(directory: str | None, *, mib: int = 256) -> tuple[float, float]:
+    """(read, write) GB/s of one file of ``mib`` MiB in ``directory``: written and synced, its
+    pages dropped, read back."""
+    block = os.urandom(8 * _MiB)
+    n = mib * _MiB
+    with tempfile.TemporaryDirectory(dir=directory) as d:
+        path = Path(d) / "rates.bin"
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(n // len(block)):
+                f.write(block)
+            os.fsync(f.fileno())
+        write = time.perf_counter() - t0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while os.read(fd, 8 * _MiB):
+                pass
+            read = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    return n / read / 1e9, n / write / 1e9
+
+
+def _device_name(device) -> str:
+    import torch
+
+    cores = os.cpu_count()
+    cpu = f"{platform.processor() or platform.machine()}, {cores} cores"
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}; host {cpu}"
+    return f"simulated GPU (compute and copies on the CPU: {cpu})"
+
+
+def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = None, name: str = "this-machine"):
+    """Measure this machine's ``MachineRates`` (``quick``: smaller sizes, no disk: a few seconds)."""
+    import torch
+
+    from hybridps.planner.rates import MachineRates
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    sizes = HIDDEN_SIZES[:2] if quick else HIDDEN_SIZES
+    table = tuple((h, compute_tflops(device, h, tokens=512 if quick else 1024)) for h in sizes)
+    h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
+    elements = (4 if quick else 16) * _MiB
+    adam = adam_rates(elements)
+    gpu_adam = gpu_adam_params_per_s(device, elements) if device.type == "cuda" else adam["cpu_adam_params_per_s"]
+    host = host_s_per_tensor(device, steps=3 if quick else 6)
+    read = write = None
+    if disk and not quick:
+        read, write = disk_gbps(disk_dir)
+    kind = "bf16 on the GPU" if device.type == "cuda" else "fp32 on the CPU"
+    sources = {
+        "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
+        "h2d_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy (a simulated GPU's chunk moves)",
+        "d2h_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy",
+        "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
+        "cpu_compact_adam_params_per_s": f"compact_adam_ over {elements} params",
+        "cpu_cast_params_per_s": "bf16 -> fp32 and fp32 -> bf16 copies",
+        "gpu_adam_params_per_s": "fused AdamW on the GPU" if device.type == "cuda" else "the CPU's (a simulated GPU steps on it)",
+        "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
+        + ("" if device.type == "cuda" else ", less its plain step"),
+    }
+    if read:
+        sources["disk_read_gbps"] = sources["disk_write_gbps"] = "a 256 MiB temp file, synced, its pages dropped"
+    rates = MachineRates(
+        name=name,
+        device=_device_name(device),
+        simulated_gpu=device.type != "cuda",
+        compute_tflops=table,
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        gpu_adam_params_per_s=gpu_adam,
+        host_s_per_tensor=host,
+        disk_read_gbps=read,
+        disk_write_gbps=write,
+        measured=f"hybridps calibrate{' --quick' if quick else ''}, {datetime.date.today().isoformat()}, "
+        f"torch {torch.__version__}, {time.perf_counter() - start:.1f} s",
+        sources=sources,
+        **adam,
+    )
+    return rates
+
+
+def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``calibrate`` to an argparse ``subparsers`` object; the command runs ``args.func(args)``."""
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's rates for `hybridps plan`'s predicted speed (under a minute)",
+        description="Measure compute TFLOPS, copy GB/s, CPU Adam params/s, host time per tensor and disk GB/s, "
+        "and store them for `hybridps plan --rates this-machine` (the default when stored).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write the JSON (default: $HYBRIDPS_RATES or ~/.cache/hybridps/rates.json)",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller sizes and no disk: a few seconds, rougher rates")
+    p.add_argument("--no-disk", dest="disk", action="store_false", help="do not time the disk")
+    p.add_argument("--disk-dir", default=None, help="directory of the disk's temp file (default: the system's temp dir)")
+    p.add_argument("--json", action="store_true", help="print the rates as JSON")
+    p.set_defaults(func=run_command)
+    return p
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import json
+
+    from hybridps.planner.rates import stored_rates_path
+
+    rates = calibrate(quick=args.quick, disk=args.disk, disk_dir=args.disk_dir)
+    path = rates.save(args.out or stored_rates_path())
+    if args.json:
+        print(json.dumps(rates.to_dict(), indent=2))
+    else:
+        table = ", ".join(f"{h}: {t * 1e3:.1f}" for h, t in rates.compute_tflops)
+        print(f"{rates.device}\n  compute GFLOPS by hidden size: {table}")
+        print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
+        print(
+            f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "
+            f"casts {rates.cpu_cast_params_per_s / 1e9:.2f}, GPU Adam {rates.gpu_adam_params_per_s / 1e9:.2f}"
+        )
+        print(f"  host {rates.host_s_per_tensor * 1e3:.3f} ms a tensor a step")
+        if rates.disk_read_gbps:
+            print(f"  disk read {rates.disk_read_gbps:.2f} GB/s, write {rates.disk_write_gbps:.2f} GB/s")
+        print(f"  {rates.measured}\nstored in {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridps calibrate")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommand(sub)
+    return run_command(parser.parse_args(["calibrate", *(argv if argv is not None else sys.argv[1:])]))

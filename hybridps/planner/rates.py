@@ -1,0 +1,184 @@
+"""The measured rates of a machine that the speed model turns bytes and FLOPs into seconds.
+
+Owns ``MachineRates`` (the rates and where each came from), its JSON form, the named
+profiles shipped with the package (``profiles/h100.json``, ``profiles/h200.json``: rates
+taken from the figures recorded in docs/BENCHMARKS.md), where a calibration is stored
+(``stored_rates_path``: ``$HYBRIDPS_RATES`` or ``~/.cache/hybridps/rates.json``) and how a
+``--rates`` argument is resolved (``load_rates``).
+
+Does not own measuring the rates (``calibrate``) or the prediction (``speed``). Imports no
+torch: the ``hybridps`` command line builds its parsers without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hybridps.common.errors import ConfigError
+
+#: the environment variable naming the stored calibration's file
+RATES_ENV = "HYBRIDPS_RATES"
+#: the profiles shipped in ``hybridps/planner/profiles/``
+PROFILE_NAMES = ("h100", "h200")
+#: ``--rates`` name of the stored calibration
+THIS_MACHINE = "this-machine"
+#: the version of the JSON layout
+RATES_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MachineRates:
+    """What one machine does per second, for the speed model (``speed.predict_speed``).
+
+    GB/s are 1e9 B/s; params/s count fp32 params of an optimizer row."""
+
+    name: str
+    #: the machine in words (GPU, host cores)
+    device: str
+    #: True: the "GPU" is simulated (its chunks in host memory, its compute the CPU's), so
+    #: compute, copies, Python and the CPU step share the host's cores and add up
+    simulated_gpu: bool
+    #: (hidden size, TFLOPS) ascending: the rate a training step's compute reaches at that
+    #: hidden size, FLOPs counted as ``speed.step_flops`` counts them (recompute included)
+    compute_tflops: tuple[tuple[int, float], ...]
+    #: host -> GPU and GPU -> host over pinned memory (simulated GPU: a host memcpy)
+    h2d_gbps: float
+    d2h_gbps: float
+    #: torch's fused AdamW over fp32 rows on the host's cores
+    cpu_adam_params_per_s: float
+    #: the compact (int8 moments) step, ``compact_adam_``
+    cpu_compact_adam_params_per_s: float
+    #: the two dtype copies of a 16-bit CPU step (grads to fp32, the master back), per param
+    cpu_cast_params_per_s: float
+    #: a chunk's optimizer step on the GPU (fused AdamW, its casts included)
+    gpu_adam_params_per_s: float
+    #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
+    #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
+    host_s_per_tensor: float
+    #: Python per chunk stepped on the CPU (taking its rows, the kernel calls)
+    cpu_step_s_per_chunk: float = 0.0
+    #: the disk tier's sustained read and write; None: not measured (the node's figures apply)
+    disk_read_gbps: float | None = None
+    disk_write_gbps: float | None = None
+    #: when and how the rates were measured
+    measured: str = ""
+    #: field -> where its value comes from (a command, a figure of docs/BENCHMARKS.md)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        table = tuple(sorted((int(h), float(t)) for h, t in self.compute_tflops))
+        if not table or any(h < 1 or not t > 0 for h, t in table):
+            raise ConfigError(f"rates {self.name!r}: compute_tflops needs (hidden size, TFLOPS > 0) pairs, got {table!r}")
+        object.__setattr__(self, "compute_tflops", table)
+        for f in (
+            "h2d_gbps",
+            "d2h_gbps",
+            "cpu_adam_params_per_s",
+            "cpu_compact_adam_params_per_s",
+            "cpu_cast_params_per_s",
+            "gpu_adam_params_per_s",
+        ):
+            _check_positive(self.name, f, getattr(self, f))
+        for f in ("host_s_per_tensor", "cpu_step_s_per_chunk"):
+            value = getattr(self, f)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"rates {self.name!r}: {f}={value!r} must be seconds >= 0")
+        for f in ("disk_read_gbps", "disk_write_gbps"):
+            if getattr(self, f) is not None:
+                _check_positive(self.name, f, getattr(self, f))
+
+    def tflops_at(self, hidden: int) -> float:
+        """The compute rate at ``hidden``: the table's, linear in log(hidden) between its
+        entries and flat beyond its ends."""
+        table = self.compute_tflops
+        if hidden <= table[0][0]:
+            return table[0][1]
+        if hidden >= table[-1][0]:
+            return table[-1][1]
+        for (h0, t0), (h1, t1) in zip(table, table[1:], strict=False):
+            if h0 <= hidden <= h1:
+                w = math.log(hidden / h0) / math.log(h1 / h0)
+                return t0 + w * (t1 - t0)
+        raise AssertionError("unreachable: the table is sorted")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["compute_tflops"] = [list(p) for p in self.compute_tflops]
+        out["sources"] = dict(self.sources)
+        return {"format": RATES_FORMAT, **out}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "rates") -> MachineRates:
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in fields and _required(f))
+        if missing:
+            raise ConfigError(f"{where}: missing {', '.join(missing)}; run `hybridps calibrate` again")
+        fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
+        return cls(**fields)
+
+    def save(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _check_positive(name: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"rates {name!r}: {field}={value!r} must be a positive number")
+
+
+def stored_rates_path() -> Path:
+    """Where ``hybridps calibrate`` stores this machine's rates: ``$HYBRIDPS_RATES``, else
+    ``~/.cache/hybridps/rates.json``."""
+    env = os.environ.get(RATES_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hybridps" / "rates.json"
+
+
+def read_rates_file(path: Path) -> MachineRates:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"rates file {str(path)!r} cannot be read ({exc}); run `hybridps calibrate --out FILE`") from None
+    return MachineRates.from_dict(data, where=str(path))
+
+
+def profile(name: str) -> MachineRates:
+    """A shipped profile by name (``PROFILE_NAMES``)."""
+    if name not in PROFILE_NAMES:
+        raise ConfigError(f"no shipped rates profile {name!r}; shipped: {', '.join(PROFILE_NAMES)}")
+    text = resources.files("hybridps.planner").joinpath("profiles", f"{name}.json").read_text()
+    return MachineRates.from_dict(json.loads(text), where=f"profile {name}")
+
+
+def load_rates(spec: str | None) -> MachineRates | None:
+    """The rates a ``--rates`` argument names: a shipped profile (``h100``, ``h200``),
+    ``this-machine`` (the stored calibration; an error when there is none), or a JSON file.
+    None (no ``--rates``): the stored calibration if there is one, else None (no prediction)."""
+    if spec is None:
+        path = stored_rates_path()
+        return read_rates_file(path) if path.is_file() else None
+    if spec.lower() in PROFILE_NAMES:
+        return profile(spec.lower())
+    if spec == THIS_MACHINE:
+        path = stored_rates_path()
+        if not path.is_file():
+            raise ConfigError(f"--rates {THIS_MACHINE}: no calibration at {path}; run `hybridps calibrate` first")
+        return read_rates_file(path)
+    if Path(spec).expanduser().is_file():
+        return read_rates_file(Path(spec).expanduser())
+    raise ConfigError(f"--rates {spec!r} is neither a shipped profile ({', '.join(PROFILE_NAMES)}), {THIS_MACHINE!r} nor a file")

@@ -1,0 +1,264 @@
+"""The predicted speed of a planned run: seconds per step, tokens/s and model TFLOPS, and the
+part that bounds the step.
+
+Owns the speed model (``predict_speed``): the work of one steady step read from a
+simulation (``Simulation``: the iteration replayed after warm-up) and the model's shape, each
+part's seconds at a machine's measured rates (``rates.MachineRates``), and how the parts
+compose into a step (``SpeedPrediction``).
+
+[Note: the speed model]
+Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` tokens):
+
+- FLOPs: model FLOPs ``6 N T + 12 L d S T`` (N params, T tokens, L layers, d hidden, S
+  sequence: the formula of scripts/gpu_validate.py, recomputation not counted), plus with
+  activation checkpointing the recomputed forward ``2 N T + 4 L d S T``; ``compute`` is those
+  FLOPs at the rates' TFLOPS for the model's hidden size;
+- ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
+  op launches) times the tensors and micro-batches;
+- ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
+  rates; one copy engine per direction, so the two directions overlap (max of the two);
+  repeated per micro-batch (the param chunks cross again each forward: an upper bound);
+- ``cpu_adam``: the params whose optimizer row stepped on the CPU in the steady iteration
+  (rows not on the GPU), at the fused AdamW rate (exact moments) or ``compact_adam_``'s
+  (int8 moments), plus in 16-bit training the two dtype copies per param, plus Python per
+  chunk; ``gpu_adam``: the rows stepped on the GPU at its rate;
+- ``disk``: the disk tier's bytes read and written in the steady iteration at its rates.
+
+Composition. On a real GPU forward and backward run the GPU's kernels, the host's Python
+and launches, and the chunk copies (prefetched on the copy streams) side by side: that phase
+takes ``max(compute, host, link)``. The optimizer step follows backward (chunks stepped on
+the CPU one after the other, the GPU's rows beside them), and the disk's traffic is counted
+whole (its reads ahead wait on the same CPU room the step uses):
+``step = max(compute, host, link) + cpu_adam + gpu_adam + disk``. With steps beside the
+next forward (``Config.overlap_step`` "auto": on for a real GPU with grad reuse, so not
+under accumulation) the CPU step runs on a worker while the next forward runs, whose share
+of ``max(compute, host, link)`` is taken as a third (forward against forward + backward):
+``cpu_adam`` counts only ``max(0, cpu_adam - max(compute, host, link) / 3)``. On a simulated GPU every part runs on
+the host's cores (its copies are memcpys, its compute the CPU's), so the parts add up:
+``step = compute + host + h2d + d2h + cpu_adam + gpu_adam + disk``. ``bound_by`` names the
+part that contributes most to the step.
+
+Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
+the prediction prints (``report``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from hybridps.common.errors import ConfigError
+from hybridps.planner.rates import MachineRates
+from hybridps.planner.simulation import Simulation
+
+#: the parts of a step, in the order the report lists them
+PARTS = ("compute", "host", "link", "cpu_adam", "gpu_adam", "disk")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepWork:
+    """What one optimizer step does, independent of the machine."""
+
+    n_params: int
+    n_layer: int
+    d_model: int
+    seq_len: int
+    batch_size: int
+    micro_batches: int = 1
+    checkpoint: bool = False
+    precision: str = "fp16"
+    optimizer_states: str = "fp32"
+    #: param tensors (hooks and accesses per micro-batch)
+    tensors: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    cpu_step_params: int = 0
+    cpu_step_chunks: int = 0
+    gpu_step_params: int = 0
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len * self.micro_batches
+
+    @property
+    def model_flops(self) -> float:
+        """6 N T + 12 L d S T: what docs/BENCHMARKS.md's model TFLOPS count."""
+        t = self.tokens
+        return 6.0 * self.n_params * t + 12.0 * self.n_layer * self.d_model * self.seq_len * t
+
+    @property
+    def step_flops(self) -> float:
+        """The model FLOPs, plus the recomputed forward under activation checkpointing."""
+        t = self.tokens
+        recompute = 2.0 * self.n_params * t + 4.0 * self.n_layer * self.d_model * self.seq_len * t
+        return self.model_flops + (recompute if self.checkpoint else 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeedPrediction:
+    """The predicted steady step on one machine's rates."""
+
+    rates: str
+    predicted_step_seconds: float
+    tokens_per_second: float
+    model_tflops: float
+    bound_by: str
+    #: seconds of each part alone (``PARTS``)
+    parts: Mapping[str, float]
+    composition: str
+    tokens_per_step: int
+    micro_batches: int
+    model_flops_per_step: float
+    flops_per_step: float
+    compute_tflops_used: float
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    cpu_step_params: int
+    gpu_step_params: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["parts"] = {k: round(v, 6) for k, v in self.parts.items()}
+        for k in ("predicted_step_seconds", "tokens_per_second", "model_tflops", "compute_tflops_used"):
+            out[k] = round(out[k], 6)
+        return out
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {_s(v)}" for k, v in self.parts.items() if v)
+        return (
+            f"{_s(self.predicted_step_seconds)} a step, {self.tokens_per_second:,.0f} tokens/s, "
+            f"{self.model_tflops:.1f} model TFLOPS, bound by {self.bound_by} (rates {self.rates}; parts alone: {parts})"
+        )
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3g} s"
+
+
+def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWork:
+    """The work of ``sim``'s steady step for ``model`` (a ``GPTShape``: its hidden size,
+    sequence and batch give the FLOPs). Raises ``ConfigError`` for a model without them."""
+    missing = [a for a in ("d_model", "seq_len", "batch_size") if not hasattr(model, a)]
+    if missing:
+        raise ConfigError(f"the speed model needs the model's {', '.join(missing)} (a GPTShape); {model!r} has none")
+    if not sim.completed:
+        raise ConfigError(f"no steady step to time: the simulation did not finish ({sim.failure})")
+    moved = sim.moved_bytes_per_step
+    return StepWork(
+        n_params=sim.n_params,
+        n_layer=sim.n_layer,
+        d_model=model.d_model,
+        seq_len=model.seq_len,
+        batch_size=model.batch_size,
+        micro_batches=micro_batches,
+        checkpoint=bool(getattr(model, "checkpoint", False)),
+        precision=sim.precision,
+        optimizer_states=sim.optimizer_states,
+        tensors=len(sim.param_numels),
+        h2d_bytes=sum(v for k, v in moved.items() if k.endswith("->cuda:0") and k.startswith("cpu")),
+        d2h_bytes=sum(v for k, v in moved.items() if k.startswith("cuda:0->") and k.endswith("cpu")),
+        cpu_step_params=sim.step_params_cpu,
+        cpu_step_chunks=sim.step_chunks_cpu,
+        gpu_step_params=sim.step_params_gpu,
+        disk_read_bytes=sim.nvme_read_bytes_per_step,
+        disk_write_bytes=sim.nvme_write_bytes_per_step,
+    )
+
+
+def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
+    """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
+    that measured no disk."""
+    m = work.micro_batches
+    compute_tflops = rates.tflops_at(work.d_model)
+    h2d = work.h2d_bytes * m / (rates.h2d_gbps * 1e9)
+    d2h = work.d2h_bytes * m / (rates.d2h_gbps * 1e9)
+    adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s
+    cpu = work.cpu_step_params / adam + work.cpu_step_chunks * rates.cpu_step_s_per_chunk
+    if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back
+        cpu += work.cpu_step_params / rates.cpu_cast_params_per_s
+    read_gbps, write_gbps = rates.disk_read_gbps, rates.disk_write_gbps
+    if disk_gbps is not None:
+        read_gbps, write_gbps = read_gbps or disk_gbps[0], write_gbps or disk_gbps[1]
+    disk = 0.0
+    if work.disk_read_bytes or work.disk_write_bytes:
+        if not (read_gbps and write_gbps):
+            raise ConfigError(f"rates {rates.name!r} measured no disk and none was given: no disk seconds to predict")
+        disk = work.disk_read_bytes / (read_gbps * 1e9) + work.disk_write_bytes / (write_gbps * 1e9)
+    return {
+        "compute": work.step_flops / (compute_tflops * 1e12),
+        "host": work.tensors * m * rates.host_s_per_tensor,
+        # one copy engine per direction: the directions overlap on a real GPU; memcpys add up
+        "link": h2d + d2h if rates.simulated_gpu else max(h2d, d2h),
+        "cpu_adam": cpu,
+        "gpu_adam": work.gpu_step_params / rates.gpu_adam_params_per_s,
+        "disk": disk,
+    }
+
+
+def compose(parts: Mapping[str, float], *, simulated_gpu: bool, overlap_step: bool = False) -> tuple[float, str, str]:
+    """(step seconds, the bounding part, the rule) of ``parts`` ([Note: the speed model]);
+    ``overlap_step``: the CPU step beside the next forward (a real GPU only)."""
+    if simulated_gpu:
+        rule = "compute + host + link + cpu_adam + gpu_adam + disk (a simulated GPU: every part on the host's cores)"
+        contributions = dict(parts)
+    else:
+        rule = "max(compute, host, link) + cpu_adam + gpu_adam + disk"
+        overlapped = max(("compute", "host", "link"), key=lambda k: parts[k])
+        contributions = {overlapped: parts[overlapped], **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
+        if overlap_step:
+            rule = "max(compute, host, link) + max(0, cpu_adam - max(compute, host, link) / 3) + gpu_adam + disk"
+            contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - parts[overlapped] / 3)
+    step = sum(contributions.values())
+    bound = max(contributions, key=lambda k: contributions[k])
+    return step, bound, rule
+
+
+def predict_speed(
+    sim: Simulation,
+    model: Any,
+    rates: MachineRates,
+    *,
+    micro_batches: int = 1,
+    disk_gbps: tuple[float, float] | None = None,
+    overlap_step: bool | None = None,
+) -> SpeedPrediction:
+    """The steady step of ``sim`` (``model``'s shape, ``micro_batches`` accumulated per
+    optimizer step) on the machine of ``rates``; ``overlap_step`` None: as ``Config``'s
+    "auto" (on a real GPU with grad reuse and one micro-batch)."""
+    work = step_work(sim, model, micro_batches=micro_batches)
+    if overlap_step is None:
+        overlap_step = sim.grad_reuse and micro_batches == 1
+    return predict_work(work, rates, disk_gbps=disk_gbps, overlap_step=overlap_step)
+
+
+def predict_work(
+    work: StepWork,
+    rates: MachineRates,
+    *,
+    disk_gbps: tuple[float, float] | None = None,
+    overlap_step: bool = False,
+) -> SpeedPrediction:
+    """``predict_speed`` of a ``StepWork`` (the arithmetic alone, for synthetic work)."""
+    parts = part_seconds(work, rates, disk_gbps=disk_gbps)
+    step, bound, rule = compose(parts, simulated_gpu=rates.simulated_gpu, overlap_step=overlap_step)
+    return SpeedPrediction(
+        rates=rates.name,
+        predicted_step_seconds=step,
+        tokens_per_second=work.tokens / step,
+        model_tflops=work.model_flops / step / 1e12,
+        bound_by=bound,
+        parts=parts,
+        composition=rule,
+        tokens_per_step=work.tokens,
+        micro_batches=work.micro_batches,
+        model_flops_per_step=work.model_flops,
+        flops_per_step=work.step_flops,
+        compute_tflops_used=rates.tflops_at(work.d_model),
+        h2d_bytes_per_step=work.h2d_bytes * work.micro_batches,
+        d2h_bytes_per_step=work.d2h_bytes * work.micro_batches,
+        cpu_step_params=work.cpu_step_params,
+        gpu_step_params=work.gpu_step_params,
+    )
