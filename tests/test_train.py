@@ -138,6 +138,7 @@ def test_hybridps_train_on_a_hugging_face_config_saves_a_folder_that_loads_back_
     assert again["val_loss"] == first["val_loss"]
 
 
+@pytest.mark.slow
 def test_hybridps_train_lora_starts_from_the_base_models_loss_and_saves_only_adapters(tmp_path):
     pytest.importorskip("peft")
     config = _tiny_llama_config(tmp_path)
@@ -185,6 +186,7 @@ def test_hybridps_train_with_a_disk_tier_puts_what_the_cpu_cannot_hold_on_it(tmp
     assert json.loads(proc.stdout)["nvme"]["path"].startswith(str(tmp_path / "flags"))
 
 
+@pytest.mark.slow
 def test_hybridps_train_takes_int8_optimizer_states_and_writes_its_losses(tmp_path):
     """``--optimizer-states int8``: the summary says so and counts the compact rows (a bf16
     model keeps about 8 B a param of model data instead of 14); ``--losses`` writes every
