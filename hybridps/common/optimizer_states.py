@@ -23,6 +23,8 @@ from __future__ import annotations
 import enum
 import math
 
+from hybridps.common.units import align_up
+
 
 class OptimizerStates(enum.Enum):
     """The storage of Adam's momentum and variance."""
@@ -57,10 +59,6 @@ def parse_optimizer_states(value: object) -> OptimizerStates:
     raise ValueError(f"optimizer_states={value!r}; use one of {', '.join(repr(v) for v in OPTIMIZER_STATES)}")
 
 
-def align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
-
-
 def block_count(elements: int) -> int:
     """Blocks (scales) of a compact row of ``elements`` elements."""
     return -(-elements // BLOCK_ELEMENTS)
@@ -71,11 +69,6 @@ def compact_row_bytes(elements: int) -> int:
     whole block), a scale per block, padded to ``ROW_ALIGN_BYTES``."""
     blocks = block_count(elements)
     return align_up(blocks * BLOCK_ELEMENTS + blocks * SCALE_BYTES, ROW_ALIGN_BYTES)
-
-
-def moment_row_bytes(elements: int, states: OptimizerStates) -> int:
-    """Bytes of one moment row (momentum or variance) of ``elements`` elements."""
-    return compact_row_bytes(elements) if states.compact else elements * 4
 
 
 def layout_alignment(alignment: int, states: OptimizerStates) -> int:

@@ -32,6 +32,11 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 _ACCEPTED = "an integer number of bytes or a string such as '4096', '512KiB', '256MiB', '2GiB', '1.5GB'"
 
 
+def align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return -(-n // alignment) * alignment
+
+
 def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     """Return ``value`` as a whole number of bytes.
 

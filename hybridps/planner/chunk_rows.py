@@ -20,12 +20,9 @@ import dataclasses
 import functools
 
 from hybridps.client.chunks.chunk import ChunkKind
-from hybridps.client.chunks.store import ChunkStore
+from hybridps.client.chunks.store import MOMENT_KINDS, ChunkStore
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceSpec
-
-#: the optimizer's rows, laid out with the first step (not in ``ChunkStore.kinds``)
-MOMENT_KINDS = (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridps.common.errors import ConfigError
+from hybridps.common.units import align_up
 
 if TYPE_CHECKING:
     from hybridps.common.config import Config
@@ -64,10 +65,6 @@ UNIFORM_PADDING_FRACTION = 0.025
 #: a chosen chunk of at least this many bytes is a whole number of them: host pages, so
 #: the host arena's slots tile its segments (see [Note: whole pages] in ``choose_chunk_size``)
 PAGE_BYTES = 4096
-
-
-def align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from hybridps.common.errors import RegistrationError
 from hybridps.common.optimizer_states import compact_row_bytes
 
 #: the optimizer's moment rows (fp32, or compact under Config.optimizer_states="int8")
-MOMENT_KINDS = frozenset({ChunkKind.MOMENTUM, ChunkKind.VARIANCE})
+MOMENT_KINDS = (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
 
 
 @dataclasses.dataclass(eq=False)

@@ -22,7 +22,8 @@ import threading
 
 import torch
 
-from hybridps.common.optimizer_states import BLOCK_ELEMENTS, SCALE_BYTES, align_up, block_count, compact_row_bytes
+from hybridps.common.optimizer_states import BLOCK_ELEMENTS, SCALE_BYTES, block_count, compact_row_bytes
+from hybridps.common.units import align_up
 
 #: elements quantized or dequantized per round of torch ops (bounds the temporaries)
 TILE_ELEMENTS = 1 << 20
