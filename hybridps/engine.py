@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -83,6 +84,8 @@ class Engine:
         self.optimizer = parts.optimizer
         self.tracer = parts.tracer
         self.hooks = parts.hooks
+        #: the blocks' compiled forwards (client/params/compiled_blocks.py)
+        self.compiled = parts.compiled
         self.prefetcher = parts.prefetcher
         self.events = parts.events
         #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
@@ -123,6 +126,8 @@ class Engine:
         if self._calls:
             self._calls.append((False, None))
             return None
+        if _model_compiled(module):
+            self.compiled.take_over()
         self._check_forward()
         training = self.module.training and torch.is_grad_enabled()
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
@@ -416,3 +421,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _model_compiled(module: nn.Module) -> bool:
+    """Whether this call of the model runs under ``torch.compile(model)`` (dynamo's
+    OptimizedModule marks its calls) or after ``model.compile()``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    in_optimized = getattr(eval_frame, "_is_in_optimized_module", None)
+    return getattr(module, "_compiled_call_impl", None) is not None or (in_optimized is not None and in_optimized())

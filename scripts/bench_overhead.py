@@ -35,12 +35,15 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
     torch.manual_seed(0)
     plain = GPT(cfg).to(device)
     model = copy.deepcopy(plain).cpu()
+    plain_call = torch.compile(plain) if args.compile else plain
     plain_opt = make_optimizer(plain)
     model_bytes = cfg.n_params * 16
     config = hybridps.Config(
         devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)},
         precision="fp32",
         grad_reuse=args.grad_reuse == "on",
+        hook_units=args.hook_units,
+        compile=args.compile,
     )
     engine = hybridps.initialize(model, make_optimizer(model), config)
     plain_ms, hps_ms, losses = [], [], []
@@ -51,7 +54,7 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
             stats = engine.memory_stats()
             moves0, bytes0 = stats["moves"], sum(stats["moved_bytes"].values())
         t0 = time.perf_counter()
-        _, loss_a = plain(x.to(device), y.to(device))
+        _, loss_a = plain_call(x.to(device), y.to(device))
         plain_opt.zero_grad()
         loss_a.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
@@ -115,6 +118,8 @@ def main() -> None:
     ap.add_argument(
         "--grad-reuse", choices=("on", "off"), default="on", help="off: fp32 param chunks are the master copy (Config.grad_reuse)"
     )
+    ap.add_argument("--hook-units", choices=("module", "auto"), default="module", help="Config.hook_units")
+    ap.add_argument("--compile", action="store_true", help="Config(compile=True); plain PyTorch is compiled too")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -130,6 +135,8 @@ def main() -> None:
         },
         "model": {"params": cfg.n_params, "d_model": args.d_model, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         "grad_reuse": args.grad_reuse,
+        "hook_units": args.hook_units,
+        "compile": args.compile,
         "fits": _safe(run_case, args, 2.0, args.device),
         "tight": _safe(run_case, args, args.tight, args.device),
     }

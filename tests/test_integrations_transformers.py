@@ -119,13 +119,33 @@ def test_an_8bit_adam_optim_runs_as_compact_int8_states_and_a_4bit_one_is_refuse
         HybridPSTrainer(model=model(), args=arguments(str(tmp_path / "b"), optim="adamw_torch_4bit"), train_dataset=dataset())
 
 
-def test_torch_compile_and_full_eval_casts_are_refused_with_the_reason(tmp_path, monkeypatch):
-    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH"):
-        monkeypatch.delenv(name, raising=False)  # TrainingArguments(torch_compile=True) sets them for the process
-    with pytest.raises(hybridps.HybridPSError, match="compiled graph.*torch_compile=False"):
-        trainer("hybridps", str(tmp_path / "a"), torch_compile=True)
+def test_full_eval_casts_are_refused_with_the_reason(tmp_path):
     with pytest.raises(hybridps.HybridPSError, match="bf16_full_eval=False"):
         trainer("hybridps", str(tmp_path / "b"), bf16_full_eval=True)
+
+
+@pytest.mark.slow
+def test_torch_compile_compiles_the_blocks_within_plain_compiles_tolerance(tmp_path, monkeypatch):
+    """--torch_compile under HybridPSTrainer becomes Config(compile=True): the GPT-2 blocks run
+    compiled between the engine's hooks. Its losses stay as close to HybridPS eager as plain
+    Trainer's --torch_compile stays to plain eager (twice that, at most 1e-5 relative), and the
+    caller's arguments are left as they were."""
+    for name in ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_DYNAMO_USE_FULLGRAPH"):
+        monkeypatch.setenv(name, "")  # TrainingArguments(torch_compile=True) sets them for the process:
+        monkeypatch.delenv(name)  # gone again after this test
+    runs = {}  # the eager runs first: once set, those variables compile every later Trainer's model
+    for name, kind, compiled in (("plain", "plain", False), ("hps", "hybridps", False), ("plain_c", "plain", True)):
+        runs[name] = trainer(kind, str(tmp_path / name), torch_compile=compiled)
+        runs[name].train()
+    compiled = trainer("hybridps", str(tmp_path / "hps_c"), torch_compile=True)
+    assert compiled.args.torch_compile is False and compiled.hybridps_config.compile
+    compiled.train()
+    blocks = compiled.engine.compiled
+    assert blocks.compiled and len(blocks.blocks) == 2 and blocks.fallen_back is None
+    eager, own = logged(runs["hps"])["loss"], logged(runs["plain_c"])["loss"]
+    tolerance = max(abs(a - b) for a, b in zip(own, logged(runs["plain"])["loss"], strict=True))
+    for a, b in zip(logged(compiled)["loss"], eager, strict=True):
+        assert abs(a - b) <= max(2 * tolerance, 1e-7 * abs(b)) and abs(a - b) <= 1e-5 * abs(b)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from hybridps.client.memory.tracer import MemoryTracer
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.params import optimizer_view
+from hybridps.client.params.compiled_blocks import CompiledBlocks
 from hybridps.client.params.hooks import ModelHook, ModuleHooks
 from hybridps.client.prefetch import Prefetcher
 from hybridps.common.config import Config
@@ -49,6 +50,8 @@ class Parts:
     optimizer: ChunkedAdam
     tracer: MemoryTracer
     hooks: ModuleHooks
+    #: the blocks' compiled forwards ([Note: compiled blocks])
+    compiled: CompiledBlocks
     prefetcher: Prefetcher | None
     events: EventRecorder
     #: ids of params built on the meta device that have no values yet (load_pretrained gives them)
@@ -116,6 +119,10 @@ def build(
         client.placement.use_trace(trace.next_use, trace.replaying)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
+    compiled = CompiledBlocks(model, hooks.units.blocks)
+    client.hook_handles.append(compiled)  # the client's close gives the blocks their own forwards back
+    if config.compile:
+        compiled.compile()
     client.hook_handles.extend(
         [
             model.register_forward_pre_hook(ModelHook(hooks, call_begins), prepend=True, with_kwargs=True),
@@ -134,4 +141,4 @@ def build(
     optimizer_view.adopt(optimizer, chunked)
     # an optimizer built later over these params would step them beside the engine: refused at its first step
     client.hook_handles.append(optimizer_view.refuse_other_optimizers(client.store, chunked))
-    return Parts(client, chunked, tracer, hooks, prefetcher, events, unset_params)
+    return Parts(client, chunked, tracer, hooks, compiled, prefetcher, events, unset_params)

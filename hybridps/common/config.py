@@ -33,10 +33,13 @@ OptimizerStatesName = Literal["fp32", "int8"]
 EvictionName = Literal["auto", "lru", "opt"]
 #: placement policies (hybridps/client/memory/placement.py, POLICIES)
 PlacementName = Literal["tidal", "cpu_optimizer"]
+#: what the module hooks wrap (hybridps/client/params/hook_units.py, HookUnits)
+HookUnitsName = Literal["module", "auto"]
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 EVICTIONS: tuple[str, ...] = get_args(EvictionName)
 PLACEMENTS: tuple[str, ...] = get_args(PlacementName)
+HOOK_UNITS: tuple[str, ...] = get_args(HookUnitsName)
 
 
 def _field(
@@ -275,6 +278,29 @@ class Config:
             "chunks the trace uses after the one it brings, never one needed sooner."
         ),
     )
+    hook_units: HookUnitsName = _field(
+        "module",
+        section="Placement and movement",
+        unit='`"module"`, `"auto"`',
+        doc=(
+            'What the engine\'s hooks wrap. `"module"`: every module is a unit, accessing its own params. `"auto"`: '
+            "once the warm-up shows the chunks the model computes with fit the compute device beside its activations, "
+            "each block (an element of an `nn.ModuleList` or `nn.Sequential` with submodules, such as a transformer "
+            "layer) becomes one unit, its params accessed together when it starts: fewer hook calls, coarser moments. "
+            "`compile=True` makes blocks units from the start. See [Note: blocks as units] in "
+            "hybridps/client/params/hook_units.py."
+        ),
+    )
+    compile: bool = _field(
+        False,
+        section="Placement and movement",
+        unit="`True`, `False`",
+        doc=(
+            "Compile each block's forward with `torch.compile` when the engine is built (the hooks and chunk swaps stay "
+            "eager at the block's edges). `torch.compile(model)` or `model.compile()` after initialize does the same. "
+            "See [Note: compiled blocks] in hybridps/client/params/compiled_blocks.py."
+        ),
+    )
     casts_on_gpu: bool = _field(
         False,
         section="Placement and movement",
@@ -449,6 +475,10 @@ class Config:
             object.__setattr__(self, "pool_bytes", parse_bytes(self.pool_bytes, what="pool_bytes"))
         if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1:
             raise ConfigError(f"alignment={self.alignment!r} must be a positive number of elements")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile={self.compile!r} must be True or False")
+        if self.hook_units not in HOOK_UNITS:
+            raise ConfigError(f"hook_units={self.hook_units!r}; use one of {', '.join(HOOK_UNITS)}")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction={self.eviction!r}; use one of {', '.join(EVICTIONS)}")
         parse_link(self.simulate_link)  # raises a ConfigError naming the value

@@ -18,7 +18,8 @@ ranks under torchrun, and ``--optim adamw_torch`` (torch's default kernel, repro
 bit) beside ``adamw_torch_fused``. The ``bf16``/``fp16`` flags become the engine's precision
 (16-bit chunks, fp32 masters, its own loss scaler; losses within 2% of plain Trainer's
 autocast run), and Trainer's backward is the engine's (it applies that loss scale);
-``torch_compile`` and ``*_full_eval`` are refused with the reason. With several ranks a
+``torch_compile`` compiles the model's blocks between the engine's hooks
+(``Config(compile=True)``); ``*_full_eval`` is refused with the reason. With several ranks a
 Trainer checkpoint holds the engine's own checkpoint, every rank's share of the optimizer
 (see [Note: Trainer checkpoints of several ranks]), and resumes on any number of ranks.
 
@@ -86,17 +87,18 @@ def _mapped_arguments(args: transformers.TrainingArguments, config: Config) -> t
 
     ``bf16``/``fp16`` become the engine's precision (16-bit chunks, fp32 masters, its own loss
     scaler for fp16) on a copy of the arguments with accelerate's autocast off, since autocast
-    and a GradScaler beside HybridPS's own would scale twice. What cannot work is refused
-    with the reason: ``torch_compile`` (HybridPS swaps each param's storage around every
-    module call, which a compiled graph cannot follow) and ``bf16_full_eval``/``fp16_full_eval``
+    and a GradScaler beside HybridPS's own would scale twice. ``torch_compile`` becomes
+    ``Config(compile=True)``: the engine compiles the model's blocks. What cannot work is refused
+    with the reason: ``bf16_full_eval``/``fp16_full_eval``
     (they cast the model, whose params live in chunks; evaluation runs at the engine's
     precision anyway)."""
     if args.torch_compile:
-        raise HybridPSError(
-            f"TrainingArguments(torch_compile=True, backend={args.torch_compile_backend!r}): HybridPS swaps each param's "
-            f"storage in and out of its chunk around every module call, which a compiled graph cannot follow, so "
-            f"plain Trainer's compile cannot run under HybridPSTrainer. Set torch_compile=False"
-        )
+        # the engine compiles the blocks its hooks wrap ([Note: compiled blocks]); Trainer's own
+        # compile of the whole model is off, its backend and mode go to the blocks' compile
+        logger.info("TrainingArguments(torch_compile=True): HybridPS compiles the model's blocks between its hooks")
+        args = copy.copy(args)
+        args.torch_compile = False
+        config = config.replace(compile=True)
     for flag in ("fp16_full_eval", "bf16_full_eval"):
         if getattr(args, flag, False):
             raise HybridPSError(

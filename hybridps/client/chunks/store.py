@@ -16,7 +16,7 @@ wing of the client, and every user takes it in its constructor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -176,6 +176,12 @@ class ChunkStore:
 
     def is_registered(self, param: torch.Tensor) -> bool:
         return id(param) in self.by_id
+
+    def param_chunk_bytes(self, params: Iterable[torch.Tensor]) -> int:
+        """Bytes of the distinct chunks ``params`` live in (of their own kind: params, or
+        buffers): what must sit on the compute device for all of them to be computed with."""
+        chunks = {(info.kind, info.chunk) for info in map(self.param_info, params)}
+        return sum(self.rows[kind][index].nbytes for kind, index in chunks)
 
     def chunk_params(self, index: int) -> list[ParamInfo]:
         """The params of chunk ``index``, in slot order."""

@@ -192,8 +192,15 @@ class MomentTrace:
 
     def _index_accesses(self) -> None:
         self._next_use, self.by_moment = {}, {}
-        for moment, chunk_id, device in self.accesses:
-            self._next_use.setdefault(chunk_id, []).append(moment)
+        seen: set[tuple[int, int, str]] = set()
+        for access in self.accesses:  # each chunk once a moment: a block accesses many params of one chunk
+            if access in seen:
+                continue
+            seen.add(access)
+            moment, chunk_id, device = access
+            uses = self._next_use.setdefault(chunk_id, [])
+            if not uses or uses[-1] != moment:
+                uses.append(moment)
             self.by_moment.setdefault(moment, []).append((chunk_id, device))
         logger.info(
             "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",

@@ -202,7 +202,8 @@ class MemoryTracer:
         """Context for a forward pass that counts saved activations against a simulated GPU."""
         if not (self.device.is_gpu and self.device.simulated):
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # eager even inside a compiled forward ([Note: compiled blocks] in params/compiled_blocks.py)
+        return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack), self._unpack)
 
     def _pack(self, t: torch.Tensor):
         if self.store.is_registered(t):
@@ -261,6 +262,14 @@ class MemoryTracer:
     def start_iteration(self) -> None:
         if self.trace.begin_iteration(enabled=self.enabled) is TraceMode.RECORD:
             self._listen(True)  # chunk accesses are recorded during warm-up only
+
+    def retrace(self) -> None:
+        """The moments change from now on (the hooks chose other units, before this
+        iteration's first moment): this iteration records the trace anew."""
+        trace = self.trace
+        trace.has_trace = False
+        if trace.mode is TraceMode.REPLAY and trace.moment == 0:
+            self.start_iteration()
 
     def _listen(self, on: bool) -> None:
         self.mover.watch_accesses(self._on_access, on)

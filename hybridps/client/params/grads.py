@@ -86,8 +86,11 @@ class Grads:
                 inner = inner_pack(t)  # the tracer hands model data back as itself, activations wrapped
                 return pending.pack(t, t) if inner is t else inner
 
-            return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: inner_unpack(pending.unpack(h)))
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: pending.pack(t, t), pending.unpack)
+            # eager even inside a compiled forward ([Note: compiled blocks] in params/compiled_blocks.py)
+            return torch.autograd.graph.saved_tensors_hooks(
+                torch.compiler.disable(pack), lambda h: inner_unpack(pending.unpack(h))
+            )
+        return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(lambda t: pending.pack(t, t)), pending.unpack)
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the

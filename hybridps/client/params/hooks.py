@@ -40,7 +40,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
+from hybridps.client.params.hook_units import HookUnits, blocks_fit, choose_units
 from hybridps.client.params.placeholder import ChunkedParameter
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
@@ -106,7 +108,10 @@ class ModelHook:
         self.hooks = hooks
         self.fn = fn
 
+    @torch.compiler.disable
     def __call__(self, mod: nn.Module, *args):
+        # the hooks move chunks and swap param data: eager, outside any graph torch.compile
+        # builds, see [Note: compiled blocks] in params/compiled_blocks.py
         if mod in self.hooks._labels:
             return self.fn(mod, *args)
         return None
@@ -135,17 +140,14 @@ class ModuleHooks:
         self.client = client
         self.module = module
         self.tracer = tracer
-        self.names: dict[nn.Module, str] = {}
-        self.own: dict[nn.Module, list[nn.Parameter]] = {}
-        # labels built once: the hooks run for every module of every iteration
-        self._labels: dict[nn.Module, tuple[tuple, tuple, tuple, str, str]] = {}
-        for name, mod in module.named_modules():
-            self.names[mod] = name or type(module).__name__
-            n = self.names[mod]
-            self._labels[mod] = (("fwd", n), ("fwd_end", n), ("bwd", n), f"module {n!r}", f"module {n!r} (backward)")
-            self.own[mod] = [p for p in mod.parameters(recurse=False) if client.is_registered(p)]
-        #: modules with params that get no grad: released after the module's backward
-        self.frozen = {m for m, ps in self.own.items() if any(not p.requires_grad for p in ps)}
+        compute = client.store.compute
+        self._capacity_bytes = compute.capacity_bytes if compute.is_gpu else None
+        mode = HookUnits(client.config.hook_units)
+        blocks = client.config.compile or (mode is HookUnits.AUTO and self._capacity_bytes is None)
+        #: whether the warm-up's trace still has to decide on blocks ([Note: blocks as units])
+        self._deciding = mode is HookUnits.AUTO and not blocks
+        self._unit_handles: list = []
+        self._take_units(blocks)
         self._held_for_backward: dict[int, nn.Parameter] = {}
         #: called once at the end of a backward pass that engine.backward did not start (a bare
         #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
@@ -168,11 +170,68 @@ class ModuleHooks:
         """Whether a forward of a module of the model is under way."""
         return bool(self._running)
 
-    def install(self) -> None:
+    def _take_units(self, blocks: bool) -> None:
+        """Choose the units (hook_units.py) and what the hooks keep of each."""
+        client = self.client
+        #: the units the hooks wrap, each with the params it accesses, and the blocks
+        self.units = choose_units(
+            self.module,
+            blocks=blocks,
+            is_registered=client.is_registered,
+            chunk_bytes_of=client.store.param_chunk_bytes,
+            capacity_bytes=self._capacity_bytes,
+        )
+        self.own: dict[nn.Module, list[nn.Parameter]] = self.units.params
+        self.names: dict[nn.Module, str] = {}
+        # labels built once: the hooks run for every unit of every iteration
+        self._labels: dict[nn.Module, tuple[tuple, tuple, tuple, str, str]] = {}
+        for name, mod in self.module.named_modules():
+            if mod in self.own:
+                n = self.names[mod] = name or type(self.module).__name__
+                self._labels[mod] = (("fwd", n), ("fwd_end", n), ("bwd", n), f"module {n!r}", f"module {n!r} (backward)")
+        #: modules with params that get no grad: released after the module's backward
+        with torch._C.DisableTorchFunctionSubclass():
+            self.frozen = {m for m, ps in self.own.items() if any(not p.requires_grad for p in ps)}
+
+    def _hook_units(self, *, root: bool = True) -> None:
+        """Hooks on every unit (``root``: the model's own too; its hooks stay put when the
+        units change, behind the engine's own pre-hook, which opens the iteration)."""
         pre_hook, post_hook = ModelHook(self, self._pre_forward), ModelHook(self, self._post_forward)
-        for mod in self.module.modules():
-            self.handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True))
-            self.handles.append(mod.register_forward_hook(post_hook, always_call=True))
+        for mod in self.own:
+            if mod is self.module and not root:
+                continue
+            handles = [
+                mod.register_forward_pre_hook(pre_hook, prepend=True),
+                mod.register_forward_hook(post_hook, always_call=True),
+            ]
+            if mod is not self.module:
+                self._unit_handles.extend(handles)
+            self.handles.extend(handles)
+            self.client.hook_handles.extend(handles)
+
+    def _decide_blocks(self) -> None:
+        """The warm-up's trace exists: blocks become units if they fit ([Note: blocks as units]);
+        runs at the model's next forward, before any unit of it."""
+        self._deciding = False
+        store = self.client.store
+        chunk_bytes = store.param_chunk_bytes(i.param for i in store.params)
+        if not self.grad_reuse:
+            chunk_bytes += sum(c.nbytes for c in store.rows[ChunkKind.GRAD] if c.slots)
+        peak = max(self.tracer.non_model, default=0)
+        margin = self.client.mover.margin_bytes
+        if not blocks_fit(
+            chunk_bytes=chunk_bytes, non_model_peak_bytes=peak, capacity_bytes=self._capacity_bytes, margin_bytes=margin
+        ):
+            return
+        for handle in self._unit_handles:
+            handle.remove()
+        self._unit_handles.clear()
+        self._take_units(True)
+        self._hook_units(root=False)
+        self.tracer.retrace()
+
+    def install(self) -> None:
+        self._hook_units()
         for info in self.client.params:
             if info.param.requires_grad:
                 self._hook_grad(info.param)
@@ -234,6 +293,8 @@ class ModuleHooks:
         return True
 
     def _pre_forward(self, mod: nn.Module, args) -> None:
+        if self._deciding and not self._running and self.tracer.has_trace and mod is self.module:
+            self._decide_blocks()
         self._running.append(mod)
         labels = self._labels[mod]
         self.tracer.tick(labels[0])

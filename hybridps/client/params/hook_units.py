@@ -1,0 +1,125 @@
+"""Hook units: which modules of a model the engine's hooks wrap, and whose params each one
+accesses.
+
+A *unit* is a module whose forward pre-hook accesses a set of params, whose forward hook
+releases them and whose backward pre-hook accesses them again (params/hooks.py). Every param
+belongs to exactly one unit: the innermost unit above the module that holds it.
+
+[Note: blocks as units]
+Wrapping every module costs a tick of the tracer, a prefetch check and a backward hook per
+module per pass, and a transformer block has eight or more modules. A *block* - an element
+of an ``nn.ModuleList`` or ``nn.Sequential`` that has submodules - is one unit instead, as
+FSDP2's ``fully_shard`` of each layer makes it one gather: its modules run with no hook of
+their own, all the block's params are accessed when it starts and released when it ends.
+The chunks a block touches must then sit on the compute device together, beside whatever
+activations are live when it runs, which nobody knows before the warm-up. With
+``Config(hook_units="auto")`` the warm-up iteration therefore runs with every module a
+unit; once its trace exists, blocks become units if the chunks the model computes with fit
+the device beside the warm-up's non-model peak (``blocks_fit``) - where they stay on the
+device anyway and per-module units would only add hook calls - and the next iteration
+traces again with the new moments. A model that only fits module by module keeps every
+module a unit. On the CPU (no device to fit) blocks are units from the start. With
+``Config(compile=True)``, which needs blocks, they are units from the start whatever
+``hook_units`` says, each while its own param chunks take at most ``BLOCK_SHARE`` of the
+device (a larger block is split into its modules and its own blocks). The default,
+``Config(hook_units="module")``, keeps every module a unit: the finest moments for the
+trace and the placement that follows it. Every module outside the blocks (the root,
+embeddings, the final norm and head) stays a unit of its own.
+
+Blocks as units are also what ``torch.compile`` needs: a compiled block's submodules may
+not run the engine's Python hooks inside the compiled graph.
+
+Owns the choice of units and their params. Does not own what the hooks do (params/hooks.py),
+nor the chunks (chunks/store.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+
+from torch import nn
+
+
+class HookUnits(enum.Enum):
+    """``Config.hook_units``: what the hooks wrap."""
+
+    AUTO = "auto"  # blocks once the warm-up shows they fit (from the start when compiled, or on the CPU)
+    MODULE = "module"  # every module
+
+
+#: the largest share of the compute device's capacity the param chunks of one block may take
+#: for the block to be one unit (the rest stays for activations, grads and the chunks coming next)
+BLOCK_SHARE = 0.25
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclasses.dataclass
+class Units:
+    """The units of a model: each with the params it accesses, in module order; and which of
+    them are blocks (whole subtrees as one unit)."""
+
+    params: dict[nn.Module, list[nn.Parameter]]
+    blocks: list[nn.Module]
+
+
+def choose_units(
+    model: nn.Module,
+    *,
+    blocks: bool,
+    is_registered: Callable[[nn.Parameter], bool],
+    chunk_bytes_of: Callable[[Iterable[nn.Parameter]], int],
+    capacity_bytes: int | None,
+) -> Units:
+    """The units of ``model`` in module order, each with the registered params it accesses
+    (a param once per unit; a param tied between units is in each, as each module's own
+    params are when every module is a unit). ``blocks``: blocks are units, each while the
+    param chunks it touches (``chunk_bytes_of``) take at most ``BLOCK_SHARE`` of the compute
+    device's ``capacity_bytes`` (None: no limit, computing on the CPU); else every module is."""
+    found: set[nn.Module] = set()
+    if blocks:
+        limit = None if capacity_bytes is None else int(capacity_bytes * BLOCK_SHARE)
+        _find_blocks(model, found, chunk_bytes_of, limit, is_registered)
+    units: dict[nn.Module, list[nn.Parameter]] = {}
+    _assign(model, model, found, units, {}, is_registered)
+    return Units(units, [m for m in units if m in found])
+
+
+def blocks_fit(*, chunk_bytes: int, non_model_peak_bytes: int, capacity_bytes: int, margin_bytes: int) -> bool:
+    """After the warm-up, with ``Config(hook_units="auto")``: whether the chunks the model
+    computes with (``chunk_bytes``: its params, and its grads where they have chunks of their
+    own) fit the compute device beside the warm-up's non-model peak, so blocks as units can
+    never ask for more than the device holds."""
+    return chunk_bytes + non_model_peak_bytes <= capacity_bytes - margin_bytes
+
+
+def _registered(model: nn.Module, is_registered) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if is_registered(p)]
+
+
+def _find_blocks(module, blocks, chunk_bytes_of, limit, is_registered) -> None:
+    """Walk down from ``module``: an element of a container with submodules is a block when
+    its param chunks fit ``limit``; otherwise look inside it."""
+    for child in module.children():
+        if isinstance(module, _CONTAINERS) and not isinstance(child, _CONTAINERS) and any(True for _ in child.children()):
+            params = _registered(child, is_registered)
+            if params and (limit is None or chunk_bytes_of(params) <= limit):
+                blocks.add(child)
+                continue
+        _find_blocks(child, blocks, chunk_bytes_of, limit, is_registered)
+
+
+def _assign(module, unit, blocks, units, seen_by_unit, is_registered) -> None:
+    """Give ``module``'s own params to ``unit`` (itself when it is a unit), then recurse."""
+    if module is unit or module in blocks or unit not in blocks:
+        unit = module  # outside a block every module is a unit; a block is one
+    own = units.setdefault(unit, [])
+    seen = seen_by_unit.setdefault(unit, set())
+    for p in module.parameters(recurse=False):
+        if is_registered(p) and id(p) not in seen:
+            seen.add(id(p))
+            own.append(p)
+    for child in module.children():
+        _assign(child, unit, blocks, units, seen_by_unit, is_registered)
