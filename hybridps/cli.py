@@ -32,6 +32,7 @@ from hybridps.common.devices import (
 )
 from hybridps.common.endpoints import TOKEN_ENV, parse_endpoint, resolve_endpoint, token_from_env
 from hybridps.common.errors import ConfigError, HybridPSError
+from hybridps.common.missing_numpy import quiet_missing_numpy
 from hybridps.common.text import MAX_PEER_NAME_CHARS, safe_data, safe_text
 from hybridps.common.units import format_bytes, parse_bytes
 
@@ -134,6 +135,7 @@ def _manager_parser() -> argparse.ArgumentParser:
 
 def manager_main(argv: Sequence[str] | None = None) -> int:
     """``hybridps-manager``: run the node daemon until SIGTERM or SIGINT."""
+    quiet_missing_numpy()  # before torch is imported ([Note: torch's NumPy warning at import])
     args = _manager_parser().parse_args(argv)
     _setup_logging(args.log_level)
     # Imported here so that `hybridps status` does not load the daemon's modules.
@@ -302,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hybridps COMMAND ...``"""
+    quiet_missing_numpy()  # before torch is imported ([Note: torch's NumPy warning at import])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -8,7 +8,9 @@ turning text into token ids (the model's tokenizer when the folder has one, byte
 the loss of a batch, and saving a ``save_pretrained`` folder that plain transformers loads.
 
 Does not own the training loop, the optimizer, placement or checkpoints (``train.py`` and
-the engine do that), nor downloads: only local paths are read.
+the engine do that), nor downloads: only local paths are read. Reading and checking the
+config and building the model from it are ``hybridps.models.hf``'s, which ``hybridps plan``
+shares.
 
 [Note: weights over a replayed init]
 With ``--model`` the model is still built under ``meta_init``: non-persistent buffers (a
@@ -27,19 +29,13 @@ from typing import Any
 import torch
 
 from hybridps.common.errors import ConfigError
+from hybridps.models.hf import causal_lm_from_config, read_causal_lm_config
+from hybridps.models.hf import transformers_module as _transformers
 
 logger = logging.getLogger(__name__)
 
 #: byte-level text (no tokenizer) needs this many token ids
 BYTE_VOCAB = 256
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - the hf extra is missing
-        raise ConfigError("--model/--model-config need transformers: pip install 'hybridps[hf]'") from exc
-    return transformers
 
 
 class HFCausalLM:
@@ -50,12 +46,10 @@ class HFCausalLM:
             raise ConfigError("give one of --model PATH (pretrained folder) or --model-config FILE (random init)")
         transformers = _transformers()
         self.model_path = model_path
-        source = model_path if model_path is not None else config_path
-        if source is None or not source.exists():
-            raise ConfigError(f"{source}: no such file or folder (only local models are read; nothing is downloaded)")
-        if model_path is not None and not model_path.is_dir():
+        if model_path is not None and model_path.exists() and not model_path.is_dir():
             raise ConfigError(f"--model {model_path}: expected a folder written by save_pretrained (config.json + *.safetensors)")
-        self.config = transformers.AutoConfig.from_pretrained(str(source))
+        flag, source = ("--model", model_path) if model_path is not None else ("--model-config", config_path)
+        self.config = read_causal_lm_config(source, flag=flag)
         self.lora_rank = lora_rank
         self.seq_len = seq_len
         self.tokenizer = None
@@ -77,9 +71,8 @@ class HFCausalLM:
         """The model (with LoRA adapters if asked), built under ``meta_init``: no memory yet."""
         import hybridps
 
-        transformers = _transformers()
         with hybridps.meta_init():
-            model = transformers.AutoModelForCausalLM.from_config(self.config)
+            model = causal_lm_from_config(self.config)
             if self.lora_rank:
                 model = self._with_lora(model)
         return model

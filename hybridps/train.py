@@ -20,11 +20,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from hybridps.common.missing_numpy import quiet_missing_numpy
 
-from hybridps.common.optimizer_states import compact_row_bytes
-from hybridps.common.units import format_bytes, parse_bytes
-from hybridps.train_args import DESCRIPTION, add_arguments
+if __name__ == "__main__":  # each torchrun rank: before torch ([Note: torch's NumPy warning at import])
+    quiet_missing_numpy()
+
+import torch  # noqa: E402
+
+from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
+from hybridps.common.units import format_bytes, parse_bytes  # noqa: E402
+from hybridps.train_args import DESCRIPTION, add_arguments  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridps.common.config import Config

@@ -125,3 +125,52 @@ def test_the_wheels_hf_extra_resolves_from_nothing_with_the_pinned_torch_and_tra
     assert run.returncode == 0, run.stderr[-3000:]
     version, location = run.stdout.split()
     assert version == hybridps.__version__ and location.startswith(str(target))
+
+
+# A Python started with this first: NumPy cannot be imported, as in a fresh environment that
+# installed only HybridPS and torch (NumPy is no dependency of the package), while the
+# checkout's environment keeps the NumPy of the test extra.
+_WITHOUT_NUMPY = """
+import runpy, sys
+
+sys.modules["numpy"] = None  # `import numpy` raises ModuleNotFoundError, importlib's find_spec gives None
+command, args = sys.argv[1], sys.argv[2:]
+if command == "import torch":
+    import torch
+elif command == "hybridps":  # the console script: hybridps = hybridps.cli:main
+    from hybridps.cli import main
+    sys.exit(main(args))
+else:  # python -m MODULE ARGS, as torchrun starts each rank
+    sys.argv = [command, *args]
+    runpy.run_module(command, run_name="__main__", alter_sys=True)
+"""
+
+_TINY_TRAIN = ["--steps", "1", "--quiet", "--layers", "1", "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "2",
+               "--data-bytes", "64KiB"]  # fmt: skip
+
+
+def _without_numpy(command: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NUMPY, command, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, args",
+    [("hybridps", ["train", *_TINY_TRAIN]), ("hybridps.train", _TINY_TRAIN)],
+    ids=["hybridps-train", "python-m-hybridps.train"],
+)
+def test_the_first_command_prints_no_numpy_warning_without_numpy(command, args):
+    """README's first command ends in `hybridps train`, in an environment without NumPy:
+    torch warns "Failed to initialize NumPy" on `import torch` there, and the command's
+    screen must hold HybridPS's own output only (so must each torchrun rank's)."""
+    bare = _without_numpy("import torch")
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    if "Failed to initialize NumPy" not in bare.stderr:
+        pytest.skip("this torch does not warn about a missing NumPy at import")
+    run = _without_numpy(command, *args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained byte-level GPT" in run.stdout
+    assert "NumPy" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip() == "", run.stderr[-3000:]

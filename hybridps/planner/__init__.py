@@ -15,6 +15,8 @@ Modules, each importing only those above it:
 - ``defaults``: the figures the command line's parser shows, without torch;
 - ``validation``: checks of counts and byte figures shared by the records;
 - ``model``: the planned model family (``PlannedModel``, ``GPTShape``, ``ModelFactory``);
+- ``hf_model``: a Hugging Face causal LM's config as a family (``HFCausalLMFamily``), built as
+  ``hybridps train --model-config`` builds it (``hybridps.models.hf``);
 - ``node``: the node, its disk tier included (``NodeSpec``, ``parse_gpus``);
 - ``sharding``: the shard-group layout and its communication (``Sharding``,
   ``Communication``, ``ShardGroupTooLargeError``);
@@ -57,6 +59,7 @@ _PUBLIC = {
     "InitPeak": "hybridps.planner.host_peak",
     "init_peak": "hybridps.planner.host_peak",
     "GPTShape": "hybridps.planner.model",
+    "HFCausalLMFamily": "hybridps.planner.hf_model",
     "ModelFactory": "hybridps.planner.model",
     "PlannedModel": "hybridps.planner.model",
     "NodeSpec": "hybridps.planner.node",

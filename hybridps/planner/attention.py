@@ -30,11 +30,20 @@ which every thread sees, and is scoped in time instead:
 - blocks nest, and may be open in several threads at once: a count under a lock keeps one
   replacement installed while any block is open, and only the last one out restores;
 - the replacement hands every call on real tensors (and the meta calls the flash kernel does
-  not take: not 4-D, or grouped-query) to the original unchanged, so other threads computing
-  while a block is open compute exactly as before;
+  not take: not 4-D, or grouped-query heads that do not divide) to the original unchanged, so
+  other threads computing while a block is open compute exactly as before;
 - a model that bound the function by name before the block (``from torch.nn.functional
   import scaled_dot_product_attention``) is not covered and plans with the math kernel's
   larger activations.
+
+[Note: grouped-query attention on meta]
+Models with fewer key/value heads than query heads (Llama 3, Qwen2, Mistral) call the function
+with ``enable_gqa=True`` and k, v of their own heads (Hugging Face's sdpa attention does so
+whenever there is no mask). The fused kernels of a real run take such k, v as they are and save
+them unexpanded; the math kernel would save the (seq x seq) matrix instead. The flash kernel's
+meta function computes its shapes from the query, so it is given k, v as they come, and
+backward gives their grads in their own shapes: saved are q, k and v of their own heads, the
+output and the log-sum-exp, as the CUDA flash kernel saves them.
 """
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ def _flash_on_meta(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     """``original``, except that 4-D meta inputs go to the CPU flash kernel's meta function."""
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if query.is_meta and query.dim() == 4 and not enable_gqa:
+        if query.is_meta and query.dim() == 4 and (not enable_gqa or _grouped_heads(query, key, value)):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]
@@ -93,3 +102,11 @@ def _flash_on_meta(original: Callable[..., torch.Tensor]) -> Callable[..., torch
         )
 
     return attention
+
+
+def _grouped_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Grouped-query attention the flash kernel takes as it is: 4-D key and value with the
+    same heads, a divisor of the query's ([Note: grouped-query attention on meta])."""
+    if key.dim() != 4 or value.dim() != 4 or key.size(-3) != value.size(-3) or key.size(-3) == 0:
+        return False
+    return query.size(-3) % key.size(-3) == 0

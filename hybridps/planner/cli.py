@@ -1,8 +1,9 @@
 """The command line of the planner: ``hybridps plan`` and ``python -m hybridps.planner``.
 
-Owns the arguments (model shape or ``--factory``, training with the optimizer states'
-storage, node with its disk tier
-(``--nvme`` and its bandwidth) and shard group, output), turning them into a model and a
+Owns the arguments (model: a GPT shape, ``--factory``, or a Hugging Face config with
+``--model-config`` / ``--model``, whose family is ``hf_model``'s; training with the
+optimizer states' storage; node with its disk tier (``--nvme`` and its bandwidth) and shard
+group; output), turning them into a model and a
 node, running ``plan()`` (one layout) or ``compare_layouts()`` (several node counts or shard
 group sizes, given as comma lists) and printing the table or the JSON, and the exit status
 (2 with a message for a ``ConfigError``, a refused layout included); ``--rates`` and
@@ -19,9 +20,11 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.common.missing_numpy import quiet_missing_numpy
 from hybridps.common.optimizer_states import OPTIMIZER_STATES
 from hybridps.common.units import parse_bytes
 from hybridps.planner.defaults import (
@@ -40,6 +43,9 @@ from hybridps.planner.sharding import parse_shard_group_size
 
 if TYPE_CHECKING:
     from hybridps.planner.model import PlannedModel
+
+#: the GPT shape's vocabulary when --vocab is not given
+GPT_VOCAB = 50304
 
 # the parser is built in every ``hybridps`` command: what needs torch (the model family, the
 # search) is imported where a plan is made ([Note: a lazy package] in hybridps/__init__.py)
@@ -95,11 +101,13 @@ def _seconds(text: str) -> float:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model (a GPT-style shape, or --factory)")
-    m.add_argument("--layers", type=_positive_int, help="transformer blocks (n_layer)")
+    m = p.add_argument_group("model (a GPT-style shape, --factory, or a Hugging Face config: --model-config / --model)")
+    m.add_argument(
+        "--layers", type=_positive_int, help="transformer blocks (n_layer; with a Hugging Face config: num_hidden_layers)"
+    )
     m.add_argument("--hidden", type=_positive_int, default=None, help="hidden size (d_model)")
     m.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default: hidden / 128)")
-    m.add_argument("--vocab", type=_positive_int, default=50304, help="vocabulary size (default 50304)")
+    m.add_argument("--vocab", type=_positive_int, default=None, help=f"vocabulary size (default {GPT_VOCAB})")
     m.add_argument("--seq-len", type=_positive_int, default=1024, help="sequence length (default 1024)")
     m.add_argument("--batch", type=_positive_int, default=1, help="micro-batch per rank (default 1)")
     m.add_argument(
@@ -109,6 +117,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--factory",
         metavar="MODULE:CALLABLE",
         help="a callable taking no arguments that returns a hybridps.planner.ModelFactory or GPTShape (overrides the shape flags except --layers)",
+    )
+    m.add_argument(
+        "--model-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Hugging Face causal LM's config.json (or its folder), built on the meta device as `hybridps train "
+        "--model-config` builds it; the family varies num_hidden_layers",
+    )
+    m.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="a local Hugging Face model folder: its config.json is read (no weights, nothing downloaded)",
     )
     t = p.add_argument_group("training")
     t.add_argument("--precision", choices=list(PRECISION_NAMES), default="fp16")
@@ -248,7 +271,28 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _hf_model_from_args(args: argparse.Namespace) -> PlannedModel:
+    """The Hugging Face family of ``--model-config`` or ``--model``: the config gives the shape."""
+    given = [f for f, v in (("--model-config", args.model_config), ("--model", args.model), ("--factory", args.factory)) if v]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} each name the model: give one of them")
+    shape_flags = [f for f, v in (("--hidden", args.hidden), ("--heads", args.heads), ("--vocab", args.vocab)) if v is not None]
+    if shape_flags:
+        raise ConfigError(
+            f"{', '.join(shape_flags)} {'describes' if len(shape_flags) == 1 else 'describe'} a GPT shape; with {given[0]} the config gives the model's sizes (plan a "
+            f"changed copy of the config to change them; --layers sets num_hidden_layers)"
+        )
+    from hybridps.planner.hf_model import HFCausalLMFamily
+
+    flag, source = ("--model", args.model) if args.model is not None else ("--model-config", args.model_config)
+    return HFCausalLMFamily.from_path(
+        source, flag=flag, n_layer=args.layers, seq_len=args.seq_len, batch_size=args.batch, checkpoint=args.checkpoint
+    )
+
+
 def _model_from_args(args: argparse.Namespace) -> PlannedModel:
+    if args.model_config is not None or args.model is not None:
+        return _hf_model_from_args(args)
     if args.factory:
         module_name, _, attr = args.factory.partition(":")
         if not module_name or not attr:
@@ -262,7 +306,8 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
     if args.layers is None or args.hidden is None:
         missing = " and ".join(f for f, v in (("--layers", args.layers), ("--hidden", args.hidden)) if v is None)
         raise ConfigError(
-            f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE"
+            f"{missing} missing: give the model shape, e.g. --layers 24 --hidden 2048, or --factory MODULE:CALLABLE, or "
+            f"a Hugging Face config: --model-config config.json"
         )
     from hybridps.planner.model import GPTShape
 
@@ -271,7 +316,7 @@ def _model_from_args(args: argparse.Namespace) -> PlannedModel:
         n_layer=args.layers,
         d_model=args.hidden,
         n_head=heads,
-        vocab_size=args.vocab,
+        vocab_size=GPT_VOCAB if args.vocab is None else args.vocab,
         seq_len=args.seq_len,
         batch_size=args.batch,
         checkpoint=args.checkpoint,
@@ -339,6 +384,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hybridps.planner ...``: the ``hybridps plan`` command on its own."""
+    quiet_missing_numpy()  # before torch is imported ([Note: torch's NumPy warning at import])
     parser = argparse.ArgumentParser(
         prog="hybridps plan",
         description="Capacity planning by simulating training iterations of the real engine on the meta device.",

@@ -2,7 +2,8 @@
 built, fed a batch and given a loss.
 
 Owns the interface the planner needs of a family (``PlannedModel``), the GPT-style shape
-(``GPTShape``, built from ``hybridps.models.GPT``) and ``ModelFactory`` for any other family.
+(``GPTShape``, built from ``hybridps.models.GPT``) and ``ModelFactory`` for any other family;
+a Hugging Face causal LM's config is ``hf_model``'s ``HFCausalLMFamily``.
 
 Does not own what happens to a member once built (``simulation``) or the search over
 ``n_layer`` (``search``).
@@ -11,7 +12,7 @@ Does not own what happens to a member once built (``simulation``) or the search 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +25,8 @@ from hybridps.planner.validation import check_positive_int, divisor_near
 
 class PlannedModel(Protocol):
     """What the planner needs of a model family: build a member with ``n_layer`` layers on
-    the current (meta) device, give it a batch and read the loss from its output."""
+    the current (meta) device, give it a batch (the positional arguments of one forward call,
+    or a mapping of its keyword arguments) and read the loss from its output."""
 
     n_layer: int
 
@@ -32,7 +34,7 @@ class PlannedModel(Protocol):
 
     def build(self) -> nn.Module: ...
 
-    def inputs(self, device: torch.device) -> tuple: ...
+    def inputs(self, device: torch.device) -> tuple | Mapping[str, Any]: ...
 
     def loss(self, output: Any) -> torch.Tensor: ...
 

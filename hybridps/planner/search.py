@@ -76,10 +76,11 @@ def plan(
     rates: MachineRates | None = None,
     micro_batches: int = 1,
 ) -> PlanReport:
-    """Plan training ``model`` (a ``GPTShape`` or ``ModelFactory``) on ``node``, or on the node
-    described by ``gpus`` (default "1x80GiB"), ``cpu`` (default "128GiB"), ``ranks_per_node``
-    (default: one per GPU), ``nodes`` (default 1) and ``nvme`` (a disk tier per node, e.g.
-    "2TiB", reading ``nvme_read_gbps`` and writing ``nvme_write_gbps`` GB/s; default none), with
+    """Plan training ``model`` (a ``GPTShape``, ``ModelFactory`` or ``HFCausalLMFamily``) on
+    ``node``, or on the node described by ``gpus`` (default "1x80GiB"), ``cpu`` (default
+    "128GiB"), ``ranks_per_node`` (default: one per GPU), ``nodes`` (default 1) and ``nvme``
+    (a disk tier per node, e.g. "2TiB", reading ``nvme_read_gbps`` and writing
+    ``nvme_write_gbps`` GB/s; default none), with
     ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a number
     of ranks dividing the world; see ``Config.shard_group_size``), Adam's moments stored as
     ``optimizer_states`` ("fp32", or "int8": ``Config.optimizer_states``). With ``rates`` (a

@@ -2,8 +2,9 @@
 real engine under ``simulate="meta"``, and what its memory did.
 
 Owns ``simulate`` (build the model on meta, ``initialize`` it, run the iterations with
-attention as a real run saves it and meta kernels remembered, beside a disk tier when one is
-given, the optimizer's moments stored as ``Config.optimizer_states`` says), the records of
+attention as a real run saves it, meta kernels remembered, in the context the family asks
+for (its ``simulating()``, if any), beside a disk tier when one is given, the optimizer's
+moments stored as ``Config.optimizer_states`` says), the records of
 what it showed (``Simulation``, ``DeviceFigures``) read from ``memory_stats()`` and the
 client's layout (``_read_simulation``), and the parameter counts the peers' rules take
 (``deepspeed_param_counts``). The bytes of a chunk's rows are ``chunk_rows``'s.
@@ -16,6 +17,7 @@ the node (``search``) or the multi-rank share (``ranks``): one simulation is one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -198,10 +200,11 @@ def simulate(
         after: dict[str, int] = {}
         try:
             engine = initialize(module, optimizer, config)
-            with meta_attention_as_flash():
+            with meta_attention_as_flash(), _family_context(model):
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
-                    out = engine(*model.inputs(device))
+                    inputs = model.inputs(device)  # positional arguments, or keyword ones (a Hugging Face model's)
+                    out = engine(**inputs) if isinstance(inputs, Mapping) else engine(*inputs)
                     engine.backward(model.loss(out))
                     engine.step()
                     engine.zero_grad()
@@ -226,6 +229,13 @@ def simulate(
     finally:
         if engine is not None:
             engine.client.close(restore=False)
+
+
+def _family_context(model: PlannedModel) -> contextlib.AbstractContextManager:
+    """The context a family asks its iterations to run in (its ``simulating()``; a Hugging Face
+    family's, ``hf_model``), or none."""
+    simulating = getattr(model, "simulating", None)
+    return simulating() if simulating is not None else contextlib.nullcontext()
 
 
 def _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start) -> Simulation:

@@ -1,0 +1,203 @@
+"""A Hugging Face causal LM as a planned family: the models of one ``config.json`` that
+differ in ``num_hidden_layers``.
+
+Owns ``HFCausalLMFamily`` (a ``PlannedModel``): reading the config of ``hybridps plan
+--model-config FILE`` or ``--model FOLDER`` (``from_path``), the config of a member with
+another layer count (``config_with_layers``: per-layer settings such as ``layer_types``
+follow), building the member (the same ``causal_lm_from_config`` as ``hybridps train``, on
+the meta device the simulation enters; activation checkpointing through transformers' own
+``gradient_checkpointing_enable``), its batch (``input_ids`` and ``labels``, as a training
+step gives them) and its loss (the model's own).
+
+[Note: packed sequences on meta]
+A training forward without a cache (activation checkpointing turns it off, and so does a
+config's ``use_cache: false``) makes transformers look for several sequences packed in one row
+(``masking_utils.find_packed_sequence_indices``): it reads the position ids' values, which
+meta tensors do not have. The planner's batch is one sequence per row, for which the check
+finds no packing and the attention mask is the plain causal one; while the planner simulates
+(``simulating``), the check answers that for meta position ids and runs as it is for real ones.
+
+Does not own reading and checking the config or building the module (``hybridps.models.hf``,
+shared with training), the simulation (``simulation``) or the search (``largest``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridps.common.errors import ConfigError
+from hybridps.models.hf import causal_lm_from_config, read_causal_lm_config
+from hybridps.planner.validation import check_positive_int
+
+#: the config's fields the report shows, when the config has them
+_SHOWN = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFCausalLMFamily:
+    """The causal LMs of a Hugging Face ``config`` (a transformers ``PretrainedConfig``) with
+    ``n_layer`` hidden layers, trained on batches of ``batch_size`` x ``seq_len`` tokens."""
+
+    config: Any
+    n_layer: int
+    seq_len: int = 1024
+    batch_size: int = 1
+    #: recompute each decoder layer in backward (transformers' gradient checkpointing)
+    checkpoint: bool = False
+    #: the file or folder the config was read from (shown in the report)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "seq_len", "batch_size"):
+            check_positive_int(name, getattr(self, name))
+        if not isinstance(self.checkpoint, bool):
+            raise ConfigError(f"checkpoint={self.checkpoint!r} must be True or False")
+        if not hasattr(self.config, "num_hidden_layers"):
+            raise ConfigError(
+                f"the {self.model_type} config has no num_hidden_layers: the planner varies a family's layer count, and "
+                f"this config does not give one"
+            )
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and self.seq_len > positions:
+            raise ConfigError(
+                f"seq_len={self.seq_len} is longer than the config's max_position_embeddings={positions}; plan a "
+                f"--seq-len of at most {positions}, or raise max_position_embeddings in a copy of the config"
+            )
+
+    @classmethod
+    def from_path(
+        cls,
+        source: str | Path,
+        *,
+        flag: str = "--model-config",
+        n_layer: int | None = None,
+        seq_len: int = 1024,
+        batch_size: int = 1,
+        checkpoint: bool = False,
+    ) -> HFCausalLMFamily:
+        """The family of the config at ``source`` (a ``config.json``, or a model folder holding
+        one: nothing else of it is read), planned at ``n_layer`` layers (default: the config's)."""
+        config = read_causal_lm_config(Path(source), flag=flag)
+        layers = int(config.num_hidden_layers) if n_layer is None else n_layer
+        return cls(
+            config=config, n_layer=layers, seq_len=seq_len, batch_size=batch_size, checkpoint=checkpoint, source=str(source)
+        )
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.config, "model_type", "") or "unknown")
+
+    @property
+    def d_model(self) -> int:
+        """The hidden size (the speed model's width)."""
+        return int(self.config.hidden_size)
+
+    def with_layers(self, n_layer: int) -> HFCausalLMFamily:
+        return dataclasses.replace(self, n_layer=n_layer)
+
+    def member_config(self) -> Any:
+        return config_with_layers(self.config, self.n_layer)
+
+    def build(self) -> nn.Module:
+        model = causal_lm_from_config(self.member_config())
+        if self.checkpoint:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ConfigError(
+                    f"transformers' {type(model).__name__} does not support activation checkpointing: plan without it"
+                )
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return model
+
+    @contextlib.contextmanager
+    def simulating(self) -> Iterator[None]:
+        """The context the simulated iterations run in: a batch on the meta device is one
+        sequence per row, as ``inputs`` gives it ([Note: packed sequences on meta])."""
+        try:
+            from transformers import masking_utils
+        except ImportError:  # a transformers without the check
+            masking_utils = None
+        original = getattr(masking_utils, "find_packed_sequence_indices", None)
+        if original is None:
+            yield
+            return
+
+        def unpacked_on_meta(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return None if position_ids.is_meta else original(position_ids, *args, **kwargs)
+
+        masking_utils.find_packed_sequence_indices = unpacked_on_meta
+        try:
+            yield
+        finally:
+            masking_utils.find_packed_sequence_indices = original
+
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        # two tensors, as in training: one shared tensor would be counted once among the saved
+        # activations (embedding input and loss targets) and plan too little
+        shape = (self.batch_size, self.seq_len)
+        batch = {
+            "input_ids": torch.zeros(shape, dtype=torch.long, device=device),
+            "labels": torch.zeros(shape, dtype=torch.long, device=device),
+        }
+        # recomputed layers keep no cache (transformers turns it off, with a warning, if asked)
+        return {**batch, "use_cache": False} if self.checkpoint else batch
+
+    def loss(self, output: Any) -> torch.Tensor:
+        return output.loss
+
+    def describe(self) -> dict:
+        shown = {k: getattr(self.config, k) for k in _SHOWN if getattr(self.config, k, None) is not None}
+        return {
+            "family": f"hf:{self.model_type}",
+            "source": self.source,
+            "n_layer": self.n_layer,
+            **shown,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "checkpoint": self.checkpoint,
+        }
+
+
+def config_with_layers(config: Any, n_layer: int) -> Any:
+    """A copy of ``config`` with ``n_layer`` hidden layers. A per-layer ``layer_types`` list
+    (sliding or full attention per layer) is given again for ``n_layer``: as the config class
+    derives it from the config's other fields where that derivation gives the config's own list
+    (Qwen2's ``max_window_layers``, Gemma's sliding window pattern), else the config's own
+    pattern repeated."""
+    out = copy.deepcopy(config)
+    out.num_hidden_layers = n_layer
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) != n_layer:
+        out.layer_types = _layer_types(config, n_layer)
+    return out
+
+
+def _layer_types(config: Any, n_layer: int) -> list:
+    types = list(config.layer_types)
+    try:
+        derived_own = type(config)(**{**config.to_dict(), "layer_types": None}).layer_types
+        derived = type(config)(**{**config.to_dict(), "num_hidden_layers": n_layer, "layer_types": None}).layer_types
+    except (ValueError, TypeError, KeyError, AttributeError):
+        derived_own = derived = None
+    if derived_own is not None and list(derived_own) == types and derived is not None and len(derived) == n_layer:
+        return list(derived)
+    return [types[i % len(types)] for i in range(n_layer)]
