@@ -119,7 +119,7 @@ def build(
         client.placement.use_trace(trace.next_use, trace.replaying)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
-    compiled = CompiledBlocks(model, hooks.units.blocks)
+    compiled = CompiledBlocks(model, hooks.units.blocks, hooks.use_blocks)
     client.hook_handles.append(compiled)  # the client's close gives the blocks their own forwards back
     if config.compile:
         compiled.compile()

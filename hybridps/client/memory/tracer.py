@@ -68,6 +68,7 @@ import torch
 
 from hybridps.client.chunks.chunk import Chunk, storage_key
 from hybridps.client.memory.trace import MomentTrace, TraceMode
+from hybridps.common.eager import eager
 from hybridps.common.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class MemoryTracer:
         if not (self.device.is_gpu and self.device.simulated):
             return contextlib.nullcontext()
         # eager even inside a compiled forward ([Note: compiled blocks] in params/compiled_blocks.py)
-        return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack), self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(eager(self._pack), self._unpack)
 
     def _pack(self, t: torch.Tensor):
         if self.store.is_registered(t):

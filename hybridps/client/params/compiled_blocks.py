@@ -8,14 +8,15 @@ its forward hook. So the block's ``forward`` is what gets compiled, and the hook
 around it: one compiled graph per block shape (the layers of a transformer share one), the
 chunk swaps at the block boundary, and torch.compile sees the params as graph inputs (their
 storage changes from step to step without a recompile). The hooks, and the tracer's
-saved-tensor hooks, are ``torch.compiler.disable``d, so a compile that reaches them breaks
-the graph there rather than tracing the engine.
+saved-tensor hooks, run eagerly wherever dynamo meets them (common/eager.py), so a compile
+that reaches them breaks the graph there rather than tracing the engine.
 
 Three ways in, one result:
 - ``Config(compile=True)``: the blocks are compiled when the engine is built;
-- ``torch.compile(model)`` or ``model.compile()`` after ``initialize``: the model's first
-  compiled call compiles the blocks instead, and the model's own ``forward`` runs eagerly
-  (it calls the blocks, whose hooks cannot be in a graph);
+- ``torch.compile(model)`` or ``model.compile()`` after ``initialize``: dynamo traces the
+  model's first call itself (breaking the graph at every hook); from the second call on the
+  model's own ``forward`` runs eagerly (it calls the blocks, whose hooks cannot be in a
+  graph) and the blocks are units and compiled;
 - ``--torch_compile`` under HybridPSTrainer: ``Config(compile=True)``.
 
 A block whose compile fails falls back to eager with one warning naming the error; the
@@ -30,12 +31,13 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybridps.common.eager import compiling
 from hybridps.common.errors import HybridPSError
 
 logger = logging.getLogger(__name__)
@@ -66,9 +68,11 @@ class _Forward:
 class CompiledBlocks:
     """The compiled forwards of one model's blocks."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module]):
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], make_blocks: Callable[[], Sequence[nn.Module]]):
         self.model = model
         self.blocks = list(blocks)
+        #: makes the blocks units when they are not (ModuleHooks.use_blocks) and returns them
+        self._make_blocks = make_blocks
         self.options: dict[str, Any] | None = None  # torch.compile's keywords once compiled
         self.fallen_back: str | None = None  # the error that sent the blocks back to eager
         self._replaced: list[nn.Module] = []
@@ -81,6 +85,9 @@ class CompiledBlocks:
         """Compile each block's forward with ``torch.compile(**options)``."""
         if self.compiled:
             return
+        compiling()
+        if not self.blocks:
+            self.blocks = list(self._make_blocks())
         if not self.blocks:
             logger.warning(
                 "torch.compile under HybridPS compiles the model's blocks (elements of an nn.ModuleList or nn.Sequential "
@@ -92,12 +99,17 @@ class CompiledBlocks:
             self._replace(block, self._guarded(block, eager, torch.compile(eager, **options)))
 
     def take_over(self) -> None:
-        """The model itself is being compiled (``torch.compile(model)``, ``model.compile()``):
-        compile the blocks, and keep the model's own forward eager around them."""
-        self.compile()
+        """The model itself is being compiled (``torch.compile(model)``, ``model.compile()``),
+        and this is one of its calls: its own forward runs eagerly from the next call on (this
+        one's was already traced), and the blocks are made units and compiled at the next call,
+        before any block runs, so no traced forward meets units that changed under it."""
         if self.model not in self._replaced:
             eager = types.MethodType(type(self.model).forward, self.model)
             self._replace(self.model, torch.compiler.disable(eager))
+            compiling()
+            return
+        if not self.compiled:
+            self.compile()
             logger.info(
                 "torch.compile of a model under HybridPS: its %d blocks are compiled, hooks run between them", len(self.blocks)
             )

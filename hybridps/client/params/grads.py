@@ -24,6 +24,7 @@ from torch import nn
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.params.pending_grads import PendingGrads
+from hybridps.common.eager import eager
 from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
@@ -87,10 +88,8 @@ class Grads:
                 return pending.pack(t, t) if inner is t else inner
 
             # eager even inside a compiled forward ([Note: compiled blocks] in params/compiled_blocks.py)
-            return torch.autograd.graph.saved_tensors_hooks(
-                torch.compiler.disable(pack), lambda h: inner_unpack(pending.unpack(h))
-            )
-        return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(lambda t: pending.pack(t, t)), pending.unpack)
+            return torch.autograd.graph.saved_tensors_hooks(eager(pack), lambda h: inner_unpack(pending.unpack(h)))
+        return torch.autograd.graph.saved_tensors_hooks(eager(lambda t: pending.pack(t, t)), pending.unpack)
 
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Put ``grad`` into ``param``'s grad slot: its own param slot with grad reuse (the

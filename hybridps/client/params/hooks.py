@@ -44,6 +44,7 @@ from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.params.hook_units import HookUnits, blocks_fit, choose_units
 from hybridps.client.params.placeholder import ChunkedParameter
+from hybridps.common.eager import eager
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class ModelHook:
         self.hooks = hooks
         self.fn = fn
 
-    @torch.compiler.disable
+    @eager
     def __call__(self, mod: nn.Module, *args):
         # the hooks move chunks and swap param data: eager, outside any graph torch.compile
         # builds, see [Note: compiled blocks] in params/compiled_blocks.py
@@ -223,12 +224,20 @@ class ModuleHooks:
             chunk_bytes=chunk_bytes, non_model_peak_bytes=peak, capacity_bytes=self._capacity_bytes, margin_bytes=margin
         ):
             return
-        for handle in self._unit_handles:
-            handle.remove()
-        self._unit_handles.clear()
-        self._take_units(True)
-        self._hook_units(root=False)
-        self.tracer.retrace()
+        self.use_blocks()
+
+    def use_blocks(self) -> list[nn.Module]:
+        """Make the blocks units (hook_units.py) from the next unit on, and return them; runs
+        between iterations, or in the model's own pre-hook before any other unit."""
+        self._deciding = False
+        if not self.units.blocks:
+            for handle in self._unit_handles:
+                handle.remove()
+            self._unit_handles.clear()
+            self._take_units(True)
+            self._hook_units(root=False)
+            self.tracer.retrace()
+        return self.units.blocks
 
     def install(self) -> None:
         self._hook_units()
