@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-_COMPILING = [False]  # an engine of this process compiles: see compiling()
+_compiling = False  # an engine of this process compiles: see compiling()
 
 
 def eager(fn: Callable) -> Callable:
@@ -32,7 +32,7 @@ def eager(fn: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return (disabled[0] if disabled else torch.compiler.disable(fn))(*args, **kwargs)
-        if _COMPILING[0]:
+        if _compiling:
             if not disabled:
                 disabled.append(torch.compiler.disable(fn))
             return disabled[0](*args, **kwargs)
@@ -50,7 +50,8 @@ def compiling() -> None:
     """An engine compiles (dynamo is loaded): from now on the wrapped functions run through
     ``torch.compiler.disable`` (nothing they call is compiled) and dynamo never compiles the
     wrapper's own frames (it would compile what follows each graph break, per call signature)."""
-    _COMPILING[0] = True
+    global _compiling
+    _compiling = True
     skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
     if skip_code is not None:
         skip_code(_RUN_CODE)

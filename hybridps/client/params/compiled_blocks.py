@@ -29,6 +29,7 @@ Does not own the choice of blocks (hook_units.py), nor the hooks (hooks.py).
 
 from __future__ import annotations
 
+import enum
 import logging
 import types
 from collections.abc import Callable, Sequence
@@ -65,6 +66,31 @@ class _Forward:
         raise HybridPSError("pickling a model under HybridPS: save model.state_dict() or use engine.save_checkpoint instead")
 
 
+class CompileState(enum.Enum):
+    """Where a model's blocks stand; moves: ``compiles`` (EAGER or TAKING_OVER -> COMPILED),
+    ``taken_over`` (EAGER -> TAKING_OVER), ``fails`` (COMPILED -> FELL_BACK), ``restored``."""
+
+    EAGER = "eager"  # nothing compiled
+    TAKING_OVER = "taking_over"  # the model is compiled by the user: its forward is eager, the blocks compile next call
+    COMPILED = "compiled"  # the blocks run compiled
+    FELL_BACK = "fell_back"  # the compiler failed on a block: every block runs eagerly
+
+    def compiles(self) -> CompileState:
+        assert self in (CompileState.EAGER, CompileState.TAKING_OVER), self
+        return CompileState.COMPILED
+
+    def taken_over(self) -> CompileState:
+        assert self is CompileState.EAGER, self
+        return CompileState.TAKING_OVER
+
+    def fails(self) -> CompileState:
+        assert self is CompileState.COMPILED, self
+        return CompileState.FELL_BACK
+
+    def restored(self) -> CompileState:
+        return CompileState.EAGER
+
+
 class CompiledBlocks:
     """The compiled forwards of one model's blocks."""
 
@@ -73,18 +99,20 @@ class CompiledBlocks:
         self.blocks = list(blocks)
         #: makes the blocks units when they are not (ModuleHooks.use_blocks) and returns them
         self._make_blocks = make_blocks
-        self.options: dict[str, Any] | None = None  # torch.compile's keywords once compiled
+        self.state = CompileState.EAGER
         self.fallen_back: str | None = None  # the error that sent the blocks back to eager
         self._replaced: list[nn.Module] = []
 
     @property
     def compiled(self) -> bool:
-        return self.options is not None
+        """Whether the blocks were compiled (they may have fallen back to eager since)."""
+        return self.state in (CompileState.COMPILED, CompileState.FELL_BACK)
 
     def compile(self, **options: Any) -> None:
         """Compile each block's forward with ``torch.compile(**options)``."""
         if self.compiled:
             return
+        self.state = self.state.compiles()
         compiling()
         if not self.blocks:
             self.blocks = list(self._make_blocks())
@@ -93,7 +121,6 @@ class CompiledBlocks:
                 "torch.compile under HybridPS compiles the model's blocks (elements of an nn.ModuleList or nn.Sequential "
                 "with submodules) and this model has none that fit a quarter of the compute device: it runs eagerly"
             )
-        self.options = dict(options)
         for block in self.blocks:
             eager = types.MethodType(type(block).forward, block)
             self._replace(block, self._guarded(block, eager, torch.compile(eager, **options)))
@@ -103,12 +130,12 @@ class CompiledBlocks:
         and this is one of its calls: its own forward runs eagerly from the next call on (this
         one's was already traced), and the blocks are made units and compiled at the next call,
         before any block runs, so no traced forward meets units that changed under it."""
-        if self.model not in self._replaced:
+        if self.state is CompileState.EAGER:
             eager = types.MethodType(type(self.model).forward, self.model)
             self._replace(self.model, torch.compiler.disable(eager))
+            self.state = self.state.taken_over()
             compiling()
-            return
-        if not self.compiled:
+        elif self.state is CompileState.TAKING_OVER:
             self.compile()
             logger.info(
                 "torch.compile of a model under HybridPS: its %d blocks are compiled, hooks run between them", len(self.blocks)
@@ -120,17 +147,15 @@ class CompiledBlocks:
 
     def _guarded(self, block: nn.Module, eager, compiled):
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.fallen_back is not None:
+            if self.state is CompileState.FELL_BACK:
                 return eager(*args, **kwargs)
             try:
                 return compiled(*args, **kwargs)
             except HybridPSError:
                 raise  # the engine's own (a capacity error of the activations): not the compiler's
             except Exception as exc:  # any failure of the compiler: eager from now on, said once
-                try:
-                    out = eager(*args, **kwargs)
-                except Exception:
-                    raise  # the forward itself fails: its own error, not the compiler's
+                out = eager(*args, **kwargs)  # a forward that fails eagerly too raises its own error
+                self.state = self.state.fails()
                 self.fallen_back = _describe(exc)
                 logger.warning("torch.compile of %s failed (%s): the blocks run eagerly", type(block).__name__, self.fallen_back)
                 return out
@@ -142,7 +167,7 @@ class CompiledBlocks:
         for module in self._replaced:
             module.__dict__.pop("forward", None)
         self._replaced.clear()
-        self.options = None
+        self.state = self.state.restored()
 
     def remove(self) -> None:
         """As a hook handle's ``remove``: the client's close removes every handle."""
