@@ -91,7 +91,7 @@ def build(
         for buf in model.buffers():
             if not buf.is_meta and buf.device != device:
                 buf.data = buf.data.to(device)
-        client.register_module(model, optimizer_follows=True)  # the fit check counts the Adam states
+        client.register_module(model, optimizer_follows=optimizer)  # the fit check counts its states
         chunked = client.register_optim(
             optimizer,
             scaler=loss_scaler(config),

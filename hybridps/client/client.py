@@ -262,9 +262,9 @@ class Client:
 
     # -- registration (registry.py) --------------------------------------------------------
 
-    def register_module(self, module: nn.Module, *, optimizer_follows: bool = False) -> None:
+    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | None = None) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order;
-        ``optimizer_follows``: an Adam is registered next, so the fit check counts its states."""
+        ``optimizer_follows``: the optimizer registered next, so the fit check counts its states."""
         self._check_open()
         self.registry.register_module(module, optimizer_follows=optimizer_follows)
 

@@ -62,8 +62,12 @@ class ChunkKind(enum.Enum):
     PARAM = "param"  # fp32/fp16/bf16 params; with grad reuse also their grads after backward
     GRAD = "grad"  # grads, only when grad reuse is off (accumulation)
     MASTER = "master"  # fp32 master params (absent in fp32 without grad reuse: PARAM is the master)
-    MOMENTUM = "momentum"  # Adam exp_avg, fp32
-    VARIANCE = "variance"  # Adam exp_avg_sq, fp32
+    # the optimizer's row states, fp32, named after Adam's (optim/state_layout.py maps another
+    # optimizer's states onto them: SGD's momentum_buffer is its MOMENTUM row, RMSprop's
+    # square_avg, momentum_buffer and grad_avg its MOMENTUM, VARIANCE and EXTRA rows)
+    MOMENTUM = "momentum"  # Adam exp_avg: an optimizer's first row state
+    VARIANCE = "variance"  # Adam exp_avg_sq: its second
+    EXTRA = "extra"  # its third (Adam with amsgrad: max_exp_avg_sq)
     BUFFER = "buffer"  # results of client.allreduce/broadcast: a layout of their own, replicated
 
 

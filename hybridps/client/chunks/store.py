@@ -69,6 +69,9 @@ class ChunkStore:
         self.param_dtype = config.param_dtype
         #: how momentum and variance rows are stored (Config.optimizer_states)
         self.moment_states = config.moment_states
+        #: the optimizer's row states (optim/state_layout.py): Adam's momentum and variance
+        #: until an optimizer keeping others is registered (SGD without momentum keeps none)
+        self.state_kinds: tuple[ChunkKind, ...] = MOMENT_KINDS
         self.layout: ChunkLayout | None = None
         #: kind -> chunk index -> chunk (momentum and variance appear with the optimizer)
         self.rows: dict[ChunkKind, list[Chunk]] = {kind: [] for kind in self.kinds}

@@ -71,7 +71,7 @@ class OptimizerRows:
         return moved
 
     def _kinds(self) -> list[ChunkKind]:
-        return [k for k in (ChunkKind.MASTER, ChunkKind.MOMENTUM, ChunkKind.VARIANCE) if k in self.store.rows]
+        return [k for k in (ChunkKind.MASTER, *self.store.state_kinds) if k in self.store.rows]
 
     def on_gpu_fraction(self) -> float:
         """The fraction of this rank's optimizer rows (master, momentum, variance of its

@@ -37,9 +37,11 @@ from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.optim.moment_codes import MomentRow
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
+from hybridps.client.optim.state_layout import ADAM_LAYOUT
 from hybridps.client.optim.step_plan import StepPlans, StepTensors
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.common.errors import StateError
+from hybridps.client.optim.torch_step import TorchStep
+from hybridps.common.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
@@ -72,7 +74,9 @@ class ChunkedAdam(torch.optim.Optimizer):
         ``step()`` runs instead of the plain step (the engine's step, which ends its
         iteration); ``step_listeners`` are called as ``("start" | "end", index)`` around each
         chunk's step, ``zero_grad_listeners`` after every zero_grad."""
-        registration.check_optimizer(optimizer)
+        #: where the optimizer's states are kept: Adam's two rows for the chunked Adam's own
+        #: kernels, else what its own step keeps (state_layout.py)
+        self.layout = registration.state_layout(optimizer)
         self.store = store
         self.mover = mover
         self.placement = placement
@@ -87,7 +91,17 @@ class ChunkedAdam(torch.optim.Optimizer):
         imported = optimizer.state_dict() if len(optimizer.state) else None
         super().__init__(optimizer.param_groups, optimizer.defaults)
         #: registration index -> its param group (None: not optimized)
-        self.param_group_of = registration.adopt_groups(store, self.param_groups, adamw=isinstance(optimizer, torch.optim.AdamW))
+        self.param_group_of = registration.adopt_groups(
+            store, self.param_groups, adamw=isinstance(optimizer, torch.optim.AdamW) if self.layout is ADAM_LAYOUT else None
+        )
+        #: the optimizer's own step on views of the rows, for every optimizer but the chunked
+        #: Adam's (torch_step.py); None under Adam's kernels
+        self.torch_step = None if self.layout is ADAM_LAYOUT else TorchStep(optimizer, self.layout, self.param_groups)
+        if self.torch_step is not None and store.compact_moments:
+            raise ConfigError(
+                f"Config(optimizer_states='int8') keeps Adam's momentum and variance in 8 bits; {type(optimizer).__name__} "
+                f"steps with its own states. Use torch.optim.Adam/AdamW, or optimizer_states='fp32'"
+            )
         self.steps: list[int] = [0] * len(store.params)
         self.scaler = scaler
         #: this step's clip (grad_norm.py): a second clip returns the same norm
@@ -122,9 +136,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         #: and what is made once per step (divisors, the clip coefficient per device)
         self.tensors = StepTensors()
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
-        self.overlap_step = early_step.overlap_step_on(store.config, compute)
+        #: (the optimizer's own step is not split for early steps: its side states, such as
+        #: ``step``, have no backups to undo it with)
+        self.overlap_step = early_step.overlap_step_on(store.config, compute) and self.torch_step is None
         #: backups of speculative early steps and whether to speculate (speculation.py)
-        self.speculation = Speculation(mover, enabled=store.config.overlap_step is True)
+        self.speculation = Speculation(mover, enabled=store.config.overlap_step is True and self.torch_step is None)
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = list(step_listeners)
         self._imported_state = imported  # loaded by attach_state once the chunk lists exist
@@ -300,7 +316,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         device = self.placement.step_device(store.rows[store.master_kind][index])
         stays = self._casts_apply(index, device, speculative=False)  # the grads stay on the GPU
-        for kind in dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind)):
+        for kind in dict.fromkeys((store.master_kind, *store.state_kinds, store.grad_kind)):
             chunk = store.rows[kind][index]
             if chunk.payload is not None and chunk.device != device and not (stays and kind is store.grad_kind):
                 self.mover.prefetch(chunk, device)
@@ -333,7 +349,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
         handed_over = False
         try:
-            for kind in dict.fromkeys((master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, grad_kind)):
+            for kind in dict.fromkeys((master_kind, *store.state_kinds, grad_kind)):
                 # beside backward the copies run on the copy stream and the worker waits for
                 # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
@@ -394,9 +410,12 @@ class ChunkedAdam(torch.optim.Optimizer):
         used = store.layout.used(index)
         master = store.rows[master_kind][index].payload
         grad_payload = store.rows[store.grad_kind][index].payload
-        m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
         param = store.rows[ChunkKind.PARAM][index].payload if master_kind is not ChunkKind.PARAM else None
-        assert master is not None and grad_payload is not None and m is not None and v is not None
+        assert master is not None and grad_payload is not None
+        if self.torch_step is not None:
+            return self._torch_compute(index, infos, inv_scale, clip_coef, buffer, casts)
+        m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
+        assert m is not None and v is not None
         plan, base_step = self.plans.get(index, infos, self.steps)
         if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
             backup.plan = plan
@@ -443,6 +462,53 @@ class ChunkedAdam(torch.optim.Optimizer):
                 casts.params_up(master, param, used)  # up, then cast on the GPU
             elif param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
+
+        return compute
+
+    def _torch_compute(
+        self,
+        index: int,
+        infos: list[ParamInfo],
+        inv_scale: float | None,
+        clip_coef: torch.Tensor | None,
+        buffer: torch.Tensor | None,
+        casts: ChunkCasts | None,
+    ) -> Callable[[], None]:
+        """``_step_compute`` for an optimizer stepped by its own step (torch_step.py): the
+        fp32 grads made as for Adam, unscaled and clipped the way torch's
+        ``clip_grad_norm_`` multiplies them, then the optimizer's step on views."""
+        store = self.store
+        assert self.torch_step is not None
+        used = store.layout.used(index)
+        master = store.rows[store.master_kind][index].payload
+        grad_payload = store.rows[store.grad_kind][index].payload
+        param = store.rows[ChunkKind.PARAM][index].payload if store.master_kind is not ChunkKind.PARAM else None
+        assert master is not None and grad_payload is not None
+        rows = {kind: store.rows[kind][index].payload for kind in store.state_kinds}
+        step = self.torch_step.step_call(infos, self.param_group_of, master, rows)
+        device = master.device
+        factor = None if clip_coef is None else self.tensors.on_device(clip_coef, device)
+        pieces = [slice(i.slot.offset, i.slot.offset + i.slot.numel) for i in infos]
+
+        def compute() -> None:
+            if buffer is None:
+                grads = grad_payload
+            elif casts is not None:
+                grads = buffer
+                casts.grads_down(grad_payload, grads, used)
+            else:
+                grads = buffer
+                grads[:used].copy_(grad_payload[:used])
+            views = [grads[piece] for piece in pieces]
+            if inv_scale is not None:
+                torch._foreach_mul_(views, inv_scale)
+            if factor is not None:
+                torch._foreach_mul_(views, factor)  # as torch.nn.utils.clip_grad_norm_ does, for bitwise parity
+            step(grads)
+            if casts is not None:
+                casts.params_up(master, param, used)
+            elif param is not None:
+                param[:used].copy_(master[:used])
 
         return compute
 

@@ -43,14 +43,14 @@ if TYPE_CHECKING:
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.loss_scaler import LossScaler
+    from hybridps.client.optim.state_layout import StateLayout
     from hybridps.client.optim.step_worker import StepWorker
+    from hybridps.client.optim.torch_step import TorchStep
 
 #: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
 SHARD_KEY = "hybridps_shard"
 #: key of the fp16 loss scaler's state in a state dict
 LOSS_SCALER_KEY = "hybridps_loss_scaler"
-#: a state dict's keys of a param's fp32 states, and the rows that hold them (master: the store's master kind)
-_MOMENTS = (("exp_avg", ChunkKind.MOMENTUM), ("exp_avg_sq", ChunkKind.VARIANCE))
 
 
 class StateOwner(Protocol):
@@ -66,6 +66,10 @@ class StateOwner(Protocol):
     steps: list[int]
     scaler: LossScaler | None
     worker: StepWorker
+    #: where the states are kept (state_layout.py)
+    layout: StateLayout
+    #: the optimizer's own step and its side states, for every optimizer but Adam's kernels
+    torch_step: TorchStep | None
 
 
 class ReadOnlyState(ReadOnlyCopy):
@@ -114,9 +118,7 @@ class AdamStateView(Mapping):
         return [
             i
             for i in opt.store.params
-            if opt.steps[i.slot.index]
-            and opt.param_group_of[i.slot.index] is not None
-            and (groups is None or groups.owns(i.chunk))
+            if has_state(opt, i) and opt.param_group_of[i.slot.index] is not None and (groups is None or groups.owns(i.chunk))
         ]
 
     def __iter__(self) -> Iterator:
@@ -181,7 +183,7 @@ def write(store: ChunkStore, mover: ChunkMover, kind: ChunkKind, info: ParamInfo
         else:
             chunk.view(info.slot).copy_(value.reshape(-1))
     finally:
-        after = TensorState.HOLD if kind in MOMENT_KINDS else previous
+        after = TensorState.HOLD if kind in store.state_kinds else previous
         mover.give_back(chunk, after)
 
 
@@ -221,15 +223,31 @@ def state_entry(owner: StateOwner, info: ParamInfo) -> dict[str, torch.Tensor] |
     """The torch-style state entry of one param (CPU copies), or None before its first
     step; the param's chunk must be this rank's."""
     store = owner.store
-    steps = owner.steps[info.slot.index]
-    if steps == 0 or owner.param_group_of[info.slot.index] is None:
+    if not has_state(owner, info) or owner.param_group_of[info.slot.index] is None:
         return None
-    entry = {"step": torch.tensor(float(steps))}
-    for key, kind in _MOMENTS:
-        entry[key] = read(store, kind, info)
+    torch_step = owner.torch_step
+    if torch_step is None:
+        entry = {"step": torch.tensor(float(owner.steps[info.slot.index]))}
+        for key, kind in owner.layout.rows.items():
+            entry[key] = read(store, kind, info)
+    else:  # side states as they are (copies), then the row states the param holds
+        entry = {
+            key: value.to("cpu", copy=True) if torch.is_tensor(value) else value
+            for key, value in torch_step.side.get(info.slot.index, {}).items()
+        }
+        for key in sorted(torch_step.held.get(info.slot.index, ()), key=list(owner.layout.rows).index):
+            entry[key] = read(store, owner.layout.rows[key], info)
     if store.param_dtype != torch.float32:
         entry["master"] = read(store, store.master_kind, info)
     return entry
+
+
+def has_state(owner: StateOwner, info: ParamInfo) -> bool:
+    """Whether ``info``'s param has optimizer states: it stepped (Adam), or holds a state
+    (another optimizer's, made by a step or at construction, as Adagrad's sum)."""
+    if owner.torch_step is None:
+        return owner.steps[info.slot.index] > 0
+    return owner.torch_step.has_state(info.slot.index)
 
 
 def covered(owner: StateOwner) -> set[int] | None:
@@ -287,7 +305,7 @@ def load_state_dict(owner: StateOwner, state_dict: dict) -> None:
     params = _saved_params(owner, saved_groups, shard)
     if shard is not None:
         _check_share(owner, shard, params)
-    _check_entries(state_dict["state"], params)
+    _check_entries(state_dict["state"], params, owner.layout)
     with torch.no_grad():
         for saved, group in zip(saved_groups, owner.param_groups, strict=True):
             for k, v in saved.items():
@@ -334,13 +352,13 @@ def _check_share(owner: StateOwner, shard: dict, params: dict[int, ParamInfo]) -
         )
 
 
-def _check_entries(state: dict, params: dict[int, ParamInfo]) -> None:
-    """Every entry names a param of some group, with states of that param's shape."""
+def _check_entries(state: dict, params: dict[int, ParamInfo], layout: StateLayout) -> None:
+    """Every entry names a param of some group, with row states of that param's shape."""
     for idx, entry in state.items():
         info = params.get(int(idx))
         if info is None:
             raise ConfigError(f"state dict has state for param index {idx}, which no param group lists")
-        for key in ("exp_avg", "exp_avg_sq", "master"):
+        for key in (*layout.rows, "master"):
             if key in entry and tuple(entry[key].shape) != tuple(info.shape):
                 raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
 
@@ -352,13 +370,18 @@ def _write_entries(owner: StateOwner, state: dict, params: dict[int, ParamInfo])
     low = store.param_dtype != torch.float32
     for info in store.params:
         owner.steps[info.slot.index] = 0
+        if owner.torch_step is not None:
+            owner.torch_step.forget(info.slot.index)
     for idx, entry in state.items():
         info = params[int(idx)]
         if mine is not None and id(info.param) not in mine:
             continue  # another rank's chunk: that rank keeps it
-        owner.steps[info.slot.index] = int(entry["step"])
-        for key, kind in (*_MOMENTS, ("master", store.master_kind)):
+        step = entry.get("step")
+        owner.steps[info.slot.index] = int(step) if step is not None else 0
+        for key, kind in (*owner.layout.rows.items(), ("master", store.master_kind)):
             if key in entry and (key != "master" or low):
                 write(store, owner.mover, kind, info, entry[key])
+        if owner.torch_step is not None:
+            owner.torch_step.load(info.slot.index, entry)
         if "master" in entry and low:
             write(store, owner.mover, ChunkKind.PARAM, info, entry["master"])

@@ -1,6 +1,6 @@
 """What registering an optimizer checks before ``ChunkedAdam`` takes it over: the user's
-optimizer is a torch Adam or AdamW with options HybridPS steps exactly, over the registered
-model's params, every trainable one included.
+optimizer is one HybridPS can step over chunks (torch's, or one written the usual way), over
+the registered model's params, every trainable one included; and which step it takes.
 
 Owns: those checks and their messages, run once, before anything is laid out, and the
 param groups as ``ChunkedAdam`` adopts them (``adopt_groups``). Does not own
@@ -11,38 +11,67 @@ optimizer already had (adam_state.py), nor anything the optimizer does once acce
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
+from hybridps.client.optim.state_layout import ADAM_LAYOUT, StateLayout, probe
 from hybridps.common.errors import ConfigError, RegistrationError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
 
-SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW")
+#: optimizers whose step cannot run on chunk rows, and why (the fix is in the message)
+_REFUSED = {
+    "LBFGS": "its step re-evaluates the model through a closure several times per step and keeps flat "
+    "whole-model vectors of past updates, which no chunk holds; train with another optimizer",
+    "SparseAdam": "it steps sparse grads, while a chunk holds dense grads; use torch.optim.Adam (or build the "
+    "embedding with sparse=False)",
+}
 
 
 def check_optimizer(optimizer: object) -> None:
-    """``optimizer`` is a torch Adam or AdamW without amsgrad, differentiable or capturable."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        cls = type(optimizer)
-        name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
-        if _eight_bit_adam(cls):
-            adamw = "AdamW" in cls.__name__
-            raise ConfigError(
-                f"{name}: HybridPS keeps 8-bit Adam states itself, in its chunks, wherever they step (the same algorithm: "
-                f"256-element blocks, dynamic maps). Pass torch.optim.{'AdamW' if adamw else 'Adam'}(params, lr=..., "
-                f"betas=..., weight_decay=...) with this optimizer's hyper-parameters and set "
-                f"Config(optimizer_states='int8')"
-            )
-        raise ConfigError(f"unsupported optimizer {name}; HybridPS steps {' and '.join(SUPPORTED_OPTIMIZERS)} over chunks")
+    """``optimizer`` is a torch optimizer HybridPS can step over chunks: its own Adam/AdamW
+    kernels, or the optimizer's own step on views of the rows (torch_step.py); refused
+    with the reason: LBFGS, SparseAdam, 8-bit Adams (Config.optimizer_states replaces them),
+    differentiable steps, and anything that is not a ``torch.optim.Optimizer``."""
+    cls = type(optimizer)
+    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else f"{cls.__module__}.{cls.__name__}"
+    if _eight_bit_adam(cls):
+        adamw = "AdamW" in cls.__name__
+        raise ConfigError(
+            f"{name}: HybridPS keeps 8-bit Adam states itself, in its chunks, wherever they step (the same algorithm: "
+            f"256-element blocks, dynamic maps). Pass torch.optim.{'AdamW' if adamw else 'Adam'}(params, lr=..., "
+            f"betas=..., weight_decay=...) with this optimizer's hyper-parameters and set "
+            f"Config(optimizer_states='int8')"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"unsupported optimizer {name}: HybridPS steps a torch.optim.Optimizer (any of torch's, or a subclass "
+            f"that updates p in place from p.grad and keeps its states in optimizer.state[p])"
+        )
+    for base, why in _REFUSED.items():
+        if isinstance(optimizer, getattr(torch.optim, base)):
+            raise ConfigError(f"unsupported optimizer {name}: {why}")
     for i, group in enumerate(optimizer.param_groups):
-        for key, bad in (("amsgrad", True), ("differentiable", True), ("capturable", True)):
-            if group.get(key, False) == bad:
-                raise ConfigError(
-                    f"param group {i}: {key}={bad} is not supported by HybridPS; construct the optimizer with {key}=False"
-                )
+        if group.get("differentiable", False):
+            raise ConfigError(
+                f"param group {i}: differentiable=True is not supported by HybridPS (a step over chunk rows is not "
+                f"recorded by autograd); construct the optimizer with differentiable=False"
+            )
+
+
+def chunked_adam_kernels(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the chunked Adam's own kernels step ``optimizer`` (adam_kernels.py): a torch
+    Adam or AdamW (or a subclass keeping torch's step) without amsgrad or capturable; any
+    other optimizer steps through its own step on views (torch_step.py)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    own = inspect.unwrap(type(optimizer).step)
+    if own not in (inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)):
+        return False
+    return not any(group.get("amsgrad") or group.get("capturable") for group in optimizer.param_groups)
 
 
 def _eight_bit_adam(cls: type) -> bool:
@@ -71,13 +100,22 @@ def check_params(store: ChunkStore, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def adopt_groups(store: ChunkStore, param_groups: list[dict], *, adamw: bool) -> list[int | None]:
-    """Give every param group its ``decoupled_weight_decay`` (AdamW's unless the group says
-    otherwise), and return each registered param's group, by registration index (None: not
+def adopt_groups(store: ChunkStore, param_groups: list[dict], *, adamw: bool | None) -> list[int | None]:
+    """Give every param group its ``decoupled_weight_decay`` under the chunked Adam's kernels
+    (AdamW's unless the group says otherwise; ``adamw`` None: another optimizer, groups as they
+    are), and return each registered param's group, by registration index (None: not
     optimized)."""
     group_of: list[int | None] = [None] * len(store.params)
     for g, group in enumerate(param_groups):
-        group.setdefault("decoupled_weight_decay", adamw)
+        if adamw is not None:
+            group.setdefault("decoupled_weight_decay", adamw)
         for p in group["params"]:
             group_of[store.param_info(p).slot.index] = g
     return group_of
+
+
+def state_layout(optimizer: torch.optim.Optimizer) -> StateLayout:
+    """Where ``optimizer``'s states are kept (state_layout.py): Adam's two rows under the
+    chunked Adam's kernels, else what the probe of its own step finds. Checks it first."""
+    check_optimizer(optimizer)
+    return ADAM_LAYOUT if chunked_adam_kernels(optimizer) else probe(optimizer)

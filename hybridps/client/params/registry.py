@@ -27,6 +27,7 @@ from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout, Slot, auto_layout
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
+from hybridps.client.optim import registration
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.params.grads import set_has_grad
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
@@ -92,9 +93,9 @@ class ParamRegistry:
         #: the largest param (+ grad) chunks one module computes with, and that module
         self.min_compute_bytes = 0
         self.min_compute_module = ""
-        #: an optimizer will be registered (the engine's case, ``register_module(...,
-        #: optimizer_follows=True)``): registration counts Adam states too
-        self._optimizer_follows = False
+        #: the row states of the optimizer that will be registered (the engine's case,
+        #: ``register_module(..., optimizer_follows=optimizer)``): registration counts them too
+        self._state_kinds_follow: tuple[ChunkKind, ...] = ()
         #: why the client cannot be used after a failed registration, None while it can
         self.broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
@@ -107,11 +108,12 @@ class ParamRegistry:
         chunked = self.optimizer
         return chunked.step_chunk_early if chunked is not None and chunked.overlap_step else None
 
-    def register_module(self, module: nn.Module, *, optimizer_follows: bool = False) -> None:
+    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | None = None) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order.
-        ``optimizer_follows``: an Adam will be registered next, so the check that the model
-        data fits counts its states too (and does from then on)."""
-        self._optimizer_follows = self._optimizer_follows or optimizer_follows
+        ``optimizer_follows``: the optimizer registered next, so the check that the model data
+        fits counts its row states too (and does from then on)."""
+        if optimizer_follows is not None:
+            self._state_kinds_follow = registration.state_layout(optimizer_follows).kinds
         if not isinstance(module, nn.Module):
             raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
@@ -260,7 +262,7 @@ class ParamRegistry:
 
     def _check_model_data_fits(self, plan: ChunkLayout) -> None:
         store = self.store
-        kinds = store.kinds + ([ChunkKind.MOMENTUM, ChunkKind.VARIANCE] if self._optimizer_follows else [])
+        kinds = store.kinds + list(self._state_kinds_follow)
         per_kind = {k: _layout_bytes(store, k, plan) // self.shard_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
@@ -319,7 +321,8 @@ class ParamRegistry:
     # -- the optimizer ---------------------------------------------------------------------
 
     def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
-        """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
+        """Lay out the optimizer's row states (Adam's momentum and variance; another optimizer's
+        as optim/state_layout.py finds them) like the param chunks; return the chunked
         optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
         ``wiring``: what the caller gives the optimizer (``ChunkedAdam``'s keyword arguments
         ``scaler``, ``step_driver``, ``step_listeners``, ``zero_grad_listeners``)."""
@@ -335,7 +338,8 @@ class ParamRegistry:
             on_zero_grad=self._on_zero_grad,
             **wiring,
         )
-        for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE):
+        self.store.state_kinds = chunked.layout.kinds
+        for kind in self.store.state_kinds:
             chunks = []
             for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
                 chunk = self.store.new_chunk(kind, i, self.store.row_capacity(kind, param_chunk.capacity))
@@ -357,7 +361,7 @@ class ParamRegistry:
         at a time: refuse, before training, a CPU share smaller than one chunk's step."""
         if self.mover.disk is None:
             return
-        owned = [i for i, c in enumerate(self.store.rows[ChunkKind.MOMENTUM]) if c.owned and c.slots]
+        owned = [i for i, c in enumerate(self.store.rows[self.store.master_kind]) if c.owned and c.slots]
         if not owned:
             return
         need = max(_step_bytes(self.store, i) for i in owned)
@@ -371,12 +375,12 @@ class ParamRegistry:
             )
 
     def _book_optimizer_states(self) -> None:
-        """Allocate (zeroed) the momentum and variance chunks this rank keeps, beside their
+        """Allocate (zeroed) the row-state chunks (momentum, variance ...) this rank keeps, beside their
         master chunks, now rather than at the first step: a model whose Adam states do not
         fit fails at registration with the true figure instead of at its first step."""
         rows = [
             (self.store.rows[kind][i], self.store.rows[self.store.master_kind][i])
-            for kind in (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
+            for kind in self.store.state_kinds
             for i in range(len(self.store.rows[kind]))
             if self.store.rows[kind][i].owned and self.store.rows[kind][i].slots
         ]
@@ -388,7 +392,8 @@ class ParamRegistry:
                 chunk.set_all_states(TensorState.HOLD, f"{chunk.kind.value} chunk {chunk.index}")
         except CapacityError as exc:
             raise CapacityError(
-                f"the optimizer states (Adam momentum and variance, {format_bytes(need)} on this rank) do not fit beside "
+                f"the optimizer states ({', '.join(k.value for k in self.store.state_kinds)} rows, {format_bytes(need)} on this "
+                f"rank) do not fit beside "
                 f"the model's {format_bytes(self.store.model_data_bytes - need)}: {exc}"
             ) from exc
 
@@ -401,7 +406,7 @@ def _layout_bytes(store: ChunkStore, kind: ChunkKind, layout: ChunkLayout) -> in
 def _step_bytes(store, index: int) -> int:
     """Host bytes one chunk's optimizer step holds at once: its master, momentum, variance and
     grads, taken together (optim/adam.py)."""
-    kinds = dict.fromkeys((store.master_kind, ChunkKind.MOMENTUM, ChunkKind.VARIANCE, store.grad_kind))
+    kinds = dict.fromkeys((store.master_kind, *store.state_kinds, store.grad_kind))
     return sum(store.rows[kind][index].nbytes for kind in kinds)
 
 
