@@ -63,6 +63,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.optim import adam_state
 from hybridps.client.optim.moment_codes import dequantize_codes
 from hybridps.common.errors import ConfigError
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from hybridps.client.client import Client
     from hybridps.client.optim.adam import ChunkedAdam
     from hybridps.client.optim.loss_scaler import LossScaler
+    from hybridps.client.optim.optimizer_part import OptimizerPart
 
 
 #: a moment's key suffix in the optimizer files and the row it is kept in
@@ -198,7 +200,12 @@ def _owned_tensors(
             weights[key] = value if key == keys[id(info.param)][0] else value.clone()
         step = optimizer.steps[info.slot.index]
         steps[info.name] = step
-        if step:
+        part = optimizer.parts_by_param[info.slot.index]
+        if part is not None and part.torch_step is not None:  # another optimizer's states, by torch's names
+            for key, value in (optimizer.state_of(info) or {}).items():
+                if torch.is_tensor(value):
+                    states[f"{info.name}.{key}"] = value.contiguous()
+        elif step:
             for suffix, kind in MOMENT_SUFFIXES:
                 if client.store.compact_moments:  # the codes themselves: lossless ([Note: compact states saved])
                     codes, scales = optimizer._read_codes(kind, info)
@@ -436,6 +443,7 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
         raise ConfigError(f"checkpoint {src} does not match this model; nothing was loaded:\n  " + "\n  ".join(problems))
     optimizer = engine.optimizer
     opt_keys = _optimizer_keys(src)
+    by_param = _states_by_param(opt_keys)
     with torch.no_grad():
         for info in client.params:
             if info.slot.index not in values:
@@ -443,7 +451,10 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
             client.write_param(info.param, values[info.slot.index])
             step = int(saved_params[info.name]["step"])
             optimizer.steps[info.slot.index] = step
-            if step:
+            part = optimizer.parts_by_param[info.slot.index]
+            if part is not None and part.torch_step is not None:
+                _load_states(optimizer, part, info, by_param.get(info.name, {}), opt_keys, tensor)
+            elif step:
                 for suffix, kind in MOMENT_SUFFIXES:
                     _load_moment(client, optimizer, kind, info, info.name + suffix, opt_keys, tensor)
         for key, buf in buffers.items():
@@ -460,6 +471,28 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
         lr_scheduler.load_state_dict(meta["lr_scheduler"])
     logger.info("checkpoint loaded from %s (written by %d ranks)", src, meta["world_size"])
     return meta.get("client_state")
+
+
+def _load_states(optimizer: ChunkedAdam, part: OptimizerPart, info, saved: dict[str, str], opt_keys: dict, tensor) -> None:
+    """An optimizer's states of one param, saved by torch's names (``<param>.<state>``;
+    ``saved``: state name -> key), as its own step keeps them (optim/torch_step.py); a param
+    without any starts afresh."""
+    assert part.torch_step is not None
+    entry = {name: tensor(opt_keys[key], key) for name, key in saved.items()}
+    part.torch_step.forget(info.slot.index)
+    if entry:
+        adam_state.write_entry(optimizer, info, entry, low_precision=False)
+
+
+def _states_by_param(opt_keys: dict[str, str]) -> dict[str, dict[str, str]]:
+    """A checkpoint's optimizer keys by param name: ``<param>.<state>`` -> {state: key} (a
+    state name has no dot; a param's name cannot be another's with a dot added, as a module
+    attribute is a param or a module, not both)."""
+    out: dict[str, dict[str, str]] = {}
+    for key in opt_keys:
+        name, _, state = key.rpartition(".")
+        out.setdefault(name, {})[state] = key
+    return out
 
 
 def _load_moment(client: Client, optimizer: ChunkedAdam, kind: ChunkKind, info, key: str, opt_keys: dict, tensor) -> None:

@@ -1,8 +1,8 @@
 """``hybridps.initialize`` and the ``Engine``: single-rank training over chunks.
 
-The engine puts a model and an Adam/AdamW optimizer under a Client through the client's
-composition root (``hybridps.client.build``: the model's params into chunks, the optimizer's
-master, momentum and variance chunks, the module hooks, the memory tracer, the prefetcher, the
+The engine puts a model and its optimizer (or several) under a Client through the client's
+composition root (``hybridps.client.build``: the model's params into chunks, the optimizers'
+master and state chunks, the module hooks, the memory tracer, the prefetcher, the
 event recorder and, for fp16, the loss scaler), keeps the handles, and offers the training
 loop's verbs (forward, backward, clip_grad_norm_, step, zero_grad).
 
@@ -29,13 +29,17 @@ from hybridps.iteration_phase import IterationPhase
 logger = logging.getLogger(__name__)
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None) -> Engine:
+def initialize(
+    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], config: Config | None = None
+) -> Engine:
     """Put ``model`` and ``optimizer`` under HybridPS and return the training engine.
 
-    ``optimizer`` must be a ``torch.optim.Adam`` or ``AdamW`` over ``model.parameters()``
-    (param groups welcome). After this call the model's params are empty placeholders
-    outside forward and backward; use ``engine.optimizer`` (it shares the param groups
-    with ``optimizer``) for LR schedulers and state dicts.
+    ``optimizer`` is a torch optimizer over ``model.parameters()`` (param groups welcome):
+    Adam/AdamW step with HybridPS's own kernels, any other (SGD, Adagrad, RMSprop, ...,
+    Adafactor, Muon, or one written the usual way) with its own step on views of the chunk
+    rows; or a list of several over disjoint params (``[muon, adamw]``), stepped together.
+    After this call the model's params are empty placeholders outside forward and backward;
+    the optimizer objects keep working (they become views of ``engine.optimizers``).
     """
     _check_module(model)
     return Engine(model, optimizer, config or Config())
@@ -56,7 +60,14 @@ def _check_module(model: nn.Module) -> None:
 class Engine:
     """The training loop's verbs over a model whose data lives in chunks."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *, client: Client | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        config: Config,
+        *,
+        client: Client | None = None,
+    ):
         self.config = config
         self.module = model
         self._conversions_seen = 0
@@ -80,8 +91,13 @@ class Engine:
             call_ends=self._call_ends,
         )
         self.client = parts.client
-        #: the chunked optimizer; the script's own optimizer object is a view of it
+        #: the chunked optimizer, every optimizer handed over at once; the script's own
+        #: optimizer object is a view of it
         self.optimizer = parts.optimizer
+        #: each optimizer handed over, as a torch optimizer (a list of several: each its own
+        #: groups and states, client/optim/parts.py; one: ``[self.optimizer]``); the
+        #: script's own objects are views of them
+        self.optimizers: list[torch.optim.Optimizer] = list(parts.optimizer.several.optimizers) or [parts.optimizer]
         self.tracer = parts.tracer
         self.hooks = parts.hooks
         #: the blocks' compiled forwards (client/params/compiled_blocks.py)

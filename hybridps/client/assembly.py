@@ -31,6 +31,7 @@ from hybridps import deferred_init
 from hybridps.client.client import Client
 from hybridps.client.memory.events import EventRecorder
 from hybridps.client.memory.tracer import MemoryTracer
+from hybridps.client.optim import registration
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.optim.loss_scaler import LossScaler
 from hybridps.client.params import optimizer_view
@@ -68,7 +69,7 @@ def loss_scaler(config: Config) -> LossScaler | None:
 def build(
     config: Config,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     *,
     client: Client | None = None,
     step_driver: Callable,
@@ -82,7 +83,9 @@ def build(
     ``on_zero_grad``: told after every zero_grad; ``on_bare_backward``: the end of a backward
     that a bare ``loss.backward()`` ran; ``call_begins``/``call_ends``: the forward pre-hook
     and forward hook of the model itself (the engine's, see [Note: the model's own call])."""
-    optimizer_view.refuse_adopted(optimizer)
+    for own in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        optimizer_view.refuse_adopted(own)
+    optimizers = registration.optimizers_of(optimizer)  # checked before the model moves
     client = client or Client(config)
     record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
     events = EventRecorder(client.mover, client.inventory, rank=client.rank)
@@ -138,7 +141,8 @@ def build(
         ]
     )
     # the script's own optimizer object steps, saves and loads the engine's (params/optimizer_view.py)
-    optimizer_view.adopt(optimizer, chunked)
+    for own, engine_optimizer in zip(optimizers, chunked.several.optimizers or [chunked], strict=True):
+        optimizer_view.adopt(own, engine_optimizer)
     # an optimizer built later over these params would step them beside the engine: refused at its first step
     client.hook_handles.append(optimizer_view.refuse_other_optimizers(client.store, chunked))
     return Parts(client, chunked, tracer, hooks, compiled, prefetcher, events, unset_params)

@@ -262,7 +262,7 @@ class Client:
 
     # -- registration (registry.py) --------------------------------------------------------
 
-    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | None = None) -> None:
+    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | list | None = None) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order;
         ``optimizer_follows``: the optimizer registered next, so the fit check counts its states."""
         self._check_open()
@@ -442,7 +442,7 @@ class Client:
 
     def host_memory(self) -> dict:
         """What this rank holds in host memory, by part, next to the process's RSS (host_memory.py)."""
-        buffers = self.optimizer._buffers.values() if self.optimizer is not None else ()
+        buffers = self.optimizer.grad_buffers if self.optimizer is not None else ()
         return host_breakdown(
             self.mover, self.inventory, optimizer_buffers=buffers, pending_grad_bytes=self.pending.waiting_bytes()
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridps
-import hybridps.client.optim.adam as adam_module
+import hybridps.client.optim.chunk_arithmetic as adam_module
 from hybridps import CapacityError, StateError
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState

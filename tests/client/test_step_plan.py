@@ -125,6 +125,6 @@ def test_early_steps_on_the_worker_are_bit_equal_to_torch_with_the_same_kernel(k
         assert train_engine(engine, 6, clip=clip) == expected
         assert optim.worker.submitted > 0
         # each chunk's runs were worked out once or twice (early and after backward), not per step
-        assert optim.plans.made <= 2 * engine.client.store.num_chunks
+        assert optim.arithmetic.plans.made <= 2 * engine.client.store.num_chunks
     finally:
         engine.close()

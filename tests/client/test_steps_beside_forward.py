@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import hybridps.client.optim.adam as adam_module
+import hybridps.client.optim.chunk_arithmetic as adam_module
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState
 from tests.client.test_overlap_step import _engine

@@ -30,18 +30,17 @@ import torch
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.optim import adam_state, early_step, grad_norm, registration
-from hybridps.client.optim.adam_kernels import CompactCall, adam_calls, run_adam, run_compact
 from hybridps.client.optim.adam_state import AdamStateView
+from hybridps.client.optim.chunk_arithmetic import ChunkArithmetic
 from hybridps.client.optim.device_casts import ChunkCasts, DeviceCasts
+from hybridps.client.optim.grad_buffers import GradBuffers
 from hybridps.client.optim.grad_norm import Clip
 from hybridps.client.optim.loss_scaler import LossScaler
-from hybridps.client.optim.moment_codes import MomentRow
+from hybridps.client.optim.parts import SeveralOptimizers, param_groups_of
 from hybridps.client.optim.speculation import Backup, Speculation, SpeculationMode
-from hybridps.client.optim.state_layout import ADAM_LAYOUT
-from hybridps.client.optim.step_plan import StepPlans, StepTensors
+from hybridps.client.optim.step_plan import StepPlans
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.client.optim.torch_step import TorchStep
-from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
@@ -74,9 +73,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         ``step()`` runs instead of the plain step (the engine's step, which ends its
         iteration); ``step_listeners`` are called as ``("start" | "end", index)`` around each
         chunk's step, ``zero_grad_listeners`` after every zero_grad."""
-        #: where the optimizer's states are kept: Adam's two rows for the chunked Adam's own
-        #: kernels, else what its own step keeps (state_layout.py)
-        self.layout = registration.state_layout(optimizer)
+        optimizers = registration.optimizers_of(optimizer)
         self.store = store
         self.mover = mover
         self.placement = placement
@@ -86,22 +83,21 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._set_has_grad = set_has_grad
         #: told when zero_grad drops every grad, so that their owner drops what it holds beside the slots
         self.on_zero_grad = on_zero_grad
-        self.inner = optimizer
-        registration.check_params(store, optimizer)
-        imported = optimizer.state_dict() if len(optimizer.state) else None
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        registration.check_params(store, optimizers)
+        # several optimizers' groups differ in their keys: no defaults are spread over them
+        super().__init__(param_groups_of(optimizers), optimizers[0].defaults if len(optimizers) == 1 else {})
+        handed = registration.hand_over(store, optimizers, self.param_groups)
         #: registration index -> its param group (None: not optimized)
-        self.param_group_of = registration.adopt_groups(
-            store, self.param_groups, adamw=isinstance(optimizer, torch.optim.AdamW) if self.layout is ADAM_LAYOUT else None
-        )
-        #: the optimizer's own step on views of the rows, for every optimizer but the chunked
-        #: Adam's (torch_step.py); None under Adam's kernels
-        self.torch_step = None if self.layout is ADAM_LAYOUT else TorchStep(optimizer, self.layout, self.param_groups)
-        if self.torch_step is not None and store.compact_moments:
-            raise ConfigError(
-                f"Config(optimizer_states='int8') keeps Adam's momentum and variance in 8 bits; {type(optimizer).__name__} "
-                f"steps with its own states. Use torch.optim.Adam/AdamW, or optimizer_states='fp32'"
-            )
+        self.param_group_of = handed.group_of
+        #: each optimizer handed over, in order (optimizer_part.py), and each param's
+        self.parts, self.parts_by_param = handed.parts, handed.parts_by_param
+        #: the row kinds of every optimizer's states, in state_layout.STATE_KINDS order
+        self.state_kinds = handed.state_kinds
+        adam_only = all(p.torch_step is None for p in self.parts)  # the early steps' condition
+        #: with several optimizers, each one's torch surface and the marks of their steps (parts.py)
+        self.several = SeveralOptimizers(self, self.parts)
+        #: what one chunk's step computes: its plans of runs, its kernels' tensors (chunk_arithmetic.py)
+        self.arithmetic = ChunkArithmetic(store, self.parts_by_param, self.param_groups, StepPlans(self.param_group_of))
         self.steps: list[int] = [0] * len(store.params)
         self.scaler = scaler
         #: this step's clip (grad_norm.py): a second clip returns the same norm
@@ -113,7 +109,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.step_driver = step_driver
         #: called after every zero_grad (the engine resets its iteration)
         self.zero_grad_listeners: list[Callable[[], None]] = list(zero_grad_listeners)
-        self._buffers: dict[str, torch.Tensor] = {}
+        #: the fp32 grads of steps that cannot step the grads where they lie (grad_buffers.py)
+        self.grad_buffers = GradBuffers(mover)
         #: owned chunks whose param slots took reduced grads (grad reuse, several ranks), as the
         #: chunk groups reported them at the end of backward: the step writes them back
         self._landed: set[int] = set()
@@ -123,35 +120,28 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.worker = StepWorker()
         #: whether early steps on the CPU run on the worker: where a real GPU computes, so the
         #: CPU's Adam does not hold back the launch of backward's kernels (tests force it)
-        compute = store.compute
-        self.cpu_steps_beside_backward = compute.is_gpu and not compute.simulated and not compute.meta
-        #: the fp32 grads of the steps on the worker: one buffer, as the worker computes one
-        #: step at a time (a step in flight keeps its own alive; step_worker.py's window note)
-        self._worker_grads: torch.Tensor | None = None
-        #: each chunk's runs, worked out once (step_plan.py)
-        self.plans = StepPlans(self.param_group_of)
+        self.cpu_steps_beside_backward = store.compute.is_gpu and not store.compute.simulated and not store.compute.meta
         #: steps on the CPU whose param chunk stays on the GPU (device_casts.py)
         self.casts = DeviceCasts(store, mover, enabled=store.config.casts_on_gpu)
-        #: the fused kernel's step tensors by (device, count), its found_inf zeros by device,
-        #: and what is made once per step (divisors, the clip coefficient per device)
-        self.tensors = StepTensors()
         #: Config.overlap_step resolved ("auto" on a real GPU): whether chunks step during backward
         #: (the optimizer's own step is not split for early steps: its side states, such as
         #: ``step``, have no backups to undo it with)
-        self.overlap_step = early_step.overlap_step_on(store.config, compute) and self.torch_step is None
+        self.overlap_step = early_step.overlap_step_on(store.config, store.compute) and adam_only
         #: backups of speculative early steps and whether to speculate (speculation.py)
-        self.speculation = Speculation(mover, enabled=store.config.overlap_step is True and self.torch_step is None)
+        self.speculation = Speculation(mover, enabled=store.config.overlap_step is True and adam_only)
         #: called at the start and end of each chunk's step (tracer ticks, trace export)
         self.step_listeners: list[Callable[[str, int], None]] = list(step_listeners)
-        self._imported_state = imported  # loaded by attach_state once the chunk lists exist
+        self._imported_state = handed.imported  # loaded by attach_state once the chunk lists exist
         #: ``optimizer.state`` as torch shows it, read from the chunks (adam_state.py)
         self.state = AdamStateView(self)  # type: ignore[assignment]
 
     def attach_state(self) -> None:
-        """Load a state the wrapped optimizer already had (called once chunks exist)."""
-        if self._imported_state is not None:
-            self.load_state_dict(self._imported_state)
-            self._imported_state = None
+        """Load the states the optimizers handed over already had (called once chunks exist)."""
+        owners = self.several.optimizers or [self]
+        for owner, imported in zip(owners, self._imported_state, strict=True):
+            if imported is not None:
+                owner.load_state_dict(imported)
+        self._imported_state = [None] * len(owners)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "store", None) is not None and hasattr(self, "steps"):
@@ -294,7 +284,8 @@ class ChunkedAdam(torch.optim.Optimizer):
         self._clip = None
         self._found_inf = None
         self._stepped_early.clear()
-        self.tensors.end_step()
+        self.several.clear()
+        self.arithmetic.tensors.end_step()
 
     def _roll_back(self) -> None:
         """Undo every speculative early step of this backward (early_step.py)."""
@@ -316,10 +307,17 @@ class ChunkedAdam(torch.optim.Optimizer):
         store = self.store
         device = self.placement.step_device(store.rows[store.master_kind][index])
         stays = self._casts_apply(index, device, speculative=False)  # the grads stay on the GPU
-        for kind in dict.fromkeys((store.master_kind, *store.state_kinds, store.grad_kind)):
+        for kind in self._step_kinds(index):
             chunk = store.rows[kind][index]
             if chunk.payload is not None and chunk.device != device and not (stays and kind is store.grad_kind):
                 self.mover.prefetch(chunk, device)
+
+    def _step_kinds(self, index: int) -> tuple[ChunkKind, ...]:
+        """The rows chunk ``index``'s step takes: master, the state rows that hold a slot in
+        it (with several optimizers a row may hold none, registry.py), grads."""
+        store = self.store
+        states = [k for k in store.state_kinds if store.rows[k][index].slots]
+        return tuple(dict.fromkeys((store.master_kind, *states, store.grad_kind)))
 
     def _step_chunk(
         self,
@@ -349,7 +347,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
         handed_over = False
         try:
-            for kind in dict.fromkeys((master_kind, *store.state_kinds, grad_kind)):
+            for kind in self._step_kinds(index):
                 # beside backward the copies run on the copy stream and the worker waits for
                 # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
@@ -366,11 +364,9 @@ class ChunkedAdam(torch.optim.Optimizer):
             casts = None if cast_on is None else self.casts.prepare(grad_chunk.capacity, index, on_worker=on_worker)
             buffer = None if casts is None else casts.host  # the fp32 grads: the casts' pinned buffer if any
             if buffer is None and not (grad_chunk.dtype == torch.float32 and inv_scale is None):
-                buffer = (
-                    self._worker_buffer(grad_chunk.capacity, index)
-                    if on_worker
-                    else self._buffer(device, grad_chunk.capacity, index)
-                )
+                buffers = self.grad_buffers
+                numel = grad_chunk.capacity
+                buffer = buffers.on_worker(numel, index) if on_worker else buffers.on_device(device, numel, index)
             compute = self._step_compute(index, infos, inv_scale, clip_coef, backup, buffer, casts)
             if on_worker:
                 chunk_ids = frozenset(chunk.chunk_id for chunk, _ in taken)
@@ -402,115 +398,20 @@ class ChunkedAdam(torch.optim.Optimizer):
         casts: ChunkCasts | None = None,
     ) -> Callable[[], None]:
         """The arithmetic of one chunk's step over its taken chunks, as a call that touches
-        nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker.
-        Everything that loops over params or runs, and the kernels' arguments, is worked out
-        here, on the calling thread (step_plan.py, [Note: the GIL beside backward])."""
-        store = self.store
-        master_kind = store.master_kind
-        used = store.layout.used(index)
-        master = store.rows[master_kind][index].payload
-        grad_payload = store.rows[store.grad_kind][index].payload
-        param = store.rows[ChunkKind.PARAM][index].payload if master_kind is not ChunkKind.PARAM else None
-        assert master is not None and grad_payload is not None
-        if self.torch_step is not None:
-            return self._torch_compute(index, infos, inv_scale, clip_coef, buffer, casts)
-        m, v = store.rows[ChunkKind.MOMENTUM][index].payload, store.rows[ChunkKind.VARIANCE][index].payload
-        assert m is not None and v is not None
-        plan, base_step = self.plans.get(index, infos, self.steps)
-        if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
-            backup.plan = plan
-        device = master.device
-        compact = store.compact_moments
-        calls = adam_calls(plan, base_step, master, self.param_groups, self.tensors, compact=compact)
-        # compact moment rows are read through their codes and block scales (moment_codes.py)
-        elements = store.rows[master_kind][index].capacity
-        moments = (MomentRow(m, elements, signed=True), MomentRow(v, elements, signed=False)) if compact else None
-        # what the kernels divide the grads by (unscale and clip, folded), or the clip factor
-        # of fp32 grads stepped in place
-        divisor = None if buffer is None else self.tensors.divisor(inv_scale, clip_coef, device)
-        coef = None if buffer is not None or clip_coef is None else self.tensors.on_device(clip_coef, device)
-        low = store.param_dtype != torch.float32
-        norm_type = self.speculation.norm_type
-        overflow_check = self.scaler is not None
-
-        def compute() -> None:
-            if backup is not None:
-                backup.capture(master, m, v, grad_payload, norm_type=norm_type, low_precision=low, overflow_check=overflow_check)
-            if buffer is None:
-                grads = grad_payload
-            elif casts is not None:
-                grads = buffer
-                casts.grads_down(grad_payload, grads, used)  # cast on the GPU, then down
-            else:
-                grads = buffer
-                grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
-            bounds = plan.bounds  # every run's view of each row, one native call per row
-            if moments is None:
-                rows = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
-            else:  # the compact step takes whole rows and its runs' ranges
-                rows = ((), grads.tensor_split(bounds), (), ())
-            if coef is not None:
-                # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
-                torch._foreach_mul_(list(map(rows[1].__getitem__, plan.run_pieces)), coef)
-            for call in calls:
-                if isinstance(call, CompactCall):
-                    assert moments is not None
-                    run_compact(call, master, grads, *moments, rows[1], divisor)
-                else:
-                    run_adam(call, rows, divisor)
-            if casts is not None:
-                casts.params_up(master, param, used)  # up, then cast on the GPU
-            elif param is not None:
-                param[:used].copy_(master[:used])  # the write-back, booked by the caller
-
-        return compute
-
-    def _torch_compute(
-        self,
-        index: int,
-        infos: list[ParamInfo],
-        inv_scale: float | None,
-        clip_coef: torch.Tensor | None,
-        buffer: torch.Tensor | None,
-        casts: ChunkCasts | None,
-    ) -> Callable[[], None]:
-        """``_step_compute`` for an optimizer stepped by its own step (torch_step.py): the
-        fp32 grads made as for Adam, unscaled and clipped the way torch's
-        ``clip_grad_norm_`` multiplies them, then the optimizer's step on views."""
-        store = self.store
-        assert self.torch_step is not None
-        used = store.layout.used(index)
-        master = store.rows[store.master_kind][index].payload
-        grad_payload = store.rows[store.grad_kind][index].payload
-        param = store.rows[ChunkKind.PARAM][index].payload if store.master_kind is not ChunkKind.PARAM else None
-        assert master is not None and grad_payload is not None
-        rows = {kind: store.rows[kind][index].payload for kind in store.state_kinds}
-        step = self.torch_step.step_call(infos, self.param_group_of, master, rows)
-        device = master.device
-        factor = None if clip_coef is None else self.tensors.on_device(clip_coef, device)
-        pieces = [slice(i.slot.offset, i.slot.offset + i.slot.numel) for i in infos]
-
-        def compute() -> None:
-            if buffer is None:
-                grads = grad_payload
-            elif casts is not None:
-                grads = buffer
-                casts.grads_down(grad_payload, grads, used)
-            else:
-                grads = buffer
-                grads[:used].copy_(grad_payload[:used])
-            views = [grads[piece] for piece in pieces]
-            if inv_scale is not None:
-                torch._foreach_mul_(views, inv_scale)
-            if factor is not None:
-                torch._foreach_mul_(views, factor)  # as torch.nn.utils.clip_grad_norm_ does, for bitwise parity
-            step(grads)
-            if casts is not None:
-                casts.params_up(master, param, used)
-            elif param is not None:
-                param[:used].copy_(master[:used])
-
-        return compute
+        nothing but their payloads (and ``backup``, ``buffer``): safe on the step worker
+        (chunk_arithmetic.py)."""
+        return self.arithmetic.compute(
+            index,
+            infos,
+            steps=self.steps,
+            inv_scale=inv_scale,
+            clip_coef=clip_coef,
+            backup=backup,
+            buffer=buffer,
+            casts=casts,
+            norm_type=self.speculation.norm_type,
+            overflow_check=self.scaler is not None,
+        )
 
     def _finish_step(self, index: int, taken: list, casts: ChunkCasts | None = None) -> None:
         """The end of a step computed on the worker, on the calling thread."""
@@ -603,25 +504,6 @@ class ChunkedAdam(torch.optim.Optimizer):
         self.worker.finish_through(chunk.chunk_id)
         chunk.settled()  # finishing settled it; a chunk no task holds any more is settled too
 
-    def _worker_buffer(self, numel: int, index: int) -> torch.Tensor:
-        """The fp32 grad buffer of the steps on the worker, grown to ``numel`` if smaller (the
-        steps in flight keep the smaller one: the worker computes them before the next)."""
-        buf = self._worker_grads
-        if buf is None or buf.numel() < numel:
-            self._worker_grads = None  # the steps in flight hold it; no new step will
-            who = f"the fp32 grads of the optimizer step of chunk {index} (on the step worker)"
-            buf = self._worker_grads = self.mover.scratch(numel, torch.float32, "cpu", who)
-        return buf
-
-    def _buffer(self, device: str, numel: int, index: int) -> torch.Tensor:
-        """The fp32 grads of one chunk, reused from chunk to chunk on each device."""
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            self._buffers.pop(device, None)  # give the smaller one back before asking for more
-            who = f"the fp32 grads of the optimizer step of chunk {index}"
-            buf = self._buffers[device] = self.mover.scratch(numel, torch.float32, device, who)
-        return buf
-
     def _write_back(self, index: int, used: int) -> None:
         """Low-precision (or grad-reused) params <- master, one copy per chunk."""
         store = self.store
@@ -656,6 +538,7 @@ class ChunkedAdam(torch.optim.Optimizer):
         """Drop all grads. Under grad reuse, grads not consumed by a step are replaced by the
         params' values from the master copy (nothing is lost). Speculative early steps of a
         backward that no step followed are undone, as if they had waited for the step."""
+        self.several.refuse_partial("zero_grad()")
         if self._steps_beside_forward():
             # the steps of the last step() may still compute: what this touches settles first
             # (a take, chunk.py's [Note: a chunk handed over]); nothing else waits for them

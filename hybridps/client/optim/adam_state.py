@@ -43,9 +43,8 @@ if TYPE_CHECKING:
     from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.loss_scaler import LossScaler
-    from hybridps.client.optim.state_layout import StateLayout
+    from hybridps.client.optim.optimizer_part import OptimizerPart
     from hybridps.client.optim.step_worker import StepWorker
-    from hybridps.client.optim.torch_step import TorchStep
 
 #: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
 SHARD_KEY = "hybridps_shard"
@@ -66,10 +65,9 @@ class StateOwner(Protocol):
     steps: list[int]
     scaler: LossScaler | None
     worker: StepWorker
-    #: where the states are kept (state_layout.py)
-    layout: StateLayout
-    #: the optimizer's own step and its side states, for every optimizer but Adam's kernels
-    torch_step: TorchStep | None
+    #: registration index -> the optimizer that steps it (its state layout, its own step
+    #: for every optimizer but the chunked Adam's kernels), None: not optimized
+    parts_by_param: list[OptimizerPart | None]
 
 
 class ReadOnlyState(ReadOnlyCopy):
@@ -225,18 +223,20 @@ def state_entry(owner: StateOwner, info: ParamInfo) -> dict[str, torch.Tensor] |
     store = owner.store
     if not has_state(owner, info) or owner.param_group_of[info.slot.index] is None:
         return None
-    torch_step = owner.torch_step
+    part = owner.parts_by_param[info.slot.index]
+    assert part is not None
+    torch_step, layout = part.torch_step, part.layout
     if torch_step is None:
         entry = {"step": torch.tensor(float(owner.steps[info.slot.index]))}
-        for key, kind in owner.layout.rows.items():
+        for key, kind in layout.rows.items():
             entry[key] = read(store, kind, info)
     else:  # side states as they are (copies), then the row states the param holds
         entry = {
             key: value.to("cpu", copy=True) if torch.is_tensor(value) else value
             for key, value in torch_step.side.get(info.slot.index, {}).items()
         }
-        for key in sorted(torch_step.held.get(info.slot.index, ()), key=list(owner.layout.rows).index):
-            entry[key] = read(store, owner.layout.rows[key], info)
+        for key in sorted(torch_step.held.get(info.slot.index, ()), key=list(layout.rows).index):
+            entry[key] = read(store, layout.rows[key], info)
     if store.param_dtype != torch.float32:
         entry["master"] = read(store, store.master_kind, info)
     return entry
@@ -245,9 +245,12 @@ def state_entry(owner: StateOwner, info: ParamInfo) -> dict[str, torch.Tensor] |
 def has_state(owner: StateOwner, info: ParamInfo) -> bool:
     """Whether ``info``'s param has optimizer states: it stepped (Adam), or holds a state
     (another optimizer's, made by a step or at construction, as Adagrad's sum)."""
-    if owner.torch_step is None:
+    part = owner.parts_by_param[info.slot.index]
+    if part is None:
+        return False
+    if part.torch_step is None:
         return owner.steps[info.slot.index] > 0
-    return owner.torch_step.has_state(info.slot.index)
+    return part.torch_step.has_state(info.slot.index)
 
 
 def covered(owner: StateOwner) -> set[int] | None:
@@ -305,7 +308,7 @@ def load_state_dict(owner: StateOwner, state_dict: dict) -> None:
     params = _saved_params(owner, saved_groups, shard)
     if shard is not None:
         _check_share(owner, shard, params)
-    _check_entries(state_dict["state"], params, owner.layout)
+    _check_entries(state_dict["state"], params, owner.parts_by_param)
     with torch.no_grad():
         for saved, group in zip(saved_groups, owner.param_groups, strict=True):
             for k, v in saved.items():
@@ -352,13 +355,14 @@ def _check_share(owner: StateOwner, shard: dict, params: dict[int, ParamInfo]) -
         )
 
 
-def _check_entries(state: dict, params: dict[int, ParamInfo], layout: StateLayout) -> None:
+def _check_entries(state: dict, params: dict[int, ParamInfo], parts: list[OptimizerPart | None]) -> None:
     """Every entry names a param of some group, with row states of that param's shape."""
     for idx, entry in state.items():
         info = params.get(int(idx))
         if info is None:
             raise ConfigError(f"state dict has state for param index {idx}, which no param group lists")
-        for key in (*layout.rows, "master"):
+        part = parts[info.slot.index]
+        for key in (*(part.layout.rows if part is not None else ()), "master"):
             if key in entry and tuple(entry[key].shape) != tuple(info.shape):
                 raise ConfigError(f"{key} of {info.describe()} has shape {tuple(entry[key].shape)} in the state dict")
 
@@ -368,20 +372,34 @@ def _write_entries(owner: StateOwner, state: dict, params: dict[int, ParamInfo])
     store = owner.store
     mine = covered(owner)
     low = store.param_dtype != torch.float32
+    parts = owner.parts_by_param
     for info in store.params:
+        part = parts[info.slot.index]
+        if part is None:
+            continue  # another optimizer's param (several optimizers, parts.py)
         owner.steps[info.slot.index] = 0
-        if owner.torch_step is not None:
-            owner.torch_step.forget(info.slot.index)
+        if part.torch_step is not None:
+            part.torch_step.forget(info.slot.index)
     for idx, entry in state.items():
         info = params[int(idx)]
         if mine is not None and id(info.param) not in mine:
             continue  # another rank's chunk: that rank keeps it
-        step = entry.get("step")
-        owner.steps[info.slot.index] = int(step) if step is not None else 0
-        for key, kind in (*owner.layout.rows.items(), ("master", store.master_kind)):
-            if key in entry and (key != "master" or low):
-                write(store, owner.mover, kind, info, entry[key])
-        if owner.torch_step is not None:
-            owner.torch_step.load(info.slot.index, entry)
-        if "master" in entry and low:
-            write(store, owner.mover, ChunkKind.PARAM, info, entry["master"])
+        write_entry(owner, info, entry, low_precision=low)
+
+
+def write_entry(owner: StateOwner, info: ParamInfo, entry: dict[str, Any], *, low_precision: bool) -> None:
+    """One param's torch-style state entry into its rows and side states (its step count
+    from ``step`` where the entry has one); the master under 16-bit precision."""
+    store = owner.store
+    part = owner.parts_by_param[info.slot.index]
+    assert part is not None
+    step = entry.get("step")
+    if step is not None:
+        owner.steps[info.slot.index] = int(step)
+    for key, kind in (*part.layout.rows.items(), ("master", store.master_kind)):
+        if key in entry and (key != "master" or low_precision):
+            write(store, owner.mover, kind, info, entry[key])
+    if part.torch_step is not None:
+        part.torch_step.load(info.slot.index, entry)
+    if "master" in entry and low_precision:
+        write(store, owner.mover, ChunkKind.PARAM, info, entry["master"])

@@ -11,12 +11,16 @@ optimizer already had (adam_state.py), nor anything the optimizer does once acce
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
-from hybridps.client.optim.state_layout import ADAM_LAYOUT, StateLayout, probe
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.optim.optimizer_part import OptimizerPart
+from hybridps.client.optim.state_layout import ADAM_LAYOUT, STATE_KINDS, StateLayout, probe
+from hybridps.client.optim.torch_step import TorchStep
 from hybridps.common.errors import ConfigError, RegistrationError
 
 if TYPE_CHECKING:
@@ -79,39 +83,122 @@ def _eight_bit_adam(cls: type) -> bool:
     return cls.__module__.split(".")[0] in ("torchao", "bitsandbytes") and "Adam" in cls.__name__ and "8bit" in cls.__name__
 
 
-def check_params(store: ChunkStore, optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer``'s params are the registered model's, and hold every trainable one."""
+def optimizers_of(optimizer: object) -> list[torch.optim.Optimizer]:
+    """The optimizers handed to ``initialize``: one, or a list of several over disjoint params
+    (parts.py), each checked (``check_optimizer``)."""
+    if isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+        if not optimizers:
+            raise ConfigError("initialize got an empty list of optimizers; pass one optimizer, or a list of several")
+    else:
+        optimizers = [optimizer]
+    for o in optimizers:
+        check_optimizer(o)
+    seen: set[int] = set()
+    for o in optimizers:
+        if any(o is other for other in optimizers[: optimizers.index(o)]):
+            raise ConfigError(f"the list of optimizers holds the same {type(o).__name__} twice; pass each once")
+        for group in o.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ConfigError(
+                        f"a param of shape {tuple(p.shape)} is in several optimizers (or twice in one): each param is "
+                        f"stepped by one optimizer; build them over disjoint params (as Muon for the matrices, AdamW "
+                        f"for the rest)"
+                    )
+                seen.add(id(p))
+    return optimizers
+
+
+def check_params(store: ChunkStore, optimizers: list[torch.optim.Optimizer]) -> None:
+    """The ``optimizers``' params are the registered model's, and hold every trainable one."""
     in_optim: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            in_optim[id(p)] = p
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                in_optim[id(p)] = p
+    which = "the optimizers hold" if len(optimizers) > 1 else "the optimizer holds"
     foreign = [p for pid, p in in_optim.items() if not store.is_registered(p)]
     if foreign:
         shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:5])
         raise RegistrationError(
-            f"the optimizer holds {len(foreign)} params that are not the model's (shapes {shapes}"
+            f"{which} {len(foreign)} params that are not the model's (shapes {shapes}"
             f"{', ...' if len(foreign) > 5 else ''}); build it over model.parameters() of the registered model"
         )
     missing = [i.name for i in store.params if i.param.requires_grad and id(i.param) not in in_optim]
     if missing:
+        where = "in any of the optimizers" if len(optimizers) > 1 else "in the optimizer"
         raise RegistrationError(
-            f"{len(missing)} trainable params of the model are not in the optimizer ({', '.join(missing[:5])}"
+            f"{len(missing)} trainable params of the model are not {where} ({', '.join(missing[:5])}"
             f"{', ...' if len(missing) > 5 else ''}); pass model.parameters() or set requires_grad=False on frozen params"
         )
 
 
-def adopt_groups(store: ChunkStore, param_groups: list[dict], *, adamw: bool | None) -> list[int | None]:
-    """Give every param group its ``decoupled_weight_decay`` under the chunked Adam's kernels
-    (AdamW's unless the group says otherwise; ``adamw`` None: another optimizer, groups as they
-    are), and return each registered param's group, by registration index (None: not
-    optimized)."""
+@dataclasses.dataclass(frozen=True)
+class HandedOver:
+    """The optimizers handed to the chunked optimizer, as it keeps them."""
+
+    #: registration index -> its param group (None: not optimized)
+    group_of: list[int | None]
+    #: one per optimizer, in order
+    parts: list[OptimizerPart]
+    #: registration index -> the optimizer stepping it (None: not optimized)
+    parts_by_param: list[OptimizerPart | None]
+    #: the row kinds of every optimizer's states, in ``STATE_KINDS`` order
+    state_kinds: tuple[ChunkKind, ...]
+    #: each optimizer's state dict where it had states already (a resumed optimizer), else None
+    imported: list[dict | None]
+
+
+def hand_over(store: ChunkStore, optimizers: list[torch.optim.Optimizer], param_groups: list[dict]) -> HandedOver:
+    """Each optimizer's part (its layout, its step, its groups among ``param_groups``, the
+    chunked optimizer's) and each param's; refuses compact 8-bit states for any optimizer but
+    Adam's kernels."""
+    layouts = [state_layout(o) for o in optimizers]
+    group_of = adopt_groups(store, param_groups)
+    parts = parts_of(optimizers, layouts, param_groups, group_of)
+    others = [p.name for p in parts if p.torch_step is not None]
+    if others and store.compact_moments:
+        raise ConfigError(
+            f"Config(optimizer_states='int8') keeps Adam's momentum and variance in 8 bits; {', '.join(others)} steps "
+            f"with its own states. Use torch.optim.Adam/AdamW, or optimizer_states='fp32'"
+        )
+    by_param = [None if g is None else next(p for p in parts if g in p.groups) for g in group_of]
+    kinds = tuple(k for k in STATE_KINDS if any(k in p.layout.kinds for p in parts))
+    imported = [o.state_dict() if len(o.state) else None for o in optimizers]
+    return HandedOver(group_of, parts, by_param, kinds, imported)
+
+
+def adopt_groups(store: ChunkStore, param_groups: list[dict]) -> list[int | None]:
+    """Each registered param's group, by registration index (None: not optimized)."""
     group_of: list[int | None] = [None] * len(store.params)
     for g, group in enumerate(param_groups):
-        if adamw is not None:
-            group.setdefault("decoupled_weight_decay", adamw)
         for p in group["params"]:
             group_of[store.param_info(p).slot.index] = g
     return group_of
+
+
+def parts_of(
+    optimizers: list[torch.optim.Optimizer],
+    layouts: list[StateLayout],
+    param_groups: list[dict],
+    group_of: list[int | None],
+) -> list[OptimizerPart]:
+    """One ``OptimizerPart`` per optimizer (parts.py), its groups the next ones of
+    ``param_groups``. The groups the chunked Adam's kernels step get their
+    ``decoupled_weight_decay`` (AdamW's unless the group says otherwise)."""
+    parts: list[OptimizerPart] = []
+    first = 0
+    for optimizer, layout in zip(optimizers, layouts, strict=True):
+        groups = range(first, first + len(optimizer.param_groups))
+        first = groups.stop
+        if layout is ADAM_LAYOUT:
+            for g in groups:
+                param_groups[g].setdefault("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        step = None if layout is ADAM_LAYOUT else TorchStep(optimizer, layout, param_groups)
+        own = [g if g is not None and g in groups else None for g in group_of]
+        parts.append(OptimizerPart(optimizer, layout, step, groups, own))
+    return parts
 
 
 def state_layout(optimizer: torch.optim.Optimizer) -> StateLayout:
@@ -119,3 +206,9 @@ def state_layout(optimizer: torch.optim.Optimizer) -> StateLayout:
     chunked Adam's kernels, else what the probe of its own step finds. Checks it first."""
     check_optimizer(optimizer)
     return ADAM_LAYOUT if chunked_adam_kernels(optimizer) else probe(optimizer)
+
+
+def state_kinds(optimizer: object) -> tuple[ChunkKind, ...]:
+    """The row kinds of ``optimizer``'s states (of a list of optimizers: of all of them)."""
+    kinds = {k for o in optimizers_of(optimizer) for k in state_layout(o).kinds}
+    return tuple(k for k in STATE_KINDS if k in kinds)

@@ -170,7 +170,7 @@ def refuse_other_optimizers(store: ChunkStore, engine_optimizer: ChunkedAdam):
     through to the chunks, its own Adam beside the engine's): refused at its first step."""
 
     def refuse(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if optimizer is engine_optimizer:
+        if optimizer is engine_optimizer or any(optimizer is o for o in engine_optimizer.several.optimizers):
             return
         by_id = store.by_id
         for group in optimizer.param_groups:

@@ -108,12 +108,12 @@ class ParamRegistry:
         chunked = self.optimizer
         return chunked.step_chunk_early if chunked is not None and chunked.overlap_step else None
 
-    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | None = None) -> None:
+    def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | list | None = None) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order.
-        ``optimizer_follows``: the optimizer registered next, so the check that the model data
-        fits counts its row states too (and does from then on)."""
+        ``optimizer_follows``: the optimizer (or list of them) registered next, so the check that
+        the model data fits counts their row states too (and does from then on)."""
         if optimizer_follows is not None:
-            self._state_kinds_follow = registration.state_layout(optimizer_follows).kinds
+            self._state_kinds_follow = registration.state_kinds(optimizer_follows)
         if not isinstance(module, nn.Module):
             raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
@@ -338,13 +338,18 @@ class ParamRegistry:
             on_zero_grad=self._on_zero_grad,
             **wiring,
         )
-        self.store.state_kinds = chunked.layout.kinds
+        self.store.state_kinds = chunked.state_kinds
+        parts = chunked.parts_by_param
         for kind in self.store.state_kinds:
             chunks = []
             for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
                 chunk = self.store.new_chunk(kind, i, self.store.row_capacity(kind, param_chunk.capacity))
                 for slot in param_chunk.slots:
-                    chunk.add_slot(slot)
+                    # a slot for every param but those of another optimizer that keeps no state
+                    # of this kind (several optimizers): a chunk of such params alone is not booked
+                    part = parts[slot.index]
+                    if part is None or kind in part.layout.kinds:
+                        chunk.add_slot(slot)
                 chunks.append(chunk)
             self.store.rows[kind] = chunks
         self._book_optimizer_states()

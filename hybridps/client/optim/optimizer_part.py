@@ -1,0 +1,44 @@
+"""One optimizer a script handed to ``initialize``, as the chunked optimizer keeps it.
+
+Owns the record (``OptimizerPart``): the script's optimizer, where it keeps its states
+(state_layout.py), how it steps (the chunked Adam's kernels, or its own step on views,
+torch_step.py), its param groups' place among the chunked optimizer's, and its params.
+Data only: what reads it (the step, the states' translation, several optimizers' torch
+surfaces in parts.py) imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hybridps.client.optim.state_layout import StateLayout
+    from hybridps.client.optim.torch_step import TorchStep
+
+
+@dataclasses.dataclass(eq=False)
+class OptimizerPart:
+    """One optimizer a script handed to ``initialize``, under the chunked optimizer."""
+
+    #: the script's optimizer (a view of the engine's once initialize returns)
+    optimizer: torch.optim.Optimizer
+    #: where its states are kept (state_layout.py)
+    layout: StateLayout
+    #: its own step on views (torch_step.py); None where the chunked Adam's kernels step it
+    step: TorchStep | None
+    #: its param groups' indices in the chunked optimizer's ``param_groups``
+    groups: range
+    #: registration index -> its group in the chunked optimizer (None: another part's param
+    #: or not optimized)
+    group_of: list[int | None]
+
+    @property
+    def torch_step(self) -> TorchStep | None:
+        return self.step
+
+    @property
+    def name(self) -> str:
+        return type(self.optimizer).__name__
