@@ -423,6 +423,8 @@ class Client:
             "model_data_bytes": self.model_data_bytes,
             # how Adam's moments are kept: exact fp32 or compact 8-bit rows (Config.optimizer_states)
             "optimizer_states": self.config.optimizer_states,
+            # each optimizer's states on this rank: rows and side states, bytes per param (optim/optimizer_part.py)
+            "optimizers": [p.figures(self.store) for p in self.optimizer.parts] if self.optimizer is not None else [],
             "peak_model_data_bytes": self.mover.peak_all_bytes,
             "params": len(self.params),
             "param_elements": sum(i.slot.numel for i in self.params),

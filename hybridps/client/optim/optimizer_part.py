@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore
     from hybridps.client.optim.state_layout import StateLayout
     from hybridps.client.optim.torch_step import TorchStep
 
@@ -42,3 +43,25 @@ class OptimizerPart:
     @property
     def name(self) -> str:
         return type(self.optimizer).__name__
+
+    def figures(self, store: ChunkStore) -> dict:
+        """What this optimizer's states take on this rank: its row states (the slots of its
+        params in their rows) and its side states, in bytes and per param (memory_stats)."""
+        infos = [i for i in store.params if self.group_of[i.slot.index] is not None and store.ownership.owns(i.chunk)]
+        elements = sum(i.slot.numel for i in infos)
+        rows = sum(store.row_bytes(kind, i.slot.numel) for i in infos for kind in self.layout.kinds)
+        side = 0
+        if self.step is not None:
+            for info in infos:
+                side += sum(
+                    v.numel() * v.element_size() for v in self.step.side.get(info.slot.index, {}).values() if torch.is_tensor(v)
+                )
+        return {
+            "optimizer": self.name,
+            "params": len(infos),
+            "param_elements": elements,
+            "row_states": list(self.layout.rows),
+            "row_state_bytes": rows,
+            "side_state_bytes": side,
+            "state_bytes_per_param": (rows + side) / elements if elements else 0.0,
+        }

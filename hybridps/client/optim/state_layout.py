@@ -122,6 +122,7 @@ def _probe_states(cls: type, optimizer: torch.optim.Optimizer, group: dict, g: i
         # the states the class makes at construction (Adagrad's sum), as its own __init__ does
         shadow.state.update(_states_at_construction(cls, group, param))
         before = {k: v for k, v in probe_group.items() if k != "params"}
+        storage = param.data_ptr()
         with torch.no_grad():
             raw_step(cls)(shadow)
     except Exception as exc:
@@ -131,6 +132,11 @@ def _probe_states(cls: type, optimizer: torch.optim.Optimizer, group: dict, g: i
             f"rows: the step must update p in place from p.grad, per param or over lists of them, keep its per-param "
             f"states in optimizer.state[p], and need no closure"
         ) from exc
+    if param.data_ptr() != storage:
+        raise ConfigError(
+            f"{name} replaces p.data in its step instead of updating p in place: HybridPS hands the step views of its "
+            f"chunk rows, and a new tensor would not reach them. Update the param in place (p.add_, p.copy_)"
+        )
     changed = [k for k, v in probe_group.items() if k != "params" and (k not in before or before[k] is not v)]
     if changed:
         raise ConfigError(
