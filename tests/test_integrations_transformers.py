@@ -159,6 +159,37 @@ def test_an_unfused_adamw_is_run_with_the_kernel_trainer_asked_for(tmp_path):
     assert logged(ours) == logged(plain)
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop", "adafactor"])
+def test_other_optimizers_trainer_builds_train_as_with_plain_trainer(tmp_path, optim):
+    """``--optim sgd|adagrad|rmsprop`` (torch's) and ``adafactor`` (transformers' own, an
+    optimizer from outside torch) step over chunk rows with their own step: bit-equal."""
+    plain = trainer("plain", str(tmp_path / "a"), optim=optim)
+    plain.train()
+    ours = trainer("hybridps", str(tmp_path / "b"), optim=optim)
+    ours.train()
+    assert type(ours.engine.optimizers[0]).__name__ == type(plain.optimizer.optimizer).__name__ or optim
+    assert logged(ours) == logged(plain)
+
+
+def test_an_optimizer_handed_to_trainer_is_the_one_that_steps(tmp_path):
+    """``Trainer(optimizers=(optimizer, scheduler))`` with an optimizer of the script's own."""
+
+    def run(kind: str) -> list[float]:
+        m = model()
+        optimizer = torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        common = dict(model=m, args=arguments(str(tmp_path / kind), save_strategy="no"), train_dataset=dataset())
+        if kind == "plain":
+            t = transformers.Trainer(**common, optimizers=(optimizer, scheduler))
+        else:
+            config = hybridps.Config(devices={"cuda:0": "512KiB"})
+            t = HybridPSTrainer(**common, optimizers=(optimizer, scheduler), hybridps_config=config)
+        t.train()
+        return logged(t)["loss"]
+
+    assert run("hybridps") == run("plain")
+
+
 def _torchrun(kind: str, outdir, *extra: str) -> dict:
     proc = subprocess.run(
         [

@@ -53,7 +53,9 @@ _PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 CONFIG_ENV = "HYBRIDPS_CONFIG"
 
 
-def initialize(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None) -> Engine:
+def initialize(
+    accelerator, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], config: Config | None = None
+) -> Engine:
     """``hybridps.initialize`` for a loop run by ``accelerator``: on its process group (the
     default one, which the Accelerator initialized) and its device, with grads kept beside
     the params when it accumulates. Every rank calls it."""
@@ -267,20 +269,15 @@ class Accelerator(accelerate.Accelerator):
                 f"frozen reference or teacher) goes through accelerator.prepare_model(m, evaluation_mode=True), which "
                 f"places it on accelerator.device outside HybridPS"
             )
-        if len(optimizers) > 1:
-            raise ConfigError(
-                f"accelerator.prepare got {len(optimizers)} optimizers: the HybridPS engine steps one Adam/AdamW over the "
-                f"model's params; use one optimizer with a param group per setting"
-            )
         out = list(args)
         model = args[models[0]] if models else None
-        optimizer = args[optimizers[0]] if optimizers else None
-        if model is not None or optimizer is not None:
-            model, optimizer = self._adopt(model, optimizer)
+        if model is not None or optimizers:
+            # several optimizers over disjoint params (Muon and AdamW) make one engine (client/optim/parts.py)
+            model, wrapped = self._adopt(model, [args[i] for i in optimizers])
             if models:
                 out[models[0]] = model
-            if optimizers:
-                out[optimizers[0]] = optimizer
+            for i, optimizer in zip(optimizers, wrapped, strict=True):
+                out[i] = optimizer
         rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
         if rest:
             placement = [device_placement[i] for i in rest] if device_placement is not None else None
@@ -292,43 +289,45 @@ class Accelerator(accelerate.Accelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if evaluation_mode and not self._is_engine_model(model):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-        return self._adopt(model, None)[0]
+        return self._adopt(model, [])[0]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
-        return self._adopt(None, optimizer)[1]
+        return self._adopt(None, [optimizer])[1][0]
 
     def _is_engine_model(self, model: Any) -> bool:
         return self.engine is not None and model is self.engine.module
 
-    def _adopt(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None):
-        """The engine from ``model`` and ``optimizer`` (one of them may have come in an earlier
-        prepare); returns what the script gets back for each."""
-        if isinstance(optimizer, _EngineOptimizer) and optimizer.engine is self.engine:
+    def _adopt(self, model: nn.Module | None, optimizers: list[torch.optim.Optimizer]):
+        """The engine from ``model`` and ``optimizers`` (the model may have come in an earlier
+        prepare); returns what the script gets back for the model and for each optimizer."""
+        if optimizers and all(isinstance(o, _EngineOptimizer) and o.engine is self.engine for o in optimizers):
             if model is None or self._is_engine_model(model):
-                return model, optimizer
+                return model, optimizers
         if model is not None:
             self._check_model(model)
-        if optimizer is None:
+        if not optimizers:
             self._pending_model = model
-            return model, None
-        if isinstance(optimizer, AcceleratedOptimizer):
-            optimizer = optimizer.optimizer  # prepared by a plain Accelerator before: the optimizer itself
+            return model, []
+        # prepared by a plain Accelerator before: the optimizer itself
+        optimizers = [o.optimizer if isinstance(o, AcceleratedOptimizer) else o for o in optimizers]
         model = model if model is not None else self._pending_model
         if model is None:
             raise StateError(
-                f"accelerator.prepare got an optimizer ({type(optimizer).__name__}) without its model: HybridPS builds "
+                f"accelerator.prepare got an optimizer ({type(optimizers[0]).__name__}) without its model: HybridPS builds "
                 f"its engine from both. Prepare the model in the same call (accelerator.prepare(model, optimizer, ...)) "
                 f"or before it"
             )
-        _check_optimizer_of(model, optimizer)
-        self.engine = initialize(self, model, optimizer, self.hybridps_config)
+        for optimizer in optimizers:
+            _check_optimizer_of(model, optimizer)
+        self.engine = initialize(self, model, optimizers if len(optimizers) > 1 else optimizers[0], self.hybridps_config)
         self._pending_model = None
         self._wrap_forward(model)
         model._is_accelerate_prepared = True
         self._models.append(model)
-        wrapped = _EngineOptimizer(optimizer, self.engine)
-        wrapped._is_accelerate_prepared = True
-        self._optimizers.append(wrapped)
+        wrapped = [_EngineOptimizer(optimizer, self.engine) for optimizer in optimizers]
+        for optimizer in wrapped:
+            optimizer._is_accelerate_prepared = True
+            self._optimizers.append(optimizer)
         return model, wrapped
 
     def _check_model(self, model: nn.Module) -> None:

@@ -139,8 +139,9 @@ def _load_plain(accelerator: Accelerator, src: Path) -> None:
         if key not in weights and id(value) in by_param:
             weights[key] = by_param[id(value)]
     engine.load_state_dict(weights)
-    optimizer_file = src / "optimizer.bin"
-    if optimizer_file.is_file():
-        state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
-        engine_optimizer = next(o for o in accelerator._optimizers if getattr(o, "engine", None) is engine)
-        engine_optimizer.load_state_dict(state)
+    # accelerate names its optimizers' files optimizer.bin, optimizer_1.bin, ... in prepare's order
+    engine_optimizers = [o for o in accelerator._optimizers if getattr(o, "engine", None) is engine]
+    for i, optimizer in enumerate(engine_optimizers):
+        optimizer_file = src / ("optimizer.bin" if i == 0 else f"optimizer_{i}.bin")
+        if optimizer_file.is_file():
+            optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))

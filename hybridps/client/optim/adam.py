@@ -202,7 +202,11 @@ class ChunkedAdam(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """One optimizer step; under an engine, the engine's step (see ``step_driver``), which
-        runs ``step_chunks`` itself: torch's step hooks and LR schedulers' counts see one step."""
+        runs ``step_chunks`` itself: torch's step hooks and LR schedulers' counts see one step.
+        The optimizers handed over count as stepped for the schedulers built on them (what
+        torch's step wrapper records), however the step was called."""
+        for part in self.parts:
+            part.optimizer._opt_called = True  # type: ignore[attr-defined]
         driver = self.step_driver
         if driver is None:
             return self.step_chunks(closure)
