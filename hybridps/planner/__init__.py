@@ -13,6 +13,9 @@ training, with payloads on the meta device.
 Modules, each importing only those above it:
 
 - ``defaults``: the figures the command line's parser shows, without torch;
+- ``optimizers``: the optimizers a plan takes (``--optimizer``), built over the model as a
+  script builds them, their state rows as the client lays them out (``planned_states``);
+- ``meta_values``: stand-in values for reads of meta tensors an optimizer's own step makes;
 - ``validation``: checks of counts and byte figures shared by the records;
 - ``model``: the planned model family (``PlannedModel``, ``GPTShape``, ``ModelFactory``);
 - ``hf_model``: a Hugging Face causal LM's config as a family (``HFCausalLMFamily``), built as
@@ -78,6 +81,7 @@ _PUBLIC = {
     "PlanReport": "hybridps.planner.report",
     "DEFAULT_MAX_LAYERS": "hybridps.planner.defaults",
     "DEFAULT_MAX_PROBES": "hybridps.planner.defaults",
+    "OPTIMIZER_NAMES": "hybridps.planner.optimizers",
     "UNBOUNDED_CPU_BYTES": "hybridps.planner.search",
     "Evaluation": "hybridps.planner.request",
     "Planner": "hybridps.planner.search",

@@ -2,7 +2,7 @@
 
 Owns the arguments (model: a GPT shape, ``--factory``, or a Hugging Face config with
 ``--model-config`` / ``--model``, whose family is ``hf_model``'s; training with the
-optimizer states' storage; node with its disk tier (``--nvme`` and its bandwidth) and shard
+optimizer (``optimizers``) and its states' storage; node with its disk tier (``--nvme`` and its bandwidth) and shard
 group; output), turning them into a model and a
 node, running ``plan()`` (one layout) or ``compare_layouts()`` (several node counts or shard
 group sizes, given as comma lists) and printing the table or the JSON, and the exit status
@@ -39,6 +39,7 @@ from hybridps.planner.defaults import (
     PRECISION_NAMES,
 )
 from hybridps.planner.node import NodeSpec, check_gbps
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, DEFAULT_OPTIMIZER, OPTIMIZERS
 from hybridps.planner.sharding import parse_shard_group_size
 
 if TYPE_CHECKING:
@@ -142,11 +143,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="grads in the params' slots (14 B/param in 16-bit; 8.03 with --optimizer-states int8)",
     )
     t.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default=DEFAULT_OPTIMIZER,
+        metavar="NAME",
+        help="the optimizer trained with, whose states shaped like their params are 4 B/param chunk rows each (the "
+        "client's probe of its step decides which): "
+        + "; ".join(f"{name}: {spec.what}" for name, spec in OPTIMIZERS.items())
+        + f" (default {DEFAULT_OPTIMIZER})",
+    )
+    t.add_argument(
         "--optimizer-states",
         choices=list(OPTIMIZER_STATES),
         default="fp32",
         help="how Adam's momentum and variance are stored (Config.optimizer_states): fp32 (default, exact), or int8: "
-        "8-bit codes and an fp32 scale per 256 elements, 2.03 B a param for both instead of 8",
+        f"8-bit codes and an fp32 scale per 256 elements, 2.03 B a param for both instead of 8 ({' and '.join(ADAM_KERNEL_OPTIMIZERS)} "
+        "only)",
     )
     t.add_argument("--margin", type=_bytes_arg, default=0, help="GPU bytes kept free beside traced activations (e.g. 2GiB)")
     t.add_argument(
@@ -350,6 +362,7 @@ def run_command(args: argparse.Namespace) -> int:
             precision=args.precision,
             grad_reuse=args.grad_reuse,
             optimizer_states=args.optimizer_states,
+            optimizer=args.optimizer,
             chunk_size=args.chunk_size,
             simulated_gpus=args.simulated_gpus,
             iterations=args.iterations,

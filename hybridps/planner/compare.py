@@ -23,6 +23,7 @@ from hybridps.common.errors import ConfigError
 from hybridps.common.units import format_bytes
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
+from hybridps.planner.optimizers import DEFAULT_OPTIMIZER
 from hybridps.planner.report import LargestModel, _count, _largest_text, _plain, _table
 from hybridps.planner.request import PlanRequest
 from hybridps.planner.search import Planner
@@ -69,6 +70,9 @@ class LayoutComparison:
     simulations: int
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``)
     optimizer_states: str = "fp32"
+    #: the optimizer planned (``optimizers.OPTIMIZER_NAMES``) and its state rows' bytes per param
+    optimizer: str = DEFAULT_OPTIMIZER
+    optimizer_state_bytes_per_param: float = 8.0
 
     def to_dict(self) -> dict:
         return {
@@ -76,6 +80,8 @@ class LayoutComparison:
                 "model": {**self.model, "n_params": self.n_params},
                 "precision": self.precision,
                 "optimizer_states": self.optimizer_states,
+                "optimizer": self.optimizer,
+                "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 6),
                 "node_shape": self.node_shape,
                 "layouts": [r.to_dict() for r in self.rows],
                 "seconds": round(self.seconds, 3),
@@ -92,6 +98,7 @@ class LayoutComparison:
             f"HybridPS shard-group layouts (planned, not measured): {model}",
             f"  {_count(self.n_params)} params, {self.precision}, optimizer states {self.optimizer_states}; per node: "
             f"{self.node_shape}",
+            f"  optimizer {self.optimizer}: {self.optimizer_state_bytes_per_param:.2f} B/param of optimizer state",
             "",
         ]
         rows = [
@@ -202,6 +209,8 @@ def compare_layouts(
         n_params=first.n_params,
         precision=first.precision,
         optimizer_states=first.optimizer_states,
+        optimizer=first.optimizer,
+        optimizer_state_bytes_per_param=first.optimizer_state_bytes_per_param,
         node_shape=f"{node.gpus} x {format_bytes(node.gpu_bytes)} GPU, {format_bytes(node.cpu_bytes)} CPU, "
         + (f"{format_bytes(node.nvme_bytes)} NVMe, " if node.has_disk else "")
         + f"{node.ranks_per_node} ranks",

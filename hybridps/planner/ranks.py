@@ -315,15 +315,30 @@ def _on_the_disk(share: RankShare, sim: Simulation, lay: _GroupLayout, node: Nod
 
 def _place_shares(sim: Simulation, lay: _GroupLayout) -> list[int]:
     """The bytes each place of a shard group owns in layout ``lay``, owners assigned by bytes
-    as the client assigns them: every row of a chunk with params (``sim.rows``: compact
-    moment rows under ``optimizer_states="int8"``), only the param row of a padding chunk."""
+    as the client assigns them: every row of a chunk with params (``sim.rows``: the
+    optimizer's state rows, compact moment rows under ``optimizer_states="int8"``; with
+    several optimizers the state rows its params' optimizers keep), only the param row of a
+    padding chunk."""
     weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
     owner_of = owners_by_bytes(weights, lay.shard_size)
     rows = sim.rows
+    kinds_of_chunk = _chunk_state_kinds(sim, lay)
     shares = [0] * lay.shard_size
     for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
-        shares[owner_of[i]] += rows.chunk_bytes(cap) if filled else rows.param_bytes(cap)
+        shares[owner_of[i]] += rows.chunk_bytes(cap, kinds_of_chunk[i]) if filled else rows.param_bytes(cap)
     return shares
+
+
+def _chunk_state_kinds(sim: Simulation, lay: _GroupLayout) -> list[tuple | None]:
+    """The state rows each chunk of ``lay`` books: with several optimizers (``muon``) those
+    its params' optimizers keep (``Simulation.param_state_kinds``), as the client's
+    ``register_optim`` books them; None (all of ``sim.state_kinds``) with one."""
+    if not sim.param_state_kinds:
+        return [None] * len(lay.capacities)
+    kept: list[set] = [set() for _ in lay.capacities]
+    for chunk, kinds in zip(lay.chunk_of_param, sim.param_state_kinds, strict=True):
+        kept[chunk].update(kinds)
+    return [tuple(k for k in sim.state_kinds if k in kinds) for kinds in kept]
 
 
 def _cpu_of_places(shares: Sequence[int], lay: _GroupLayout, param_elem_bytes: int, *, gpu_room_bytes: int) -> list[int]:

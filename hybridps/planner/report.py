@@ -21,6 +21,7 @@ from hybridps.common.optimizer_states import OPTIMIZER_STATES
 from hybridps.common.units import format_bytes
 from hybridps.planner.host_peak import InitPeak
 from hybridps.planner.node import NodeSpec
+from hybridps.planner.optimizers import DEFAULT_OPTIMIZER, check_optimizer_name, describe
 from hybridps.planner.ranks import RankShare
 from hybridps.planner.sharding import Communication, Sharding
 from hybridps.planner.simulation import DeviceFigures
@@ -169,6 +170,14 @@ class PlanReport:
     transient_allowance_bytes: int = 0
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``)
     optimizer_states: str = "fp32"
+    #: the optimizer planned (``optimizers.OPTIMIZER_NAMES``)
+    optimizer: str = DEFAULT_OPTIMIZER
+    #: its states kept as chunk rows and beside them, by name (the client's probe of its step)
+    optimizer_state_rows: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    optimizer_side_states: tuple[str, ...] = ("step",)
+    #: bytes of its state rows per param (``Simulation.state_bytes_per_param``): 8 for Adam's
+    #: fp32 moments, 4 for one row, 0 for SGD without momentum, about 2.03 for compact moments
+    optimizer_state_bytes_per_param: float = 8.0
     #: the predicted steady step on a machine's rates (``speed.SpeedPrediction``); None: not
     #: predicted, ``speed_note`` says why (else it names the rates and the composition)
     speed: Any = None
@@ -180,6 +189,7 @@ class PlanReport:
             raise ConfigError(f"precision={self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.optimizer_states not in OPTIMIZER_STATES:
             raise ConfigError(f"optimizer_states={self.optimizer_states!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+        check_optimizer_name(self.optimizer)
 
     @property
     def fits(self) -> bool:
@@ -200,6 +210,9 @@ class PlanReport:
                 "precision": self.precision,
                 "grad_reuse": self.grad_reuse,
                 "optimizer_states": self.optimizer_states,
+                "optimizer": self.optimizer,
+                "optimizer_state_rows": list(self.optimizer_state_rows),
+                "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 6),
                 "margin_bytes": self.margin_bytes,
                 "transient_allowance_bytes": self.transient_allowance_bytes,
                 "iterations": self.iterations,
@@ -292,6 +305,7 @@ def _format_report(r: PlanReport) -> str:
         f"optimizer states {r.optimizer_states}, margin {format_bytes(r.margin_bytes)}"
         + (f" + {format_bytes(r.transient_allowance_bytes)} real-GPU transients" if r.transient_allowance_bytes else "")
         + f"; {r.node.describe()}",
+        _optimizer_line(r),
         "",
     ]
     disk = r.node.has_disk
@@ -356,6 +370,19 @@ def _format_report(r: PlanReport) -> str:
     s = r.seconds
     lines.append(f"\nPlanned in {s['total']:.1f} s (first simulation {s['simulation']:.1f} s, search {s['search']:.1f} s).")
     return "\n".join(lines)
+
+
+def _optimizer_line(r: PlanReport) -> str:
+    """The optimizer planned, its state rows and their bytes per param, in one line."""
+    rows = r.optimizer_state_rows
+    kept = (
+        f"{', '.join(rows)} as {r.optimizer_states} chunk row{'s' if len(rows) > 1 else ''}" if rows else "no state in chunk rows"
+    )
+    side = f" ({', '.join(r.optimizer_side_states)} beside them)" if r.optimizer_side_states else ""
+    return (
+        f"  optimizer {r.optimizer} ({describe(r.optimizer)}): {kept}{side}, "
+        f"{r.optimizer_state_bytes_per_param:.2f} B/param of optimizer state"
+    )
 
 
 def _device_lines(h: HybridPSPlan) -> list[str]:

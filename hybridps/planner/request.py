@@ -28,6 +28,7 @@ from hybridps.planner.defaults import (
 )
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
+from hybridps.planner.optimizers import DEFAULT_OPTIMIZER, check_optimizer_name, check_optimizer_states
 from hybridps.planner.ranks import RankShare
 from hybridps.planner.sharding import Sharding
 from hybridps.planner.simulation import Simulation
@@ -45,6 +46,9 @@ class PlanRequest:
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``): "fp32", or
     #: "int8" (compact rows: 2.03 B a param for both instead of 8)
     optimizer_states: str = "fp32"
+    #: the optimizer trained with (``optimizers.OPTIMIZER_NAMES``): which of its states are
+    #: chunk rows is the client's probe of it (client/optim/state_layout.py)
+    optimizer: str = DEFAULT_OPTIMIZER
     margin_bytes: int = 0
     chunk_size: int | None = None
     #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
@@ -92,6 +96,8 @@ class PlanRequest:
             object.__setattr__(self, "optimizer_states", parse_optimizer_states(self.optimizer_states).value)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        check_optimizer_name(self.optimizer)
+        check_optimizer_states(self.optimizer, self.optimizer_states)
         object.__setattr__(self, "margin_bytes", parse_bytes(self.margin_bytes, what="margin"))
         if self.margin_bytes >= self.node.gpu_bytes:
             raise ConfigError(

@@ -32,6 +32,7 @@ from hybridps.planner.host_peak import InitPeak, init_peak
 from hybridps.planner.largest import LargestModelSearch
 from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, DEFAULT_OPTIMIZER
 from hybridps.planner.peers import peer_plans
 from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
 from hybridps.planner.rates import MachineRates
@@ -63,6 +64,7 @@ def plan(
     precision: str = "fp16",
     grad_reuse: bool = True,
     optimizer_states: str = "fp32",
+    optimizer: str = DEFAULT_OPTIMIZER,
     margin: int | str = 0,
     chunk_size: int | None = None,
     simulated_gpus: bool = False,
@@ -82,8 +84,10 @@ def plan(
     (a disk tier per node, e.g. "2TiB", reading ``nvme_read_gbps`` and writing
     ``nvme_write_gbps`` GB/s; default none), with
     ``shard_group_size`` ranks sharing one copy of the model data ("node", "world" or a number
-    of ranks dividing the world; see ``Config.shard_group_size``), Adam's moments stored as
-    ``optimizer_states`` ("fp32", or "int8": ``Config.optimizer_states``). With ``rates`` (a
+    of ranks dividing the world; see ``Config.shard_group_size``), trained with the optimizer
+    named ``optimizer`` ("adamw", "sgd", ...: ``optimizers.OPTIMIZER_NAMES``; its states' rows
+    are the model data's), Adam's moments stored as ``optimizer_states`` ("fp32", or "int8":
+    ``Config.optimizer_states``, Adam and AdamW only). With ``rates`` (a
     ``MachineRates``: ``rates.load_rates``) the report predicts the steady step's seconds,
     ``micro_batches`` accumulated per optimizer step (``speed``).
 
@@ -95,25 +99,13 @@ def plan(
     """
     described = dict(gpus=gpus, cpu=cpu, ranks_per_node=ranks_per_node, nodes=nodes, nvme=nvme)
     described.update(nvme_read_gbps=nvme_read_gbps, nvme_write_gbps=nvme_write_gbps)
-    if node is None:
-        bandwidth = {k: v for k, v in described.items() if k.endswith("_gbps") and v is not None}
-        node = NodeSpec.parse(
-            gpus or "1x80GiB",
-            "128GiB" if cpu is None else cpu,
-            ranks_per_node=ranks_per_node,
-            nodes=nodes or 1,
-            nvme=nvme,
-            **bandwidth,
-        )
-    elif any(v is not None for v in described.values()):
-        given = ", ".join(k for k, v in described.items() if v is not None)
-        raise ConfigError(f"plan() got node={node!r} and also {given}; describe the node once, one way or the other")
     request = PlanRequest(
         model=model,
-        node=node,
+        node=_node_of(node, described),
         precision=precision,
         grad_reuse=grad_reuse,
         optimizer_states=optimizer_states,
+        optimizer=optimizer,
         margin_bytes=margin,
         chunk_size=chunk_size,
         simulated_gpus=simulated_gpus,
@@ -128,6 +120,26 @@ def plan(
         micro_batches=micro_batches,
     )
     return Planner(request).run()
+
+
+def _node_of(node: NodeSpec | None, described: dict) -> NodeSpec:
+    """The node ``plan`` plans on: ``node``, or the one its keyword arguments describe
+    (``described``: gpus, cpu, ranks_per_node, nodes, nvme and its bandwidths; defaults one
+    80 GiB GPU and 128 GiB of CPU); both at once is refused."""
+    if node is not None:
+        if any(v is not None for v in described.values()):
+            given = ", ".join(k for k, v in described.items() if v is not None)
+            raise ConfigError(f"plan() got node={node!r} and also {given}; describe the node once, one way or the other")
+        return node
+    bandwidth = {k: v for k, v in described.items() if k.endswith("_gbps") and v is not None}
+    return NodeSpec.parse(
+        described["gpus"] or "1x80GiB",
+        "128GiB" if described["cpu"] is None else described["cpu"],
+        ranks_per_node=described["ranks_per_node"],
+        nodes=described["nodes"] or 1,
+        nvme=described["nvme"],
+        **bandwidth,
+    )
 
 
 class Planner(LargestModelSearch):
@@ -185,6 +197,8 @@ class Planner(LargestModelSearch):
             key += (nvme_bytes,)
         if req.optimizer_states != "fp32":  # likewise with exact moments
             key += (req.optimizer_states,)
+        if req.optimizer != DEFAULT_OPTIMIZER:  # and with AdamW
+            key += (req.optimizer,)
         if key in self.simulations:
             return self.simulations[key]
         sim = simulate(
@@ -198,6 +212,7 @@ class Planner(LargestModelSearch):
             iterations=req.iterations,
             nvme_bytes=nvme_bytes,
             optimizer_states=req.optimizer_states,
+            optimizer=req.optimizer,
         )
         self.sim_seconds += sim.seconds
         self.simulations[key] = sim
@@ -402,6 +417,10 @@ class Planner(LargestModelSearch):
             precision=req.precision,
             grad_reuse=req.grad_reuse,
             optimizer_states=req.optimizer_states,
+            optimizer=req.optimizer,
+            optimizer_state_rows=ev.sim.state_rows,
+            optimizer_side_states=ev.sim.side_states,
+            optimizer_state_bytes_per_param=ev.sim.state_bytes_per_param,
             margin_bytes=req.margin_bytes,
             transient_allowance_bytes=self.transient_bytes,
             iterations=req.iterations,
@@ -425,6 +444,8 @@ class Planner(LargestModelSearch):
         req, node = self.request, self.node
         if req.rates is None:
             return None, "no rates: run `hybridps calibrate`, or give --rates h100, h200 or a file"
+        if req.optimizer not in ADAM_KERNEL_OPTIMIZERS:
+            return None, f"the speed model times Adam's step at the fused AdamW's rate, not {req.optimizer}'s"
         if not ev.sim.completed:
             return None, "the simulation did not finish: no steady step to time"
         if node.world_size > 1:
@@ -563,6 +584,8 @@ class Planner(LargestModelSearch):
             notes.append("the DeepSpeed rules are written for 16-bit params with fp32 optimizer states; applied unchanged")
         if self.request.optimizer_states != "fp32":
             notes.append(_compact_states_note(ev.sim))
+        if self.request.optimizer not in ADAM_KERNEL_OPTIMIZERS:
+            notes.append(_optimizer_note(ev.sim))
         if self.node.has_disk:
             node = self.node
             if node.world_size == 1:
@@ -602,6 +625,26 @@ def _compact_states_note(sim: Simulation) -> str:
     return (
         note + "; the step is not exact (moments are re-quantized every step); the peers are planned with their own fp32 states"
     )
+
+
+def _optimizer_note(sim: Simulation) -> str:
+    """The note of a plan with another optimizer than Adam: what its model data counts."""
+    note = (
+        f"optimizer {sim.optimizer}: each of its states shaped like its param is a chunk row, 4 B a param (the "
+        f"client's probe of its step, client/optim/state_layout.py)"
+    )
+    if sim.side_states:
+        note += (
+            f"; those kept beside the rows ({', '.join(sim.side_states)}: scalars, moments factored to a row and a "
+            f"column per matrix, or states only a sliver of the params keep) are not counted"
+        )
+    if sim.param_state_kinds:
+        note += (
+            "; Muon steps the 2-D params and AdamW the rest, and a chunk books the rows of its params' optimizers: "
+            "Muon's momentum_buffer shares the momentum row with AdamW's exp_avg, and the variance row is booked only "
+            "in chunks holding AdamW's params"
+        )
+    return note + "; the peers are planned with their own rules (Adam's fp32 states)"
 
 
 def _plan_warnings(sim: Simulation, share: RankShare | None, init: InitPeak | None, node: NodeSpec) -> list[str]:

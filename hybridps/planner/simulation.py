@@ -3,8 +3,9 @@ real engine under ``simulate="meta"``, and what its memory did.
 
 Owns ``simulate`` (build the model on meta, ``initialize`` it, run the iterations with
 attention as a real run saves it, meta kernels remembered, in the context the family asks
-for (its ``simulating()``, if any), beside a disk tier when one is given, the optimizer's
-moments stored as ``Config.optimizer_states`` says), the records of
+for (its ``simulating()``, if any), beside a disk tier when one is given, with the planned
+optimizer (``optimizers``: its states' rows as the client lays them out), Adam's moments
+stored as ``Config.optimizer_states`` says), the records of
 what it showed (``Simulation``, ``DeviceFigures``) read from ``memory_stats()`` and the
 client's layout (``_read_simulation``), and the parameter counts the peers' rules take
 (``deepspeed_param_counts``). The bytes of a chunk's rows are ``chunk_rows``'s.
@@ -25,6 +26,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.store import MOMENT_KINDS
 from hybridps.common.config import Config
 from hybridps.common.devices import NVME
 from hybridps.common.errors import CapacityError, ConfigError
@@ -32,8 +35,20 @@ from hybridps.engine import initialize
 from hybridps.planner.attention import meta_attention_as_flash
 from hybridps.planner.chunk_rows import ChunkRows, chunk_rows
 from hybridps.planner.meta_kernels import remembered_meta_kernels
+from hybridps.planner.meta_values import stand_in_meta_values
 from hybridps.planner.model import PlannedModel
+from hybridps.planner.optimizers import (
+    ADAM_KERNEL_OPTIMIZERS,
+    DEFAULT_OPTIMIZER,
+    PlannedStates,
+    build_optimizer,
+    planned_states,
+)
 from hybridps.planner.validation import check_bytes, check_count, check_positive_int
+
+#: the chunk elements ``Simulation.state_bytes_per_param`` is counted for when the simulation
+#: stopped before a layout (compact rows' bytes per element depend a little on a chunk's size)
+DEFAULT_STATE_ELEMENTS = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,6 +122,22 @@ class Simulation:
     grad_reuse: bool = True
     #: how Adam's momentum and variance are stored (``Config.optimizer_states``: "fp32", "int8")
     optimizer_states: str = "fp32"
+    #: the optimizer trained with (``optimizers.OPTIMIZER_NAMES``)
+    optimizer: str = DEFAULT_OPTIMIZER
+    #: the row kinds of its states (``ChunkStore.state_kinds``): Adam's momentum and variance
+    state_kinds: tuple[ChunkKind, ...] = MOMENT_KINDS
+    #: its states kept as rows, by name (Adam's exp_avg and exp_avg_sq)
+    state_rows: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    #: its states kept beside the rows, by name (Adam's step)
+    side_states: tuple[str, ...] = ("step",)
+    #: bytes of its state rows over the elements of the chunks holding params, padding
+    #: included: 8 for Adam's fp32 moments, 0 for SGD without momentum, about 2.03 for compact
+    #: moments; between the two optimizers' where several keep different rows (``muon``)
+    state_bytes_per_param: float = 8.0
+    #: several optimizers (``muon``): the row kinds each param's own optimizer keeps, in
+    #: registration order (a chunk books a kind's row where one of its params keeps it); empty
+    #: with one optimizer, whose params all keep ``state_kinds``
+    param_state_kinds: tuple[tuple[ChunkKind, ...], ...] = ()
     #: where the last (steady) iteration's optimizer steps ran: params (padding excluded) and
     #: chunks stepped on the CPU and on the GPU (``Placement.step_device``; the speed model's)
     step_params_cpu: int = 0
@@ -127,7 +158,7 @@ class Simulation:
     def rows(self) -> ChunkRows:
         """The bytes of a chunk's rows under this simulation's training settings (for layouts
         with other capacities than its own: ``ranks``)."""
-        return chunk_rows(self.precision, self.grad_reuse, self.optimizer_states)
+        return chunk_rows(self.precision, self.grad_reuse, self.optimizer_states, self.state_kinds)
 
     @property
     def model_data_bytes_per_param(self) -> float:
@@ -162,9 +193,11 @@ def simulate(
     iterations: int = 2,
     nvme_bytes: int = 0,
     optimizer_states: str = "fp32",
+    optimizer: str = DEFAULT_OPTIMIZER,
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
-    ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0), Adam's moments as
+    ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0) with the optimizer
+    named ``optimizer`` (``optimizers.OPTIMIZER_NAMES``), Adam's moments as
     ``optimizer_states`` says, every payload on the meta device, and report what happened.
 
     Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
@@ -191,7 +224,9 @@ def simulate(
             module = model.build()
         n_params, largest_layer = deepspeed_param_counts(module)
         owners = _module_params(module)
-        optimizer = torch.optim.AdamW(module.parameters())  # AdamW and Adam keep the same states
+        torch_optimizer = build_optimizer(optimizer, module)  # as a script builds it
+        # its rows as the client lays them out (the same probe registration runs)
+        states = planned_states(torch_optimizer)
         device = torch.device("meta")
         failure: str | None = None
         engine = None
@@ -199,8 +234,8 @@ def simulate(
         before: dict[str, int] = {}
         after: dict[str, int] = {}
         try:
-            engine = initialize(module, optimizer, config)
-            with meta_attention_as_flash(), _family_context(model):
+            engine = initialize(module, torch_optimizer, config)
+            with meta_attention_as_flash(), _family_context(model), _step_context(optimizer):
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
                     inputs = model.inputs(device)  # positional arguments, or keyword ones (a Hugging Face model's)
@@ -214,21 +249,36 @@ def simulate(
             where = "initialize" if engine is None else f"iteration {done + 1}"
             failure = f"{type(exc).__name__} at {where}: {str(exc).splitlines()[0]}"
         except NotImplementedError as exc:
-            # A refusal at registration after the params were laid out (with a disk tier: a
-            # CPU share below one chunk's optimizer step) makes the engine's build close its
-            # client, which copies the params' values back out of their chunks; on the meta
-            # device there are none, so torch raises this over the refusal. The refusal is
-            # the verdict.
-            refusal = exc.__context__
-            if engine is not None or not isinstance(refusal, (ConfigError, CapacityError)):
+            if engine is not None:
                 raise
-            failure = f"{type(refusal).__name__} at initialize: {str(refusal).splitlines()[0]}"
+            failure = _refusal_under(exc)
     try:
-        sim = _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start)
+        sim = _read_simulation(
+            engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start, optimizer, states
+        )
         return dataclasses.replace(sim, **_step_counts(engine)) if sim.completed else sim
     finally:
         if engine is not None:
             engine.client.close(restore=False)
+
+
+def _refusal_under(exc: NotImplementedError) -> str:
+    """The verdict of a build that failed on the meta device: a refusal at registration after
+    the params were laid out (with a disk tier: a CPU share below one chunk's optimizer step)
+    makes the engine's build close its client, which copies the params' values back out of
+    their chunks; on the meta device there are none, so torch raises ``exc`` over the refusal.
+    The refusal is the verdict; anything else is raised again."""
+    refusal = exc.__context__
+    if not isinstance(refusal, (ConfigError, CapacityError)):
+        raise exc
+    return f"{type(refusal).__name__} at initialize: {str(refusal).splitlines()[0]}"
+
+
+def _step_context(optimizer: str) -> contextlib.AbstractContextManager:
+    """Stand-in values for the reads of meta tensors some optimizers' own steps make
+    ([Note: values read during a simulated step] in meta_values.py); none for the ones the
+    chunked Adam's kernels step, which read none."""
+    return contextlib.nullcontext() if optimizer in ADAM_KERNEL_OPTIMIZERS else stand_in_meta_values()
 
 
 def _family_context(model: PlannedModel) -> contextlib.AbstractContextManager:
@@ -238,8 +288,19 @@ def _family_context(model: PlannedModel) -> contextlib.AbstractContextManager:
     return simulating() if simulating is not None else contextlib.nullcontext()
 
 
-def _read_simulation(engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start) -> Simulation:
-    settings = dict(precision=config.precision, grad_reuse=config.grad_reuse, optimizer_states=config.moment_states.value)
+def _read_simulation(
+    engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start, optimizer, states
+) -> Simulation:
+    rows_of = dict(precision=config.precision, grad_reuse=config.grad_reuse, optimizer_states=config.moment_states.value)
+    rows = chunk_rows(**rows_of, state_kinds=states.kinds)
+    settings = dict(
+        **rows_of,
+        optimizer=optimizer,
+        state_kinds=states.kinds,
+        state_rows=states.rows,
+        side_states=states.side,
+        state_bytes_per_param=_state_bytes_per_param(engine, rows, states),
+    )
     compute_per_elem = config.param_dtype.itemsize * (1 if config.grad_reuse else 2)
     if engine is None:
         return Simulation(
@@ -254,7 +315,6 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
     client = engine.client
     layout = client.layout
     stats = engine.memory_stats()
-    rows = chunk_rows(**settings)
     kinds = tuple(k for k, chunks in client.rows.items() if chunks)
     capacities = tuple(layout.capacity(i) for i in range(layout.num_chunks))
     module_chunks = tuple(
@@ -279,6 +339,9 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
         compute_bytes_per_element=compute_per_elem,
         module_chunks=tuple((n, c) for n, c in module_chunks if c),
         param_numels=tuple(i.slot.numel for i in client.params),
+        param_state_kinds=tuple(states.kinds_of_param.get(id(i.param), states.kinds) for i in client.params)
+        if states.kinds_of_param
+        else (),
         module_params=tuple(
             (name, idx)
             for name, idx in (
@@ -301,12 +364,22 @@ def _read_simulation(engine, model, config, owners, n_params, largest_layer, fai
     )
 
 
+def _state_bytes_per_param(engine, rows: ChunkRows, states: PlannedStates) -> float:
+    """Bytes of the optimizer's state rows the client booked over the elements of the chunks
+    holding params (``Simulation.state_bytes_per_param``); before the optimizer was
+    registered, a chunk's rows of ``states`` for ``DEFAULT_STATE_ELEMENTS`` elements."""
+    client = engine.client if engine is not None else None
+    if client is None or not all(client.rows.get(kind) for kind in states.kinds):
+        return float(rows.state_bytes_per_element(DEFAULT_STATE_ELEMENTS))
+    elements = sum(c.capacity for c in client.rows[ChunkKind.PARAM] if c.slots)
+    booked = sum(c.nbytes for kind in states.kinds for c in client.rows[kind] if c.slots)
+    return booked / elements if elements else 0.0
+
+
 def _step_counts(engine) -> dict[str, int]:
     """Params and chunks of the steady iteration's optimizer steps on the CPU and on the GPU:
     each chunk steps where the placement policy says for its master's place, which the
     iteration after warm-up leaves as every later one finds it."""
-    from hybridps.client.chunks.chunk import ChunkKind
-
     client = engine.client
     out = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0)
     for param_chunk, master in zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True):
