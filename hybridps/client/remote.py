@@ -59,6 +59,7 @@ from hybridps.common.endpoints import (
     token_from_env,
 )
 from hybridps.common.errors import CapacityError, ConfigError, HybridPSError, ManagerError, ProtocolError
+from hybridps.manager.verbs import BookingVerbs
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def query_status(endpoint: str | None, *, token: str | None = None, timeout_s: f
     return reply.status
 
 
-class RemoteConnection:
+class RemoteConnection(BookingVerbs):
     """One client's connection to its node's daemon. Thread-safe."""
 
     def __init__(

@@ -2,7 +2,8 @@
 
 This is the default when no node daemon is configured (one rank, tests, notebooks). It
 serves the same ``ManagerConnection`` interface as the daemon's client stub, so the chunk
-mover cannot tell them apart. ``update`` is the ledger's atomic verb, the same code the
+mover cannot tell them apart (``add``, ``remove`` and ``schedule``, the design's verbs, and
+``update``, of which ``add`` and ``remove`` are cases). ``update`` is the ledger's atomic verb, the same code the
 daemon runs (ledger.py), under this manager's lock; ``schedule`` asks the same policy.
 """
 
@@ -17,6 +18,7 @@ from hybridps.common.devices import DeviceSpec
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager import policy
 from hybridps.manager.ledger import Ledger
+from hybridps.manager.verbs import BookingVerbs
 
 
 class ManagerConnection(Protocol):
@@ -43,6 +45,14 @@ class ManagerConnection(Protocol):
         one step (the releases first); returns the chosen device, None without a placement."""
         ...
 
+    def add(self, device: str, size: int) -> None:
+        """Book ``size`` bytes on ``device`` (``update(book={device: size})``, verbs.py)."""
+        ...
+
+    def remove(self, device: str, size: int) -> None:
+        """Release ``size`` bytes on ``device`` (``update(release={device: size})``)."""
+        ...
+
     def status(self) -> dict: ...
 
     def close(self) -> None: ...
@@ -63,8 +73,9 @@ class EmbeddedManager:
         return EmbeddedConnection(self, client_id, info)
 
 
-class EmbeddedConnection:
-    """One client's view of an EmbeddedManager."""
+class EmbeddedConnection(BookingVerbs):
+    """One client's view of an EmbeddedManager: ``schedule``, ``update`` and the verbs
+    ``add``/``remove`` over it (verbs.py)."""
 
     def __init__(self, manager: EmbeddedManager, client_id: str, info: ClientInfo):
         self._manager = manager

@@ -105,6 +105,10 @@ def test_a_client_holds_gives_back_and_is_refused_like_with_the_embedded_manager
         assert e.value.code == "over_remove"
         conn.update(release={"cpu": 10})
         assert conn.holdings == {"cuda:0": 1000}
+        conn.add("cpu", 7)  # the design's verbs: cases of update
+        assert conn.holdings == {"cuda:0": 1000, "cpu": 7}
+        conn.remove("cpu", 7)
+        assert conn.holdings == {"cuda:0": 1000}
         assert usage_of(daemon.endpoint, conn.client_id) == {"cuda:0": 1000}
         client_id = conn.client_id
     assert usage_of(daemon.endpoint, client_id) is None, "close() unregisters and gives back"

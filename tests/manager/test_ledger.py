@@ -191,3 +191,19 @@ def test_a_refused_update_changes_nothing(change, error, text):
     with pytest.raises(error, match=text):
         led.update("a", **change)
     assert led.snapshot() == before
+
+
+def test_the_designs_verbs_add_remove_schedule_on_the_embedded_connection():
+    from hybridps.manager.embedded import EmbeddedManager
+
+    manager = EmbeddedManager([DeviceSpec(name="cpu", capacity_bytes=1000), DeviceSpec(name="cuda:0", capacity_bytes=100)])
+    conn = manager.connect(ClientInfo(devices=("cpu", "cuda:0")))
+    conn.add("cuda:0", 60)
+    assert conn.schedule(40, "cuda:0") == "cuda:0" and conn.schedule(41, "cuda:0") == "cpu"
+    with pytest.raises(CapacityError, match="cannot book"):
+        conn.add("cuda:0", 41)
+    with pytest.raises(ManagerError, match="holds only 60 B"):
+        conn.remove("cuda:0", 61)
+    conn.remove("cuda:0", 60)
+    assert manager.ledger.device("cuda:0").used_bytes == 0  # every failed verb left the ledger as it was
+    conn.close()
