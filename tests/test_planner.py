@@ -34,7 +34,6 @@ from hybridps.planner import (
     deepspeed_zero3_offload_bytes,
     derive_rank_share,
     main,
-    owners_by_bytes,
     parse_gpus,
 )
 from tests.dist import run_ranks
@@ -518,15 +517,32 @@ def test_a_shard_group_size_that_does_not_divide_the_world_names_the_divisors():
         Sharding.resolve("half", NodeSpec.parse("8x80GiB", "1TiB"))
 
 
-def test_owners_are_assigned_exactly_as_the_client_assigns_them():
+def test_owners_follow_the_greedy_rule_the_design_states():
+    """``assign_owners`` (the one rule, which the planner calls too) against the rule as the
+    design states it: groups most uneven first, each member heaviest first to the least
+    loaded rank still free in the group."""
     from hybridps.client.chunks.ownership import assign_owners
+
+    def stated(weights, world):
+        load, owner_of = [0] * world, [0] * len(weights)
+        groups = range(len(weights) // world)
+        for g in sorted(
+            groups, key=lambda g: (-(max(weights[g * world : (g + 1) * world]) - min(weights[g * world : (g + 1) * world])), g)
+        ):
+            free = list(range(world))
+            for index in sorted(range(g * world, (g + 1) * world), key=lambda i: (-weights[i], i)):
+                r = min(free, key=lambda q: (load[q], q))
+                free.remove(r)
+                owner_of[index] = r
+                load[r] += weights[index]
+        return owner_of
 
     rng = random.Random(0)
     for world in (1, 2, 3, 8, 64):
         for _ in range(5):
             groups = rng.randint(1, 6)
             weights = [rng.choice([0, 512, 512, 512, rng.randint(1, 10**5)]) for _ in range(groups * world)]
-            assert owners_by_bytes(weights, world) == assign_owners(weights, world)[0]
+            assert assign_owners(weights, world)[0] == stated(weights, world)
 
 
 @pytest.mark.slow

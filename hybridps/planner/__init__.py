@@ -74,7 +74,6 @@ _PUBLIC = {
     "peer_plans": "hybridps.planner.peers",
     "RankShare": "hybridps.planner.ranks",
     "derive_rank_share": "hybridps.planner.ranks",
-    "owners_by_bytes": "hybridps.planner.ranks",
     "HybridPSPlan": "hybridps.planner.report",
     "LargestModel": "hybridps.planner.report",
     "PeerPlan": "hybridps.planner.report",

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from hybridps.client.chunks.ownership import assign_owners
 from hybridps.client.memory.arena import idle_bound_bytes
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.sharding import Communication, Sharding
@@ -184,31 +185,6 @@ def gathered_at(
     return _gathered(sim, lay)
 
 
-def owners_by_bytes(weights: Sequence[int], world: int) -> list[int]:
-    """The owner of each chunk, exactly as ``hybridps.client.chunks.ownership.assign_owners`` assigns
-    them (groups most uneven first; within a group the heaviest member to the least loaded
-    rank), in O(world log world) per group: while a group is assigned, the loads of the
-    ranks still free do not change, so its i-th heaviest member goes to the i-th least
-    loaded rank. The client's version takes O(world^2) per group, minutes for thousands of
-    ranks."""
-    assert len(weights) % world == 0
-    n_groups = len(weights) // world
-    load = [0] * world
-    owner_of = [0] * len(weights)
-
-    def spread(g: int) -> int:
-        w = weights[g * world : (g + 1) * world]
-        return max(w) - min(w)
-
-    for g in sorted(range(n_groups), key=lambda g: (-spread(g), g)):
-        members = sorted(range(g * world, (g + 1) * world), key=lambda i: (-weights[i], i))
-        ranks = sorted(range(world), key=lambda q: (load[q], q))
-        for index, r in zip(members, ranks, strict=True):
-            owner_of[index] = r
-            load[r] += weights[index]
-    return owner_of
-
-
 def derive_rank_share(
     sim: Simulation,
     node: NodeSpec,
@@ -320,7 +296,7 @@ def _place_shares(sim: Simulation, lay: _GroupLayout) -> list[int]:
     several optimizers the state rows its params' optimizers keep), only the param row of a
     padding chunk."""
     weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
-    owner_of = owners_by_bytes(weights, lay.shard_size)
+    owner_of, _ = assign_owners(weights, lay.shard_size)  # the client's own rule
     rows = sim.rows
     kinds_of_chunk = _chunk_state_kinds(sim, lay)
     shares = [0] * lay.shard_size
