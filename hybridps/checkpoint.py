@@ -143,7 +143,7 @@ def save_checkpoint(
     groups = client.groups
     rank = client.rank
     # one shard file per rank of a shard group, written by the first replica: the other
-    # replicas own the same chunks with the same values (hybrid sharding, dist/mesh.py)
+    # replicas own the same chunks with the same values (hybrid sharding, sharding/mesh.py)
     shard, world = client.shard_layout.shard_rank, client.shard_size
     writes = client.shard_layout.replica == 0
     final = Path(path)

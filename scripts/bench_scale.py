@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import hybridps
 from hybridps.client.chunks.chunk import ChunkKind
-from hybridps.client.dist.collectives import Collectives
+from hybridps.client.sharding.collectives import Collectives
 from hybridps.common.errors import HybridPSError
 from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch

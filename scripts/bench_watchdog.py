@@ -1,4 +1,4 @@
-"""Store requests per collective of the collective watchdog (hybridps/client/dist/watchdog.py).
+"""Store requests per collective of the collective watchdog (hybridps/client/sharding/watchdog.py).
 
 The watchdog used to post ``(seq, op, what)`` to the process group's store before every
 collective and wait for every rank's post: per collective and rank one ``set``, one ``wait``,
@@ -108,7 +108,7 @@ def _by_connection(counts: collections.Counter, name: str) -> dict:
 def _fake(world: int, iterations: int, overhead_calls: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybridps.client.dist.collectives import Collectives
+    from hybridps.client.sharding.collectives import Collectives
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -169,7 +169,7 @@ def _gloo_rank(rank: int, world: int, port: int, iterations: int, outdir: str) -
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from hybridps.client.dist.collectives import Collectives
+    from hybridps.client.sharding.collectives import Collectives
 
     store = CountingStore(_get_default_store())
     comm = Collectives(rank=rank, world_size=world, store=store, prefix="bench", heartbeat_period_s=HEARTBEAT_PERIOD_S)

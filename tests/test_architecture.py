@@ -126,16 +126,16 @@ def test_no_module_below_the_client_facade_imports_it():
     offenders = sorted(m for m in below if "hybridps.client.client" in graph[m])
     assert offenders == []
     # and the collaborators are below it, not beside it
-    for m in ("chunks.store", "memory.mover", "dist.groups", "optim.adam", "params.pending_grads", "memory.placement"):
+    for m in ("chunks.store", "memory.mover", "sharding.groups", "optim.adam", "params.pending_grads", "memory.placement"):
         assert f"hybridps.client.{m}" in below
 
 
 #: the client's wings, bottom first: a module imports only its own wing and those before it
-WINGS = ("chunks", "memory", "dist", "optim", "params")
+WINGS = ("chunks", "memory", "sharding", "optim", "params")
 #: the modules at the client's root, and the wings each may import
 ROOT_MODULES = {
     "hybridps.client.client": set(WINGS) | {"prefetch", "remote"},
-    "hybridps.client.prefetch": {"chunks", "memory", "dist"},
+    "hybridps.client.prefetch": {"chunks", "memory", "sharding"},
     "hybridps.client.remote": set(),
     "hybridps.client.assembly": set(WINGS) | {"client", "prefetch"},
     "hybridps.client": set(WINGS) | {"client", "assembly"},
@@ -148,7 +148,7 @@ def _wing(module: str) -> str | None:
 
 
 def test_client_wings_import_only_downwards():
-    """chunks < memory < dist < optim < params < client.py, every import counted (type-only
+    """chunks < memory < sharding < optim < params < client.py, every import counted (type-only
     and function-level included): no arrow up, none sideways into the root's modules."""
     graph = _graph(module_level_only=False)
     up = []

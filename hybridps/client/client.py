@@ -29,10 +29,6 @@ from torch import nn
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
-from hybridps.client.dist.build_groups import build_groups
-from hybridps.client.dist.groups import ChunkGroups
-from hybridps.client.dist.mesh import ShardLayout, resolve_shard_size
-from hybridps.client.dist.topology import _topology
 from hybridps.client.memory.arena import HostRegistrar, host_arena
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
@@ -47,6 +43,10 @@ from hybridps.client.params.managed import ManagedTensors
 from hybridps.client.params.placeholder import ParamGuard
 from hybridps.client.params.registry import ParamRegistry, placeholders
 from hybridps.client.params.values import Values
+from hybridps.client.sharding.build_groups import build_groups
+from hybridps.client.sharding.groups import ChunkGroups
+from hybridps.client.sharding.mesh import ShardLayout, resolve_shard_size
+from hybridps.client.sharding.topology import _topology
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import StateError

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hybridps.client.chunks.chunk import Chunk
     from hybridps.client.chunks.store import ChunkStore
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
     from hybridps.client.memory.trace import MomentTrace
+    from hybridps.client.sharding.groups import ChunkGroups
 
 
 class Prefetcher:

@@ -8,7 +8,7 @@ over the whole world for comparison) and ``ShardGroupTooLargeError`` (the refusa
 whose gathered chunk groups cannot fit the GPU).
 
 Does not own the chunk layout or the owner assignment (``ranks`` applies the client's), the
-mesh itself (``hybridps.client.dist.mesh``, whose ``resolve_shard_size`` and row-major rank order
+mesh itself (``hybridps.client.sharding.mesh``, whose ``resolve_shard_size`` and row-major rank order
 this module follows), or whether a model fits (``search``).
 """
 
@@ -71,7 +71,7 @@ class Sharding:
     def resolve(cls, value: int | str, node: NodeSpec) -> Sharding:
         """``value`` ("node", "world" or a number of ranks) on ``node``'s ranks, as the client
         resolves ``Config.shard_group_size`` with torchrun's ``LOCAL_WORLD_SIZE`` = ranks per node."""
-        from hybridps.client.dist.mesh import resolve_shard_size
+        from hybridps.client.sharding.mesh import resolve_shard_size
 
         requested = parse_shard_group_size(value)
         world = node.world_size

@@ -11,7 +11,7 @@ import torch
 
 import hybridps
 from hybridps.client.chunks.chunk import ChunkKind
-from hybridps.client.dist.watchdog import PeerWatch, Position, pos_key
+from hybridps.client.sharding.watchdog import PeerWatch, Position, pos_key
 from tests.dist import RankFailed, run_ranks
 from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens
 
@@ -128,7 +128,7 @@ def test_ranks_that_access_chunks_in_different_orders_are_told_apart():
 def _survivor_of_a_death(rank, world, dying_rank, how):
     import signal
 
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     engine = _engine(timeout_s=40.0)  # far longer than dead-peer detection may take
     _step(engine, rank, world, 0)
@@ -168,7 +168,7 @@ def test_when_the_store_host_dies_the_survivor_says_so_instead_of_a_timeout():
 def _counted_steps(rank, world):
     import collections
 
-    import hybridps.client.dist.build_groups as groups_module
+    import hybridps.client.sharding.build_groups as groups_module
     from tests.client.test_watchdog import CountingStore
 
     stores = []

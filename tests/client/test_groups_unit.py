@@ -1,4 +1,4 @@
-"""Chunk groups (dist/groups.py) driven in the test process, with no ranks spawned.
+"""Chunk groups (sharding/groups.py) driven in the test process, with no ranks spawned.
 
 The Client builds ChunkGroups only when the world has more than one rank (client.py), so a
 process group of one rank would test nothing of them. Two ranks run instead as two threads
@@ -30,9 +30,9 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from hybridps import Client, Config, TensorState
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.ownership import assign_owners
-from hybridps.client.dist import build_groups as build_groups_module
-from hybridps.client.dist import group_phase
-from hybridps.client.dist.group_phase import GroupMove, GroupPhase
+from hybridps.client.sharding import build_groups as build_groups_module
+from hybridps.client.sharding import group_phase
+from hybridps.client.sharding.group_phase import GroupMove, GroupPhase
 from hybridps.common.errors import StateError
 
 WORLD = 2

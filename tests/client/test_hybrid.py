@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.dist.mesh import ShardLayout, resolve_shard_size
+from hybridps.client.sharding.mesh import ShardLayout, resolve_shard_size
 from hybridps.common.errors import ConfigError
 from tests.dist import run_ranks
 from tests.training import SMALL_GPT, gpt_pair, model_data_bytes, tokens

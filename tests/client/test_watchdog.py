@@ -40,7 +40,7 @@ class CountingStore:
 def _comm(rank, world, store=None, **kw):
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from hybridps.client.dist.collectives import Collectives
+    from hybridps.client.sharding.collectives import Collectives
 
     kw.setdefault("timeout_s", 30.0)
     kw.setdefault("heartbeat_period_s", 0.2)
@@ -85,7 +85,7 @@ def test_the_normal_path_makes_no_store_request_per_collective():
 
 
 def _swapped(rank, world):
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     comm = _comm(rank, world)
     outs = [torch.empty(64) for _ in range(world)]
@@ -126,7 +126,7 @@ def test_ranks_in_step_pass_the_order_check_with_equal_digests():
 
 
 def _different_ops(rank, world):
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     comm = _comm(rank, world, timeout_s=3.0)
     x = torch.ones(1000)
@@ -159,7 +159,7 @@ def test_a_divergence_that_hangs_the_backend_is_named_from_the_published_positio
 def _peer_goes(rank, world, how):
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     store = _get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))
@@ -204,7 +204,7 @@ def test_a_dead_or_frozen_peer_is_named_from_its_heartbeat_not_the_timeout(how):
 
 
 def _store_host_goes(rank, world):
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     comm = _comm(rank, world)
     outs = [torch.empty(64) for _ in range(world)]
@@ -230,7 +230,7 @@ def test_when_the_store_host_dies_the_survivors_say_so():
 
 
 def _late(rank, world):
-    from hybridps.client.dist.postmortem import CollectiveError
+    from hybridps.client.sharding.postmortem import CollectiveError
 
     comm = _comm(rank, world, timeout_s=2.0)
     outs = [torch.empty(64) for _ in range(world)]
@@ -254,7 +254,7 @@ def test_a_live_rank_that_does_not_arrive_in_time_is_named_with_where_it_is():
 
 
 def test_the_first_difference_of_two_histories():
-    from hybridps.client.dist.postmortem import _first_difference, _rank_list
+    from hybridps.client.sharding.postmortem import _first_difference, _rank_list
 
     ref = [(5, 3, "all_gather", "params of chunk group 0", 64, 11), (6, 4, "all_gather", "params of chunk group 1", 64, 12)]
     assert _first_difference(ref, ref) is None

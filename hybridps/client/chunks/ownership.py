@@ -12,7 +12,7 @@ Owns: the assignment, its table, and the arithmetic of chunk groups (the group o
 the members of a group, the members in the order of their owners' ranks).
 
 Does not own: the chunks and their rows (``store.py``), the width of a shard group
-(``dist/mesh.py``), the collectives over chunk groups (``dist/groups.py``). The capacity
+(``sharding/mesh.py``), the collectives over chunk groups (``sharding/groups.py``). The capacity
 planner calls ``assign_owners`` for the shares it plans (``hybridps/planner/ranks.py``).
 """
 

@@ -8,7 +8,7 @@ which chunk indices this rank keeps; the chunk groups read the same table).
 
 Does not own: where chunks go or how they move, whole-chunk access included (the mover,
 ``memory/mover.py``: ``take``/``give_back``), the collectives over chunk groups
-(``dist/groups.py``), the optimizer's arithmetic (``optim/adam.py``), registration and
+(``sharding/groups.py``), the optimizer's arithmetic (``optim/adam.py``), registration and
 per-param access (``params/``, under the ``client.py`` facade). Pure data: it imports no other
 wing of the client, and every user takes it in its constructor.
 """
@@ -69,6 +69,9 @@ class ChunkStore:
         self.param_dtype = config.param_dtype
         #: how momentum and variance rows are stored (Config.optimizer_states)
         self.moment_states = config.moment_states
+        #: momentum and variance rows hold 8-bit codes and block scales
+        #: (``Config.optimizer_states="int8"``; common/optimizer_states.py)
+        self.compact_moments: bool = config.moment_states.compact
         #: the optimizer's row states (optim/state_layout.py): Adam's momentum and variance
         #: until an optimizer keeping others is registered (SGD without momentum keeps none)
         self.state_kinds: tuple[ChunkKind, ...] = MOMENT_KINDS
@@ -111,23 +114,17 @@ class ChunkStore:
     def grad_kind(self) -> ChunkKind:
         return ChunkKind.PARAM if self.config.grad_reuse else ChunkKind.GRAD
 
-    @property
-    def compact_moments(self) -> bool:
-        """Momentum and variance rows hold 8-bit codes and block scales
-        (``Config.optimizer_states="int8"``; common/optimizer_states.py)."""
-        return self.moment_states.compact
-
     def kind_dtype(self, kind: ChunkKind) -> torch.dtype:
         if kind in (ChunkKind.PARAM, ChunkKind.GRAD):
             return self.param_dtype
-        if self.moment_states.compact and kind in MOMENT_KINDS:
+        if self.compact_moments and kind in MOMENT_KINDS:
             return torch.uint8
         return torch.float32
 
     def row_capacity(self, kind: ChunkKind, elements: int) -> int:
         """A chunk of ``kind`` laid out for ``elements`` elements holds this many of its dtype:
         ``elements``, or a compact moment row's bytes (codes and block scales)."""
-        return compact_row_bytes(elements) if self.moment_states.compact and kind in MOMENT_KINDS else elements
+        return compact_row_bytes(elements) if self.compact_moments and kind in MOMENT_KINDS else elements
 
     def row_bytes(self, kind: ChunkKind, elements: int) -> int:
         """Bytes of a chunk of ``kind`` laid out for ``elements`` elements."""

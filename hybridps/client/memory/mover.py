@@ -409,7 +409,7 @@ class ChunkMover:
         When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
         of ``device`` (a prefetched gather, a reduction of grads) are waited for first: they
         finish anyway, and a chunk they release can leave (see [Note: reductions in flight]
-        in dist/groups.py)."""
+        in sharding/groups.py)."""
 
         victims = self._free_to_go(device, protect)
         if need_bytes <= 0 or sum(c.nbytes for c in victims) >= need_bytes:

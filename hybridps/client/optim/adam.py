@@ -44,9 +44,9 @@ from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.sharding.groups import ChunkGroups
 
 logger = logging.getLogger(__name__)
 

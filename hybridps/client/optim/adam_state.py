@@ -40,11 +40,11 @@ from hybridps.common.optimizer_states import BLOCK_ELEMENTS, block_count
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.loss_scaler import LossScaler
     from hybridps.client.optim.optimizer_part import OptimizerPart
     from hybridps.client.optim.step_worker import StepWorker
+    from hybridps.client.sharding.groups import ChunkGroups
 
 #: key of a state dict that holds one rank's share of the Adam states (see [Note: a rank's share of the state])
 SHARD_KEY = "hybridps_shard"

@@ -24,7 +24,7 @@ from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
-    from hybridps.client.dist.groups import ChunkGroups
+    from hybridps.client.sharding.groups import ChunkGroups
 
 #: the grads of one chunk that a norm reads: its params' live grads, or the backup of its
 #: speculative early step (speculation.py)

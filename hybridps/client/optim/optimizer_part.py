@@ -29,16 +29,12 @@ class OptimizerPart:
     #: where its states are kept (state_layout.py)
     layout: StateLayout
     #: its own step on views (torch_step.py); None where the chunked Adam's kernels step it
-    step: TorchStep | None
+    torch_step: TorchStep | None
     #: its param groups' indices in the chunked optimizer's ``param_groups``
     groups: range
     #: registration index -> its group in the chunked optimizer (None: another part's param
     #: or not optimized)
     group_of: list[int | None]
-
-    @property
-    def torch_step(self) -> TorchStep | None:
-        return self.step
 
     @property
     def name(self) -> str:
@@ -51,10 +47,12 @@ class OptimizerPart:
         elements = sum(i.slot.numel for i in infos)
         rows = sum(store.row_bytes(kind, i.slot.numel) for i in infos for kind in self.layout.kinds)
         side = 0
-        if self.step is not None:
+        if self.torch_step is not None:
             for info in infos:
                 side += sum(
-                    v.numel() * v.element_size() for v in self.step.side.get(info.slot.index, {}).values() if torch.is_tensor(v)
+                    v.numel() * v.element_size()
+                    for v in self.torch_step.side.get(info.slot.index, {}).values()
+                    if torch.is_tensor(v)
                 )
         return {
             "optimizer": self.name,

@@ -29,9 +29,9 @@ from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.adam import ChunkedAdam
+    from hybridps.client.sharding.groups import ChunkGroups
     from hybridps.common.devices import DeviceSpec
 
 

@@ -49,10 +49,10 @@ from hybridps.common.errors import HybridPSError, RegistrationError, StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.tracer import MemoryTracer
     from hybridps.client.optim.adam import ChunkedAdam
     from hybridps.client.params.placeholder import ParamGuard
+    from hybridps.client.sharding.groups import ChunkGroups
     from hybridps.common.config import Config
 
 

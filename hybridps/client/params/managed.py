@@ -23,10 +23,10 @@ from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
     from hybridps.client.params.placeholder import ParamGuard
+    from hybridps.client.sharding.groups import ChunkGroups
 
 
 class ManagedTensors:

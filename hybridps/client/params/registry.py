@@ -36,9 +36,9 @@ from hybridps.common.units import format_bytes
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
-    from hybridps.client.dist.groups import ChunkGroups
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
+    from hybridps.client.sharding.groups import ChunkGroups
     from hybridps.common.devices import DeviceInventory, DeviceSpec
 
 #: registration logs as the client it registers for (its records kept their name when it moved here)

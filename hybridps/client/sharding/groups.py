@@ -38,9 +38,9 @@ import torch.distributed as dist
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.ownership import Ownership
 from hybridps.client.chunks.states import Move, TensorState
-from hybridps.client.dist import group_phase
-from hybridps.client.dist.collectives import Collectives
-from hybridps.client.dist.group_phase import GroupMove, GroupPhase
+from hybridps.client.sharding import group_phase
+from hybridps.client.sharding.collectives import Collectives
+from hybridps.client.sharding.group_phase import GroupMove, GroupPhase
 from hybridps.common.errors import StateError
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from hybridps.client.dist.watchdog import (
+from hybridps.client.sharding.watchdog import (
     _ADVICE_DEAD,
     _ADVICE_ORDER,
     PeerWatch,

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from hybridps.client.dist.collectives import Collectives
-from hybridps.client.dist.groups import ChunkGroups
-from hybridps.client.dist.mesh import ShardLayout, agree, build_mesh
-from hybridps.client.dist.topology import _backend_device, _collectives_prefix, _store_of
+from hybridps.client.sharding.collectives import Collectives
+from hybridps.client.sharding.groups import ChunkGroups
+from hybridps.client.sharding.mesh import ShardLayout, agree, build_mesh
+from hybridps.client.sharding.topology import _backend_device, _collectives_prefix, _store_of
 from hybridps.common.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridps.client.dist.postmortem import CollectiveError, _rank_list, failure_in_group, order_message, store_lost
-from hybridps.client.dist.topology import own_group, store_address
-from hybridps.client.dist.watchdog import PeerWatch, Position, pos_key
+from hybridps.client.sharding.postmortem import CollectiveError, _rank_list, failure_in_group, order_message, store_lost
+from hybridps.client.sharding.topology import own_group, store_address
+from hybridps.client.sharding.watchdog import PeerWatch, Position, pos_key
 
 logger = logging.getLogger(__name__)
 
