@@ -9,7 +9,7 @@ first ``ChunkMover.bring`` of an evicted chunk (its payload on another device) t
 to make room, ``bring_all`` the union over every bring of one iteration, ``step_chunk`` the
 first ``ChunkedAdam._step_chunk``, ``step_chunk_all`` the union over one step, ``reduce``
 the first ``ChunkGroups.reduce`` of rank 0 of two ranks run as threads over torch's
-threaded process group (as tests/client/test_groups_unit.py does).
+threaded process group (as tests/client/sharding/test_groups_unit.py does).
 
     python scripts/hot_path_files.py            # JSON on stdout
     python scripts/hot_path_files.py --files    # with the files of each path
@@ -133,7 +133,7 @@ def reduction() -> set[str]:
     from hybridps import Client, Config, TensorState
     from hybridps.client.sharding import build_groups as build_groups_module
 
-    # every client of the job numbers its watchdog records alike (tests/client/test_groups_unit.py)
+    # every client of the job numbers its watchdog records alike (tests/client/sharding/test_groups_unit.py)
     build_groups_module._collectives_prefix = lambda group: "hybridps/hot_path"
     shapes = [(5, 7), (20,), (6, 6), (4,), (50,)]
     store = dist.HashStore()

@@ -42,7 +42,7 @@ eager one (one code, 1e-5) and to the compiled one where the eager one agrees wi
 [Note: what was reused and what was written]
 Reused from bitsandbytes and torchao: the dynamic map's construction, the blockwise scales,
 the quantization's rounding rule and the step's arithmetic, all checked against torchao in
-tests/client/test_compact_adam.py (the maps equal, the codes equal, 20 steps within one code
+tests/client/optim/test_compact_adam.py (the maps equal, the codes equal, 20 steps within one code
 and 1e-5). Written here, and why: the rows are flat with the scales at the row's end (a chunk
 keeps each moment as one uint8 row, moment_codes.py), not a tensor subclass per param;
 torchao's functions are torch ops compiled by inductor per shape, and its binary search makes

@@ -11,7 +11,7 @@ import torch
 import hybridps.client.optim.chunk_arithmetic as adam_module
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState
-from tests.client.test_overlap_step import _engine
+from tests.client.optim.test_overlap_step import _engine
 from tests.training import tokens
 
 #: a clip that always triggers: every speculative early step is undone and steps in step()
@@ -219,8 +219,8 @@ def test_on_a_simulated_gpu_step_waits_for_its_steps():
 
 EXIT_SCRIPT = """
 import torch
-from tests.client.test_overlap_step import _engine
-from tests.client.test_steps_beside_forward import CLIP, _plain_step
+from tests.client.optim.test_overlap_step import _engine
+from tests.client.optim.test_steps_beside_forward import CLIP, _plain_step
 engine = _engine(True, worker=True)
 _plain_step(engine, 0)
 worker = engine.optimizer.worker
@@ -243,7 +243,7 @@ def test_a_script_that_ends_with_steps_in_flight_exits_cleanly(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
         [sys.executable, "-c", EXIT_SCRIPT],
         cwd=root,

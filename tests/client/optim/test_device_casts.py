@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridps.client.chunks.chunk import ChunkKind
-from tests.client.test_overlap_step import _engine, _train
+from tests.client.optim.test_overlap_step import _engine, _train
 
 
 def _bf16_engine(casts, *, overlap=False, worker=False):

@@ -169,7 +169,7 @@ def _counted_steps(rank, world):
     import collections
 
     import hybridps.client.sharding.build_groups as groups_module
-    from tests.client.test_watchdog import CountingStore
+    from tests.client.sharding.test_watchdog import CountingStore
 
     stores = []
     plain = groups_module._store_of
