@@ -118,11 +118,9 @@ def build(
     # the prefetcher's tick first: a moment's history in the event recorder shows its moves
     ticks = [prefetcher.on_tick] if prefetcher is not None else []
     tracer = MemoryTracer(client.store, client.mover, enabled=config.trace, tick_listeners=[*ticks, events.on_moment])
-    if config.eviction in ("opt", "auto"):
-        client.placement.use_trace(trace.next_use, trace.replaying)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
-    compiled = CompiledBlocks(model, hooks.units.blocks, hooks.use_blocks)
+    compiled = CompiledBlocks(model, hooks.units.blocks, hooks.make_blocks_units)
     client.hook_handles.append(compiled)  # the client's close gives the blocks their own forwards back
     if config.compile:
         compiled.compile()

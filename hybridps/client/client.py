@@ -158,13 +158,18 @@ class Client:
         link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
         #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
         self.link = SimulatedLink(*link) if link is not None else None
-        #: where each kind of model data lives (placement.py)
-        self.placement = make_policy(
-            self.config.placement, self.compute, margin_bytes=self.config.margin, disk=self.inventory.disk is not None
-        )
         #: the non-model memory of the compute device and what the warm-up used, driven by the
         #: engine's tracer, read by the mover, the placement and the prefetcher (trace.py)
         self.trace = MomentTrace(self.compute, margin_bytes=self.config.margin)
+        #: where each kind of model data lives (placement.py); victims by the trace's next uses
+        #: while it is replayed (Config.eviction "opt"/"auto"; a trace no tracer drives never is)
+        self.placement = make_policy(
+            self.config.placement,
+            self.compute,
+            margin_bytes=self.config.margin,
+            disk=self.inventory.disk is not None,
+            trace=self.trace if self.config.eviction in ("opt", "auto") else None,
+        )
         return ChunkMover(
             self.inventory,
             self.connection,

@@ -17,7 +17,7 @@ Owns the decisions, one method each:
 - ``eviction_refer``: where an evicted chunk should go (the device the node manager's
   ``schedule`` is asked to prefer: the CPU; from the CPU, the disk tier when there is one);
 - ``victim``: which chunk leaves a full device: the furthest next use in the warm-up trace
-  (Belady's OPT) once a trace is wired in (``use_trace``, ``Config.eviction`` "opt"/"auto"),
+  (Belady's OPT) while the trace it was built with is replayed (``Config.eviction`` "opt"/"auto"),
   the least recently used before (and always with "lru");
 - ``prefetch_candidates``, ``prefetch_gathers``: which chunks the trace says to bring to
   the compute device ahead of their use, in which order and how many moments ahead, and
@@ -48,6 +48,7 @@ reserve and this policy for the formula (``budget_bytes``), at every move onto a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.common.devices import DeviceSpec
@@ -57,21 +58,31 @@ CPU = "cpu"
 NVME = "nvme"
 
 
+class TraceView(Protocol):
+    """What the policy reads of the warm-up's trace (trace.py's ``MomentTrace``)."""
+
+    def next_use(self, chunk: Chunk) -> float: ...
+
+    def replaying(self) -> bool: ...
+
+
 class PlacementPolicy:
     """The default ("tidal") placement: optimizer rows on the CPU until the warm-up trace
     shows GPU room that activations never need, then as many rows as fit move there."""
 
     name = "tidal"
 
-    def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False):
+    def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False, trace: TraceView | None = None):
+        """``trace``: the warm-up's trace, whose next uses choose victims while it is
+        replayed (``Config.eviction`` "opt"/"auto"); None: least recently used always."""
         self.compute = compute
         self.margin_bytes = margin_bytes
         #: a disk tier is listed: what leaves a full CPU goes there
         self.disk = disk
         #: the trace's next use of a chunk (a moment; inf beyond the horizon), and whether the
-        #: trace is being replayed: wired by ``use_trace``, else None (LRU)
-        self._next_use: Callable[[Chunk], float] | None = None
-        self._replaying: Callable[[], bool] = lambda: False
+        #: trace is being replayed; None without a trace (LRU)
+        self._next_use: Callable[[Chunk], float] | None = None if trace is None else trace.next_use
+        self._replaying: Callable[[], bool] = (lambda: False) if trace is None else trace.replaying
 
     # -- where new chunks live -------------------------------------------------------------
 
@@ -123,10 +134,6 @@ class PlacementPolicy:
         return chosen
 
     # -- eviction --------------------------------------------------------------------------
-
-    def use_trace(self, next_use: Callable[[Chunk], float], replaying: Callable[[], bool]) -> None:
-        """Choose victims by the trace from now on (the engine wires its tracer here once)."""
-        self._next_use, self._replaying = next_use, replaying
 
     def victim(self, candidates: Sequence[Chunk]) -> Chunk:
         """Which of ``candidates`` (on a full device, none in use or protected) leaves: the
@@ -240,9 +247,11 @@ class CpuOptimizerPolicy(PlacementPolicy):
 POLICIES: dict[str, type[PlacementPolicy]] = {cls.name: cls for cls in (PlacementPolicy, CpuOptimizerPolicy)}
 
 
-def make_policy(name: str, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False) -> PlacementPolicy:
+def make_policy(
+    name: str, compute: DeviceSpec, *, margin_bytes: int = 0, disk: bool = False, trace: TraceView | None = None
+) -> PlacementPolicy:
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ConfigError(f"placement={name!r} is not a placement policy; use one of {', '.join(sorted(POLICIES))}") from None
-    return cls(compute, margin_bytes=margin_bytes, disk=disk)
+    return cls(compute, margin_bytes=margin_bytes, disk=disk, trace=trace)

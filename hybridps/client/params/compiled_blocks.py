@@ -97,7 +97,7 @@ class CompiledBlocks:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], make_blocks: Callable[[], Sequence[nn.Module]]):
         self.model = model
         self.blocks = list(blocks)
-        #: makes the blocks units when they are not (ModuleHooks.use_blocks) and returns them
+        #: makes the blocks units when they are not (ModuleHooks.make_blocks_units) and returns them
         self._make_blocks = make_blocks
         self.state = CompileState.EAGER
         self.fallen_back: str | None = None  # the error that sent the blocks back to eager

@@ -224,9 +224,9 @@ class ModuleHooks:
             chunk_bytes=chunk_bytes, non_model_peak_bytes=peak, capacity_bytes=self._capacity_bytes, margin_bytes=margin
         ):
             return
-        self.use_blocks()
+        self.make_blocks_units()
 
-    def use_blocks(self) -> list[nn.Module]:
+    def make_blocks_units(self) -> list[nn.Module]:
         """Make the blocks units (hook_units.py) from the next unit on, and return them; runs
         between iterations, or in the model's own pre-hook before any other unit."""
         self._deciding = False

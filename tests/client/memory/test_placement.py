@@ -130,13 +130,25 @@ def _chunks(last_uses):
     return out
 
 
+class _Trace:
+    """A trace by hand: next uses by chunk id, and whether it is replayed (a one-item list)."""
+
+    def __init__(self, next_use: dict, replaying: list):
+        self._next_use, self._replaying = next_use, replaying
+
+    def next_use(self, chunk) -> float:
+        return self._next_use[chunk.chunk_id]
+
+    def replaying(self) -> bool:
+        return self._replaying[0]
+
+
 def test_the_victim_is_the_least_recently_used_until_a_trace_is_replayed():
-    policy = PlacementPolicy(GPU)
     a, b, c = _chunks([5, 2, 9])
-    assert policy.victim([a, b, c]) is b
+    assert PlacementPolicy(GPU).victim([a, b, c]) is b
     next_use = {a.chunk_id: 30, b.chunk_id: 12, c.chunk_id: 40}
     replaying = [False]
-    policy.use_trace(lambda ch: next_use[ch.chunk_id], lambda: replaying[0])
+    policy = PlacementPolicy(GPU, trace=_Trace(next_use, replaying))
     assert policy.victim([a, b, c]) is b  # no trace yet: still LRU
     replaying[0] = True
     assert policy.victim([a, b, c]) is c  # furthest next use (Belady)
@@ -203,11 +215,10 @@ def test_the_groups_gathered_ahead_are_those_the_warm_up_gathered_at_the_next_mo
 
 
 def test_a_prefetch_evicts_only_chunks_used_after_the_one_it_brings_furthest_first():
-    policy = PlacementPolicy(GPU)
     a, b, c, incoming = _chunks([1, 2, 3, 4])  # 16 bytes each
     next_use = {a.chunk_id: 5, b.chunk_id: 30, c.chunk_id: 20, incoming.chunk_id: 10}
     replaying = [False]
-    policy.use_trace(lambda ch: next_use[ch.chunk_id], lambda: replaying[0])
+    policy = PlacementPolicy(GPU, trace=_Trace(next_use, replaying))
     assert policy.prefetch_victims([a, b, c], incoming, 16) == []  # no replayed trace: never
     replaying[0] = True
     assert policy.prefetch_victims([a, b, c], incoming, 16) == [b]  # the furthest
