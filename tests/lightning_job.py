@@ -2,8 +2,8 @@
 (in process and on spawned ranks).
 
 The model is hybridps.models' GPT, wrapped in a LightningModule that records every training
-loss it computes; the data is fixed random tokens, so plain and HybridPS runs see the same
-batches.
+loss it computes (fused AdamW; ``WithSGD`` and ``MuonAndAdamW`` step it with other optimizers);
+the data is fixed random tokens, so plain and HybridPS runs see the same batches.
 """
 
 from __future__ import annotations
@@ -55,6 +55,46 @@ class TinyGPT(pl.LightningModule):
         if self.schedule == "dict":
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
         return [optimizer], [scheduler]  # the list form steps the scheduler once an epoch
+
+
+class WithSGD(TinyGPT):
+    """Momentum SGD on its own step over the chunk rows, with a per-step scheduler."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class MuonAndAdamW(TinyGPT):
+    """Manual optimization over two optimizers on disjoint params: Muon for the blocks' 2-D
+    matrices, AdamW for the rest, each with its own scheduler, in the usual loop (every step,
+    then every zero_grad)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.model.blocks.parameters() if p.ndim == 2]
+        rest = [p for p in self.parameters() if all(p is not q for q in matrices)]
+        muon = torch.optim.Muon(matrices, lr=2e-2, weight_decay=0.01)
+        adamw = torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in (muon, adamw)]
+        return [muon, adamw], schedulers
 
 
 def data(n: int = 24) -> TensorDataset:
@@ -125,4 +165,16 @@ def fit_on_ranks(rank: int, world: int, root: str) -> dict:
     )
     out["resumed"] = (resumed.losses, resumed.val_losses)
     out["weights"] = resumed.state_dict()  # the ranks' trained weights, given back at the end of fit
+    return out
+
+
+def fit_several_on_ranks(rank: int, world: int, root: str) -> dict:
+    """On each of ``world`` spawned ranks: ``MuonAndAdamW`` (manual optimization, two
+    optimizers) under plain Lightning DDP and under HybridPS, validating after each epoch.
+    Returns this rank's losses of each run."""
+    out = {}
+    for kind, config in (("plain", None), ("hybridps", small_gpu())):
+        model = MuonAndAdamW()
+        trainer(kind, f"{root}/{kind}", devices=world, config=config, max_epochs=2).fit(model, loader(32), loader(16))
+        out[kind] = (model.losses, model.val_losses)
     return out

@@ -3,10 +3,19 @@
 Owns how a Lightning fit is routed through a HybridPS engine, the way Lightning's own
 ``DeepSpeedStrategy`` routes it through DeepSpeed's:
 
-- the optimizer ``configure_optimizers`` returns (one Adam or AdamW, param groups welcome) is
-  handed with the ``LightningModule`` to ``hybridps.initialize``; Lightning then keeps
-  ``engine.optimizer``, which shares the param-group dicts, so the schedulers it returned keep
-  scheduling the stepped groups;
+- the optimizer ``configure_optimizers`` returns (any torch optimizer: Adam/AdamW on HybridPS's
+  own kernels, SGD, Adagrad, RMSprop, Adafactor, Muon or one written the usual way on its own
+  step; param groups welcome) is handed with the ``LightningModule`` to ``hybridps.initialize``,
+  or, under manual optimization (``self.automatic_optimization = False``; Lightning refuses
+  several otherwise), the several it returns over disjoint params (Muon for the matrices, AdamW
+  for the rest) as one list. Lightning then keeps ``engine.optimizers``, one torch optimizer per
+  returned one, in order (``self.optimizers()`` in ``training_step``), which share their
+  param-group dicts, so the schedulers it returned keep scheduling the stepped groups. Several
+  step together, in one pass over the chunks, at the step of the last of them: the usual manual
+  loop (every ``opt.step()``, then every ``opt.zero_grad()``) is exact, a ``zero_grad`` between
+  the steps is refused (client/optim/parts.py), so a loop of one backward and one step per
+  optimizer (a GAN's, with ``toggle_optimizer``) does not run. LBFGS and SparseAdam are
+  refused, with the reason;
 - the model Lightning calls is a thin module whose forward is the engine's, so
   ``training_step`` and ``validation_step`` run inside ``engine(...)`` (Lightning's forward
   redirection, as for DDP); the model is never wrapped in DDP: HybridPS reduce-scatters grads
@@ -50,6 +59,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hybridps import checkpoint as hybridps_checkpoint
+from hybridps.client.optim.registration import check_optimizer
 from hybridps.common.config import Config
 from hybridps.common.errors import ConfigError, StateError
 from hybridps.engine import initialize
@@ -162,7 +172,7 @@ def _hybridps_precision(plugin: Precision, config: Config) -> HybridPSPrecision:
             what = "autocast" if flag == "bf16-mixed" else "autocast and a GradScaler"
             raise ConfigError(
                 f"Trainer(precision={flag!r}) asks for {what} around the model, which would run "
-                f"beside HybridPS's own 16-bit chunks (fp32 master weights and Adam states, its own loss scaler): "
+                f"beside HybridPS's own 16-bit chunks (fp32 master weights and optimizer states, its own loss scaler): "
                 f"use Trainer(precision={instead!r}), which computes in {instead[:-5]} with fp32 masters, as "
                 f"{flag!r} would"
             )
@@ -213,7 +223,7 @@ class HybridPSStrategy(ParallelStrategy):
         self.restore_weights = restore_weights
         #: the engine of the running fit (None outside fit)
         self.engine = None
-        self._step_hook = None
+        #: ids of the optimizers stepped since the engine's last pass (several optimizers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -348,32 +358,28 @@ class HybridPSStrategy(ParallelStrategy):
             return
         self._refuse_unsupported(trainer)
         self.setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ConfigError(
-                f"configure_optimizers gave {len(self.optimizers)} optimizers: HybridPS steps one torch.optim.Adam or "
-                f"AdamW over the whole model; return one, with param groups for different settings"
-            )
-        (optimizer,) = self.optimizers
+        given = list(self.optimizers)  # one, or several under manual optimization (Lightning refuses more otherwise)
+        for optimizer in given:  # what HybridPS cannot step (LBFGS, SparseAdam...), named before anything moves
+            try:
+                check_optimizer(optimizer)
+            except ConfigError as exc:
+                raise type(exc)(f"{type(self.lightning_module).__name__}.configure_optimizers: {exc}") from exc
         config = self.config.replace(precision=PRECISIONS[self.precision_plugin.precision])
         if trainer.accumulate_grad_batches > 1 and config.grad_reuse:
             config = config.replace(grad_reuse=False)  # grads accumulate beside the params, not in their slots
-        self.engine = initialize(self.lightning_module, optimizer, config)
+        self.engine = initialize(self.lightning_module, given[0] if len(given) == 1 else given, config)
         self.precision_plugin.engine = self.engine
-        self.optimizers = [self.engine.optimizer]
+        # The optimizers given, as Lightning had them: each is a view of its engine optimizer
+        # (client/params/optimizer_view.py), so stepping it steps the engine, the schedulers built
+        # on it schedule what steps, and Lightning's LearningRateMonitor names them by their own
+        # classes; each pass over the chunks marks them stepped for the schedulers
+        # (ChunkedAdam.step), whichever object Lightning called.
+        self.optimizers = list(given)
         self.model = _EngineModule(self.engine)
-        if any(getattr(c.scheduler, "optimizer", None) is optimizer for c in self.lr_scheduler_configs):
-            # The schedulers keep the optimizer they were built on; its param-group dicts are the
-            # engine optimizer's, so they schedule what steps. torch warns on a scheduler's first
-            # step when its optimizer never stepped ("lr_scheduler.step() before optimizer.step()"),
-            # which here would be false: mark it stepped whenever the engine steps.
-            def stepped(*_: Any) -> None:
-                optimizer._opt_called = True
-
-            self._step_hook = self.engine.optimizer.register_step_post_hook(stepped)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.engine is not None and self.engine.client.groups is not None:
+        if self.engine is not None and self.engine.client.groups is not None and not self.engine.optimizer.several.waiting:
             # With several ranks a grad lives, reduced, on the rank owning its chunk only, and
             # reading p.grad raises; Lightning's on_validation_model_zero_grad reads every p.grad
             # (nn.Module.zero_grad) after a step. The step has used the grads: drop them now, as
@@ -393,9 +399,6 @@ class HybridPSStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         engine, self.engine = self.engine, None
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
         if engine is not None:
             self.precision_plugin.engine = None
             self.model = self.lightning_module
@@ -447,7 +450,7 @@ class HybridPSStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Resume from a directory this strategy wrote, on any number of ranks: the engine loads
-        weights, Adam states, loss scaler and step; Lightning gets its own state back. Outside
+        weights, optimizer states, loss scaler and step; Lightning gets its own state back. Outside
         fit the weights are read into the plain module."""
         checkpoint_path = self.broadcast(checkpoint_path)
         try:
@@ -492,7 +495,7 @@ class HybridPSStrategy(ParallelStrategy):
 # commit point of the save (checkpoint.py, [Note: crash safety]). So Lightning's part is
 # torch.save'd to bytes and stored there as base64: one commit point for both, every Python type
 # kept, and on load the same torch.load (with Lightning's weights_only) a plain Lightning
-# checkpoint file gets. It is a few KB: the weights and Adam states are the engine's shards.
+# checkpoint file gets. It is a few KB: the weights and optimizer states are the engine's shards.
 
 
 def _encode(state: dict[str, Any]) -> str:

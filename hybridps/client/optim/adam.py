@@ -220,6 +220,11 @@ class ChunkedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with self.several.as_marked():  # several optimizers: each with its settings at its step()
+            return self._step_pass(loss)
+
+    def _step_pass(self, loss):
+        """The pass of ``step_chunks`` over every chunk that holds grads."""
         try:
             self.worker.drain()
             if self.groups is not None:

@@ -16,7 +16,9 @@ optimizers of one engine step in one pass over the chunks, each param by its own
 (``engine.step()``, or ``engine.optimizer.step()``). Each optimizer's own ``step()`` (what a
 script calls, ``opt.step()`` for each, as in plain PyTorch) marks it; the pass runs at the
 call that marks the last one, so the usual loop - every optimizer's step, then every
-``zero_grad`` - trains exactly as in plain PyTorch. A ``zero_grad`` between the steps (some
+``zero_grad`` - trains exactly as in plain PyTorch. Each optimizer steps with the settings
+(lr ...) its groups held when its ``step()`` was called, as in plain PyTorch, where a scheduler
+stepped between two optimizers' steps changes the lr of the first one's next step only. A ``zero_grad`` between the steps (some
 optimizers marked, not all) would drop grads a marked optimizer has not stepped with yet: it
 is refused, naming the fix. A step that marks an optimizer twice before the pass is refused
 too (plain PyTorch would step its params twice with the same grads).
@@ -24,6 +26,8 @@ too (plain PyTorch would step its params twice with the same grads).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -136,9 +140,12 @@ class SeveralOptimizers:
 
     def __init__(self, chunked: Chunked, parts: list[OptimizerPart]):
         self.parts = parts
+        self.param_groups = chunked.param_groups
         #: the torch optimizer each one is; [] where there is one (the chunked optimizer is it)
         self.optimizers = [PartOptimizer(chunked, p, self) for p in parts] if len(parts) > 1 else []
         self._marked: list[OptimizerPart] = []
+        #: group index -> its settings when its optimizer's step() was called (the pass steps with them)
+        self._settings: dict[int, dict[str, Any]] = {}
 
     def mark(self, part: OptimizerPart) -> bool:
         """``part``'s step() was called; returns whether every optimizer is marked now (the
@@ -150,7 +157,28 @@ class SeveralOptimizers:
                 f"optimizer once per iteration"
             )
         self._marked.append(part)
+        for g in part.groups:
+            self._settings[g] = {k: v for k, v in self.param_groups[g].items() if k != "params"}
         return len(self._marked) == len(self.parts)
+
+    @contextlib.contextmanager
+    def as_marked(self) -> Iterator[None]:
+        """The pass over the chunks steps each optimizer with the settings its step() saw: a
+        scheduler stepped between two optimizers' steps (``muon.step(); sched.step();
+        adamw.step()``) changed the first one's lr after its step in plain PyTorch, so for the
+        pass its groups hold what they held then, and the new values after."""
+        changed: list[tuple[dict, dict[str, Any]]] = []
+        for g, then in self._settings.items():
+            group = self.param_groups[g]
+            now = {k: group[k] for k, v in then.items() if k in group and group[k] is not v}
+            if now:
+                group.update({k: then[k] for k in now})
+                changed.append((group, now))
+        try:
+            yield
+        finally:
+            for group, now in changed:
+                group.update(now)
 
     def refuse_partial(self, what: str) -> None:
         """``what`` between the steps of several optimizers would drop grads a marked one has
@@ -164,9 +192,16 @@ class SeveralOptimizers:
                 f"stepped with yet. Call step() on every optimizer (or engine.step()) before zero_grad()"
             )
 
+    @property
+    def waiting(self) -> bool:
+        """Whether some optimizers were stepped and the pass waits for the others (their
+        grads must stay until it runs)."""
+        return bool(self._marked)
+
     def clear(self) -> None:
         """The pass ran (or the iteration ended): no optimizer is marked."""
         self._marked.clear()
+        self._settings.clear()
 
 
 def param_groups_of(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:

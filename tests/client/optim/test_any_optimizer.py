@@ -401,3 +401,38 @@ def test_two_ranks_train_like_one_and_their_checkpoint_loads_on_one(tmp_path, ki
     engine.load_checkpoint(tmp_path / "two")
     assert sum(len(o.state_dict()["state"]) for o in engine.optimizers) == held_one
     engine.close()
+
+
+def test_a_scheduler_stepped_between_two_optimizers_steps_changes_only_later_steps_as_in_plain_pytorch():
+    """``muon.step(); muon_sched.step(); adamw.step()``: the pass over the chunks runs at
+    AdamW's step, yet Muon steps with the lr its own step() saw (parts.py)."""
+
+    def run(engine_or_none, model, optimizers):
+        scheds = [optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+        losses = []
+        for step in range(4):
+            x, y = tokens(step, 2, CFG.seq_len)
+            if engine_or_none is None:
+                for o in optimizers:
+                    o.zero_grad()
+                _, loss = model(x, y)
+                loss.backward()
+            else:
+                _, loss = engine_or_none(x, y)
+                engine_or_none.backward(loss)
+            for o, s in zip(optimizers, scheds, strict=True):
+                o.step()
+                s.step()  # between the two optimizers' steps
+            if engine_or_none is not None:
+                for o in optimizers:
+                    o.zero_grad()
+            losses.append(loss.item())
+        return losses, [o.param_groups[0]["lr"] for o in optimizers]
+
+    plain = _model()
+    want = run(None, plain, _muon_and_adamw(plain))
+    model = _model()
+    optimizers = _muon_and_adamw(model)
+    engine = hybridps.initialize(model, optimizers, hybridps.Config(devices={"cuda:0": CFG.n_params * 16}))
+    assert run(engine, model, optimizers) == want
+    engine.close()
