@@ -38,7 +38,7 @@ _PUBLIC = {
     "ProtocolError": "hybridps.common.errors",
     "RegistrationError": "hybridps.common.errors",
     "StateError": "hybridps.common.errors",
-    "meta_init": "hybridps.deferred_init",
+    "meta_init": "hybridps.client.deferred_init",
     "Engine": "hybridps.engine",
     "initialize": "hybridps.engine",
     "init_distributed": "hybridps.launch",

@@ -137,7 +137,8 @@ ROOT_MODULES = {
     "hybridps.client.client": set(WINGS) | {"prefetch", "remote"},
     "hybridps.client.prefetch": {"chunks", "memory", "sharding"},
     "hybridps.client.remote": set(),
-    "hybridps.client.assembly": set(WINGS) | {"client", "prefetch"},
+    "hybridps.client.assembly": set(WINGS) | {"client", "prefetch", "deferred_init"},
+    "hybridps.client.deferred_init": {"chunks", "client"},
     "hybridps.client": set(WINGS) | {"client", "assembly"},
 }
 

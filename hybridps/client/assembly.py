@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridps import deferred_init
+from hybridps.client import deferred_init
 from hybridps.client.client import Client
 from hybridps.client.memory.events import EventRecorder
 from hybridps.client.memory.tracer import MemoryTracer

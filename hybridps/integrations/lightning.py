@@ -340,7 +340,7 @@ class HybridPSStrategy(ParallelStrategy):
         moves them into chunks. ``empty_init=True`` builds them under ``hybridps.meta_init()``:
         nothing is allocated, and their own init is replayed into the chunks."""
         if empty_init:
-            from hybridps.deferred_init import meta_init
+            from hybridps.client.deferred_init import meta_init
 
             with meta_init():
                 yield
