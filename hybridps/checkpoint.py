@@ -157,7 +157,7 @@ def save_checkpoint(
     if groups is not None:
         groups.everyone.barrier(what="checkpoint directory")
     keys, buffers = _keys_by_param(engine)
-    weights, states, steps = _owned_tensors(client, engine.optimizer, keys, writes=writes)
+    weights, states, steps, values = _owned_tensors(client, engine.optimizer, keys, writes=writes)
     if rank == 0:
         for key, buf in buffers.items():
             weights[key] = buf.detach().to("cpu", copy=True).contiguous()
@@ -167,7 +167,7 @@ def save_checkpoint(
         save_file(weights, str(partial / model_file), metadata={"format": "pt"})
         _fs_step(f"write {_shard('optimizer', shard, world)}")
         save_file(states, str(partial / _shard("optimizer", shard, world)), metadata={"format": "pt"})
-    shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps)
+    shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps, values)
     everyone = groups.everyone.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
     if rank == 0:
         if world > 1:
@@ -185,13 +185,15 @@ def save_checkpoint(
 
 def _owned_tensors(
     client: Client, optimizer: ChunkedAdam, keys: dict[int, list[str]], *, writes: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int], dict[str, dict]]:
     """What this rank writes of the params it owns (nothing unless it ``writes``: the first
     replica of its shard place): the fp32 weights under each of their ``state_dict`` keys,
     Adam's two states of each param that has taken a step, and every owned param's step count."""
     weights: dict[str, torch.Tensor] = {}
     states: dict[str, torch.Tensor] = {}
     steps: dict[str, int] = {}
+    #: an optimizer's states that are not tensors (a Python step count): into hybridps.json
+    values: dict[str, dict] = {}
     for info in client.params:
         if not writes or not client.owns(info.chunk):
             continue
@@ -205,6 +207,14 @@ def _owned_tensors(
             for key, value in (optimizer.state_of(info) or {}).items():
                 if torch.is_tensor(value):
                     states[f"{info.name}.{key}"] = value.contiguous()
+                elif _jsonable(value):
+                    values.setdefault(info.name, {})[key] = value
+                else:
+                    raise ConfigError(
+                        f"optimizer state {key!r} of {info.describe()} is a {type(value).__name__}, which a checkpoint "
+                        f"cannot hold (tensors go to safetensors, numbers and strings to hybridps.json); keep it as a "
+                        f"tensor or a number in optimizer.state[p]"
+                    )
         elif step:
             for suffix, kind in MOMENT_SUFFIXES:
                 if client.store.compact_moments:  # the codes themselves: lossless ([Note: compact states saved])
@@ -213,7 +223,7 @@ def _owned_tensors(
                     states[f"{info.name}{suffix}{SCALES_SUFFIX}"] = scales
                 else:
                     states[f"{info.name}{suffix}"] = optimizer._read(kind, info).contiguous()
-    return weights, states, steps
+    return weights, states, steps, values
 
 
 def _meta(
@@ -222,15 +232,24 @@ def _meta(
     """The content of ``hybridps.json``, from every rank's ``(weight map, bytes, steps)`` in ``everyone``."""
     client = engine.client
     all_steps: dict[str, int] = {}
-    for _, _, st in everyone:
+    all_values: dict[str, dict] = {}
+    for _, _, st, values in everyone:
         all_steps.update(st)
+        all_values.update(values)
     return {
         "format": FORMAT_VERSION,
         "generation": generation,
         "world_size": world,
         "precision": client.config.precision,
         "optimizer_states": client.config.optimizer_states,
-        "params": {i.name: {"shape": list(i.shape), "step": all_steps.get(i.name, 0)} for i in client.params},
+        "params": {
+            i.name: {
+                "shape": list(i.shape),
+                "step": all_steps.get(i.name, 0),
+                **({"state_values": all_values[i.name]} if i.name in all_values else {}),
+            }
+            for i in client.params
+        },
         "param_groups": [
             {
                 **{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
@@ -250,7 +269,7 @@ def _write_index(partial: Path, everyone: list) -> None:
     holds each weight, from every rank's ``(weight map, bytes, steps)`` in ``everyone``."""
     weight_map: dict[str, str] = {}
     total = 0
-    for wmap, size, _ in everyone:
+    for wmap, size, _, _ in everyone:
         weight_map.update(wmap)
         total += size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -453,7 +472,8 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
             optimizer.steps[info.slot.index] = step
             part = optimizer.parts_by_param[info.slot.index]
             if part is not None and part.torch_step is not None:
-                _load_states(optimizer, part, info, by_param.get(info.name, {}), opt_keys, tensor)
+                saved_values = saved_params[info.name].get("state_values", {})
+                _load_states(optimizer, part, info, by_param.get(info.name, {}), saved_values, opt_keys, tensor)
             elif step:
                 for suffix, kind in MOMENT_SUFFIXES:
                     _load_moment(client, optimizer, kind, info, info.name + suffix, opt_keys, tensor)
@@ -473,12 +493,16 @@ def load_checkpoint(engine: EngineParts, path: str | os.PathLike, *, lr_schedule
     return meta.get("client_state")
 
 
-def _load_states(optimizer: ChunkedAdam, part: OptimizerPart, info, saved: dict[str, str], opt_keys: dict, tensor) -> None:
+def _load_states(
+    optimizer: ChunkedAdam, part: OptimizerPart, info, saved: dict[str, str], values: dict, opt_keys: dict, tensor
+) -> None:
     """An optimizer's states of one param, saved by torch's names (``<param>.<state>``;
-    ``saved``: state name -> key), as its own step keeps them (optim/torch_step.py); a param
-    without any starts afresh."""
+    ``saved``: state name -> key; ``values``: its states that are not tensors, from
+    hybridps.json), as its own step keeps them (optim/torch_step.py); a param without any
+    starts afresh."""
     assert part.torch_step is not None
     entry = {name: tensor(opt_keys[key], key) for name, key in saved.items()}
+    entry.update(values)
     part.torch_step.forget(info.slot.index)
     if entry:
         adam_state.write_entry(optimizer, info, entry, low_precision=False)

@@ -97,7 +97,7 @@ class AdamStateView(Mapping):
         groups = opt.groups
         if groups is not None and not groups.owns(info.chunk):
             raise StateError(
-                f"optimizer.state of {info.describe()}: its Adam states live on rank {groups.owner(info.chunk)} "
+                f"optimizer.state of {info.describe()}: its optimizer states live on rank {groups.owner(info.chunk)} "
                 f"(each rank keeps its own chunks). Read them there, or save every rank's with engine.save_checkpoint(dir)"
             )
         opt.worker.drain()
@@ -105,6 +105,8 @@ class AdamStateView(Mapping):
         if entry is None:
             raise KeyError(param)
         for key, value in entry.items():
+            if not torch.is_tensor(value):
+                continue  # a number an optimizer keeps (a copy already)
             copy = value.as_subclass(ReadOnlyState)
             copy._hybridps_what = f"optimizer.state[{info.name}][{key!r}]"
             entry[key] = copy

@@ -436,3 +436,38 @@ def test_a_scheduler_stepped_between_two_optimizers_steps_changes_only_later_ste
     engine = hybridps.initialize(model, optimizers, hybridps.Config(devices={"cuda:0": CFG.n_params * 16}))
     assert run(engine, model, optimizers) == want
     engine.close()
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """Keeps a Python int per param (its step count) that its update reads."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["t"] = state.get("t", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] / state["t"])
+
+
+def test_states_that_are_python_numbers_survive_a_checkpoint(tmp_path):
+    def engine_of(model):
+        return hybridps.initialize(model, CountingSGD(model.parameters()), hybridps.Config(devices={"cuda:0": CFG.n_params * 16}))
+
+    whole = engine_of(_model())
+    want = _train(whole, lambda loss: (whole.backward(loss), whole.step(), whole.zero_grad()), 6)
+    whole.close()
+    first = engine_of(_model())
+    assert _train(first, lambda loss: (first.backward(loss), first.step(), first.zero_grad()), 3) == want[:3]
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    again = engine_of(_model())
+    again.load_checkpoint(tmp_path / "ckpt")
+    assert again.optimizer.state[next(again.module.parameters())]["t"] == 3
+    assert _train(again, lambda loss: (again.backward(loss), again.step(), again.zero_grad()), 3, start=3) == want[3:]
+    again.close()
