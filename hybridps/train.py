@@ -27,8 +27,10 @@ if __name__ == "__main__":  # each torchrun rank: before torch ([Note: torch's N
 
 import torch  # noqa: E402
 
+from hybridps.client.optim import registration  # noqa: E402
 from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
 from hybridps.common.units import format_bytes, parse_bytes  # noqa: E402
+from hybridps.planner.optimizers import check_optimizer_states  # noqa: E402
 from hybridps.train_args import DESCRIPTION, add_arguments  # noqa: E402
 
 if TYPE_CHECKING:
@@ -110,14 +112,18 @@ def run(args: argparse.Namespace) -> dict:
     args.optimizer_states = args.optimizer_states or base.optimizer_states
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} ranks")
+    try:
+        check_optimizer_states(args.optimizer, args.optimizer_states)
+    except hybridps.ConfigError as exc:
+        raise SystemExit(f"--optimizer {args.optimizer}: {exc}") from None
     torch.manual_seed(args.seed)
     data = read_corpus(args.data, parse_bytes(args.data_bytes)) if args.data else stdlib_text(parse_bytes(args.data_bytes))
     micro = args.batch // world
     task = _build_task(args, data, micro)
     model = task.model
-    # the fused kernel: several times faster than torch's default for-loop kernel on the CPU
-    optimizer = torch.optim.AdamW(task.groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
-    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world)
+    optimizer = _optimizer(args, task)
+    rows = len(registration.state_kinds(optimizer))  # the optimizer's state rows, 4 B a param each in fp32
+    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows)
     config = base.replace(
         devices=devices,
         nvme_path=args.nvme_path or base.nvme_path,
@@ -222,11 +228,32 @@ def _build_task(args: argparse.Namespace, data: bytes, micro: int) -> _Task:
     )
 
 
-def _device_capacities(args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int) -> dict:
+def _optimizer(args: argparse.Namespace, task) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """``--optimizer`` over the task's param groups at ``--lr``: AdamW with the fused kernel
+    (several times faster than torch's default for-loop kernel on the CPU), another by its
+    name (planner/optimizers.py: the names ``hybridps plan`` takes), Muon for the 2-D params
+    with AdamW for the rest."""
+    from hybridps.planner.optimizers import OPTIMIZERS
+
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(task.groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    spec = OPTIMIZERS[args.optimizer]
+    cls = getattr(torch.optim, spec.cls)
+    kwargs = {**spec.kwargs, "lr": args.lr}
+    if args.optimizer != "muon":
+        return cls(task.groups, **kwargs)
+    params = [p for group in task.groups for p in group["params"]]
+    rest = [p for p in params if p.dim() != 2]
+    return [cls([p for p in params if p.dim() == 2], **kwargs), torch.optim.AdamW(rest, lr=args.lr, fused=True)]
+
+
+def _device_capacities(
+    args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int, rows: int
+) -> dict:
     """The ``Config.devices`` of the run: with no GPU visible a simulated GPU smaller than the
-    model data (``--gpu-capacity auto``) or of ``--gpu-capacity``; the config file's devices
-    unless ``--gpu-capacity`` is given."""
-    moments = 2 * 4 if args.optimizer_states != "int8" else 2 * compact_row_bytes(2**20) / 2**20
+    model data (``--gpu-capacity auto``; ``rows``: the optimizer's state rows) or of
+    ``--gpu-capacity``; the config file's devices unless ``--gpu-capacity`` is given."""
+    moments = rows * 4 if args.optimizer_states != "int8" else rows * compact_row_bytes(2**20) / 2**20
     per_param = (6 if args.precision != "fp32" else 8) + moments
     model_bytes = int(n_params * per_param) // world
     devices: dict = {}
@@ -323,6 +350,7 @@ def _summary(
         "model": str(args.model or args.model_config or "byte-level GPT") + (f" + LoRA r={args.lora}" if args.lora else ""),
         "ranks": world,
         "precision": args.precision,
+        "optimizer": args.optimizer,
         "optimizer_states": args.optimizer_states,
         "steps": args.steps,
         "first_loss": losses[0],

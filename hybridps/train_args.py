@@ -26,6 +26,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridps.planner.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES
+
 #: the help of ``hybridps train`` (this module's docstring)
 DESCRIPTION = __doc__
 
@@ -44,6 +46,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default=None, help="default: the --config file's, else fp32")
+    ap.add_argument(
+        "--optimizer",
+        choices=OPTIMIZER_NAMES,
+        default=DEFAULT_OPTIMIZER,
+        help="the optimizer, at --lr (the names hybridps plan --optimizer takes; muon: Muon for the 2-D params, AdamW "
+        "for the rest; default adamw, fused, betas 0.9/0.95)",
+    )
     ap.add_argument(
         "--optimizer-states",
         choices=["fp32", "int8"],

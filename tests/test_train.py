@@ -208,3 +208,29 @@ def test_hybridps_train_takes_int8_optimizer_states_and_writes_its_losses(tmp_pa
     assert summaries["int8"]["optimizer_states"] == "int8"
     per_param = {s: summaries[s]["model_data_bytes"] / summaries[s]["params"] for s in summaries}
     assert per_param["int8"] < 0.7 * per_param["fp32"], per_param
+
+
+@pytest.mark.slow
+def test_hybridps_train_takes_the_optimizers_hybridps_plan_names(tmp_path):
+    """``--optimizer muon`` (Muon for the matrices, AdamW for the rest) trains and says so;
+    ``--optimizer sgd`` holds less model data than AdamW; int8 states with SGD are refused
+    with the fix."""
+    args = ["--steps", "3", "--batch", "2", "--eval-every", "100", "--data-bytes", "256KiB", "--json", "--quiet"]
+    args += ["--layers", "2", "--d-model", "128", "--heads", "4", "--seq", "32"]
+    summaries = {}
+    for name in ("muon", "sgd"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybridps", "train", *args, "--optimizer", name], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries[name] = json.loads(proc.stdout)
+        assert summaries[name]["optimizer"] == name and summaries[name]["last_loss"] < summaries[name]["first_loss"] + 1
+    per_param = {n: s["model_data_bytes"] / s["params"] for n, s in summaries.items()}
+    assert per_param["sgd"] < per_param["muon"] and 7.9 < per_param["sgd"] < 8.5, per_param  # param + grad, fp32
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridps", "train", *args, "--optimizer", "sgd", "--optimizer-states", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode != 0 and "--optimizer-states fp32" in proc.stderr

@@ -82,7 +82,7 @@ def check_optimizer_states(name: str, optimizer_states: str) -> None:
         raise ConfigError(
             f"optimizer states {optimizer_states} (--optimizer-states, Config.optimizer_states) keep Adam's momentum and "
             f"variance as 8-bit rows, so they apply to {' and '.join(ADAM_KERNEL_OPTIMIZERS)} only; {name} keeps its "
-            f"own states in fp32 rows: plan it with --optimizer-states fp32 (or int8 states with --optimizer adamw)"
+            f"own states in fp32 rows: use --optimizer-states fp32 (or int8 states with --optimizer adamw)"
         )
 
 
