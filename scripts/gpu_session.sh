@@ -27,7 +27,7 @@ for line in open('$f'):
 case "${1:-a}" in
 a)
   timeout 100 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -3
-  timeout 200 python3 scripts/bench_overlap_step.py --device cuda:0 --d-model 2048 --heads 16 --layers 24 --seq 1024 --vocab 50304 --precision bf16 --capacity 1.0 --steps 4 --warmup 2 --batch 8 --clips no_clip --modes auto,auto_casts_on_gpu --deterministic --components > $OUT/overlap.json 2>> $OUT/log.txt
+  timeout 200 python3 -m benchmarks overlap_step --device cuda:0 --d-model 2048 --heads 16 --layers 24 --seq 1024 --vocab 50304 --precision bf16 --capacity 1.0 --steps 4 --warmup 2 --batch 8 --clips no_clip --modes auto,auto_casts_on_gpu --deterministic --components > $OUT/overlap.json 2>> $OUT/log.txt
   echo "rc $? overlap"
   python3 -c "
 import json; d=json.load(open('$OUT/overlap.json'))
@@ -35,7 +35,7 @@ print('components', d.get('components'))
 for c, modes in d['cases'].items():
     for m, r in modes.items(): print(c, m, {k: r.get(k) for k in ('iteration_s', 'step_s', 'exposed_optimizer_s', 'losses_equal_to_off', 'step_over_max')})
 "
-  timeout 90 python3 scripts/bench_init.py --layers 8 > $OUT/init.json 2>> $OUT/log.txt; echo "rc $? init"; cat $OUT/init.json
+  timeout 90 python3 -m benchmarks init --layers 8 > $OUT/init.json 2>> $OUT/log.txt; echo "rc $? init"; cat $OUT/init.json
   ;;
 largest)
   # the plan for each node (hybridps plan --layers 240 --hidden 2048 --heads 16 --batch 8 --checkpoint
@@ -64,7 +64,7 @@ peers)
   done
   ;;
 register)
-  timeout 100 python3 scripts/bench_host_register.py --sizes-mib 32,96,192,768 --reps 6 > $OUT/register.json 2>> $OUT/log.txt
+  timeout 100 python3 -m benchmarks host_register --sizes-mib 32,96,192,768 --reps 6 > $OUT/register.json 2>> $OUT/log.txt
   echo "rc $? register"; cat $OUT/register.json
   ;;
 tokens)

@@ -7,7 +7,7 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
 1. ``env``:        device, driver-visible memory, host memory and cores, versions.
 2. ``tests``:      ``pytest -m gpu`` (real copy streams, the pinned host arena, parity).
 3. ``bandwidth``:  pinned host<->device raw copies against HybridPS chunk moves
-                   (``scripts/bench_move.py``).
+                   (``python -m benchmarks move``).
 4. ``plan``:       ``hybridps plan`` for this node: the largest GPT of the chosen width for
                    HybridPS and, from their published rules, DeepSpeed ZeRO-Offload/ZeRO-3.
 5. ``largest``:    trains the planned largest HybridPS model for real (stepping down when it
@@ -18,7 +18,7 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
                    accumulation, ``--accum`` in the worker), a model that fits the GPU against
                    the same model with the GPU capped at half its model data.
 7. ``overlap``:    an offloaded step against its parts alone (compute, link, CPU Adam;
-                   ``scripts/bench_overlap_step.py --components``), overlap off and early
+                   ``python -m benchmarks overlap_step --components``), overlap off and early
                    steps on the step worker, deterministic kernels.
 8. ``peers``:      at one size (``--ds-layers``, else the largest ZeRO-Offload trained in
                    ``largest``), HybridPS against each of DeepSpeed's offload modes:
@@ -325,7 +325,7 @@ def _worker(args) -> dict:
     arena = _arena_stats(engine) if args.system == "hybridps" else None
     if arena and arena_after_warmup:
         # host arena segments mapped and page-locked, and let go, during the timed steps
-        # (scripts/bench_host_churn.py counts the same in the planner's simulation)
+        # (python -m benchmarks host_churn counts the same in the planner's simulation)
         out["hybridps_arena_timed_steps"] = {k: arena[k] - arena_after_warmup[k] for k in ("grown", "released", "lends")} | {
             "held_bytes": arena["held_bytes"],
             "pinned_bytes": arena["pinned_bytes"],
@@ -418,7 +418,7 @@ def phase_tests(clock: Clock, env: dict) -> dict:
 
 def phase_bandwidth(clock: Clock, env: dict, chunk_mib: int) -> dict:
     r = _run(
-        [sys.executable, "scripts/bench_move.py", "--chunk-mib", str(chunk_mib), "--rounds", "20"],
+        [sys.executable, "-m", "benchmarks", "move", "--chunk-mib", str(chunk_mib), "--rounds", "20"],
         min(120.0, clock.left_s() - 5),
         env,
     )
@@ -665,13 +665,13 @@ def phase_tokens(clock: Clock, env: dict, args, largest: dict) -> dict:
 
 
 def phase_overlap(clock: Clock, env: dict, args) -> dict:
-    """An offloaded step against its parts alone (``scripts/bench_overlap_step.py
+    """An offloaded step against its parts alone (``python -m benchmarks overlap_step
     --components``): a GPT of ``--tokens-layers`` (default 24) layers of ``--hidden``, every
     optimizer row on the CPU, the GPU's budget the size of the model data; overlap off and
     early steps on the step worker, deterministic kernels so that their losses compare bit
     for bit. A step that hides the CPU optimizer approaches the longest part, not their sum."""
     command = [
-        sys.executable, "scripts/bench_overlap_step.py", "--device", "cuda:0",
+        sys.executable, "-m", "benchmarks", "overlap_step", "--device", "cuda:0",
         "--d-model", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.tokens_layers or 24),
         "--seq", str(args.seq_len), "--vocab", str(args.vocab), "--batch", str(args.batch),
         "--precision", args.precision, "--capacity", "1.0", "--clips", "no_clip",
@@ -707,7 +707,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--overlap-modes",
         default="off_again,on_step_worker",
-        help="the overlap phase's modes besides off (scripts/bench_overlap_step.py MODES)",
+        help="the overlap phase's modes besides off (benchmarks/overlap_step.py MODES)",
     )
     ap.add_argument("--budget-s", type=float, default=570.0, help="the whole run's time limit (default 570)")
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="one training run's time limit")

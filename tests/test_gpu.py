@@ -284,24 +284,6 @@ def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
     assert down == [], "no param chunk came down for its step"
 
 
-def test_host_register_benchmark_pins_and_unpins_a_segment():
-    """scripts/bench_host_register.py on a real GPU: a segment is mapped, page-locked, copied
-    from and let go, each phase timed (positive, no bounds: never a timed assertion)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "scripts" / "bench_host_register.py"), "--sizes-mib", "4", "--reps", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(proc.stdout)["sizes"]
-    assert row["bytes"] == 4 * 2**20
-    for key in ("map_touch_s", "register_s", "unregister_s", "unmap_s", "pinned_h2d_s", "pageable_h2d_s"):
-        assert row[key] > 0, key
-
-
 def test_int8_states_train_on_a_real_gpu_with_rows_on_both_devices_near_the_exact_run():
     """Compact (int8) optimizer states with tidal placement: the warm-up steps on the CPU (the
     native kernel), after it optimizer rows move to the GPU and step there (torch ops); the

@@ -188,7 +188,7 @@ def test_the_largest_model_search_agrees_with_real_runs_at_the_boundary():
 
 @pytest.mark.slow
 def test_a_50b_parameter_gpt_plans_without_allocating_model_memory():
-    # how long it takes is in docs/BENCHMARKS.md ("How long planning takes"), not asserted
+    # how long it takes is in docs/benchmarks/2026-11-21-capacity-planning.md ("How long planning takes"), not asserted
     shape = GPTShape(n_layer=62, d_model=8192, n_head=64, vocab_size=50304, seq_len=2048, batch_size=1, checkpoint=True)
     assert 50e9 < shape.n_params < 51e9
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -63,7 +63,7 @@ def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     [Note: page-aligned payloads]
     The disk tier reads and writes a block with ``O_DIRECT`` only where the buffer's address is
     a multiple of 4096 (memory/scratch_file.py); torch's allocator gives 64-byte alignment, and
-    such buffers go through the page cache at 0.3-0.5x the disk's speed (scripts/bench_nvme.py).
+    such buffers go through the page cache at 0.3-0.5x the disk's speed (``python -m benchmarks nvme``).
     With a disk tier the mover makes new host payloads here: one page more, and a view that
     starts on a page boundary; the view is the storage's only user, as a plain buffer is, so
     the pool takes it back alike."""

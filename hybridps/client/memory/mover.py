@@ -424,8 +424,8 @@ class ChunkMover:
     def _free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
         """The chunks on ``device`` that are not in ``protect``, not in COMPUTE (``Chunk.state``)
         and not under a collective (``Chunk.in_flight``), read from the chunks' fields: this
-        scans every chunk on the device for each eviction (docs/BENCHMARKS.md, "The eviction
-        scan")."""
+        scans every chunk on the device for each eviction (docs/benchmarks/2026-11-27-largest-model-h200.md,
+        "The eviction scan at the largest model")."""
         compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
         return [
             c

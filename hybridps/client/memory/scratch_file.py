@@ -20,7 +20,7 @@ through a second descriptor opened with ``O_DIRECT`` where the file system takes
 before Linux 6.6 refuses it): no copy, and no page cache filling the host memory the tier is
 there to relieve. The rest (a payload's tail, a buffer off a page boundary, the headers) is
 buffered. The checksums (``zlib.crc32``, off the GIL too, 1-4 GB/s a core) run on the same
-threads. Measured with ``scripts/bench_nvme.py`` on a 2-core VM (ext4 on a virtio disk, 1 GiB
+threads. Measured with ``python -m benchmarks nvme`` on a 2-core VM (ext4 on a virtio disk, 1 GiB
 in 64 MiB chunks): page-aligned buffers (O_DIRECT) on 8 threads (the default) wrote at
 1.02-1.12x and read at 0.95-1.07x a raw sequential ``write``/``read`` of the same bytes; on 4
 threads 0.70-1.38x and 0.67-1.16x (more requests in flight keep the disk busier); torch's own

@@ -31,8 +31,8 @@ call per param group (the fused Adam directly, with step tensors made once per s
 and device, instead of torch's functional wrapper with a new tensor per run), and the
 write-back copy, none of it looping over params (fp32, the fused kernel, two param groups:
 3 Python calls and about 9 native ones per chunk, against about 100 and 60 before). The loops (which params, which runs, the kernels' arguments) run on the
-calling thread before the chunk is handed over, and ``scripts/bench_gil.py`` measures what
-is left (docs/BENCHMARKS.md, "The GIL beside backward").
+calling thread before the chunk is handed over, and ``python -m benchmarks gil`` measures what
+is left (docs/benchmarks/2026-11-25-gil.md).
 
 [Note: the kernels' tails]
 Elementwise CPU kernels (the fused Adam, and the ops of the for-loop and foreach ones) run a

@@ -48,7 +48,7 @@ expected size"), which can post nothing: the survivors name it as dead, with tha
 ``check_order`` finds different digests, rank 0 posts its collectives since the last check
 that passed (at most ``history_len``), every rank posts the first of its own that differs,
 and the error names the first collective where ranks differ. Store requests per collective:
-``scripts/bench_watchdog.py``.
+``python -m benchmarks watchdog``.
 
 [Note: dead peers]
 The timeout (``collective_timeout_s``, minutes) is far too long to notice a dead rank, and

@@ -1,0 +1,261 @@
+"""Every benchmark (``python -m benchmarks NAME``) runs at its smallest: its ``main(argv)``
+called in this process (no interpreter and torch start per benchmark), the JSON it prints
+parses, equals what it returns and starts with the harness's keys. Shapes and signs only,
+never times. Where a benchmark had a test of its own, its checks are here (``CHECKS``)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmarks
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: a tiny GPT for the benchmarks that take the shape flags
+TINY = ["--d-model", "64", "--layers", "1", "--heads", "2", "--seq", "8", "--vocab", "64", "--batch", "1"]
+
+#: benchmark -> the smallest arguments that exercise it
+SMOKE: dict[str, list[str]] = {
+    "adam": ["--params", "64K", "--rounds", "1"],
+    "compact_adam": ["--elements", "64K", "--repeats", "1"],
+    "compact_quality": [
+        "--plain", "--steps", "2", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+        "--precision", "fp32", "--data", str(ROOT / "README.md"),
+    ],
+    "compile": [*TINY, "--steps", "1", "--warmup", "0"],
+    "daemon_start": ["--runs", "1"],
+    "dist": [*TINY, "--systems", "hybridps", "--worlds", "1", "--repeat", "1", "--steps", "1", "--warmup", "0", "--threads", "1"],
+    "eviction": [*TINY, "--steps", "1", "--warmup", "1", "--activation-room", "262144"],
+    "gil": [*TINY, "--steps", "1", "--warmup", "1", "--idle-s", "0.02"],
+    "host_churn": [
+        "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq-len", "64", "--batch", "2",
+        "--gpu-bytes", "40e6", "--cpu-bytes", "4e9", "--margin-bytes", "0", "--iterations", "3", "--precision", "bf16",
+        "--time-calls",
+    ],
+    "host_register": ["--sizes-mib", "4", "--reps", "2"],
+    "init": ["--layers", "1", "--hidden", "64", "--heads", "2", "--vocab", "256"],
+    "manager": ["--requests", "50", "--clients", "2", "--per-client", "20", "--warmup", "10"],
+    "manager_calls": [*TINY, "--steps", "1", "--warmup", "1"],
+    "memory": ["--cases", "hybridps:fp32", "--d-model", "256", "320", "--layers", "2", "--steps", "1"],
+    "move": ["--chunk-mib", "1", "--rounds", "2"],
+    "nvme": [
+        "--chunk-bytes", "1MiB", "--chunks", "2", "--threads", "2", "--block-bytes", "1MiB", "--reps", "1",
+        "--layers", "1", "--d-model", "64", "--seq", "8", "--batch", "1", "--steps", "1", "--warmup", "1",
+    ],
+    "optimizers": ["--optimizers", "sgd,adamw", "--d-model", "64", "--layers", "2", "--batch", "2", "--steps", "2", "--warmup", "1"],
+    "overhead": [*TINY, "--steps", "1", "--warmup", "1"],
+    "overlap_step": [*TINY, "--steps", "1", "--warmup", "1", "--modes", "off,on_step_worker", "--clips", "no_clip"],
+    "plan_speed": ["--rates", "h100", "--shapes", "0", "--steps", "1", "--warmup", "1", "--vocab", "256"],
+    "scale": ["--worlds", "64,512", "--steps", "1", "--warmup", "1"],
+    "transfers": [*TINY, "--steps", "1", "--warmup", "1"],
+    "watchdog": ["--worlds", "8", "--gloo-worlds", "", "--iterations", "2", "--overhead-calls", "10"],
+}  # fmt: skip
+
+#: benchmarks that cannot run in about 2 s at their smallest, and why
+SLOW = {
+    "compile": "torch.compile's first compile of two models on the CPU (inductor), about 30 s",
+    "dist": "a process spawned per rank, which imports torch and hybridps",
+    "memory": "two processes (one a model size), RSS being per process",
+    "watchdog": "a process per fake world and a 2 s window of heartbeats",
+}
+
+#: benchmarks that measure a GPU alone (without one, ``main`` reports ``skipped``): in the gpu tier
+GPU_ONLY = {"host_register"}
+
+HEADER_KEYS = {"benchmark", "revision", "date", "command", "machine"}
+MACHINE_KEYS = {"platform", "cpu", "cpus", "threads", "python", "torch", "gpu"}
+
+
+@pytest.fixture
+def restore_process_state():
+    """What a benchmark may change in this process, put back after it."""
+    threads, interval, env, cwd = torch.get_num_threads(), sys.getswitchinterval(), dict(os.environ), os.getcwd()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(interval)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def test_every_benchmark_has_a_smoke_case_and_a_description():
+    assert sorted(SMOKE) == benchmarks.names()
+    for name in benchmarks.names():
+        assert benchmarks.description(name), name
+
+
+def _marks(name: str) -> list:
+    return [pytest.mark.slow] * (name in SLOW) + [pytest.mark.gpu] * (name in GPU_ONLY)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in sorted(SMOKE)])
+def test_benchmark_smoke(name, capsys, tmp_path, restore_process_state):
+    os.chdir(tmp_path)  # what a benchmark leaves in its working directory stays in tmp_path
+    module = importlib.import_module(f"benchmarks.{name}")
+    out = module.main(SMOKE[name])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(out))
+    assert HEADER_KEYS <= set(out), set(out)
+    assert out["benchmark"] == name
+    assert out["command"].startswith(f"python -m benchmarks {name}")
+    assert MACHINE_KEYS <= set(out["machine"]), out["machine"]
+    assert out["revision"] is None or len(out["revision"]) >= 7
+    CHECKS.get(name, lambda out: None)(out)
+
+
+# -- checks of what particular benchmarks report ----------------------------------------------
+
+
+def _check_optimizers(out: dict) -> None:
+    """Per optimizer asked for, both cases' medians and ratio, positive, and the bit-equality flag."""
+    case_keys = {
+        "capacity_fraction", "capacity_bytes", "plain_step_ms", "hybridps_step_ms", "ratio", "plain_params_per_s",
+        "hybridps_params_per_s", "moves_per_step", "moved_bytes_per_step", "bit_equal", "max_loss_diff", "max_param_diff",
+    }  # fmt: skip
+    assert set(out["optimizers"]) == {"sgd", "adamw"}
+    for name, entry in out["optimizers"].items():
+        assert entry["optimizer"] == {"sgd": "torch.optim.SGD", "adamw": "torch.optim.AdamW"}[name]
+        assert entry["params"] == 2 * (64 * 64 + 64) and entry["bias"] is True
+        assert isinstance(entry["hyper_parameters"], dict) and entry["hyper_parameters"]["lr"] > 0
+        for case in ("fits", "tight"):
+            result = entry[case]
+            assert "error" not in result, (name, case, result)
+            assert set(result) == case_keys
+            assert result["plain_step_ms"] > 0 and result["hybridps_step_ms"] > 0 and result["ratio"] > 0
+            assert result["plain_params_per_s"] > 0 and result["hybridps_params_per_s"] > 0
+            assert isinstance(result["bit_equal"], bool)
+        assert entry["fits"]["capacity_bytes"] > entry["tight"]["capacity_bytes"]
+
+
+def _check_host_churn(out: dict) -> None:
+    """Every chunk's payload counted once in the bytes by kind and device; the optimizer rows
+    placed after the warm-up on record."""
+    rows = out["optimizer_rows"]
+    assert rows is not None and rows["moved_bytes"] <= max(rows["room_bytes"], 0)
+    n_params = out["model"]["n_params"]
+    for it in out["iterations"]:
+        by_kind: dict[str, int] = {}
+        for key, nbytes in it["resident_after"].items():
+            kind, device = key.split(" ")
+            assert device in ("cpu", "cuda:0"), key
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
+        # bf16 params (2 B) and fp32 master, momentum, variance (4 B each), padded to whole chunks
+        assert set(by_kind) == {"param", "master", "momentum", "variance"}, by_kind
+        assert by_kind["master"] == by_kind["momentum"] == by_kind["variance"] == 2 * by_kind["param"]
+        assert 2 * n_params <= by_kind["param"] <= 1.1 * 2 * n_params
+        # the GPU's budget (40 MB) holds under a third of the 16 B a param: the rest is on the CPU
+        on_gpu = sum(n for key, n in it["resident_after"].items() if key.endswith("cuda:0"))
+        assert on_gpu <= 40e6 < sum(it["resident_after"].values())
+        # --time-calls: every eviction chose its victim among the chunks the scan found
+        assert set(it["python_s"]) == set(it["calls"]) <= {"evictable", "victim", "prefetch_victims"}
+        assert it["calls"].get("evictable", 0) >= (1 if it["evictions"] else 0)
+
+
+def _check_host_register(out: dict) -> None:
+    """A segment is mapped, page-locked, copied from and let go, each phase timed (positive,
+    no bounds)."""
+    (row,) = out["sizes"]
+    assert row["bytes"] == 4 * 2**20
+    for key in ("map_touch_s", "register_s", "unregister_s", "unmap_s", "pinned_h2d_s", "pageable_h2d_s"):
+        assert row[key] > 0, key
+
+
+def _check_scale(out: dict) -> None:
+    """What HybridPS does per step does not grow with the world under hybrid sharding: rank 0
+    of a fake world of 64 and of 512 ranks issues the same collectives and manager calls and
+    receives the same bytes; one shard group over the world grows with it."""
+    rows = {(r["layout"], r["world"]): r for r in out["results"]}
+    small, large = rows[("node", 64)], rows[("node", 512)]
+    for key in (
+        "collectives_per_step",
+        "manager_calls_per_step",
+        "gathered_bytes_per_group",
+        "chunks",
+        "store_requests_per_step",
+    ):
+        assert small[key] == large[key], (key, small[key], large[key])
+    assert small["store_requests_per_step"] == 0
+    assert small["replicas"] == 8 and large["replicas"] == 64 and small["shard_size"] == large["shard_size"] == 8
+    a, b = small["bytes_per_rank_per_step"]["total"], large["bytes_per_rank_per_step"]["total"]
+    assert abs(a - b) <= 0.01 * b, (a, b)  # only the ring's (R-1)/R moves
+    # one shard group over the world: chunk groups W chunks wide, work that grows with W
+    world = rows[("world", 512)]
+    assert world["gathered_bytes_per_group"] > 30 * large["gathered_bytes_per_group"]
+    assert world["manager_calls_per_step"] > 20 * large["manager_calls_per_step"]
+
+
+def _check_transfers(out: dict) -> None:
+    assert out["losses_equal"] is True
+    assert importlib.import_module("benchmarks.transfers").exit_code(out) == 0
+
+
+CHECKS = {
+    "optimizers": _check_optimizers,
+    "host_churn": _check_host_churn,
+    "host_register": _check_host_register,
+    "scale": _check_scale,
+    "transfers": _check_transfers,
+}
+
+
+# -- the harness and the command ---------------------------------------------------------------
+
+
+def test_alternation_times_each_piece_past_the_warmup_and_gives_medians_and_their_ratio():
+    calls = []
+
+    def baseline(i):
+        calls.append(("baseline", i))
+
+    def candidate(i):
+        calls.append(("candidate", i))
+
+    timer = harness.alternate(baseline, candidate, repeats=3, warmup=2, names=("plain", "hybridps"))
+    assert calls == [(who, i) for i in range(5) for who in ("baseline", "candidate")]
+    assert [len(s) for s in timer.samples.values()] == [3, 3]
+    report = timer.report()
+    assert set(report) == {"plain_median_s", "hybridps_median_s", "repeats", "ratio"} and report["repeats"] == 3
+    assert timer.ratio("hybridps", "plain") == pytest.approx(timer.median("hybridps") / timer.median("plain"))
+
+
+def test_shape_flags_and_counts():
+    ap = harness.parser("x", None)
+    harness.add_shape_flags(ap, helps={"batch": "global batch"}, d_model=64, layers=2, heads=4, seq=8, vocab=32, batch=2)
+    args = ap.parse_args(["--layers", "3"])
+    cfg = harness.gpt_config(args)
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len, cfg.vocab_size) == (3, 64, 4, 8, 32)
+    with pytest.raises(ValueError):
+        harness.add_shape_flags(ap, width=3)
+    assert [harness.parse_count(t) for t in ("4096", "64K", "16M", "1.5G")] == [4096, 64 << 10, 16 << 20, 3 << 29]
+
+
+def test_python_m_benchmarks_lists_every_benchmark_and_refuses_an_unknown_name(capsys):
+    from benchmarks.__main__ import main
+
+    assert main([]) == 0
+    listing = capsys.readouterr().out
+    for name in benchmarks.names():
+        assert f"  {name} " in listing and benchmarks.description(name) in listing
+    assert main(["no_such_benchmark"]) == 2
+
+
+def test_the_benchmarks_package_is_not_installed_with_hybridps():
+    import setuptools
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    find = re.search(r"\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*?)\]", pyproject)
+    assert find is not None, "pyproject.toml names the packages it installs"
+    include = [name.strip().strip('"') for name in find.group(1).split(",")]
+    packages = setuptools.find_packages(where=str(ROOT), include=include)
+    assert "hybridps" in packages and not any(p.split(".")[0] == "benchmarks" for p in packages)
