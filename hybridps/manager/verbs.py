@@ -11,22 +11,14 @@ directly, since one chunk operation releases and books on several devices at onc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 
 
 class BookingVerbs:
-    """``add`` and ``remove`` over a connection's ``update``."""
+    """``add`` and ``remove`` over a connection's ``update`` (the class mixing this in has it:
+    ``ManagerConnection.update`` in embedded.py)."""
 
-    def update(
-        self,
-        *,
-        release: Mapping[str, int] | None = None,
-        book: Mapping[str, int] | None = None,
-        place_bytes: int = 0,
-        refer_device: str = "cpu",
-        exclude: Sequence[str] = (),
-    ) -> str | None:
-        raise NotImplementedError
+    update: Callable[..., str | None]
 
     def add(self, device: str, size: int) -> None:
         """Book ``size`` bytes on ``device`` for this client (refused with a
