@@ -31,7 +31,8 @@ SMOKE: dict[str, list[str]] = {
         "--plain", "--steps", "2", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
         "--precision", "fp32", "--data", str(ROOT / "README.md"),
     ],
-    "compile": [*TINY, "--steps", "1", "--warmup", "0"],
+    # test_compile.py's GPT shape, so the two share the compiled blocks (inductor's cache): one cold compile, not two
+    "compile": ["--d-model", "64", "--layers", "1", "--heads", "4", "--seq", "32", "--vocab", "64", "--batch", "2", "--steps", "1", "--warmup", "0"],
     "daemon_start": ["--runs", "1"],
     "dist": [*TINY, "--systems", "hybridps", "--worlds", "1", "--repeat", "1", "--steps", "1", "--warmup", "0", "--threads", "1"],
     "eviction": [*TINY, "--steps", "1", "--warmup", "1", "--activation-room", "262144"],

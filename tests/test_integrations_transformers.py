@@ -159,15 +159,15 @@ def test_an_unfused_adamw_is_run_with_the_kernel_trainer_asked_for(tmp_path):
     assert logged(ours) == logged(plain)
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop", "adafactor"])
+@pytest.mark.parametrize("optim", ["sgd", "adafactor"])
 def test_other_optimizers_trainer_builds_train_as_with_plain_trainer(tmp_path, optim):
-    """``--optim sgd|adagrad|rmsprop`` (torch's) and ``adafactor`` (transformers' own, an
+    """``--optim sgd`` (torch's; adagrad and rmsprop go the same way, each checked over chunk
+    rows in tests/client/optim/test_any_optimizer.py) and ``adafactor`` (transformers' own, an
     optimizer from outside torch) step over chunk rows with their own step: bit-equal."""
     plain = trainer("plain", str(tmp_path / "a"), optim=optim)
     plain.train()
     ours = trainer("hybridps", str(tmp_path / "b"), optim=optim)
     ours.train()
-    assert type(ours.engine.optimizers[0]).__name__ == type(plain.optimizer.optimizer).__name__ or optim
     assert logged(ours) == logged(plain)
 
 
