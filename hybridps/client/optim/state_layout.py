@@ -62,18 +62,6 @@ class StateLayout:
         """The row kinds, in ``STATE_KINDS`` order."""
         return tuple(k for k in STATE_KINDS if k in self.rows.values())
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Every state name, rows first."""
-        return (*self.rows, *self.side)
-
-    def key_of(self, kind: ChunkKind) -> str:
-        return next(k for k, v in self.rows.items() if v is kind)
-
-    def row_bytes_per_param(self) -> int:
-        """Bytes a param's row states take (fp32 each)."""
-        return 4 * len(self.rows)
-
 
 #: Adam and AdamW as the chunked Adam keeps them (adam.py): two rows, the step count beside
 ADAM_LAYOUT = StateLayout(rows={"exp_avg": ChunkKind.MOMENTUM, "exp_avg_sq": ChunkKind.VARIANCE}, side=("step",))
