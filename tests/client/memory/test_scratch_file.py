@@ -443,7 +443,7 @@ def test_a_read_past_its_timeout_is_a_disk_error_naming_what_it_waited_for_and_i
         _write(sf, 0, buf)
         monkeypatch.setattr(os, "preadv", slow)
         ticket = sf.read(0, torch.empty_like(buf), WHAT)
-        with caplog.at_level(logging.WARNING, logger="hybridps.client.memory.scratch_file"):
+        with caplog.at_level(logging.WARNING, logger="hybridps.client.memory.io_queue"):
             with pytest.raises(DiskError, match=f"waiting for a read of {WHAT}") as slow_disk:
                 ticket.synchronize()
         _names_file_what_and_bytes(str(slow_disk.value), sf, BLOCK)
