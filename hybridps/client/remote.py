@@ -1,11 +1,13 @@
 """The node daemon's client stub: a ``ManagerConnection`` over zmq.
 
-Owns one client's conversation with its node's ``hybridps-manager``: registering, the
-request path (timeouts, bounded retries on a fresh socket: the "lazy pirate" pattern), the
-background heartbeat that keeps the lease, and riding out a daemon restart (see
-[Note: restarts]). The mover cannot tell it from the embedded manager.
+Owns one client's conversation with its node's ``hybridps-manager``: opening it (the
+socket file's owner, the daemon's devices), registering, the requests and what their replies
+mean, the holdings by its own count, riding out a daemon restart (see [Note: restarts]) and
+closing it (see [Note: exit hook]). The mover cannot tell it from the embedded manager.
 
-Does not own the wire format (common/protocol.py) or framing (common/transport.py).
+Does not own the socket and one request's round trip (timeouts, bounded retries on a fresh
+socket: request_line.py), the thread that keeps the lease (lease_heartbeat.py), the wire
+format (common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
 The stub keeps its own holdings per device: what its successful updates booked minus what
@@ -36,7 +38,6 @@ A process killed by a signal still relies on the lease.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
 import secrets
@@ -45,8 +46,8 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
-import zmq
-
+from hybridps.client.lease_heartbeat import LeaseHeartbeat
+from hybridps.client.request_line import RequestLine
 from hybridps.common import protocol as p
 from hybridps.common import transport
 from hybridps.common.devices import DeviceInventory, canonical_device_name
@@ -68,8 +69,6 @@ DEFAULT_REQUEST_TIMEOUT_S = 1.0
 #: downtime (a restart) before the caller gets a ManagerError.
 DEFAULT_RETRIES = 10
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
-#: Heartbeats per lease: one lost heartbeat never costs the lease.
-HEARTBEATS_PER_LEASE = 3
 #: How many times one request may find its registration lost before giving up.
 _MAX_RECOVERIES = 3
 #: Between two tries of a booking the restarted daemon answered ``recovering``.
@@ -163,17 +162,12 @@ class RemoteConnection(BookingVerbs):
         self.recoveries = 0
         self._token = token
         self._holdings: dict[str, int] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # serializes the socket and the holdings
-        self._context = zmq.Context()
-        self._socket: zmq.Socket | None = None
-        self._rcvtimeo_ms = -1  # the socket's receive timeout now (-1: blocking, zmq's default)
+        self._lock = threading.Lock()  # serializes the line and the holdings
+        self._line = RequestLine(endpoint)
         self._instance_id = ""
         #: Set while the daemon refuses to book our holdings again (see [Note: restarts]).
         self._lost: CapacityError | None = None
-        self._last_contact_s = 0.0
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._heartbeat = LeaseHeartbeat(self)
         self._closed = False
         self._pid = os.getpid()
 
@@ -183,7 +177,7 @@ class RemoteConnection(BookingVerbs):
         """Ping the daemon, check it manages our devices, register, start heartbeats."""
         _check_socket_file(self.endpoint)
         with self._lock:
-            reply = self._roundtrip(p.Ping(request_id=next(self._ids), token=self._token), connect_timeout_s, 0)
+            reply = self._roundtrip(p.Ping(request_id=self._line.next_id(), token=self._token), connect_timeout_s, 0)
             if reply is None:
                 raise ManagerError(_no_daemon_message(self.endpoint, f" within {connect_timeout_s:g} s"), code="no_daemon")
             _raise_for(reply)
@@ -191,7 +185,6 @@ class RemoteConnection(BookingVerbs):
             self._check_devices(inventory, reply.devices)
             self._register_locked()
         _OPEN.add(self)
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"hybridps-heartbeat-{self.client_id}", daemon=True)
         self._heartbeat.start()
 
     def close(self, *, unregister: bool = True) -> None:
@@ -199,13 +192,11 @@ class RemoteConnection(BookingVerbs):
         if self._closed:
             return
         _OPEN.discard(self)
-        self._stop.set()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=self.request_timeout_s * 4)
+        self._heartbeat.stop(join_s=self.request_timeout_s * 4)
         with self._lock:
             try:
                 if unregister and self._instance_id:
-                    request = p.Unregister(request_id=next(self._ids), token=self._token, client_id=self.client_id)
+                    request = p.Unregister(request_id=self._line.next_id(), token=self._token, client_id=self.client_id)
                     # A gone daemon must not make close() wait out every retry.
                     reply = self._roundtrip(request, min(self.request_timeout_s, 1.0), 1)
                     if reply is None:
@@ -214,8 +205,7 @@ class RemoteConnection(BookingVerbs):
                         logger.warning("unregister of %s refused: %s", self.client_id, reply.message)  # type: ignore[attr-defined]
             finally:
                 self._closed = True
-                self._close_socket()
-                self._context.term()
+                self._line.close()
 
     def __enter__(self) -> RemoteConnection:
         return self
@@ -324,7 +314,7 @@ class RemoteConnection(BookingVerbs):
         )
 
     def _send_locked(self, build: Callable[[int], p.Request], retries: int | None = None) -> p.Reply:
-        request = build(next(self._ids))
+        request = build(self._line.next_id())
         retries = self.retries if retries is None else retries
         reply = self._roundtrip(request, self.request_timeout_s, retries)
         if reply is None:
@@ -390,92 +380,31 @@ class RemoteConnection(BookingVerbs):
         self.lease_s = reply.lease_s
 
     def _roundtrip(self, request: p.Request, timeout_s: float, retries: int) -> p.Reply | None:
-        """One request, up to ``retries`` more tries on a fresh socket; None if all time out.
-
-        Every try sends the same request id, so the daemon applies a retried update only
-        once (service.py, [Note: retries]).
-        """
-        frames = [transport.DELIMITER, p.encode_request(request)]
-        for attempt in range(retries + 1):
-            sock = self._connected_socket()
-            sock.send_multipart(frames, copy=True)
-            deadline_s = time.monotonic() + timeout_s
-            wait_ms = max(1, int(timeout_s * 1000))
-            while wait_ms > 0:
-                if wait_ms != self._rcvtimeo_ms:
-                    # A receive with a timeout is one call; poll-then-receive would be two.
-                    sock.setsockopt(zmq.RCVTIMEO, wait_ms)
-                    self._rcvtimeo_ms = wait_ms
-                try:
-                    reply = transport.recv_reply(sock)
-                except zmq.Again:
-                    break
-                except ProtocolError as exc:
-                    if isinstance(exc, p.BadMessage) and exc.request_id == request.request_id:
-                        # The answer to this request, unreadable: waiting and retrying would
-                        # only hide it behind "no manager answered".
-                        raise ProtocolError(
-                            f"the reply of the manager at {self.endpoint} to {request.OP} is malformed: {exc}. Run the "
-                            f"daemon and the clients from the same hybridps installation",
-                            exc.code,
-                        ) from None
-                    logger.warning("ignoring a malformed reply from %s: %s", self.endpoint, exc)
-                    reply = None
-                if reply is not None and reply.request_id == request.request_id:
-                    self._last_contact_s = time.monotonic()
-                    return reply
-                # A malformed reply, or the late answer to a try that had timed out: wait on.
-                wait_ms = int((deadline_s - time.monotonic()) * 1000)
-            # Lazy pirate: the socket may hold a dead connection; only a fresh one is sure to
-            # reach a restarted daemon.
-            self._close_socket()
-            if attempt < retries:
-                logger.info(
-                    "no reply from %s to %s in %.2f s; retrying (%d/%d)",
-                    self.endpoint,
-                    request.OP,
-                    timeout_s,
-                    attempt + 1,
-                    retries,
-                )
-        return None
-
-    def _connected_socket(self) -> zmq.Socket:
-        if self._socket is None:
-            self._socket = transport.dealer(self._context, self.endpoint)
-            self._rcvtimeo_ms = -1
-        return self._socket
-
-    def _close_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        """``request`` on the line: None if every try timed out (request_line.py)."""
+        return self._line.roundtrip(request, timeout_s, retries)
 
     # -- heartbeat -------------------------------------------------------------------------
 
-    def _heartbeat_loop(self) -> None:
-        while True:
-            interval_s = max(self.lease_s / HEARTBEATS_PER_LEASE, 0.01)
-            # Any request keeps the lease, so heartbeat only once the line was quiet for an
-            # interval; the floor keeps a failing daemon from making this loop spin.
-            quiet_s = time.monotonic() - self._last_contact_s
-            if self._stop.wait(max(interval_s - quiet_s, interval_s / 10)):
-                return
-            try:
-                with self._lock:
-                    if self._closed:
-                        return
-                    if time.monotonic() - self._last_contact_s < interval_s * 0.9:
-                        continue
-                    # No retries: the next heartbeat is the retry, and the lock is not held
-                    # for long while the daemon is away (close() waits for this thread).
-                    reply = self._request_locked(
-                        lambda i: p.Heartbeat(request_id=i, token=self._token, client_id=self.client_id), retries=0
-                    )
-                if not reply.ok:
-                    logger.warning("heartbeat of %s refused: %s", self.client_id, reply.message)  # type: ignore[attr-defined]
-            except Exception as exc:  # keep beating: the daemon may be back on the next try
-                logger.warning("heartbeat of %s to %s failed: %s", self.client_id, self.endpoint, exc)
+    def last_contact_s(self) -> float:
+        """Monotonic time of the daemon's last reply."""
+        return self._line.last_contact_s
+
+    def beat(self, quiet_for_s: float) -> bool:
+        """Send a heartbeat unless a reply came within ``quiet_for_s`` (any request keeps
+        the lease); False once closed. Called by the heartbeat thread."""
+        with self._lock:
+            if self._closed:
+                return False
+            if time.monotonic() - self._line.last_contact_s < quiet_for_s:
+                return True
+            # No retries: the next heartbeat is the retry, and the lock is not held for long
+            # while the daemon is away (close() waits for the heartbeat thread).
+            reply = self._request_locked(
+                lambda i: p.Heartbeat(request_id=i, token=self._token, client_id=self.client_id), retries=0
+            )
+        if not reply.ok:
+            logger.warning("heartbeat of %s refused: %s", self.client_id, reply.message)  # type: ignore[attr-defined]
+        return True
 
     def _check_devices(self, inventory: DeviceInventory | None, managed: Sequence[str]) -> None:
         """Name every device this client lists that the daemon lacks, with the flags to add."""

@@ -130,8 +130,7 @@ def test_a_client_whose_lease_expired_registers_again_and_re_reports_on_its_next
     with connect_remote(daemon.endpoint, info()) as conn:
         conn.update(book={"cpu": 300})
         conn.update(book={"cuda:0": 400})
-        conn._stop.set()  # silence the heartbeat, as if this process had been stopped
-        conn._heartbeat.join(timeout=5)
+        conn._heartbeat.stop(join_s=5)  # silence the heartbeat, as if this process had been stopped
         wait_for(lambda: usage_of(daemon.endpoint, conn.client_id) is None, 5 * LEASE_S, what="the lease expiring")
         conn.update(book={"cpu": 5})
         assert conn.recoveries == 1
@@ -145,7 +144,7 @@ def test_a_request_to_a_daemon_that_died_fails_after_its_retries_naming_the_endp
     conn = connect_remote(d.endpoint, info(("cpu",)), request_timeout_s=0.1, retries=2)
     try:
         d.kill()
-        with caplog.at_level(logging.INFO, logger="hybridps.client.remote"):
+        with caplog.at_level(logging.INFO, logger="hybridps.client.request_line"):
             with pytest.raises(ManagerError, match=f"no hybridps-manager answered at {d.endpoint} to update after 0.3 s"):
                 conn.update(book={"cpu": 1})
         assert [m for m in caplog.messages if "to update in 0.10 s; retrying" in m] == [

@@ -308,7 +308,7 @@ def test_a_heartbeat_thread_and_a_waiting_booking_share_the_stub(daemons):
     ghost = ClientInfo(rank=1, local_rank=1, pid=os.getpid(), host="testhost", devices=("cpu", "cuda:0"))
     conn = connect_remote(first.endpoint, info, request_timeout_s=0.3, retries=40)
     away = connect_remote(first.endpoint, ghost, request_timeout_s=0.3, retries=0)
-    away._stop.set()  # never heartbeats again: the second daemon waits the whole window for it
+    away._heartbeat.stop()  # never heartbeats again: the second daemon waits the whole window for it
     try:
         conn.update(book={"cuda:0": MIB})
         first.kill()
