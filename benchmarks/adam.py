@@ -17,6 +17,7 @@ from torch import nn
 import hybridps
 from benchmarks import harness
 from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.optim.loss_scaler import LossScaler
 
 NAME = "adam"
 
@@ -64,9 +65,8 @@ def bench(precision: str, n_params: int, rounds: int, grad_reuse: bool = True) -
     config = hybridps.Config(devices={"cpu": "16GiB"}, precision=precision, grad_reuse=grad_reuse)
     client = hybridps.Client(config)
     client.register_module(model)
-    opt = client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
-    if precision == "fp16":
-        opt.scaler = hybridps.client.optim.loss_scaler.LossScaler(scale=1024.0)
+    scaler = LossScaler(scale=1024.0) if precision == "fp16" else None
+    opt = client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), scaler=scaler)
 
     grads = {info.slot.index: torch.randn(info.shape, dtype=client.param_dtype) * 1e-3 for info in client.params}
 

@@ -229,7 +229,7 @@ def make_engine(args, cfg: GPTConfig, *, overlap_step: bool) -> hybridps.Engine:
         overlap_step=overlap_step,
     )
     engine = hybridps.initialize(model, adamw(model), config)
-    engine.optimizer.cpu_steps_beside_backward = overlap_step  # as on a real GPU
+    engine.optimizer.iteration.early.cpu_steps_beside_backward = overlap_step  # as on a real GPU
     return engine
 
 

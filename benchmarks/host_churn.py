@@ -22,6 +22,7 @@ import torch
 
 import hybridps
 from benchmarks import harness
+from hybridps.client.memory.activity import MoveCallback
 from hybridps.planner import GPTShape
 from hybridps.planner.attention import meta_attention_as_flash
 
@@ -83,7 +84,7 @@ def run(args) -> dict:
         if arena is not None and arena.owns(chunk.payload):
             into_arena[f"{src}->{dst}"] += chunk.nbytes
 
-    mover.watch_moves(on_move)
+    MoveCallback(mover.activity, on_move)
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     if args.time_calls:  # the Python of choosing victims, per iteration

@@ -19,7 +19,9 @@ import torch
 from benchmarks import harness
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.memory.arena import CudaHostRegistrar, HostArena
+from hybridps.client.memory.host_buffers import HostBuffers
 from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.pool import PayloadPool
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager.embedded import EmbeddedManager
@@ -44,7 +46,7 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
     # the client's arena (Config.pinned_bytes: a quarter of the CPU), pinned on a real GPU
     registrar = CudaHostRegistrar() if not gpu_spec.simulated else None
     arena = HostArena(inventory.cpu.capacity_bytes // 4, registrar=registrar)
-    manager = ChunkMover(inventory, conn, pool_bytes=8 * chunk_mib * 2**20, arena=arena)
+    manager = ChunkMover(inventory, HostBuffers(conn, inventory, pool=PayloadPool(8 * chunk_mib * 2**20), arena=arena))
     numel = chunk_mib * 2**20 // 4
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:
@@ -66,7 +68,7 @@ def bench(capacity_bytes: int, simulate: bool | str, chunk_mib: int, rounds: int
 
     src = chunks[0].payload
     dst = torch.empty(numel, dtype=torch.float32, device=gpu_spec.torch_device)
-    back = torch.empty(numel, dtype=torch.float32, pin_memory=manager.pin_host)
+    back = torch.empty(numel, dtype=torch.float32, pin_memory=manager.copies.copy_stream is not None)
 
     def raw_round_trip():
         for _ in range(2):

@@ -115,9 +115,9 @@ def run_modes(args, *, clip: float | None, case: str = "") -> dict:
             casts_on_gpu=mode.get("casts_on_gpu", False),
         )
         engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), config)
-        engine.optimizer.cpu_steps_beside_backward = mode["worker"]
+        engine.optimizer.iteration.early.cpu_steps_beside_backward = mode["worker"]
         if mode.get("beside_forward") is False:
-            engine.optimizer._steps_beside_forward = lambda: False
+            engine.optimizer.iteration.steps_beside_forward = lambda: False
         if mode.get("sync_copies"):
             mover = engine.optimizer.mover
             take = mover.take
@@ -157,8 +157,8 @@ def run_modes(args, *, clip: float | None, case: str = "") -> dict:
             if real_gpu and len(starts[name]) > 1  # simulated: the modes take turns each step
             else None,
             "worker_tasks": optim.worker.submitted,
-            "speculated": optim.speculation.speculated,
-            "rolled_back": optim.speculation.rolled_back,
+            "speculated": optim.iteration.early.speculation.speculated,
+            "rolled_back": optim.iteration.early.speculation.rolled_back,
             "worker_wait_s_per_step": round(optim.worker.wait_s / (args.warmup + args.steps), 4),
         }
         engine.close()

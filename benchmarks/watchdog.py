@@ -110,11 +110,12 @@ def _fake(world: int, iterations: int, overhead_calls: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hybridps.client.sharding.collectives import Collectives
+    from hybridps.client.sharding.watchdog import RankRecord
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         store = CountingStore()
-        comm = Collectives(rank=0, world_size=world, store=store, prefix="bench", heartbeat_period_s=HEARTBEAT_PERIOD_S)
+        comm = Collectives(RankRecord(store, rank=0, world_size=world, prefix="bench", heartbeat_period_s=HEARTBEAT_PERIOD_S))
         construction = {conn: _by_connection(store.counts, conn) for conn in ("main", "watch")}
         store.counts.clear()
         mine = torch.ones(256)
@@ -171,9 +172,10 @@ def _gloo_rank(rank: int, world: int, port: int, iterations: int, outdir: str) -
     from torch.distributed.distributed_c10d import _get_default_store
 
     from hybridps.client.sharding.collectives import Collectives
+    from hybridps.client.sharding.watchdog import RankRecord
 
     store = CountingStore(_get_default_store())
-    comm = Collectives(rank=rank, world_size=world, store=store, prefix="bench", heartbeat_period_s=HEARTBEAT_PERIOD_S)
+    comm = Collectives(RankRecord(store, rank=rank, world_size=world, prefix="bench", heartbeat_period_s=HEARTBEAT_PERIOD_S))
     mine = torch.ones(16384)
     outs = [torch.empty(16384) for _ in range(world)]
     comm.barrier(what="start")

@@ -7,8 +7,8 @@ first call of the path that does its full work is run under ``sys.setprofile`` a
 distinct ``hybridps/**.py`` file a Python frame of it enters is recorded. ``bring`` is the
 first ``ChunkMover.bring`` of an evicted chunk (its payload on another device) that evicts
 to make room, ``bring_all`` the union over every bring of one iteration, ``step_chunk`` the
-first ``ChunkedAdam._step_chunk``, ``step_chunk_all`` the union over one step, ``reduce``
-the first ``ChunkGroups.reduce`` of rank 0 of two ranks run as threads over torch's
+first ``ChunkStep.step`` (optim/chunk_step.py), ``step_chunk_all`` the union over one step, ``reduce``
+the first ``GroupReductions.reduce`` of rank 0 of two ranks run as threads over torch's
 threaded process group (as tests/client/sharding/test_groups_unit.py does).
 
     python scripts/hot_path_files.py            # JSON on stdout
@@ -108,7 +108,7 @@ def bring_and_step() -> dict[str, set[str]]:
             )
 
         _wrap(mover, "bring", evicted_and_full, bring, bring_all)
-        _wrap(engine.optimizer, "_step_chunk", lambda *a, **k: True, step_chunk, step_all)
+        _wrap(engine.optimizer.iteration.chunk_step, "step", lambda *a, **k: True, step_chunk, step_all)
         _iteration(engine, 2, cfg)
         assert bring.files and step_chunk.files, "the tiny model moved no chunk or stepped none"
         return {
@@ -122,7 +122,7 @@ def bring_and_step() -> dict[str, set[str]]:
 
 
 def reduction() -> set[str]:
-    """``ChunkGroups.reduce`` on rank 0 of two threads of a threaded process group."""
+    """``GroupReductions.reduce`` on rank 0 of two threads of a threaded process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup,
@@ -152,7 +152,7 @@ def reduction() -> set[str]:
             client.register_module(model)
             client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-2))
             if rank == 0:
-                _wrap(client.groups, "reduce", lambda g: True, recorder)
+                _wrap(client.groups.reductions, "reduce", lambda g: True, recorder)
             for _ in range(2):
                 client.begin_forward()
                 for p in model:

@@ -75,7 +75,7 @@ def test_training_on_a_real_gpu_at_30_percent_capacity_matches_plain_pytorch():
     engine = hybridps.initialize(
         model, adamw_groups(model, lr=1e-3, fused=True), hybridps.Config(devices={"cuda:0": capacity}, simulate=False)
     )
-    assert not engine.client.compute.simulated and engine.client.mover.copy_stream is not None
+    assert not engine.client.compute.simulated and engine.client.mover.copies.copy_stream is not None
     for step in range(12):
         x, y = tokens(step)
         _, loss = engine(x, y)
@@ -161,7 +161,9 @@ def test_gpu_memory_held_before_initialize_is_not_counted_against_the_capacity()
 def test_pinned_chunk_moves_reuse_the_arenas_slots():
     from hybridps.client.chunks.chunk import Chunk
     from hybridps.client.memory.arena import CudaHostRegistrar, HostArena, segment_bytes
+    from hybridps.client.memory.host_buffers import HostBuffers
     from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.pool import PayloadPool
     from hybridps.common.devices import DeviceInventory
     from hybridps.common.protocol import ClientInfo
     from hybridps.manager.embedded import EmbeddedManager
@@ -169,7 +171,7 @@ def test_pinned_chunk_moves_reuse_the_arenas_slots():
     inventory = DeviceInventory.build({"cuda:0": 2**30}, simulate=False)
     conn = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
     arena = HostArena(2**30, registrar=CudaHostRegistrar())
-    manager = ChunkMover(inventory, conn, pool_bytes=8 * 2**22, arena=arena)
+    manager = ChunkMover(inventory, HostBuffers(conn, inventory, pool=PayloadPool(8 * 2**22), arena=arena))
     numel = 2**20 + 3 * 2**10  # 4.01 MiB chunks: PyTorch's pinned allocator would take 8 MiB each
     chunks = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(2)]
     for c in chunks:
@@ -257,12 +259,14 @@ def test_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu():
     kernels, and no param chunk comes down for its step after the first backward."""
 
     from hybridps.client.chunks.chunk import ChunkKind
+    from hybridps.client.memory.activity import MoveCallback
 
     def run(casts):
         engine = _rows_on_the_cpu(0.6, precision="bf16", casts_on_gpu=casts)
         down = []
-        engine.client.mover.watch_moves(
-            lambda chunk, src, dst, s, e: down.append(chunk.index) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None
+        MoveCallback(
+            engine.client.mover.activity,
+            lambda chunk, src, dst, s, e: down.append(chunk.index) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None,
         )
         losses = []
         try:

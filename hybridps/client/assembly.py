@@ -88,7 +88,7 @@ def build(
     optimizers = registration.optimizers_of(optimizer)  # checked before the model moves
     client = client or Client(config)
     record = deferred_init.record_of(model)  # a model built under hybridps.meta_init()
-    events = EventRecorder(client.mover, client.inventory, rank=client.rank)
+    events = EventRecorder(client.mover.activity, client.mover.tally, client.inventory, rank=client.rank)
     try:
         device = client.compute.torch_device
         for buf in model.buffers():
@@ -99,7 +99,7 @@ def build(
             optimizer,
             scaler=loss_scaler(config),
             step_driver=step_driver,
-            step_listeners=[events.on_step],
+            step_listeners=[client.mover.activity.stepped],  # the event recorder hears them there
             zero_grad_listeners=[on_zero_grad],
         )
         unset_params = deferred_init.give_values(record, client, model)

@@ -29,7 +29,9 @@ from torch import nn
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ChunkStore, ParamInfo
+from hybridps.client.memory.activity import ChunkActivity
 from hybridps.client.memory.arena import HostRegistrar, host_arena
+from hybridps.client.memory.host_buffers import HostBuffers
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.optimizer_rows import OptimizerRows
@@ -42,6 +44,7 @@ from hybridps.client.params.grads import Grads, set_has_grad
 from hybridps.client.params.managed import ManagedTensors
 from hybridps.client.params.placeholder import ParamGuard
 from hybridps.client.params.registry import ParamRegistry, placeholders
+from hybridps.client.params.running_forward import RunningForward
 from hybridps.client.params.values import Values
 from hybridps.client.sharding.build_groups import build_groups
 from hybridps.client.sharding.groups import ChunkGroups
@@ -135,7 +138,7 @@ class Client:
                 process_group=process_group,
             )
         #: what ops on released params mean (placeholder.py)
-        self.guard = ParamGuard(self)
+        self.guard = ParamGuard(self, RunningForward())
         self._params_side()
         self._closed = False
 
@@ -170,15 +173,20 @@ class Client:
             disk=self.inventory.disk is not None,
             trace=self.trace if self.config.eviction in ("opt", "auto") else None,
         )
-        return ChunkMover(
-            self.inventory,
+        # the host memory the mover borrows payloads from, and the booking of each chunk operation
+        host = HostBuffers(
             self.connection,
-            margin_bytes=self.config.margin,
-            link=self.link,
-            placement=self.placement,
-            trace=self.trace,
+            self.inventory,
             arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
             arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if self.config.casts_on_gpu else ())),
+        )
+        return ChunkMover(
+            self.inventory,
+            host,
+            placement=self.placement,
+            trace=self.trace,
+            activity=ChunkActivity(),  # before the mover: its listeners join it later (activity.py)
+            link=self.link,
             scratch=self.scratch,
             host_sharers=self._ranks_on_node() if self.config.manager is not None else 1,
         )
@@ -365,9 +373,16 @@ class Client:
             self.groups.end_forward()
 
     def end_backward(self) -> None:
-        """Backward returned: reduce what is left and agree across ranks on which params have grads."""
+        """Backward returned: reduce what is left, step early what that made final
+        (Config.overlap_step) and agree across ranks on which params have grads."""
         self.pending.end_backward()
         if self.groups is not None:
+            self.groups.finish_backward()
+            early_step = self.early_step
+            if early_step is not None:
+                for index in self.groups.take_ready():
+                    if early_step(index):
+                        self.groups.note_early_step(index)
             landed = self.groups.end_backward()
             if self.optimizer is not None:
                 self.optimizer.grads_landed(landed)

@@ -138,9 +138,13 @@ class DeviceSpec:
     #: where capacity_bytes came from: "config", "host available memory", "cgroup v2 <dir>",
     #: "torch.cuda.mem_get_info" (not part of equality)
     capacity_source: str = dataclasses.field(default="config", compare=False)
+    #: a GPU ("cuda:N", "cuda:local"), from the name: a field, not a property, since every chunk placement
+    #: and budget reads it
+    is_gpu: bool = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", canonical_device_name(self.name))
+        object.__setattr__(self, "is_gpu", self.name not in ("cpu", NVME))
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
             raise ConfigError(f"device {self.name}: capacity_bytes={self.capacity_bytes!r} must be a non-negative int")
         if self.simulated and self.name in ("cpu", NVME):
@@ -153,10 +157,6 @@ class DeviceSpec:
     @property
     def index(self) -> int | None:
         return int(self.name.split(":")[1]) if self.type == "cuda" else None
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.type == "cuda"
 
     @property
     def is_disk(self) -> bool:

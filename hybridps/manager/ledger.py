@@ -176,7 +176,9 @@ class Ledger:
             for name, size in bookings.items():
                 free[name] -= size
             chosen = self._devices[
-                policy.schedule(place_bytes, refer, free, self.reachable(client_id), exclude=_canonical_all(exclude))
+                policy.schedule(
+                    place_bytes, refer, free, self.reachable(client_id), exclude=_canonical_all(exclude, self._devices)
+                )
             ]
         for name, size in releases.items():
             self._devices[name].used_bytes -= size
@@ -247,10 +249,14 @@ class Ledger:
         }
 
 
-def _canonical_all(names: Sequence[str]) -> tuple[str, ...]:
-    # An unknown name in an exclude list cannot be chosen anyway; keep it as given.
+def _canonical_all(names: Sequence[str], known: Mapping[str, object]) -> tuple[str, ...]:
+    # A name the ledger keeps is canonical already (the common case: the mover sends them);
+    # an unknown name in an exclude list cannot be chosen anyway, so it stays as given.
     out = []
     for name in names:
+        if isinstance(name, str) and name in known:
+            out.append(name)
+            continue
         try:
             out.append(canonical_device_name(name))
         except (HybridPSError, ValueError, TypeError):

@@ -26,7 +26,7 @@ GPU between them (tight GPUs ran out of room for that).
 [Note: uniform chunks]
 Chunks of one size are what the rest of the system is best at: a chunk group of equal
 chunks is gathered and reduced with one collective (mixed ones take one per member,
-sharding/groups.py), and a freed payload or arena slot serves any other chunk. So sizes that
+sharding/gathers.py and reductions.py), and a freed payload or arena slot serves any other chunk. So sizes that
 hold every tensor the bound lets a chunk hold (only larger tensors get chunks of their
 own) are preferred while the least padding among them is within
 ``UNIFORM_PADDING_FRACTION`` of the model: GPT blocks up to d_model 4096 (1-2.3%), every

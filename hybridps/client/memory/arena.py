@@ -6,7 +6,7 @@ size per segment, a free list per size), each slot's ``SlotState``, and the aren
 counts (held, lent, pinned, peak). The arena's cap is the client's (``Config.pinned_bytes``).
 
 Does not own which chunks get a slot, nor how the arena's bytes are booked with the node
-manager: the mover does both (memory/mover.py, [Note: the arena's booking]).
+manager: the host buffers do both (memory/host_buffers.py, [Note: the arena's booking]).
 
 [Note: why an arena]
 Asynchronous host<->GPU copies need page-locked host memory. PyTorch's pinned allocator
@@ -21,7 +21,7 @@ the chunk size is chosen for padding alone and every pinned byte is a booked byt
 [Note: pinned memory]
 Page-locked host memory makes host<->GPU copies asynchronous and fast, but the OS cannot
 page it out: too much of it starves the host. So only the chunks that cross to the GPU every
-iteration (params and grads on the CPU, the mover's ``_in_arena``) take arena slots, up to
+iteration (params and grads on the CPU, the host buffers' ``_in_arena``) take arena slots, up to
 the arena's cap; the rest is pageable.
 
 [Note: arena growth]

@@ -2,9 +2,13 @@
 
 Owns two bounded logs: timed events (chunk accesses, moves with their copy time, evictions,
 optimizer steps per chunk, module moments) and a memory history (per moment: chunk bytes
-and non-model bytes per device). Listens to the mover, the tracer and the
-optimizer; writes nothing unless asked. Recording costs a clock read and an append per
-event, so it is on only while ``enabled``.
+and non-model bytes per device). Hears the chunk activity (the mover's brings and moves, the
+optimizer's steps, memory/activity.py) and the tracer's moments; writes nothing unless asked.
+Recording costs a clock read and an append per event, so it is on only while ``enabled``;
+while it is off the mover and the optimizer do not call it (its switches, [Note: a listener
+hears by its own state] in memory/activity.py).
+
+Does not own the chunk bytes it samples (the mover's tally) or the moments (the tracer).
 """
 
 from __future__ import annotations
@@ -16,65 +20,64 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from hybridps.client.memory.activity import ChunkActivity, ChunkListener
+
 if TYPE_CHECKING:
     from hybridps.client.chunks.chunk import Chunk
-    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.memory.mover import ChunkTally
     from hybridps.common.devices import DeviceInventory
 
 
-class EventRecorder:
+class EventRecorder(ChunkListener):
     """Timed chunk events and a per-moment memory history of one client."""
 
     def __init__(
         self,
-        mover: ChunkMover,
+        activity: ChunkActivity,
+        tally: ChunkTally,
         inventory: DeviceInventory,
         *,
         rank: int,
         max_events: int = 1_000_000,
         max_moments: int = 200_000,
     ):
-        self.mover = mover
+        #: the chunk bytes on each device, sampled at every moment (the mover's tally)
+        self.tally = tally
         self.inventory = inventory
         self.rank = rank
-        self._enabled = False
         self.events: collections.deque = collections.deque(maxlen=max_events)
         self.history: collections.deque = collections.deque(maxlen=max_moments)
         self._t0 = time.perf_counter_ns()
         self._moment = 0
         self._step_started: dict[int, int] = {}
+        self.enabled = False
+        activity.join(self)
 
     @property
     def enabled(self) -> bool:
-        return self._enabled
+        return self.hears_moves
 
     @enabled.setter
     def enabled(self, on: bool) -> None:
-        """Listen to the mover only while recording: its hot path stays bare."""
-        self.mover.watch_accesses(self._on_access, on)
-        self.mover.watch_moves(self._on_move, on)
-        self._enabled = on
+        """Hear the chunk activity only while recording: nothing calls this recorder while it is off."""
+        self.hears_accesses = self.hears_moves = self.hears_steps = on
 
     def _now_us(self) -> float:
         return (time.perf_counter_ns() - self._t0) / 1000.0
 
-    # -- listeners -------------------------------------------------------------------------
+    # -- what it hears while recording -----------------------------------------------------
 
-    def _on_access(self, chunk: Chunk, device: str) -> None:
-        if self.enabled:
-            self.events.append(("access", self._now_us(), 0.0, chunk.kind.value, chunk.index, device))
+    def accessed(self, chunk: Chunk, device: str) -> None:
+        self.events.append(("access", self._now_us(), 0.0, chunk.kind.value, chunk.index, device))
 
-    def _on_move(self, chunk: Chunk, src: str, dst: str, seconds: float = 0.0, evicted: bool = False) -> None:
-        if self.enabled:
-            end = self._now_us()
-            dur = seconds * 1e6
-            self.events.append(
-                ("evict" if evicted else "move", end - dur, dur, chunk.kind.value, chunk.index, f"{src}->{dst}", chunk.nbytes)
-            )
+    def moved(self, chunk: Chunk, src: str, dst: str, seconds: float = 0.0, evicted: bool = False) -> None:
+        end = self._now_us()
+        dur = seconds * 1e6
+        self.events.append(
+            ("evict" if evicted else "move", end - dur, dur, chunk.kind.value, chunk.index, f"{src}->{dst}", chunk.nbytes)
+        )
 
-    def on_step(self, phase: str, index: int) -> None:
-        if not self.enabled:
-            return
+    def stepped(self, phase: str, index: int) -> None:
         now = self._now_us()
         if phase == "start":
             self._step_started[index] = now
@@ -86,7 +89,7 @@ class EventRecorder:
         if not self.enabled:
             return
         self._moment += 1
-        used = dict(self.mover.used_bytes)
+        used = dict(self.tally.used_bytes)
         self.history.append((self._moment, str(label), used, non_model_bytes))
         self.events.append(("moment", self._now_us(), 0.0, "moment", self._moment, str(label)))
 

@@ -1,26 +1,25 @@
 """The figures of one client's chunks by device, gathered for what the mover reports.
 
-Owns: reading the mover's tables (the chunks resident on each device, their bytes now and at
-their peak) into the figures a report needs: which chunks cannot leave a full device and what
-holds them (no room), which must stay beside growing activations (out of memory), one line per
-device (the memory report), the per-device statistics (``device_stats``) and the mover's
-statistics (``stats``: the tables, what it counted as it moved, ``MoveCounts``, its pool,
-simulated link and host arena).
+Owns: reading the mover's tally (the chunks resident on each device, their bytes now and at
+their peak, what it counted as it moved, ``MoveCounts``) into the figures a report needs:
+which chunks cannot leave a full device and what holds them (no room), which must stay beside
+growing activations (out of memory), one line per device (the memory report), the per-device
+statistics (``device_stats``) and the mover's statistics (``stats``: the tally, the host
+buffers' pool and arena, the simulated link).
 
-Does not own: the tables and counts (the mover writes them as chunks move, and this reads the
-same objects),
-the wording (memory/reports.py), the non-model bytes (the trace, through the mover's
-``reserve_bytes``), the host buffers' booking (the mover's), or when to raise (the mover).
-Nothing here runs while a chunk is brought, only when a report is asked for or an error is
-explained.
+Does not own: the tally (the mover keeps it as chunks move, memory/mover.py ``ChunkTally``,
+and this reads the same object), the wording (memory/reports.py), the non-model bytes (the
+trace it is given, memory/trace.py), the host buffers' booking (memory/host_buffers.py), or
+when to raise (the mover). Nothing here runs while a chunk is brought, only when a report is
+asked for or an error is explained.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol
 
 from hybridps.client.chunks.chunk import Chunk
 from hybridps.client.chunks.states import ChunkState
@@ -28,14 +27,14 @@ from hybridps.client.memory import reports
 from hybridps.common.devices import DeviceInventory
 
 if TYPE_CHECKING:
-    from hybridps.client.memory.arena import HostArena
-    from hybridps.client.memory.pool import PayloadPool
+    from hybridps.client.memory.host_buffers import HostBuffers
     from hybridps.client.memory.sim_link import SimulatedLink
+    from hybridps.client.memory.trace import MemoryTrace
 
 
 @dataclasses.dataclass(slots=True)
 class MoveCounts:
-    """What a mover did so far; it counts here as it moves (``ChunkMover.counts``)."""
+    """What a mover did so far; it counts here as it moves (``ChunkTally.counts``)."""
 
     moves: int = 0
     evictions: int = 0
@@ -48,42 +47,50 @@ class MoveCounts:
     moved_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
+class Tally(Protocol):
+    """What the figures read of a mover's tally (memory/mover.py ``ChunkTally``)."""
+
+    resident: dict[str, dict[int, Chunk]]
+    used_bytes: dict[str, int]
+    peak_bytes: dict[str, int]
+    counts: MoveCounts
+
+
 class ChunkFigures:
-    """A read-only view of a mover's per-device tables, as report figures."""
+    """A read-only view of a mover's tally, as report figures."""
 
     def __init__(
         self,
         inventory: DeviceInventory,
+        tally: Tally,
         *,
-        resident: dict[str, dict[int, Chunk]],
-        used_bytes: dict[str, int],
-        peak_bytes: dict[str, int],
-        reserve_bytes: Callable[[str], int],
-        booked_host_bytes: Callable[[], int],
-        margin_bytes: int,
-        counts: MoveCounts | None = None,
-        pool: PayloadPool | None = None,
+        trace: MemoryTrace,
+        host: HostBuffers | None = None,
+        margin_bytes: int = 0,
         link: SimulatedLink | None = None,
-        arena: HostArena | None = None,
     ):
         self.inventory = inventory
         self._specs = {d.name: d for d in inventory}
-        #: the mover's own dicts, changed in place as chunks move (never replaced)
-        self._resident = resident
-        self._used_bytes = used_bytes
-        self._peak_bytes = peak_bytes
-        #: the non-model bytes the trace keeps free on a device now
-        self._reserve_bytes = reserve_bytes
-        #: what the node manager books on the CPU for host buffers outside chunks
-        self._booked_host_bytes = booked_host_bytes
+        #: the mover's tally, changed in place as chunks move (never replaced)
+        self.tally = tally
+        #: the non-model bytes to keep free on a device now (``reserve_bytes``)
+        self._trace = trace
+        #: the pool and the arena, and what the node manager books on the CPU for them
+        self._host = host
         self._margin_bytes = margin_bytes
-        #: what the mover counts as it moves, and its host buffers and copy engines (``stats``)
-        self.counts = counts if counts is not None else MoveCounts()
-        self._pool, self._link, self._arena = pool, link, arena
+        #: the copy engines of simulated GPUs (``stats``)
+        self._link = link
+
+    @property
+    def counts(self) -> MoveCounts:
+        return self.tally.counts
+
+    def _reserve_bytes(self, device: str) -> int:
+        return self._trace.reserve_bytes(device, self.tally.used_bytes.get(device, 0))
 
     def no_room_message(self, device: str, *, size_bytes: int, budget_bytes: int, who: object, protect: Collection[Chunk]) -> str:
         """``device`` has no room for ``size_bytes`` more: the chunks that stay, by what holds them."""
-        resident = list(self._resident[device].values())
+        resident = list(self.tally.resident[device].values())
         pinned = [c for c in resident if c.state is ChunkState.COMPUTE]
         held = [c for c in resident if c.in_flight and c not in pinned]
         needed = [c for c in resident if c in protect and c not in pinned and c not in held]
@@ -92,7 +99,7 @@ class ChunkFigures:
             size_bytes=size_bytes,
             budget_bytes=budget_bytes,
             who=who,
-            used_bytes=self._used_bytes[device],
+            used_bytes=self.tally.used_bytes[device],
             parts=[(pinned, "in COMPUTE"), (held, "under a collective"), (needed, "needed by the same operation")],
             capacity_bytes=self.inventory[device].capacity_bytes,
             non_model_bytes=self._reserve_bytes(device),
@@ -102,7 +109,7 @@ class ChunkFigures:
 
     def out_of_memory_message(self, device: str, *, staying_bytes: int, non_model_bytes: int, who: str) -> str:
         """The chunks that must stay on ``device`` and ``non_model_bytes`` exceed its capacity."""
-        resident = list(self._resident[device].values())
+        resident = list(self.tally.resident[device].values())
         return reports.out_of_memory_message(
             device,
             who=who,
@@ -124,9 +131,9 @@ class ChunkFigures:
                 reports.DeviceLine(
                     name=d.name,
                     capacity_bytes=d.capacity_bytes,
-                    chunks=len(self._resident[d.name]),
-                    computing=sum(1 for c in self._resident[d.name].values() if c.state is ChunkState.COMPUTE),
-                    used_bytes=self._used_bytes[d.name],
+                    chunks=len(self.tally.resident[d.name]),
+                    computing=sum(1 for c in self.tally.resident[d.name].values() if c.state is ChunkState.COMPUTE),
+                    used_bytes=self.tally.used_bytes[d.name],
                     non_model_bytes=self._reserve_bytes(d.name),
                 )
                 for d in self.inventory
@@ -140,19 +147,23 @@ class ChunkFigures:
         return {
             d.name: {
                 "capacity_bytes": d.capacity_bytes,
-                "used_bytes": self._used_bytes[d.name],
-                "peak_bytes": self._peak_bytes[d.name],
-                "booked_bytes": self._used_bytes[d.name] + (self._booked_host_bytes() if d.name == "cpu" else 0),
-                "chunks": len(self._resident[d.name]),
+                "used_bytes": self.tally.used_bytes[d.name],
+                "peak_bytes": self.tally.peak_bytes[d.name],
+                "booked_bytes": self.tally.used_bytes[d.name] + (self._booked_host_bytes() if d.name == "cpu" else 0),
+                "chunks": len(self.tally.resident[d.name]),
                 "simulated": d.simulated,
             }
             for d in self.inventory
         }
 
+    def _booked_host_bytes(self) -> int:
+        return self._host.booked_bytes if self._host is not None else 0
+
     def stats(self) -> dict:
         """The mover's figures for ``Client.memory_stats``: per device, moves, prefetches, the
         pool, the simulated link and the host arena."""
-        counts, link, arena = self.counts, self._link, self._arena
+        counts, link = self.counts, self._link
+        pool, arena = (self._host.pool, self._host.arena) if self._host is not None else (None, None)
         return {
             "devices": self.device_stats(),
             "moved_bytes": dict(counts.moved_bytes),
@@ -161,7 +172,7 @@ class ChunkFigures:
             "prefetches": counts.prefetches,
             "prefetch_hits": counts.prefetch_hits,
             "prefetch_evictions": counts.prefetch_evictions,
-            **({"pool": self._pool.stats()} if self._pool is not None else {}),
+            **({"pool": pool.stats()} if pool is not None else {}),
             **({"link": link.stats()} if link is not None else {}),
             "pinned_bytes": arena.pinned_bytes if arena is not None else 0,
             **({"arena": arena.stats()} if arena is not None else {}),

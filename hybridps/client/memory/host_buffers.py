@@ -46,13 +46,14 @@ segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) bu
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
 import torch
 
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.memory.arena import HostArena
 from hybridps.client.memory.pool import PayloadPool, PoolPlan
+from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
 from hybridps.manager.embedded import ManagerConnection
 
@@ -83,16 +84,16 @@ class HostBuffers:
     def __init__(
         self,
         connection: ManagerConnection,
-        pool: PayloadPool,
-        arena: HostArena | None,
+        inventory: DeviceInventory,
         *,
-        host_devices: Collection[str],
-        device_names: Sequence[str],
-        arena_kinds: Collection[ChunkKind],
+        pool: PayloadPool | None = None,
+        arena: HostArena | None = None,
+        arena_kinds: Collection[ChunkKind] = (ChunkKind.PARAM, ChunkKind.GRAD),
     ):
         self.connection = connection
         #: host buffers kept for reuse; their bytes are booked on the CPU with the manager
-        self.pool = pool
+        #: (empty until registration sizes it, ``PayloadPool.resize``)
+        self.pool = pool if pool is not None else PayloadPool(0)
         #: the payloads of the arena's kinds of chunk on the CPU (page-locked when the client
         #: pins, see [Note: the arena's booking]); None: every host payload is a pageable buffer
         self.arena = arena
@@ -100,9 +101,9 @@ class HostBuffers:
         #: every iteration (masters too where the GPU casts them, optim/device_casts.py)
         self.arena_kinds = frozenset(arena_kinds)
         #: devices whose payloads are host memory (the CPU, simulated GPUs): the pool serves them
-        self._host = frozenset(host_devices)
+        self.host_devices = frozenset(d.name for d in inventory if d.torch_device.type == "cpu")
         #: the client's devices in the manager's order of preference after the referred one
-        self._device_order = tuple(device_names)
+        self._device_order = tuple(inventory.names)
         #: what the manager books on the CPU for host buffers outside chunks (the pool, and
         #: old payloads a copy in flight still reads); equal to side_bytes() after every operation
         self.booked_bytes = 0
@@ -220,7 +221,7 @@ class HostBuffers:
             device = self.request(size, src=device, refer=refer, exclude=exclude, pool_bytes=planned)
         if device != "cpu" and (plan.slot is not None or plan.grow_bytes):
             self.return_taken(plan, pool=False)  # not the CPU after all: no arena slot (settled after)
-        if plan.taken is not None and device not in self._host:
+        if plan.taken is not None and device not in self.host_devices:
             self.return_taken(plan, arena=False)  # the manager chose a device whose payloads are not host memory
         return device
 
@@ -292,7 +293,7 @@ class HostBuffers:
                 plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
             if plan.slot is not None or plan.grow_bytes:
                 plan.arena_bytes = chunk.nbytes
-        if not plan.arena_bytes and device in self._host:
+        if not plan.arena_bytes and device in self.host_devices:
             plan.taken = self.pool.take(chunk.dtype, chunk.capacity)
         if old is not None and self.arena is not None and self.arena.owns(old):
             plan.arena_give_bytes = old.numel() * old.element_size()
@@ -313,6 +314,24 @@ class HostBuffers:
         arena's kinds (those that cross to the GPU every iteration) on the CPU."""
         return self.arena is not None and device == "cpu" and chunk.kind in self.arena_kinds
 
+    def book_new(self, chunk: Chunk, device: str) -> PoolPlan:
+        """The one request that books a new payload of ``chunk`` on ``device``; returns the
+        plan of the buffer it will be (taken or lent already)."""
+        plan = self.plan(chunk, device)
+        self.book_chunk(chunk.nbytes, dst=device, plan=plan)
+        return plan
+
+    def planned_buffer(self, chunk: Chunk, plan: PoolPlan) -> torch.Tensor | None:
+        """The buffer ``plan`` readied for ``chunk``'s new payload, handed over: the arena slot
+        it lent, the pooled buffer it took, or the first slot of the segment the arena grows by
+        (booked already); None: the payload is a fresh allocation."""
+        buf = plan.slot if plan.slot is not None else plan.taken
+        plan.slot = plan.taken = None
+        if buf is None and plan.grow_bytes:  # the booked segment's first slot
+            buf = self.arena.grow_and_take(chunk.dtype, chunk.capacity, plan.grow_bytes, who=chunk)
+            plan.grow_bytes = 0
+        return buf
+
     def return_taken(self, plan: PoolPlan, *, pool: bool = True, arena: bool = True) -> None:
         """Give back what ``plan`` took and will not use: the pooled buffer, the arena's slot
         (and growth)."""
@@ -324,6 +343,38 @@ class HostBuffers:
                 self.arena.give(plan.slot)
                 plan.slot = None
             plan.grow_bytes = plan.arena_bytes = 0
+
+    def let_go(self, old: torch.Tensor, plan: PoolPlan, *, read_until=None) -> None:
+        """``old``, the payload a chunk moved off, goes back as ``plan`` foresaw: now, or once
+        ``read_until`` (the event of a copy or write still reading it) says that is done, a
+        host buffer being held until then (booked as the pool's from now when the plan gives
+        it to the pool); then what ended is recycled and the booking settled."""
+        if read_until is not None and old.is_cpu:
+            self.hold_in_flight(read_until, old, plan.give_bytes > 0)
+        else:
+            self.recycle(old, plan)
+        self.collect()
+        self.settle()
+
+    def release_payload(self, old: torch.Tensor | None, nbytes: int, device: str) -> None:
+        """A dropped payload ``old`` of ``nbytes`` on ``device`` goes back (to the arena or
+        the pool), and its booking with it, in one request."""
+        plan = PoolPlan()
+        self.recycle(old, plan)  # the pool's booking rides with the release below
+        self.book_chunk(nbytes, src=device, plan=plan)
+
+    def holds_slot(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s payload is an arena slot (whose bytes leave the CPU only with a
+        whole segment, see [Note: the arena's booking])."""
+        return self.arena is not None and chunk.kind in self.arena_kinds and self.arena.owns(chunk.payload)
+
+    def release_idle_segments(self) -> int:
+        """Let the arena's empty segments go, and their booking; returns the bytes released."""
+        arena = self.arena
+        held = arena.held_bytes
+        arena.release_idle()
+        self.settle()
+        return held - arena.held_bytes
 
     def recycle(self, old: torch.Tensor | None, plan: PoolPlan) -> None:
         """Give ``old`` back to the arena if it is an arena slot, else to the pool unless
@@ -355,6 +406,12 @@ class HostBuffers:
             slot = arena.grow_and_take(dtype, numel, grow, who="a pinned scratch buffer")
             self.settle()  # booked as grown; a segment the host refused is unbooked
         return slot
+
+    def close(self) -> None:
+        """The arena closes, and every idle pooled buffer goes with its booking (client shutdown)."""
+        if self.arena is not None:
+            self.arena.close()
+        self.release()
 
     def land_in_flight(self) -> None:
         """Wait for every copy and write still reading an old payload, and recycle them all

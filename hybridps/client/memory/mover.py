@@ -1,38 +1,46 @@
-"""ChunkMover: where every chunk of one client lives, and the moves that change it.
+"""Where every chunk of one client lives, and the moves that change it.
 
-Owns placement of new chunks, bringing a chunk to a device (evicting others to make room),
-freeing payloads, this client's per-device accounting (used, peak) and movement statistics.
-Every byte it allocates or frees is reported to the node manager, and every destination it
-does not dictate (a new chunk, an evicted chunk) is chosen by the node manager, in one
-atomic request per operation (see [Note: one request per chunk operation]); so a placement
-cannot lose room it was offered to another rank between a question and a booking.
+Owns three things that a chunk's bring goes through together, kept in one module because a
+module of each would make every bring enter more files (docs/ARCHITECTURE.md, "Hot paths"):
+
+- ``ChunkTally``: which chunks lie on each device and which of them may leave now, their
+  bytes there now and at the peak, the storage addresses of every payload, and what the moves
+  counted (``MoveCounts``); the tracer, the event recorder and the figures
+  (memory/figures.py) read it.
+- ``PayloadCopies``: the copy engines of a move and which one a copy takes: a real GPU's copy
+  stream, a simulated GPU's link, the disk's threads (``DiskMoves``), or none (a copy now);
+  and a fresh payload's buffer as they need it (on a page, for the disk's reads and writes).
+- ``ChunkMover``: the moves. Placement of new chunks, bringing a chunk to a device (evicting
+  others to make room), prefetching, taking a whole chunk for the optimizer, freeing
+  payloads. Every byte it allocates or frees is reported to the node manager, and every
+  destination it does not dictate (a new chunk, an evicted chunk) is chosen by the node
+  manager, in one atomic request per operation (see [Note: one request per chunk operation]
+  in memory/host_buffers.py); so a placement cannot lose room it was offered to another rank
+  between a question and a booking. It reports its brings and moves to the chunk-activity
+  channel it is built with (memory/activity.py).
 
 Does not own tensor or payload states (chunks/chunk.py), the budget formula or which chunk to evict
-(the placement policy, memory/placement.py), or how much of the compute device activations need
-right now (the trace it is built with, memory/trace.py, ``reserve_bytes``).
+(the placement policy, memory/placement.py), how much of the compute device activations need
+right now (the trace it is built with, memory/trace.py, ``reserve_bytes``), the host buffers it
+borrows payloads from and the booking of each operation (memory/host_buffers.py), a full CPU's
+way to the disk (memory/cpu_spill.py), or who hears of its brings and moves and what they do
+with it (memory/activity.py).
 
 [Note: the disk tier's moves]
 With a disk tier (``"nvme"``, common/devices.py) the CPU runs full, and what leaves it goes to
 the disk: the placement refers an eviction from the CPU there (``eviction_refer``), the trace's
 furthest use first (``victim``), pageable payloads before arena slots, whose bytes leave the CPU
-only with a whole segment (``_to_disk``). Each rank keeps to its share of the node's CPU
-(``host_sharers``), and when the node manager still refuses room on the CPU (another rank took
-it) this rank's chunks go down for it and the booking is tried again (``_with_cpu_room``). A
-chunk on the disk comes back through the CPU: its fetcher (``_fetch``, run by ``settle``, by
+only with a whole segment (``CpuSpill.send_down``). Each rank keeps to its share of the node's
+CPU (``host_sharers``), and when the node manager still refuses room on the CPU (another rank
+took it) this rank's chunks go down for it and the booking is tried again
+(``CpuSpill.with_room``; the mover builds its spill only with a disk tier). A chunk on the
+disk comes back through the CPU: its fetcher (``_fetch``, run by ``settle``, by
 ``bring`` before anything else, and by ``view``) reads it into host memory, and a prefetch
 towards the GPU reads it there first; reads and writes run on the scratch file's threads, and
 the old payload a write reads waits among the copies in flight (host_buffers.py) as it does for
 a copy stream. New payloads are never made on the disk (``place`` excludes it): a chunk goes
 down with bytes to write. ``DiskMoves`` (disk_moves.py) does what a move does to the chunk;
 the scratch file (scratch_file.py) does the I/O.
-
-[Note: listeners that come and go]
-Who hears of a bring (``watch_accesses``) or a move (``watch_moves``) changes while training
-runs (the tracer in a warm-up, the event recorder while it records), and each is built over
-the mover, after it: none can be a
-constructor argument. Each set is a tuple that only these two verbs replace, never change in
-place: with nobody listening a bring loops over an empty tuple and calls nothing, and a
-listener that stops during the calls does not make the next one miss its call.
 """
 
 from __future__ import annotations
@@ -40,13 +48,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadMove, PayloadState, storage_key
+from hybridps.client.chunks.chunk import Chunk, PayloadMove, PayloadState, storage_key
 from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.memory.activity import ChunkActivity
 from hybridps.client.memory.arena import HostArena
+from hybridps.client.memory.cpu_spill import CpuSpill
 from hybridps.client.memory.disk_moves import DiskMoves
 from hybridps.client.memory.figures import ChunkFigures, MoveCounts
 from hybridps.client.memory.host_buffers import HostBuffers, page_aligned_empty
@@ -58,127 +68,303 @@ from hybridps.client.memory.trace import MemoryTrace, MomentTrace
 from hybridps.common.devices import NVME, DeviceInventory
 from hybridps.common.errors import CapacityError
 from hybridps.common.units import format_bytes
-from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
 
 CPU = "cpu"
-#: how often an operation that books on the CPU sends chunks to the disk and tries again when
-#: the node manager refuses it (``ChunkMover._with_cpu_room``)
-SPILL_ATTEMPTS = 8
 
 
-class ChunkMover:
-    """Placement, movement and accounting of one client's chunks."""
+class ChunkTally:
+    """Where each chunk of one client lies, and the chunk bytes on each device now and at their peak."""
 
-    def __init__(
-        self,
-        inventory: DeviceInventory,
-        connection: ManagerConnection,
-        *,
-        margin_bytes: int = 0,
-        placement: PlacementPolicy | None = None,
-        pool_bytes: int = 0,
-        link: SimulatedLink | None = None,
-        trace: MemoryTrace | None = None,
-        arena: HostArena | None = None,
-        arena_kinds: Collection[ChunkKind] = (ChunkKind.PARAM, ChunkKind.GRAD),
-        scratch: ScratchFile | None = None,
-        host_sharers: int = 1,
-    ):
-        self.inventory = inventory
-        #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
-        self.link = link
-        self.compute = inventory.compute_device
-        self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
-        #: devices whose payloads are host memory (the CPU, simulated GPUs): the pool serves them
-        self._host = frozenset(d.name for d in inventory if d.torch_device.type == "cpu")
-        #: host buffers kept for reuse and the host arena (param and grad payloads on the CPU,
-        #: page-locked when the client pins), as the host buffers below lend them
-        self.pool, self.arena = PayloadPool(pool_bytes), arena
-        #: the host memory outside chunks, the copies in flight that still read it, and the one
-        #: manager request of every chunk operation (host_buffers.py)
-        self.host = HostBuffers(
-            connection, self.pool, arena, host_devices=self._host, device_names=list(self._specs), arena_kinds=arena_kinds
-        )
-        #: a real GPU computes: copies to and from it run on a copy stream
-        self.pin_host = self.compute.is_gpu and not self.compute.simulated and torch.cuda.is_available()
-        #: prefetches and evictions copy on this stream (real GPUs only)
-        self.copy_stream = torch.cuda.Stream(self.compute.torch_device) if self.pin_host else None
-        self.margin_bytes = margin_bytes
-        #: decides which chunk leaves a full device (memory/placement.py); the mover moves it
-        self.placement = placement or PlacementPolicy(self.compute, margin_bytes=margin_bytes)
-        #: the non-model bytes to keep free on a device now (``reserve_bytes``), told when the
-        #: chunk bytes on the compute device grew (``chunks_grew``: the exact peak of chunks +
-        #: non-model there); the tracer drives it (memory/trace.py, [Note: who holds the
-        #: trace]). Without one: an idle MomentTrace, a reserve of 0 until a tracer starts it.
-        self.trace: MemoryTrace = trace if trace is not None else MomentTrace(self.compute, margin_bytes=margin_bytes)
+    def __init__(self, inventory: DeviceInventory):
+        #: device -> chunk_id -> the chunk whose payload lies there
+        self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
         self.used_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         self.peak_bytes: dict[str, int] = {d.name: 0 for d in inventory}
         #: peak of this client's chunk bytes on all devices together
         self.peak_all_bytes = 0
         self._used_all_bytes = 0
-        self.resident: dict[str, dict[int, Chunk]] = {d.name: {} for d in inventory}
+        #: storage addresses of every payload, to tell model data from other tensors
+        self.payload_ptrs: set[int] = set()
         #: moves, evictions, prefetches and bytes copied so far (memory/figures.py)
         self.counts = MoveCounts()
-        self.clock = 0
-        #: called as on_move(chunk, src, dst, seconds, evicted) after every move, and as
-        #: on_access(chunk, device) on every bring (see [Note: listeners that come and go])
-        self.move_listeners: tuple[Callable[[Chunk, str, str, float, bool], None], ...] = ()
-        self.access_listeners: tuple[Callable[[Chunk, str], None], ...] = ()
-        #: storage addresses of every payload, to tell model data from other tensors.
-        self.payload_ptrs: set[int] = set()
+
+    def add(self, device: str, chunk: Chunk) -> None:
+        """``chunk``'s payload lies on ``device`` now (told once the payload exists)."""
+        nbytes = chunk.nbytes
+        self.used_bytes[device] += nbytes
+        self._used_all_bytes += nbytes
+        self.resident[device][chunk.chunk_id] = chunk
+        self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
+        self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
+        self.payload_ptrs.add(storage_key(chunk.payload))
+
+    def remove(self, device: str, chunk: Chunk) -> None:
+        """``chunk``'s payload leaves ``device`` (told before it goes)."""
+        self.used_bytes[device] -= chunk.nbytes
+        self._used_all_bytes -= chunk.nbytes
+        del self.resident[device][chunk.chunk_id]
+        self.payload_ptrs.discard(storage_key(chunk.payload))
+
+    def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
+        """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective.
+
+        When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
+        of ``device`` (a prefetched gather, a reduction of grads) are waited for first: they
+        finish anyway, and a chunk they release can leave (see [Note: reductions in flight]
+        in sharding/reductions.py)."""
+
+        victims = self.free_to_go(device, protect)
+        if need_bytes <= 0 or sum(c.nbytes for c in victims) >= need_bytes:
+            return victims
+        held = [c for c in self.resident[device].values() if c.in_flight and c not in protect]
+        if not held:
+            return victims
+        for chunk in held:
+            chunk.land_collective()
+        return self.free_to_go(device, protect)
+
+    def free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
+        """The chunks on ``device`` that are not in ``protect``, not in COMPUTE (``Chunk.state``)
+        and not under a collective (``Chunk.in_flight``), read from the chunks' fields: this
+        scans every chunk on the device for each eviction (docs/benchmarks/2026-11-27-largest-model-h200.md,
+        "The eviction scan at the largest model")."""
+        compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
+        return [
+            c
+            for c in self.resident[device].values()
+            if not c.counts[compute] and c.payload_state is not in_collective and c not in protect
+        ]
+
+    def not_computing(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
+        """The chunks on ``device`` that are not in ``protect`` and not in COMPUTE."""
+        return [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]
+
+
+class PayloadCopies:
+    """The copy engines of one client's chunk moves: which of them each copy takes, and the
+    buffer a fresh payload needs for them."""
+
+    def __init__(self, inventory: DeviceInventory, *, link: SimulatedLink | None = None, disk: DiskMoves | None = None):
+        self._specs = {d.name: d for d in inventory}
+        compute = inventory.compute_device
+        #: the copy engines of simulated GPUs' links (Config.simulate_link); None: instant copies
+        self.link = link
+        # a real GPU computes: copies to and from it run on a copy stream (prefetches, evictions)
+        pins = compute.is_gpu and not compute.simulated and torch.cuda.is_available()
+        self.copy_stream = torch.cuda.Stream(compute.torch_device) if pins else None
+        #: the disk tier's side of a move onto or off the disk (disk_moves.py), None without one
+        self.disk = disk
+
+    def runs_on(self, src: str, dst: str) -> bool:
+        """Whether an asynchronous copy from ``src`` to ``dst`` still runs when the move returns
+        (the old payload is read until it ends)."""
+        return (
+            (self.copy_stream is not None and self._crosses_gpu(src, dst))
+            or self._link_direction(src, dst) is not None
+            or dst == NVME
+        )
+
+    def fresh_buffer(self, chunk: Chunk, device: str) -> torch.Tensor:
+        """A new buffer for ``chunk``'s payload on ``device``: with a disk tier, host memory
+        starts on a page, as the disk's reads and writes ask ([Note: page-aligned payloads]);
+        else the chunk's own allocation."""
+        spec = self._specs[device]
+        if self.disk is not None and spec.torch_device.type == "cpu" and not spec.meta:
+            return page_aligned_empty(chunk.capacity, chunk.dtype)
+        return chunk.new_buffer(spec)
+
+    def drain(self) -> None:
+        """Wait for every copy the copy stream and the link still run."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        if self.link is not None:
+            self.link.drain()
+
+    def copy(self, chunk: Chunk, src: str, device: str, buf: torch.Tensor, *, asynchronous: bool) -> tuple[torch.Tensor, bool]:
+        """Point ``chunk`` at ``buf`` on ``device`` and copy its payload there: on the disk's
+        threads, a simulated link's engine or a real GPU's copy stream when ``asynchronous``
+        (the chunk's next user waits for its ``ready_event``), else now. Returns the old
+        payload and whether a copy still reads it."""
+        spec = self._specs[device]
+        if device == NVME:  # see [Note: the disk tier's moves]
+            return self.disk.write_down(chunk, buf, asynchronous=asynchronous), asynchronous
+        if src == NVME:
+            assert spec.torch_device.type == "cpu" or spec.meta, (
+                f"{chunk}: a read from the disk lands in host memory, not on {device}"
+            )
+            return self.disk.read_up(chunk, spec, buf, asynchronous=asynchronous), False
+        link_direction = self._link_direction(src, device)
+        if link_direction is not None:
+            # [Note: simulated link] as on the copy stream: the chunk points at its new
+            # buffer at once, the copy engine fills it, the next user waits for the event;
+            # a synchronous move waits for it here (all of it exposed)
+            old = chunk.rebind(spec, buf)
+            event = self.link.submit(link_direction, chunk.nbytes, functools.partial(buf.copy_, old))
+            if asynchronous:
+                chunk.copy_started(event)
+            else:
+                event.synchronize()
+            return old, asynchronous
+        stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
+        if stream is None:
+            return chunk.move_to(spec, buffer=buf), False
+        # [Note: copy stream] The copy waits for the compute stream's work so far (the
+        # chunk's last writes), runs beside later compute, and leaves an event that the
+        # chunk's next user waits for. record_stream keeps the caching allocator from
+        # handing a GPU buffer to anyone else while the copy stream still uses it.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            old = chunk.move_to(spec, buffer=buf, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            chunk.copy_started(event)
+        for t in (old, buf):
+            if t.is_cuda:
+                t.record_stream(stream)
+        return old, True
+
+    def _crosses_gpu(self, src: str, dst: str) -> bool:
+        return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
+
+    def _link_direction(self, src: str, dst: str) -> str | None:
+        """The simulated link's engine a copy from ``src`` to ``dst`` takes, or None."""
+        if self.link is None:
+            return None
+        if self._specs[dst].is_gpu and self._specs[dst].simulated:
+            return H2D
+        if self._specs[src].is_gpu and self._specs[src].simulated:
+            return D2H
+        return None
+
+
+class ChunkMover:
+    """The moves of one client's chunks: where each goes, and the copy of its payload."""
+
+    def __init__(
+        self,
+        inventory: DeviceInventory,
+        host: HostBuffers,
+        *,
+        placement: PlacementPolicy | None = None,
+        trace: MemoryTrace | None = None,
+        activity: ChunkActivity | None = None,
+        link: SimulatedLink | None = None,
+        scratch: ScratchFile | None = None,
+        host_sharers: int = 1,
+    ):
+        self.inventory = inventory
+        self.compute = inventory.compute_device
+        self._specs = {d.name: d for d in inventory}  # by canonical name, without re-parsing
+        self._gpu_names = tuple(d.name for d in inventory.gpus)  # every placement checks their budgets
+        #: the host memory outside chunks that payloads are borrowed from (the pool, the host
+        #: arena), the copies in flight that still read it, and the one manager request of
+        #: every chunk operation (host_buffers.py)
+        self.host = host
+        #: decides which chunk leaves a full device and the budget formula (memory/placement.py,
+        #: with the margin); the mover moves the chunk
+        self.placement = placement or PlacementPolicy(self.compute)
+        #: the non-model bytes to keep free on a device now (``reserve_bytes``), told when the
+        #: chunk bytes on the compute device grew (``chunks_grew``: the exact peak of chunks +
+        #: non-model there); the tracer drives it (memory/trace.py, [Note: who holds the
+        #: trace]). Without one: an idle MomentTrace, a reserve of 0 until a tracer starts it.
+        self.trace: MemoryTrace = trace if trace is not None else MomentTrace(self.compute, margin_bytes=self.margin_bytes)
+        #: where the brings and moves are reported, and the access clock (memory/activity.py);
+        #: without one a channel nobody joined yet
+        self.activity = activity if activity is not None else ChunkActivity()
+        #: where every chunk lies, the bytes, and what the moves counted
+        self.tally = ChunkTally(inventory)
         #: the disk tier's moves (disk_moves.py; ``scratch``: its file, None under simulate="meta"),
         #: None without a disk tier; see [Note: the disk tier's moves]
         disk = inventory.disk
         self.disk = DiskMoves(disk, scratch, fetch=self._fetch) if disk is not None else None
-        #: the ranks of the node whose chunks share the CPU's capacity through the node manager:
-        #: with a disk tier the CPU runs full, and each keeps to its share of it, so that no
-        #: rank's chunks crowd another's to the disk (the manager still has the last word)
-        self.host_sharers = host_sharers
-        #: the figures of the tables above, for the no-room and out-of-memory errors and reports
-        self.figures = ChunkFigures(
-            inventory,
-            resident=self.resident,
-            used_bytes=self.used_bytes,
-            peak_bytes=self.peak_bytes,
-            reserve_bytes=self.reserve_bytes,
-            booked_host_bytes=lambda: self.host.booked_bytes,
-            margin_bytes=margin_bytes,
-            counts=self.counts,
-            pool=self.pool,
-            link=link,
-            arena=arena,
+        #: how a payload's bytes get from one device to another (the copy stream, the link)
+        self.copies = PayloadCopies(inventory, link=link, disk=self.disk)
+        #: the figures of the tally, for the no-room and out-of-memory errors and reports
+        self.figures = ChunkFigures(inventory, self.tally, trace=self.trace, host=host, margin_bytes=self.margin_bytes, link=link)
+        #: with a disk tier the CPU runs full: this rank's share of it (``host_sharers``: the
+        #: ranks of the node), and its chunks there sent down for room (cpu_spill.py); None
+        #: without one
+        self.spill = (
+            CpuSpill(
+                inventory.cpu,
+                self.tally,
+                host,
+                self.placement,
+                self.trace,
+                self.figures,
+                host_sharers=host_sharers,
+                evict=self.evict,
+            )
+            if disk is not None
+            else None
         )
 
-    # -- listeners ---------------------------------------------------------------------------
+    # -- the tally and the host buffers, as readers outside the memory package name them -----
 
-    def watch_accesses(self, fn: Callable[[Chunk, str], None], on: bool = True) -> None:
-        """Call ``fn(chunk, device)`` on every bring from now on (``on=False``: stop)."""
-        self.access_listeners = _follow(self.access_listeners, fn, on)
+    @property
+    def used_bytes(self) -> dict[str, int]:
+        return self.tally.used_bytes
 
-    def watch_moves(self, fn: Callable[[Chunk, str, str, float, bool], None], on: bool = True) -> None:
-        """Call ``fn(chunk, src, dst, seconds, evicted)`` after every move from now on (``on=False``: stop)."""
-        self.move_listeners = _follow(self.move_listeners, fn, on)
+    @property
+    def peak_all_bytes(self) -> int:
+        return self.tally.peak_all_bytes
+
+    @property
+    def resident(self) -> dict[str, dict[int, Chunk]]:
+        return self.tally.resident
+
+    @property
+    def payload_ptrs(self) -> set[int]:
+        return self.tally.payload_ptrs
+
+    @property
+    def counts(self) -> MoveCounts:
+        return self.tally.counts
+
+    @property
+    def margin_bytes(self) -> int:
+        """The bytes kept free on a GPU beyond chunks and non-model memory (the placement's)."""
+        return self.placement.margin_bytes
+
+    @property
+    def pool(self) -> PayloadPool:
+        return self.host.pool
+
+    @property
+    def arena(self) -> HostArena | None:
+        return self.host.arena
+
+    @property
+    def arena_idle_bytes(self) -> int:
+        return self.host.arena_idle_bytes
+
+    @property
+    def host_sharers(self) -> int:
+        """The ranks of the node sharing the CPU through the node manager with a disk tier
+        (cpu_spill.py), 1 without one."""
+        return self.spill.host_sharers if self.spill is not None else 1
+
+    def pinned_scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A page-locked host buffer that is not model data (host_buffers.py)."""
+        return self.host.pinned_scratch(numel, dtype)
 
     # -- budgets ---------------------------------------------------------------------------
 
     def budget(self, device: str) -> int:
         """The room chunks may take on ``device`` now (see [Note: budgets] in memory/placement.py)."""
+        if device == CPU and self.spill is not None:
+            return self.spill.cpu_budget()  # with a disk tier the CPU runs full: this rank's share of it
         spec = self._specs.get(device) or self.inventory[device]
-        budget = self.placement.budget_bytes(spec, self.reserve_bytes(device))
-        if device == CPU and self.disk is not None:
-            # with a disk tier the CPU runs full: this rank's share of it, less the arena's
-            # slots not lent (pooled buffers and old payloads a write still reads give way when asked)
-            budget = budget // self.host_sharers - self.host.arena_idle_bytes
-        return budget
+        return self.placement.budget_bytes(spec, self.reserve_bytes(device))
 
     def reserve_bytes(self, device: str) -> int:
         """The non-model bytes the trace keeps free on ``device`` now."""
-        return self.trace.reserve_bytes(device, self.used_bytes.get(device, 0))
+        return self.trace.reserve_bytes(device, self.tally.used_bytes.get(device, 0))
 
     def _over_budget_gpus(self, size: int) -> list[str]:
-        return [d.name for d in self.inventory.gpus if self.used_bytes[d.name] + size > self.budget(d.name)]
+        return [name for name in self._gpu_names if self.tally.used_bytes[name] + size > self.budget(name)]
 
     # -- placement -------------------------------------------------------------------------
 
@@ -192,17 +378,12 @@ class ChunkMover:
         try:
             device = self.host.book_chunk(chunk.nbytes, refer=refer_device, exclude=exclude, plan=plan)
         except CapacityError:
-            if self.disk is None:
+            if self.spill is None:
                 raise
             device = CPU  # memory is full: room is made on the CPU by sending chunks to the disk
-            plan = self._with_cpu_room(lambda: self._booked_plan(chunk), chunk.nbytes, (chunk,), chunk)
+            plan = self.spill.with_room(lambda: self.host.book_new(chunk, CPU), chunk.nbytes, (chunk,), chunk)
         assert device is not None
         self._allocate(chunk, device, zero=zero, plan=plan)
-
-    def _booked_plan(self, chunk: Chunk) -> PoolPlan:
-        plan = self.host.plan(chunk, CPU)
-        self.host.book_chunk(chunk.nbytes, dst=CPU, plan=plan)
-        return plan
 
     def bring(
         self,
@@ -224,20 +405,22 @@ class ChunkMover:
         if chunk.on_disk:
             self._fetch(chunk, protect)  # to host memory first, the caller's chunks kept where they are
         chunk.settle()  # for a use that did not settle it first (chunk.py, [Note: a chunk handed over])
-        self.clock += 1
-        chunk.last_use = self.clock
-        for listener in self.access_listeners:
-            listener(chunk, device)
+        activity = self.activity
+        activity.clock += 1
+        chunk.last_use = activity.clock
+        for listener in activity.listeners:  # each heard by its own switch (memory/activity.py)
+            if listener.hears_accesses:
+                listener.accessed(chunk, device)
         if chunk.device == device:
             if chunk.first_use():
-                self.counts.prefetch_hits += 1
+                self.tally.counts.prefetch_hits += 1
             chunk.wait_ready()  # a prefetch or eviction copy into it may still be running
             return
         protect = (chunk, *protect)
         self.make_room(device, chunk.nbytes, protect=protect, who=who, coming=chunk)
         bring = functools.partial(self._bring_payload, chunk, device, protect, zero=zero, asynchronous=asynchronous)
-        if device == CPU:
-            self._with_cpu_room(bring, chunk.nbytes, protect, who)
+        if device == CPU and self.spill is not None:
+            self.spill.with_room(bring, chunk.nbytes, protect, who)
         else:
             bring()
 
@@ -245,9 +428,7 @@ class ChunkMover:
         """The payload of ``chunk`` to ``device``, where room was made: made there, or moved."""
         if chunk.payload is None:
             self.host.collect()
-            plan = self.host.plan(chunk, device)
-            self.host.book_chunk(chunk.nbytes, dst=device, plan=plan)
-            self._allocate(chunk, device, zero=zero, protect=protect, plan=plan)
+            self._allocate(chunk, device, zero=zero, protect=protect, plan=self.host.book_new(chunk, device))
         else:
             self._move(chunk, device, protect=protect, asynchronous=asynchronous)
 
@@ -286,9 +467,9 @@ class ChunkMover:
         stream the copy overlaps compute; the chunk's first use waits for it."""
         if chunk.payload is None or chunk.device == device or chunk.settling:
             return False  # a chunk a step still computes on moves when its use settles it
-        if chunk.on_disk and device not in self._host:
+        if chunk.on_disk and device not in self.host.host_devices:
             device = CPU  # one tier at a time: a read from the disk lands in host memory
-        need = self.used_bytes[device] + chunk.nbytes - self.budget(device)
+        need = self.tally.used_bytes[device] + chunk.nbytes - self.budget(device)
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)
             victims = self.placement.prefetch_victims(self.evictable(device, protect=(chunk,)), chunk, need)
@@ -299,15 +480,15 @@ class ChunkMover:
                     self.evict(victim)
             except CapacityError:  # nowhere to put them: the prefetch waits for the on-demand bring
                 return False
-            self.counts.prefetch_evictions += len(victims)
-            if self.used_bytes[device] + chunk.nbytes > self.budget(device):
+            self.tally.counts.prefetch_evictions += len(victims)
+            if self.tally.used_bytes[device] + chunk.nbytes > self.budget(device):
                 return False
         try:
             self._move(chunk, device, asynchronous=True)
         except CapacityError:
             return False  # the node manager refused the room (another rank took it): the chunk's use brings it
         chunk.brought_ahead()
-        self.counts.prefetches += 1
+        self.tally.counts.prefetches += 1
         return True
 
     def free(self, chunk: Chunk) -> None:
@@ -319,11 +500,10 @@ class ChunkMover:
         chunk.wait_ready()
         self.host.collect()
         self._account(device, chunk, -1)
-        plan = PoolPlan()
-        self.host.recycle(chunk.drop(), plan)  # the pool's booking rides with the release below
+        old = chunk.drop()
         if device == NVME:
             self.disk.forget(chunk)
-        self.host.book_chunk(chunk.nbytes, src=device, plan=plan)
+        self.host.release_payload(old, chunk.nbytes, device)
 
     # -- the disk tier -----------------------------------------------------------------------
 
@@ -334,53 +514,7 @@ class ChunkMover:
         who = f"a read of {chunk.kind.value} chunk {chunk.index} from the disk"
         protect = (chunk, *protect)
         self.make_room(CPU, chunk.nbytes, protect=protect, who=who, coming=chunk)
-        self._with_cpu_room(lambda: self._move(chunk, CPU, protect=protect), chunk.nbytes, protect, who)
-
-    def _with_cpu_room(self, operation: Callable[[], object], size: int, protect: Collection[Chunk], who: object):
-        """``operation()``, which books ``size`` bytes on the CPU; when the node manager refuses
-        them (the CPU is the node's: another rank took the room the local budget saw), this
-        client's chunks there go to the disk for them and it is tried again, a few times, since
-        another rank may take the room first again. Without a disk tier: once."""
-        for attempt in range(SPILL_ATTEMPTS):
-            try:
-                return operation()
-            except CapacityError:
-                if self.disk is None or attempt == SPILL_ATTEMPTS - 1:
-                    raise
-                self._to_disk(lambda freed: freed >= size, protect=protect, who=who, size=size)
-
-    def _to_disk(self, enough: Callable[[int], bool], *, protect: Collection[Chunk], who: object, size: int) -> None:
-        """Send chunks on the CPU (not in ``protect``) to the disk, the policy's victims first
-        (the trace's furthest use), until ``enough(bytes freed)``: first the chunks whose
-        payloads are pageable buffers, whose bytes leave the CPU, then those in arena slots,
-        whose bytes leave it only with a whole segment (see [Note: the arena's booking])."""
-        victims = self.evictable(CPU, protect, need_bytes=size)
-        arena = self.arena
-        pinned, pageable = [], []
-        for c in victims:
-            (pinned if arena is not None and c.kind in self.host.arena_kinds and arena.owns(c.payload) else pageable).append(c)
-        freed = 0
-        for group in (pageable, pinned):
-            while group and not enough(freed):
-                victim = self.placement.victim(group)
-                group.remove(victim)
-                self.evict(victim)
-                if group is pinned:
-                    held = arena.held_bytes
-                    arena.release_idle()
-                    self.host.settle()
-                    freed += held - arena.held_bytes
-                else:
-                    freed += victim.nbytes
-        if not enough(freed):
-            # last: the old payloads the writes still read back to the pool and the arena, whose
-            # idle buffers and empty segments then go
-            self.host.land_in_flight()
-            self.host.release()
-        if not enough(freed):
-            raise CapacityError(
-                self.figures.no_room_message(CPU, size_bytes=size, budget_bytes=self.budget(CPU), who=who, protect=protect)
-            )
+        self.spill.with_room(lambda: self._move(chunk, CPU, protect=protect), chunk.nbytes, protect, who)
 
     def make_room(
         self, device: str, size: int, *, protect: Collection[Chunk] = (), who: object = "", coming: Chunk | None = None
@@ -388,14 +522,12 @@ class ChunkMover:
         """Evict chunks not in COMPUTE from ``device`` until ``size`` more bytes fit its budget
         (``coming``: the chunk they are for, which may take an arena slot free already)."""
         budget = self.budget(device)
-        if self.used_bytes[device] + size <= budget:
+        if self.tally.used_bytes[device] + size <= budget:
             return
-        if device == CPU and self.disk is not None:
-            if coming is not None and self.host.free_slot_for(coming, CPU):
-                size = 0  # its slot is booked already, among the arena's idle bytes the budget leaves out
-            self._to_disk(lambda freed: self.used_bytes[CPU] + size <= self.budget(CPU), protect=protect, who=who, size=size)
+        if device == CPU and self.spill is not None:
+            self.spill.make_room(size, protect=protect, who=who, coming=coming)  # to the disk
             return
-        need = self.used_bytes[device] + size - budget
+        need = self.tally.used_bytes[device] + size - budget
         victims = self.evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
             raise CapacityError(
@@ -404,39 +536,13 @@ class ChunkMover:
         self.shrink(device, budget - size, victims)
 
     def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
-        """Chunks on ``device`` that may leave now: not in COMPUTE, not under a collective.
-
-        When they hold fewer than ``need_bytes``, the asynchronous collectives holding chunks
-        of ``device`` (a prefetched gather, a reduction of grads) are waited for first: they
-        finish anyway, and a chunk they release can leave (see [Note: reductions in flight]
-        in sharding/groups.py)."""
-
-        victims = self._free_to_go(device, protect)
-        if need_bytes <= 0 or sum(c.nbytes for c in victims) >= need_bytes:
-            return victims
-        held = [c for c in self.resident[device].values() if c.in_flight and c not in protect]
-        if not held:
-            return victims
-        for chunk in held:
-            chunk.land_collective()
-        return self._free_to_go(device, protect)
-
-    def _free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
-        """The chunks on ``device`` that are not in ``protect``, not in COMPUTE (``Chunk.state``)
-        and not under a collective (``Chunk.in_flight``), read from the chunks' fields: this
-        scans every chunk on the device for each eviction (docs/benchmarks/2026-11-27-largest-model-h200.md,
-        "The eviction scan at the largest model")."""
-        compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
-        return [
-            c
-            for c in self.resident[device].values()
-            if not c.counts[compute] and c.payload_state is not in_collective and c not in protect
-        ]
+        """Chunks on ``device`` that may leave now (``ChunkTally.evictable``)."""
+        return self.tally.evictable(device, protect, need_bytes=need_bytes)
 
     def shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
         at most ``limit_bytes``, or no victim is left."""
-        while victims and self.used_bytes[device] > limit_bytes:
+        while victims and self.tally.used_bytes[device] > limit_bytes:
             victim = self.placement.victim(victims)
             victims.remove(victim)
             self.evict(victim)
@@ -449,42 +555,10 @@ class ChunkMover:
         refer = self.placement.eviction_refer(chunk)
         self._move(chunk, None, evicted=True, asynchronous=True, refer=refer, exclude=exclude)
 
-    # the host buffers' figures and verbs that readers outside the memory package use
-
-    @property
-    def connection(self) -> ManagerConnection:
-        """The node manager's connection, whose every request the host buffers make."""
-        return self.host.connection
-
-    @property
-    def arena_idle_bytes(self) -> int:
-        return self.host.arena_idle_bytes
-
-    def release_pool(self) -> None:
-        """Let every idle pooled buffer and the arena's empty segments go, and their booking."""
-        self.host.release()
-
-    def pinned_scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A page-locked host buffer that is not model data (host_buffers.py)."""
-        return self.host.pinned_scratch(numel, dtype)
-
-    def _crosses_gpu(self, src: str, dst: str) -> bool:
-        return any(self._specs[d].is_gpu and not self._specs[d].simulated for d in (src, dst))
-
-    def _link_direction(self, src: str, dst: str) -> str | None:
-        """The simulated link's engine a copy from ``src`` to ``dst`` takes, or None."""
-        if self.link is None:
-            return None
-        if self._specs[dst].is_gpu and self._specs[dst].simulated:
-            return H2D
-        if self._specs[src].is_gpu and self._specs[src].simulated:
-            return D2H
-        return None
-
     def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
         """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
         if src != dst:
-            self.counts.moved_bytes[f"{src}->{dst}"] += nbytes
+            self.tally.counts.moved_bytes[f"{src}->{dst}"] += nbytes
 
     # -- mechanics -------------------------------------------------------------------------
 
@@ -492,18 +566,10 @@ class ChunkMover:
         """A buffer for ``chunk`` on ``device``: the arena slot ``plan`` lent or one of the
         segment it grows by, the pooled host buffer it took, or a fresh allocation (with
         ``_retry_out_of_memory``)."""
-        buf = plan.slot if plan.slot is not None else plan.taken
-        plan.slot = plan.taken = None
-        if buf is None and plan.grow_bytes:  # the booked segment's first slot
-            buf = self.arena.grow_and_take(chunk.dtype, chunk.capacity, plan.grow_bytes, who=chunk)
-            plan.grow_bytes = 0
+        buf = self.host.planned_buffer(chunk, plan)
         if buf is not None:
             return buf
-        spec = self._specs[device]
-        if self.disk is not None and device in self._host and not spec.meta:
-            make = functools.partial(page_aligned_empty, chunk.capacity, chunk.dtype)  # [Note: page-aligned payloads]
-        else:
-            make = functools.partial(chunk.new_buffer, spec)
+        make = functools.partial(self.copies.fresh_buffer, chunk, device)
         return self._retry_out_of_memory(device, make, f"{chunk} ({format_bytes(chunk.nbytes)})", protect)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: str, who: str) -> torch.Tensor:
@@ -524,7 +590,7 @@ class ChunkMover:
             if not spec.is_gpu or spec.simulated:
                 raise
             logger.warning("out of memory on %s for %s: evicting and retrying once", device, what)
-            for victim in [c for c in self.resident[device].values() if c not in protect and c.state is not ChunkState.COMPUTE]:
+            for victim in self.tally.not_computing(device, protect):
                 self.evict(victim)
             self.sync()
             torch.cuda.empty_cache()
@@ -535,10 +601,7 @@ class ChunkMover:
 
     def sync(self) -> None:
         """Wait for every copy in flight (copy stream) to finish."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
-        if self.link is not None:
-            self.link.drain()
+        self.copies.drain()
         self.host.collect(force=True)
         self.host.settle()
 
@@ -574,21 +637,17 @@ class ChunkMover:
         self.host.collect()
         old = chunk.payload
         likely = device or self.host.likely_choice(refer or "cpu", exclude)
-        in_flight = asynchronous and (
-            (self.copy_stream is not None and self._crosses_gpu(src, likely))
-            or self._link_direction(src, likely) is not None
-            or likely == NVME
-        )
-        plan = self.host.plan(chunk, likely, old, in_flight=in_flight)
+        plan = self.host.plan(chunk, likely, old, in_flight=asynchronous and self.copies.runs_on(src, likely))
         device = self.host.book_chunk(chunk.nbytes, src=src, dst=device, refer=refer, exclude=exclude, plan=plan)
         assert device is not None
+        counts = self.tally.counts
         if evicted:
-            self.counts.evictions += 1
+            counts.evictions += 1
         self._account(src, chunk, -1)
         started = time.perf_counter()
         try:
             buf = self._new_buffer(chunk, device, protect or (chunk,), plan)
-            old, running = self._copy(chunk, src, device, buf, asynchronous=asynchronous)
+            old, running = self.copies.copy(chunk, src, device, buf, asynchronous=asynchronous)
         except BaseException:
             self._account(src, chunk, +1)
             # [Note: a failed copy] The chunk stayed on src: its booking goes back there (the
@@ -596,92 +655,32 @@ class ChunkMover:
             self.host.request(chunk.nbytes, src=device, dst=src)
             raise
         self._account(device, chunk, +1)
-        if running and old.is_cpu:
-            # recycled once the copy is done; booked as the pool's from now if the plan said so
-            self.host.hold_in_flight(chunk.ready_event, old, plan.give_bytes > 0)
-        else:
-            self.host.recycle(old, plan)
-        self.host.collect()
-        self.host.settle()
-        self.counts.moves += 1
-        self.counts.moved_bytes[f"{src}->{device}"] += chunk.nbytes
+        self.host.let_go(old, plan, read_until=chunk.ready_event if running else None)
+        counts.moves += 1
+        counts.moved_bytes[f"{src}->{device}"] += chunk.nbytes
         seconds = time.perf_counter() - started
-        for listener in self.move_listeners:
-            listener(chunk, src, device, seconds, evicted)
-
-    def _copy(self, chunk: Chunk, src: str, device: str, buf: torch.Tensor, *, asynchronous: bool) -> tuple[torch.Tensor, bool]:
-        """Point ``chunk`` at ``buf`` on ``device`` and copy its payload there: on the disk's
-        threads, a simulated link's engine or a real GPU's copy stream when ``asynchronous``
-        (the chunk's next user waits for its ``ready_event``), else now. Returns the old
-        payload and whether a copy still reads it."""
-        spec = self._specs[device]
-        if device == NVME:  # see [Note: the disk tier's moves]
-            return self.disk.write_down(chunk, buf, asynchronous=asynchronous), asynchronous
-        if src == NVME:
-            assert device in self._host or spec.meta, f"{chunk}: a read from the disk lands in host memory, not on {device}"
-            return self.disk.read_up(chunk, spec, buf, asynchronous=asynchronous), False
-        link_direction = self._link_direction(src, device)
-        if link_direction is not None:
-            # [Note: simulated link] as on the copy stream: the chunk points at its new
-            # buffer at once, the copy engine fills it, the next user waits for the event;
-            # a synchronous move waits for it here (all of it exposed)
-            old = chunk.rebind(spec, buf)
-            event = self.link.submit(link_direction, chunk.nbytes, functools.partial(buf.copy_, old))
-            if asynchronous:
-                chunk.copy_started(event)
-            else:
-                event.synchronize()
-            return old, asynchronous
-        stream = self.copy_stream if asynchronous and self._crosses_gpu(src, device) else None
-        if stream is None:
-            return chunk.move_to(spec, buffer=buf), False
-        # [Note: copy stream] The copy waits for the compute stream's work so far (the
-        # chunk's last writes), runs beside later compute, and leaves an event that the
-        # chunk's next user waits for. record_stream keeps the caching allocator from
-        # handing a GPU buffer to anyone else while the copy stream still uses it.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            old = chunk.move_to(spec, buffer=buf, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-            chunk.copy_started(event)
-        for t in (old, buf):
-            if t.is_cuda:
-                t.record_stream(stream)
-        return old, True
+        for listener in self.activity.listeners:  # each heard by its own switch (memory/activity.py)
+            if listener.hears_moves:
+                listener.moved(chunk, src, device, seconds, evicted)
 
     def _account(self, device: str, chunk: Chunk, sign: int) -> None:
-        """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on ``device``."""
+        """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on
+        ``device``: in the tally and the host buffers' count of arena payloads; the trace is
+        told when the chunks on the compute device grew."""
         assert chunk.payload is not None
-        self.used_bytes[device] += sign * chunk.nbytes
-        self._used_all_bytes += sign * chunk.nbytes
         self.host.payload_changed(chunk.payload, chunk.nbytes, sign)
-        ptr = storage_key(chunk.payload)
-        if sign > 0:
-            self.resident[device][chunk.chunk_id] = chunk
-            self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
-            self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
-            self.payload_ptrs.add(ptr)
-            if device == self.compute.name:
-                self.trace.chunks_grew(self.used_bytes[device])
-        else:
-            del self.resident[device][chunk.chunk_id]
-            self.payload_ptrs.discard(ptr)
+        if sign < 0:
+            self.tally.remove(device, chunk)
+            return
+        self.tally.add(device, chunk)
+        if device == self.compute.name:
+            self.trace.chunks_grew(self.tally.used_bytes[device])
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload, the pool and the arena (client shutdown)."""
         self.sync()  # no copy may still read or fill a buffer given back below
         for chunk in chunks:
             self.free(chunk)
-        if self.arena is not None:
-            self.arena.close()
-        self.host.release()
+        self.host.close()
         if self.disk is not None:
             self.disk.close()
-
-
-def _follow(listeners: tuple, fn: Callable, on: bool) -> tuple:
-    """``listeners`` with ``fn`` once, at the end if it was not there (``on``), or without it."""
-    if on:
-        return listeners if fn in listeners else (*listeners, fn)
-    return tuple(f for f in listeners if f != fn)

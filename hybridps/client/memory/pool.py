@@ -13,8 +13,8 @@ the garbage collector instead of being handed to another chunk.
 
 Pooled buffers are host memory their client holds, so the node manager books them on the
 CPU; the pool itself makes no request. ``plan_give`` tells, before a chunk operation, what a
-give will do, so that the mover books the pool's bytes in the operation's one
-request (memory/mover.py, [Note: one request per chunk operation]); ``PoolPlan`` is what one
+give will do, so that the host buffers book the pool's bytes in the operation's one
+request (memory/host_buffers.py, [Note: one request per chunk operation]); ``PoolPlan`` is what one
 such operation does with the pool and the arena, decided before that request.
 """
 
@@ -163,7 +163,7 @@ class PayloadPool:
 @dataclasses.dataclass(slots=True)
 class PoolPlan:
     """What one chunk operation does with the pool and the arena, decided before its one
-    manager request (memory/mover.py, [Note: the arena's booking])."""
+    manager request (memory/host_buffers.py, [Note: the arena's booking])."""
 
     #: the pooled host buffer the chunk's new payload will be (taken out of the pool already)
     taken: torch.Tensor | None = None

@@ -5,9 +5,10 @@ Owns the figures: the live non-model bytes (see [Note: measuring non-model memor
 memory/tracer.py), the trace of moments (their labels and the non-model bytes at each, recorded in
 the warm-up iteration), where the iteration stands in it (``mode``, ``moment``), the reserve
 of a moment (``reserve_bytes``), the peaks of chunks + non-model (``chunks_grew``,
-``note_total``), and what the warm-up used at each moment: the chunk accesses (``accesses``,
-indexed by moment, ``by_moment``, and by chunk, ``next_use``) and the chunk groups gathered
-(``gathers_at``), which the eviction policy and the prefetcher read.
+``note_total``), and a chunk's next use in the replay (``next_use``, which the eviction policy
+reads). What the warm-up used at each moment (the chunk accesses and the chunk groups
+gathered) is the record it holds (``uses``, memory/warmup.py), cleared when a warm-up starts
+and indexed when it ends; the prefetcher reads it through ``by_moment`` and ``gathers_at``.
 
 Does not own: the hooks that drive it (the tracer, ``memory/tracer.py``, is its writer: it
 marks the moments, counts saved activations, records the chunk accesses and starts and ends
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from hybridps.client.memory.warmup import WarmupUses
 from hybridps.common.devices import DeviceSpec
 
 if TYPE_CHECKING:
@@ -67,6 +69,8 @@ class MomentTrace:
     def __init__(self, compute: DeviceSpec, *, margin_bytes: int = 0):
         self.device = compute
         self._name = compute.name
+        #: non-model bytes are measured on a GPU only (read once: every budget asks)
+        self._on_gpu = compute.is_gpu
         #: chunks + non-model may reach this on the compute device; beyond it idle chunks go
         self.limit_bytes = compute.capacity_bytes - margin_bytes
         self._reset()
@@ -81,8 +85,8 @@ class MomentTrace:
         self.live_saved_bytes = 0
         self.mode = TraceMode.OFF
         self.moment = 0
-        #: the mover's access clock when this moment began (the tracer sets it at each tick):
-        #: a chunk used since then has had its use of this moment (``next_use``)
+        #: the access clock (memory/activity.py) when this moment began, set by the tracer at
+        #: each tick: a chunk used since then has had its use of this moment (``next_use``)
         self.moment_clock = 0
         self.iterations = 0
         # the trace (valid once the warm-up iteration ended)
@@ -96,13 +100,8 @@ class MomentTrace:
         #: a new saved storage that brings chunks + non-model above this takes the tracer's
         #: slow path (evict, raise or new peak): min(limit_bytes, the peak being kept now)
         self.watch_bytes = 0
-        # what the warm-up used (valid once it ended): (moment, chunk_id, device) in order;
-        # moment -> (chunk_id, device) used then; chunk_id -> sorted moments of use; moment ->
-        # chunk groups gathered then
-        self.accesses: list[tuple[int, int, str]] = []
-        self.by_moment: dict[int, list[tuple[int, str]]] = {}
-        self._next_use: dict[int, list[int]] = {}
-        self.gathers_at: dict[int, list[int]] = {}
+        #: what the warm-up used at each moment (indexed once it ended)
+        self.uses = WarmupUses()
 
     def start(self, *, external_bytes: int = 0) -> None:
         """Measure from now on, as a fresh trace, not counting ``external_bytes`` (GPU memory
@@ -115,9 +114,9 @@ class MomentTrace:
 
     def live_non_model(self, chunk_bytes: int) -> int:
         """Non-model bytes on the compute device now, the chunks there holding ``chunk_bytes``."""
-        device = self.device
-        if not device.is_gpu:
+        if not self._on_gpu:
             return 0
+        device = self.device
         if device.simulated:
             return self.live_saved_bytes
         allocated = torch.cuda.memory_allocated(device.torch_device)
@@ -175,7 +174,7 @@ class MomentTrace:
             self.mode = TraceMode.RECORD
             self.trace_id += 1
             self.labels, self.non_model = [], []
-            self.accesses, self.gathers_at = [], {}
+            self.uses.clear()
         self.rewatch()
         return self.mode
 
@@ -191,21 +190,11 @@ class MomentTrace:
         return recorded
 
     def _index_accesses(self) -> None:
-        self._next_use, self.by_moment = {}, {}
-        seen: set[tuple[int, int, str]] = set()
-        for access in self.accesses:  # each chunk once a moment: a block accesses many params of one chunk
-            if access in seen:
-                continue
-            seen.add(access)
-            moment, chunk_id, device = access
-            uses = self._next_use.setdefault(chunk_id, [])
-            if not uses or uses[-1] != moment:
-                uses.append(moment)
-            self.by_moment.setdefault(moment, []).append((chunk_id, device))
+        self.uses.index()
         logger.info(
             "warm-up trace: %d moments, %d chunk accesses, non-model peak %d B",
             len(self.labels),
-            len(self.accesses),
+            len(self.uses.accesses),
             max(self.non_model, default=0),
         )
 
@@ -241,11 +230,32 @@ class MomentTrace:
 
     # -- what the warm-up used (the eviction policy and the prefetcher read it) ------------
 
+    def record_access(self, chunk: Chunk, device: str) -> None:
+        """``chunk`` was brought to ``device`` now: the warm-up records it (the tracer, while it
+        hears the brings of a warm-up)."""
+        if self.mode is TraceMode.RECORD:
+            self.uses.accesses.append((self.moment, chunk.chunk_id, device))
+
     def record_gather(self, group: int) -> None:
         """Chunk group ``group`` was gathered now: the warm-up records it (the prefetcher
         starts the same gather a moment ahead in later iterations)."""
         if self.mode is TraceMode.RECORD:
-            self.gathers_at.setdefault(self.moment, []).append(group)
+            self.uses.record_gather(self.moment, group)
+
+    @property
+    def accesses(self) -> list[tuple[int, int, str]]:
+        """(moment, chunk_id, device) of every bring of the warm-up, in order."""
+        return self.uses.accesses
+
+    @property
+    def by_moment(self) -> dict[int, list[tuple[int, str]]]:
+        """Moment -> (chunk_id, device) the warm-up used then (the prefetcher reads ahead)."""
+        return self.uses.by_moment
+
+    @property
+    def gathers_at(self) -> dict[int, list[int]]:
+        """Moment -> the chunk groups the warm-up gathered then."""
+        return self.uses.gathers_at
 
     def replaying(self) -> bool:
         return self.mode is TraceMode.REPLAY
@@ -254,7 +264,7 @@ class MomentTrace:
         """Moment of the next use of ``chunk`` after now (inf if never in this iteration)."""
         if self.mode is not TraceMode.REPLAY:
             return float("inf")
-        uses = self._next_use.get(chunk.chunk_id)
+        uses = self.uses.moments_of.get(chunk.chunk_id)
         if not uses:
             return float("inf")
         i = bisect.bisect_left(uses, self.moment)

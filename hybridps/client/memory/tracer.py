@@ -11,12 +11,13 @@ policy), and the eviction policy reads the access order.
 
 Owns the driving of the trace: the moments (``tick``) and who is told of each (its
 ``tick_listeners``, given at construction: the prefetcher, the event recorder), the
-saved-activation counting of a simulated GPU, the recording of the chunk accesses, fitting
-the chunks of the compute device to each moment and to the activations that grow between
-moments (which chunks may leave, and moving them, are the mover's). The figures themselves
-(non-model bytes per moment, where the iteration stands, the reserve, the peaks, the
-accesses and next uses) live in the ``MomentTrace`` the mover was built with
-(memory/trace.py, [Note: who holds the trace]); this tracer writes them.
+saved-activation counting of a simulated GPU, the recording of the chunk accesses (it hears
+the brings of a warm-up, and only those, on the chunk-activity channel the mover reports to,
+memory/activity.py), fitting the chunks of the compute device to each moment and to the
+activations that grow between moments (which chunks may leave, and moving them, are the
+mover's). The figures themselves (non-model bytes per moment, where the iteration stands, the
+reserve, the peaks, the accesses and next uses) live in the ``MomentTrace`` the mover was
+built with (memory/trace.py, [Note: who holds the trace]); this tracer writes them.
 
 [Note: measuring non-model memory]
 On a real GPU, non-model = ``torch.cuda.memory_allocated`` minus the chunk payloads on it,
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridps.client.chunks.chunk import Chunk, storage_key
+from hybridps.client.memory.activity import ChunkListener
 from hybridps.client.memory.trace import MomentTrace, TraceMode
 from hybridps.common.eager import eager
 from hybridps.common.errors import CapacityError, ConfigError
@@ -104,7 +106,7 @@ class _SavedTensor:
         self.tracer._unref(self.key)
 
 
-class MemoryTracer:
+class MemoryTracer(ChunkListener):
     """Moments, non-model memory and chunk accesses of the training iterations of one client."""
 
     def __init__(
@@ -135,8 +137,8 @@ class MemoryTracer:
         #: allowance for what a real GPU holds beyond the saved bytes (see planner.simulate)
         self.largest_saved_bytes = 0
         # read by the pack hook for every saved storage: bound once
-        self._chunk_bytes = mover.used_bytes  # device name -> chunk bytes there
-        self._payload_ptrs = mover.payload_ptrs
+        self._chunk_bytes = mover.tally.used_bytes  # device name -> chunk bytes there
+        self._payload_ptrs = mover.tally.payload_ptrs
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
         #: called as on_tick(label, non_model_bytes) at every moment, in this order (the
@@ -148,9 +150,14 @@ class MemoryTracer:
         external_bytes = 0
         if self.device.is_gpu and not self.device.simulated:
             held = torch.cuda.memory_allocated(self.device.torch_device)
-            external_bytes = max(0, held - mover.used_bytes[self.device.name])
+            external_bytes = max(0, held - mover.tally.used_bytes[self.device.name])
         trace.start(external_bytes=external_bytes)
         self.observe()
+        #: the channel the mover reports its brings to (the mover's, as the trace is): this
+        #: tracer hears them while a warm-up records (``hears_accesses``)
+        self.activity = mover.activity
+        self.hears_accesses = False
+        self.activity.join(self)
 
     # -- the trace's figures ---------------------------------------------------------------
 
@@ -273,7 +280,7 @@ class MemoryTracer:
             self.start_iteration()
 
     def _listen(self, on: bool) -> None:
-        self.mover.watch_accesses(self._on_access, on)
+        self.hears_accesses = on
 
     def end_iteration(self) -> None:
         self._listen(False)
@@ -285,7 +292,7 @@ class MemoryTracer:
         live = self.live_non_model()
         if self.trace.mark(label, live):  # departed from the trace: it is dropped
             self._listen(False)
-        self.trace.moment_clock = self.mover.clock
+        self.trace.moment_clock = self.activity.clock
         self.observe(live)
         for listener in self.tick_listeners:
             listener(label, live)
@@ -343,10 +350,9 @@ class MemoryTracer:
             return max(self._non_model_peak, self.trace.live_saved_bytes)
         return self._non_model_peak
 
-    def _on_access(self, chunk: Chunk, device: str) -> None:
-        trace = self.trace
-        if trace.mode is TraceMode.RECORD:
-            trace.accesses.append((trace.moment, chunk.chunk_id, device))
+    def accessed(self, chunk: Chunk, device: str) -> None:
+        """A bring of the warm-up: the trace records it."""
+        self.trace.record_access(chunk, device)
 
     # -- what the mover asks ---------------------------------------------------------------
 

@@ -4,10 +4,11 @@ arguments, and the calls themselves.
 Owns the choice of kernel per param group (torch's fused, foreach or for-loop Adam, as the
 user's optimizer would run it, see [Note: exactness]; or the step over compact 8-bit moments
 under ``Config.optimizer_states="int8"``, compact_adam.py), the calls' arguments worked out on
-the calling thread (step tensors, hyperparameters as the group holds them now), and running
-a call over one chunk's rows. Does not own when a chunk steps, what it takes or gives back
-(adam.py), how its rows are cut into runs (step_plan.py), nor the arithmetic of the compact
-step (compact_adam.py).
+the calling thread (hyperparameters as the group holds them now, and the tensors they take
+beside the rows, kept in ``StepTensors``: step counts, divisors, clip coefficients), and
+running a call over one chunk's rows. Does not own when a chunk steps, what it takes or gives
+back (chunk_step.py), how its rows are cut into runs (step_plan.py), nor the arithmetic of the
+compact step (compact_adam.py).
 
 [Note: exactness]
 Elementwise kernels give the same bits for an element wherever it sits in a tensor, so
@@ -34,7 +35,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from hybridps.client.optim.compact_adam import compact_adam_
 from hybridps.client.optim.moment_codes import MomentRow
-from hybridps.client.optim.step_plan import StepPlan, StepTensors
+from hybridps.client.optim.step_plan import StepPlan
 
 
 def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
@@ -46,6 +47,76 @@ def adam_kernel(group: dict, params: list[torch.Tensor]) -> tuple[bool, bool]:
         if foreach and isinstance(group["lr"], torch.Tensor):
             foreach = False  # torch's own rule: a tensor lr runs the for-loop kernel unless capturable
     return bool(fused), bool(foreach)
+
+
+#: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
+STEP_TENSORS_KEPT = 64
+
+
+class StepTensors:
+    """The tensors the kernels of a chunk's step take besides its rows, made on the calling
+    thread and kept: step counts (for every step), ``found_inf`` zeros (for good) and the
+    grads' divisors and clip coefficients (for one step, ``end_step`` forgets them). A step
+    on the worker keeps those it was given even once they are forgotten here."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._per_step: dict[tuple, torch.Tensor] = {}
+
+    def step(self, count: int, device: torch.device) -> torch.Tensor:
+        """A float32 scalar holding step count ``count`` on ``device``, made once (read-only:
+        only the fused kernel, which never writes its step tensors, takes these)."""
+        key = (device, count)
+        tensor = self._steps.get(key)
+        if tensor is None:
+            if len(self._steps) > STEP_TENSORS_KEPT:
+                self._steps.clear()
+            tensor = self._steps[key] = torch.tensor(float(count), dtype=torch.float32, device=device)
+        return tensor
+
+    def zero(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's ``found_inf`` where a scale is folded in: never an overflow here
+        (a step with one is skipped before it starts)."""
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return zero
+
+    def divisor(self, inv_scale: float | None, clip_coef: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """What the grads are divided by: 1 / (inv_scale x clip_coef) in float32, on
+        ``device``; made once per step and device."""
+        if inv_scale is None and clip_coef is None:
+            return None
+        key = ("divisor", inv_scale, id(clip_coef), device)
+        divisor = self._per_step.get(key)
+        if divisor is None:
+            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+            if clip_coef is not None:
+                factor = factor * clip_coef.cpu()
+            divisor = self._per_step[key] = (1.0 / factor).to(device)
+        return divisor
+
+    def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` (this step's clip coefficient) on ``device``, copied once per step."""
+        key = ("on_device", id(tensor), device)
+        copy = self._per_step.get(key)
+        if copy is None:
+            copy = self._per_step[key] = tensor.to(device)
+        return copy
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (a tensor lr) made once per step: what the step's kernels read
+        even when the owner changes it in place meanwhile."""
+        key = ("copy", id(tensor))
+        copy = self._per_step.get(key)
+        if copy is None:
+            copy = self._per_step[key] = tensor.clone()
+        return copy
+
+    def end_step(self) -> None:
+        """The step is over: its divisors and coefficients are not made for the next."""
+        self._per_step.clear()
 
 
 @dataclasses.dataclass(eq=False)

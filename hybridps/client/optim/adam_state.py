@@ -5,7 +5,7 @@ Owns: the translation between chunks and what torch shows (per param: ``step``,
 ``exp_avg``, ``exp_avg_sq``, and ``master`` under 16-bit precision), ``optimizer.state`` as a
 read-only mapping of copies (``AdamStateView``), ``state_dict`` and ``load_state_dict`` with
 their checks, and which share of the states a rank writes and loads. Does not own the step
-counts or the param groups themselves (``ChunkedAdam`` keeps them, adam.py), the arithmetic
+counts or the param groups themselves (``ChunkedAdam`` shows them, adam.py), the arithmetic
 of a step, where chunks lie (the mover), nor the loss scaler beyond its entry in the state
 dict (loss_scaler.py). Its functions take the optimizer as a ``StateOwner``, a protocol of
 what they read, so this module does not import adam.py, which calls it.

@@ -6,7 +6,7 @@ the hyperparameters' fp32 values, the choice of path (the native CPU kernel for 
 it loaded, else torch ops, which also run on CUDA), and splitting a native step over threads.
 Does not own the rows' format, the maps or quantizing (moment_codes.py), compiling and
 loading the kernel (native/), which ranges of which rows step and when (adam_kernels.py,
-adam.py), nor where rows lie.
+chunk_step.py), nor where rows lie.
 
 [Note: the compact step]
 Per element, in fp32, in the order of torchao's ``single_param_adam`` (torchao/optim/adam.py),

@@ -4,7 +4,7 @@
 Owns whether a chunk's step takes this path, the GPU-side fp32 buffers and streams it uses,
 and the two transfers of one step: the grads down (cast to fp32 on the GPU, then copied) and
 the master up (copied, then cast into the params on the GPU). Does not own the step itself
-(adam.py), taking and giving back chunks (the mover) or the worker (step_worker.py).
+(chunk_step.py), taking and giving back chunks (the mover) or the worker (step_worker.py).
 
 [Note: casts on the GPU]
 With bf16 params and grad reuse, a chunk stepped on the CPU used to come down whole (its bf16
@@ -84,6 +84,8 @@ class DeviceCasts:
     """Which chunk steps cast on the GPU, and the buffers and streams they share."""
 
     def __init__(self, store: ChunkStore, mover: ChunkMover, *, enabled: bool):
+        """``enabled``: ``Config.casts_on_gpu``, where nothing rules the path out for the whole
+        optimizer (it never applies under a loss scale or with several ranks)."""
         self.store = store
         self.mover = mover
         compute = store.compute
@@ -95,11 +97,10 @@ class DeviceCasts:
         self._hosts: dict[bool, torch.Tensor | None] = {}
         self._streams: dict[bool, torch.cuda.Stream] = {}
 
-    def applies(self, index: int, step_device: str, *, speculative: bool, loss_scaled: bool, ranks: bool) -> bool:
+    def applies(self, index: int, step_device: str, *, speculative: bool) -> bool:
         """Whether chunk ``index``, stepping on ``step_device``, takes this path: a step on
-        the CPU of a chunk whose param chunk lies on the compute GPU, not speculative, without
-        loss scaling, on one rank."""
-        if not self.enabled or step_device != "cpu" or speculative or loss_scaled or ranks:
+        the CPU of a chunk whose param chunk lies on the compute GPU, not speculative."""
+        if not self.enabled or step_device != "cpu" or speculative:
             return False
         params = self.store.rows[ChunkKind.PARAM][index]
         return params.payload is not None and params.device == self.store.compute.name

@@ -5,7 +5,7 @@ them where they lie (16-bit grads, a loss scale to divide out): one per device f
 on the calling thread, one for the steps on the step worker, each grown when a larger chunk
 needs more. Does not own the host memory itself (the mover's ``scratch``), the casts on the
 GPU (device_casts.py, their own pinned buffer), nor what is computed in them
-(chunk_arithmetic.py).
+(chunk_step.py).
 """
 
 from __future__ import annotations

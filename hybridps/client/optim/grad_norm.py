@@ -5,8 +5,8 @@ Owns: how these figures are computed over chunks and across ranks, exactly as
 ``torch.nn.utils.clip_grad_norm_`` computes the norm (per-param norms, then the norm of
 those; see adam_kernels.py, [Note: exactness]), and one step's ``Clip`` (its bound, its total norm,
 the coefficient the step multiplies grads by). Does not own when a clip or an overflow
-check happens, nor what a failed speculation undoes (``ChunkedAdam``, adam.py), the backups
-whose figures it reads (speculation.py), or the loss scale (loss_scaler.py). Every function
+check happens, nor what a failed speculation undoes (``IterationStep``, iteration_step.py),
+the backups whose figures it reads (speculation.py), or the loss scale (loss_scaler.py). Every function
 here is free: it reads the store, the backups and the groups it is given, and changes
 nothing but the tensors it returns.
 """

@@ -4,7 +4,7 @@ the rest.
 Owns, where a script hands several optimizers to ``initialize``, the torch optimizer each one
 becomes (``PartOptimizer``: its own ``param_groups``, ``state``, ``state_dict``, ``step`` and
 ``zero_grad``, what LR schedulers and frameworks hold), and the rule of their one step. Does
-not own the record of each (optimizer_part.py), the step (adam.py, chunk_arithmetic.py), the
+not own the record of each (optimizer_part.py), the step (iteration_step.py, chunk_step.py), the
 states' translation (adam_state.py), nor the user's own optimizer objects
 (params/optimizer_view.py makes each a view of its part).
 
@@ -202,8 +202,3 @@ class SeveralOptimizers:
         """The pass ran (or the iteration ended): no optimizer is marked."""
         self._marked.clear()
         self._settings.clear()
-
-
-def param_groups_of(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
-    """The param groups of ``optimizers``, in order: the chunked optimizer's ``param_groups``."""
-    return [group for optimizer in optimizers for group in optimizer.param_groups]

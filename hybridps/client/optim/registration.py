@@ -3,10 +3,10 @@ optimizer is one HybridPS can step over chunks (torch's, or one written the usua
 the registered model's params, every trainable one included; and which step it takes.
 
 Owns: those checks and their messages, run once, before anything is laid out, and the
-param groups as ``ChunkedAdam`` adopts them (``adopt_groups``). Does not own
-the layout of the Adam states (the client's ``register_optim``), the import of a state the
-optimizer already had (adam_state.py), nor anything the optimizer does once accepted
-(adam.py).
+optimizers as the chunked optimizer keeps them (``hand_over``: their param groups, each
+one's part, each param's group, ``adopt_groups``). Does not own the layout of the Adam states
+(the client's ``register_optim``), the import of a state the optimizer already had
+(adam_state.py), nor anything the optimizer does once accepted (adam.py, build_optimizer.py).
 """
 
 from __future__ import annotations
@@ -138,6 +138,10 @@ def check_params(store: ChunkStore, optimizers: list[torch.optim.Optimizer]) -> 
 class HandedOver:
     """The optimizers handed to the chunked optimizer, as it keeps them."""
 
+    #: the optimizers, in order (one, or several over disjoint params)
+    optimizers: list[torch.optim.Optimizer]
+    #: their param groups, in order: the chunked optimizer's (the very dicts they hold)
+    param_groups: list[dict]
     #: registration index -> its param group (None: not optimized)
     group_of: list[int | None]
     #: one per optimizer, in order
@@ -150,10 +154,14 @@ class HandedOver:
     imported: list[dict | None]
 
 
-def hand_over(store: ChunkStore, optimizers: list[torch.optim.Optimizer], param_groups: list[dict]) -> HandedOver:
-    """Each optimizer's part (its layout, its step, its groups among ``param_groups``, the
-    chunked optimizer's) and each param's; refuses compact 8-bit states for any optimizer but
+def hand_over(store: ChunkStore, optimizer: object) -> HandedOver:
+    """The optimizer (or list of them) handed to ``initialize``, checked (``optimizers_of``,
+    ``check_params``): their param groups, each optimizer's part (its layout, its step, its
+    groups among those) and each param's; refuses compact 8-bit states for any optimizer but
     Adam's kernels."""
+    optimizers = optimizers_of(optimizer)
+    check_params(store, optimizers)
+    param_groups = [group for o in optimizers for group in o.param_groups]
     layouts = [state_layout(o) for o in optimizers]
     group_of = adopt_groups(store, param_groups)
     parts = parts_of(optimizers, layouts, param_groups, group_of)
@@ -166,7 +174,7 @@ def hand_over(store: ChunkStore, optimizers: list[torch.optim.Optimizer], param_
     by_param = [None if g is None else next(p for p in parts if g in p.groups) for g in group_of]
     kinds = tuple(k for k in STATE_KINDS if any(k in p.layout.kinds for p in parts))
     imported = [o.state_dict() if len(o.state) else None for o in optimizers]
-    return HandedOver(group_of, parts, by_param, kinds, imported)
+    return HandedOver(optimizers, param_groups, group_of, parts, by_param, kinds, imported)
 
 
 def adopt_groups(store: ChunkStore, param_groups: list[dict]) -> list[int | None]:

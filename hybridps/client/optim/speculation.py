@@ -7,7 +7,7 @@ global norm) and, under fp16, whether to skip the step for an inf or NaN anywher
 step therefore *speculates* that the coefficient is 1 and nothing overflows, and keeps
 what it needs to undo itself: a ``Backup`` of the chunk's fp32 master, momentum and
 variance, its grads, the step counts it changes and the grad figures that validation reads
-(per-param norms, the fp16 min and max). ``ChunkedAdam.step_chunks`` validates: if the
+(per-param norms, the fp16 min and max). The step validates (``IterationStep.run``): if the
 speculation holds, the backups are dropped; if not, every speculated chunk is restored from
 its backup and stepped again with the real coefficient (or skipped), so every outcome
 matches stepping after backward bit for bit.
@@ -16,8 +16,8 @@ Owns: the mode of the current backward (``SpeculationMode`` and its named moves)
 backups, their host buffers (reused from iteration to iteration, and whether there is room
 for another), and whether the next backward should speculate (it clipped last iteration,
 or runs fp16). Does not own the arithmetic of a step, the chunks' access or placement
-(adam.py, early_step.py, store.py), nor the clip or overflow decisions themselves (adam.py,
-grad_norm.py).
+(chunk_step.py, early_step.py, store.py), nor the clip or overflow decisions themselves
+(iteration_step.py, grad_norm.py).
 
 [Note: speculation then validation]
 - Which chunks: those that step where payloads are host memory (the CPU, or a simulated
@@ -127,6 +127,10 @@ class Backup:
     #: the plan the step ran by, over exactly ``infos`` (step_plan.py): cuts the backed-up
     #: grads into params in one call
     plan: StepPlan | None = None
+    #: the norm type whose per-param norms the capture takes (the last clip's)
+    norm_type: float = 2.0
+    #: whether the capture takes the grads' extremes too (the fp16 overflow check reads them)
+    overflow_check: bool = False
 
     def grad_views(self) -> list[torch.Tensor]:
         """The backed-up grads of the stepped params, in registration order (as
@@ -142,9 +146,7 @@ class Backup:
         variance: torch.Tensor,
         grad: torch.Tensor,
         *,
-        norm_type: float,
         low_precision: bool,
-        overflow_check: bool,
     ) -> None:
         """Copy the chunk's values before its step, and the grad figures validation reads
         (the pure compute: runs on the step worker where the step does)."""
@@ -153,9 +155,10 @@ class Backup:
         self.momentum.copy_(momentum[: self.momentum.numel()])
         self.variance.copy_(variance[: self.variance.numel()])
         self.grad.copy_(grad[:used])
+        norm_type = self.norm_type
         if norm_type not in self.norms:  # not taken where the grads lay before the step
             self.norms[norm_type] = chunk_norms(self.grad_views(), norm_type, low_precision)
-        if overflow_check:
+        if self.overflow_check:
             lo, hi = torch.aminmax(self.grad)
             self.extremes = torch.stack([lo, hi]).float()
 
@@ -231,11 +234,13 @@ class Speculation:
         *,
         moment_numel: int | None = None,
         moment_dtype: torch.dtype = torch.float32,
+        overflow_check: bool = False,
     ) -> Backup | None:
         """Buffers for the backup of chunk ``index``, or None (and STOPPED) if there is no room.
         ``moment_numel``/``moment_dtype``: what a moment row's backup holds where it is not
         the first ``used`` fp32 elements (a compact row is backed up whole: its block scales
-        lie after its codes)."""
+        lie after its codes); ``overflow_check``: whether its capture takes the grads'
+        extremes (under a loss scale). Its capture takes the norms of the last clip's type."""
         moment_numel = used if moment_numel is None else moment_numel
         try:
             buffers = [self._buffer(used, torch.float32, index)]
@@ -251,7 +256,20 @@ class Speculation:
             return None
         master, momentum, variance, grad = buffers
         self.speculated += 1
-        backup = Backup(index, infos, steps_before, used, master, momentum, variance, grad, param_states, buffers=buffers)
+        backup = Backup(
+            index,
+            infos,
+            steps_before,
+            used,
+            master,
+            momentum,
+            variance,
+            grad,
+            param_states,
+            buffers=buffers,
+            norm_type=self.norm_type,
+            overflow_check=overflow_check,
+        )
         self.backups[index] = backup
         return backup
 

@@ -5,7 +5,7 @@ that state is a *row state* (shaped like its param, kept in a chunk row of its o
 placed, moved, booked and checkpointed like the params) or a *side state* (a scalar such as
 ``step``, or a factored moment such as Adafactor's ``row_var``, kept as a small tensor beside
 the rows), and the chunk kind of each row state. Does not own the step (torch_step.py for
-torch's own optimizers, adam.py's kernels for Adam/AdamW), nor the rows themselves (the
+torch's own optimizers, adam_kernels.py for Adam/AdamW), nor the rows themselves (the
 store) or their placement.
 
 [Note: probing the state layout]
@@ -63,7 +63,7 @@ class StateLayout:
         return tuple(k for k in STATE_KINDS if k in self.rows.values())
 
 
-#: Adam and AdamW as the chunked Adam keeps them (adam.py): two rows, the step count beside
+#: Adam and AdamW as the chunked Adam keeps them (adam_kernels.py): two rows, the step count beside
 ADAM_LAYOUT = StateLayout(rows={"exp_avg": ChunkKind.MOMENTUM, "exp_avg_sq": ChunkKind.VARIANCE}, side=("step",))
 
 
@@ -165,5 +165,5 @@ def shadow_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def raw_step(cls: type):
     """``cls.step`` without the wrappers torch puts around it (the global step hooks, the
     profiler's record, grad mode): a chunk's step is one piece of the engine's step, whose
-    hooks run once (adam.py)."""
+    hooks run once (adam.py's ``step``)."""
     return inspect.unwrap(cls.step)

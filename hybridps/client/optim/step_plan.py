@@ -1,4 +1,4 @@
-"""StepPlan: how one chunk's optimizer step cuts its rows into runs, worked out once and kept.
+"""StepPlan: how one chunk's optimizer step cuts its rows into runs.
 
 A chunk steps as *runs*: maximal stretches of neighbouring params of one param group at one
 step count, each a flat view of the chunk's rows (adam_kernels.py, [Note: exactness]). Finding
@@ -14,10 +14,11 @@ of one iteration serves the next), and kept: ``bounds`` cut a row into every run
 say which runs each kernel call takes, and ``param_bounds`` cut the grads into per-param
 views (the norms that speculation computes ahead).
 
-Owns: the plans, one per chunk index, where a run must end (see [Note: the kernels' tails]),
-and when the kept one serves; the tensors the kernels take beside the rows (``StepTensors``:
-step counts, divisors). Does not own the step
-counts, the param groups or the arithmetic (adam.py), nor where params sit (layout.py:
+Owns: what a plan holds and how one is worked out (``make_plan``), and where a run must end
+(see [Note: the kernels' tails]). Does not own the plan each chunk keeps and when it serves
+again (``StepPlans``, chunk_step.py: a step reads its kept plan without entering this module),
+the tensors the kernels take beside the rows (``StepTensors``, adam_kernels.py), the step
+counts, the param groups or the arithmetic (chunk_step.py), nor where params sit (layout.py:
 a plan reads their slots).
 
 [Note: the GIL beside backward]
@@ -167,95 +168,3 @@ def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequen
 
 def _pieces(runs) -> tuple[int, ...]:
     return tuple(2 * k + 1 for k in runs)
-
-
-class StepPlans:
-    """The plan each chunk stepped last, reused while the same params step with the same
-    pattern of step counts (every iteration, in the usual loop)."""
-
-    def __init__(self, group_of: Sequence[int | None]):
-        self.group_of = group_of
-        self._plans: dict[int, StepPlan] = {}
-        #: plans worked out since the start (tests, benchmarks)
-        self.made = 0
-
-    def get(self, index: int, infos: Sequence[ParamInfo], steps: Sequence[int]) -> tuple[StepPlan, int]:
-        """The plan of stepping ``infos`` of chunk ``index``, and the step count of its first
-        param (a run's count is that plus its ``step_offset``)."""
-        slots = tuple([i.slot.index for i in infos])
-        base = steps[slots[0]]
-        plan = self._plans.get(index)
-        if plan is None or plan.slots != slots or plan.step_offsets != tuple([steps[s] - base for s in slots]):
-            plan = self._plans[index] = make_plan(infos, steps, self.group_of)
-            self.made += 1
-        return plan, base
-
-
-#: step tensors of the fused kernel kept at most (by count and device; a few steps' worth)
-STEP_TENSORS_KEPT = 64
-
-
-class StepTensors:
-    """The tensors the kernels of a chunk's step take besides its rows, made on the calling
-    thread and kept: step counts (for every step), ``found_inf`` zeros (for good) and the
-    grads' divisors and clip coefficients (for one step, ``end_step`` forgets them). A step
-    on the worker keeps those it was given even once they are forgotten here."""
-
-    def __init__(self) -> None:
-        self._steps: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self._zeros: dict[torch.device, torch.Tensor] = {}
-        self._per_step: dict[tuple, torch.Tensor] = {}
-
-    def step(self, count: int, device: torch.device) -> torch.Tensor:
-        """A float32 scalar holding step count ``count`` on ``device``, made once (read-only:
-        only the fused kernel, which never writes its step tensors, takes these)."""
-        key = (device, count)
-        tensor = self._steps.get(key)
-        if tensor is None:
-            if len(self._steps) > STEP_TENSORS_KEPT:
-                self._steps.clear()
-            tensor = self._steps[key] = torch.tensor(float(count), dtype=torch.float32, device=device)
-        return tensor
-
-    def zero(self, device: torch.device) -> torch.Tensor:
-        """The fused kernel's ``found_inf`` where a scale is folded in: never an overflow here
-        (a step with one is skipped before it starts)."""
-        zero = self._zeros.get(device)
-        if zero is None:
-            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return zero
-
-    def divisor(self, inv_scale: float | None, clip_coef: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        """What the grads are divided by: 1 / (inv_scale x clip_coef) in float32, on
-        ``device``; made once per step and device."""
-        if inv_scale is None and clip_coef is None:
-            return None
-        key = ("divisor", inv_scale, id(clip_coef), device)
-        divisor = self._per_step.get(key)
-        if divisor is None:
-            factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
-            if clip_coef is not None:
-                factor = factor * clip_coef.cpu()
-            divisor = self._per_step[key] = (1.0 / factor).to(device)
-        return divisor
-
-    def on_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``tensor`` (this step's clip coefficient) on ``device``, copied once per step."""
-        key = ("on_device", id(tensor), device)
-        copy = self._per_step.get(key)
-        if copy is None:
-            copy = self._per_step[key] = tensor.to(device)
-        return copy
-
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` (a tensor lr) made once per step: what the step's kernels read
-        even when the owner changes it in place meanwhile."""
-        key = ("copy", id(tensor))
-        copy = self._per_step.get(key)
-        if copy is None:
-            copy = self._per_step[key] = tensor.clone()
-        return copy
-
-    def end_step(self) -> None:
-        """The step is over: its divisors and coefficients are not made for the next."""
-        self._per_step.clear()

@@ -16,7 +16,7 @@ compute succeeded or raised. An exception raised on the worker is raised again o
 calling thread when its task is finished (never swallowed), once every other task in
 flight was finished too, so no chunk stays taken.
 
-Does not own what a task computes or which chunks it holds (adam.py decides both).
+Does not own what a task computes or which chunks it holds (chunk_step.py decides both).
 
 [Note: nothing waits for the worker]
 A task holds its chunks taken (CPU-resident: the master, the Adam states, the grads brought
@@ -37,7 +37,7 @@ the worker waits for them before it computes.
 Early steps hide only what backward is long enough to cover, and a loop that clips leaves
 every chunk to ``step()`` under ``overlap_step="auto"``. So ``step()`` hands its CPU chunks
 to this worker too, in the order the next forward uses them, and returns
-(``ChunkedAdam._steps_beside_forward``: a real GPU, overlap on, one rank). The chunks stay
+(``IterationStep.steps_beside_forward``: a real GPU, overlap on, one rank). The chunks stay
 taken and are *handed over* (chunk.py, [Note: a chunk handed over]): the next forward's first
 access of a chunk finishes the steps up to it, so forward runs on the GPU while the CPU
 still steps the chunks it reaches later. Every other use settles first too: a take (the

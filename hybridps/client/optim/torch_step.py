@@ -5,8 +5,8 @@ RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor, Muon, Adam with
 an optimizer from outside torch written the usual way. Also owns each param's *side states*
 (state_layout.py: the scalars and factored moments kept beside the rows) and which row states
 of each param hold a value. Does not own the rows (the store), where a chunk steps or how its
-rows get there (adam.py's ``_step_chunk``, the mover), the grads' preparation (unscale, clip,
-cast: adam.py), nor the state layout (state_layout.py).
+rows get there (``ChunkStep``, chunk_step.py; the mover), the grads' preparation (unscale,
+clip, cast: chunk_step.py's ``ChunkArithmetic``), nor the state layout (state_layout.py).
 
 [Note: torch's own step on views]
 A chunk's step hands torch's own optimizer the chunk's params as views of the master row,
@@ -27,7 +27,7 @@ the param's side state. Side states follow their param's device the way
 
 The step is called once per chunk, on a *shadow* instance of the optimizer's class (its
 attributes, its own state and groups, state_layout.py ``shadow_of``), unwrapped from
-torch's step hooks: the engine's step runs the user's hooks once (adam.py). A param group's
+torch's step hooks: the engine's step runs the user's hooks once (adam.py's ``step``). A param group's
 dict is the user's (LR schedulers write it): each chunk's step sees a copy of its current
 values with the chunk's params, so an optimizer that writes its groups during a step would
 lose that write - the probe refuses such an optimizer (state_layout.py).

@@ -7,7 +7,7 @@ group is reduce-scattered), the pending grads that may not enter their slot yet
 (pending_grads.py) and every write of ``ParamInfo.has_grad``: the optimizer and the chunk
 groups report theirs through ``set_has_grad``, given to their constructors.
 
-Does not own the slots themselves (the store), the reductions of chunk groups (groups.py),
+Does not own the slots themselves (the store), the reductions of chunk groups (reductions.py),
 the optimizer's view of a grad (unscaling, clipping: ``ChunkedAdam.as_user_grad``) or when
 backward begins and ends (the engine).
 """
@@ -216,14 +216,15 @@ class Grads:
         """Multi-rank: the local grad waits in its slot of the gathered group (grad reuse) or
         of a staging chunk until the group is reduce-scattered to its owner."""
         assert self.groups is not None
+        reductions = self.groups.reductions
         if self.config.grad_reuse:
             if info.refs == 0:
                 raise StateError(f"grad of {info.describe()} arrived while the param is not accessed")
             target = self.store.rows[ChunkKind.PARAM][info.chunk].view(info.slot)
         else:
-            target = self.groups.grad_slot_view(info)
-        if self.groups.local_flags[info.slot.index]:
+            target = reductions.grad_slot_view(info)
+        if reductions.local_flags[info.slot.index]:
             target.add_(grad.reshape(-1))
         else:
             target.copy_(grad.reshape(-1))
-        self.groups.note_grad(info)
+        reductions.note_grad(info)

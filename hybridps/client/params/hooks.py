@@ -24,9 +24,10 @@ Params still held when backward ends (a param whose grad never came) are release
 A module may compute with a param it does not own (a tied head reading the embedding's
 weight in its parent's forward, ``nn.MultiheadAttention`` passing ``out_proj.weight`` to a
 functional call). The first such use reaches the released param's ``__torch_function__``
-(placeholder.py), which calls ``borrow``: the param is accessed for the innermost running
-module and joins that module's params, so from then on the module's hooks access, release,
-re-access for backward and (through the trace) prefetch it like its own.
+(placeholder.py), which asks the running forward (running_forward.py) to borrow it: the
+hooks lend it, accessed, to the innermost running module, and it joins that module's params,
+so from then on the module's hooks access, release, re-access for backward and (through the
+trace) prefetch it like its own.
 """
 
 from __future__ import annotations
@@ -154,22 +155,23 @@ class ModuleHooks:
         #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
         self.on_bare_backward = on_bare_backward
         self._bare_queued = False
-        #: the early step on one rank (several ranks: chunk groups call it after a reduction)
-        self.early_step = client.early_step if client.groups is None else None
+        #: the early step (Config.overlap_step): on one rank of each chunk whose grads are final,
+        #: on several of each owned chunk whose reduced grads became final (``_step_ready``)
+        self.early_step = client.early_step
         self._active: dict[nn.Module, int] = {}  # forward calls whose pre-hook accessed the params
-        self._running: list[nn.Module] = []  # modules whose forward is under way, innermost last
-        self._borrowed_now: dict[nn.Module, list[nn.Parameter]] = {}  # borrowed by a forward not yet returned
+        #: the module forwards under way and what they borrowed (running_forward.py), shared
+        #: with the guard of released params, which lends them params ops need
+        self.forward = client.guard.forward
         self._trainable = [i.param.requires_grad for i in client.params]
         self._grad_hooked: set[int] = set()
         #: grads sit in the params' own slots from their backward to the step (Config.grad_reuse)
         self.grad_reuse = client.config.grad_reuse
         self.handles: list = []
-        client.guard.borrow_with(self.borrow)
 
     @property
     def forward_running(self) -> bool:
         """Whether a forward of a module of the model is under way."""
-        return bool(self._running)
+        return self.forward.running
 
     def _take_units(self, blocks: bool) -> None:
         """Choose the units (hook_units.py) and what the hooks keep of each."""
@@ -284,27 +286,22 @@ class ModuleHooks:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def borrow(self, p: nn.Parameter) -> bool:
-        """Access ``p`` for the innermost running forward (see [Note: borrowed params]);
-        False when no forward of this model runs."""
-        if not self._running:
-            return False
-        mod = self._running[-1]
+    def lend(self, mod: nn.Module, p: nn.Parameter) -> None:
+        """Access ``p`` for ``mod``, the innermost running forward, which joins it to its params
+        (see [Note: borrowed params]; running_forward.py asks)."""
         if self.grad_reuse:
             self._refuse_grad_slots(mod, [p])
         self.client.access(p, who=self._labels[mod][3])
-        self._borrowed_now.setdefault(mod, []).append(p)
         if all(q is not p for q in self.own[mod]):
             self.own[mod].append(p)
             with torch._C.DisableTorchFunctionSubclass():
                 if not p.requires_grad:
                     self.frozen.add(mod)
-        return True
 
     def _pre_forward(self, mod: nn.Module, args) -> None:
-        if self._deciding and not self._running and self.tracer.has_trace and mod is self.module:
+        if self._deciding and not self.forward.running and self.tracer.has_trace and mod is self.module:
             self._decide_blocks()
-        self._running.append(mod)
+        self.forward.enter(mod, self)
         labels = self._labels[mod]
         self.tracer.tick(labels[0])
         params = self.own[mod]
@@ -350,10 +347,8 @@ class ModuleHooks:
         )
 
     def _post_forward(self, mod: nn.Module, args, output) -> None:
-        if self._running and self._running[-1] is mod:
-            self._running.pop()
+        borrowed = self.forward.leave(mod)
         self.tracer.tick(self._labels[mod][1])
-        borrowed = self._borrowed_now.pop(mod, ())
         params = self.own[mod]
         active = self._active.get(mod, 0)
         if active:
@@ -393,6 +388,7 @@ class ModuleHooks:
             if id(p) not in self._held_for_backward:
                 self.client.access(p, who=who)
                 self._held_for_backward[id(p)] = p
+        self._step_ready()  # an access lands a reduction of its group still in flight
 
     def _pre_backward_tensor(self, mod: nn.Module, grad: torch.Tensor) -> None:
         self._pre_backward(mod, grad)  # returns None: the grad passes unchanged
@@ -402,6 +398,7 @@ class ModuleHooks:
             if not p.requires_grad and id(p) in self._held_for_backward:
                 del self._held_for_backward[id(p)]
                 self.client.release(p, TensorState.HOLD_AFTER_BWD)
+        self._step_ready()  # a release may start a reduction, which lands an older one
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         if type(p) is ChunkedParameter:  # released: read and clear autograd's own .grad
@@ -414,8 +411,21 @@ class ModuleHooks:
         self.client.store_grad(p, grad)
         if self._held_for_backward.pop(id(p), None) is not None:
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
-        if self.early_step is not None:
+        if self.client.groups is not None:
+            self._step_ready()  # its store and release may have landed reductions
+        elif self.early_step is not None:
             self.early_step(self.client.param_info(p).chunk)
+
+    def _step_ready(self) -> None:
+        """Several ranks, Config.overlap_step: step early the owned chunks whose reduced grads
+        the landings in the calls just made into the chunk groups made final. Every rank calls
+        this at the same points of backward, where the groups check the order of collectives."""
+        groups = self.client.groups
+        if self.early_step is None or groups is None:
+            return
+        for index in groups.take_ready():
+            if self.early_step(index):
+                groups.note_early_step(index)
 
     def _bare_backward_done(self) -> None:
         self._bare_queued = False
@@ -427,3 +437,4 @@ class ModuleHooks:
         for p in self._held_for_backward.values():
             self.client.release(p, TensorState.HOLD_AFTER_BWD)
         self._held_for_backward.clear()
+        self._step_ready()

@@ -48,6 +48,7 @@ from hybridps.common.errors import HybridPSError, StateError
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ParamInfo
+    from hybridps.client.params.running_forward import RunningForward
     from hybridps.common.devices import DeviceSpec
 
 
@@ -269,24 +270,20 @@ def _dispatch(func, args, kwargs):
 class ParamGuard:
     """The meaning of ops on one client's unmaterialized params.
 
-    ``borrow`` is given by the module hooks (``borrow_with``): called with a param that an op
-    of the running forward needs, it accesses the param for the running module and returns
-    True, or returns False when no forward runs.
+    A param that an op of a running forward needs is lent to that forward by ``forward``
+    (running_forward.py), which the module hooks enter and leave; outside a forward it lends
+    nothing and the op takes the paths below.
     """
 
-    def __init__(self, client: ParamValues):
+    def __init__(self, client: ParamValues, forward: RunningForward):
         self.client = client
-        self._borrow: Callable[[nn.Parameter], bool] = lambda param: False
+        #: the module forwards under way, which a param an op needs is lent to
+        self.forward = forward
         self._shadows: dict[int, torch.Tensor] = {}
         #: while a state_dict is taken: id(param) -> the copy already read (one tensor per tied param)
         self._read_cache: dict[int, torch.Tensor] | None = None
         #: module conversions seen (model.to/cuda/cpu/float: see [Note: converting a model under HybridPS])
         self.conversions = 0
-
-    def borrow_with(self, borrow: Callable[[nn.Parameter], bool]) -> None:
-        """The module hooks built over this guard lend released params to the running
-        forward through ``borrow`` (hooks.py, [Note: borrowed params])."""
-        self._borrow = borrow
 
     def begin_read_cache(self) -> None:
         """A state_dict is being taken: a tied param is read once, as one tensor."""
@@ -372,7 +369,7 @@ class ParamGuard:
         return grad
 
     def data_of(self, param: nn.Parameter) -> torch.Tensor:
-        if self._borrow(param):
+        if self.forward.borrow(param):
             return param.data
         raise HybridPSError(
             f"{self.describe(param)}.data outside forward: its value lives in HybridPS chunks, and an edit of a "
@@ -397,7 +394,7 @@ class ParamGuard:
                 f"{op} on {self.describe(targets[0])}: HybridPS owns this param's storage and cannot let it be "
                 f"replaced or reshaped in place; build a new model or edit values with copy_"
             )
-        if self._borrow(targets[0]):  # inside a forward: compute on the real values
+        if self.forward.borrow(targets[0]):  # inside a forward: compute on the real values
             if writes:
                 raise HybridPSError(
                     f"in-place {op} on {self.describe(targets[0])} during forward: the edit would reach the "
@@ -405,7 +402,7 @@ class ParamGuard:
                     f"between steps, e.g. with torch.no_grad(): param.{op}(...)"
                 )
             for t in targets[1:]:
-                if not self._borrow(t):
+                if not self.forward.borrow(t):
                     raise StateError(f"{self.describe(t)}: could not be accessed for {op}")
             return func(*args, **kwargs)
         return self._apply_outside(func, op, args, kwargs, targets, writes)

@@ -29,6 +29,7 @@ from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.optim import registration
 from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.optim.build_optimizer import build_optimizer
 from hybridps.client.params.grads import set_has_grad
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
@@ -324,11 +325,11 @@ class ParamRegistry:
         """Lay out the optimizer's row states (Adam's momentum and variance; another optimizer's
         as optim/state_layout.py finds them) like the param chunks; return the chunked
         optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
-        ``wiring``: what the caller gives the optimizer (``ChunkedAdam``'s keyword arguments
-        ``scaler``, ``step_driver``, ``step_listeners``, ``zero_grad_listeners``)."""
+        ``wiring``: what the caller gives the optimizer (``build_optimizer``'s keyword
+        arguments ``scaler``, ``step_driver``, ``step_listeners``, ``zero_grad_listeners``)."""
         if self.optimizer is not None:
             raise StateError("register_optim was called already; one optimizer per client")
-        chunked = ChunkedAdam(
+        chunked = build_optimizer(
             self.store,
             self.mover,
             optimizer,
@@ -354,10 +355,6 @@ class ParamRegistry:
             self.store.rows[kind] = chunks
         self._book_optimizer_states()
         self.optimizer = chunked
-        # the one place the early step (Config.overlap_step) is wired: chunk groups call it
-        # when a group's grads are reduced, the engine's grad hooks on one rank (``early_step``)
-        if self.groups is not None and chunked.overlap_step:
-            self.groups.step_early_with(chunked.step_chunk_early)
         chunked.attach_state()
         return chunked
 

@@ -2,17 +2,19 @@
 failure names who is missing.
 
 Owns: the calls into ``torch.distributed`` (all-gather of chunk groups, reduce-scatter of
-their grads, reduce, all-reduce, broadcast, scatter, barrier), the bytes each moves, this
-rank's position (one sequence number per collective or compound operation), the running
-order digest and the recent history that ``check_order`` compares once per iteration, and
-waiting for a collective in slices so that a verdict of the heartbeat thread ends the wait.
-Knows nothing of chunks' meaning: callers pass tensors and a description ("params of chunk
-group 3").
+their grads, reduce, all-reduce, broadcast, scatter, barrier), the bytes each moves, the
+order of this rank's collectives (``CollectiveOrder``: its position, one sequence number per
+collective or compound operation, the running order digest and the recent history that
+``check_order`` compares once per iteration), and waiting for a collective in slices so that
+a verdict of the heartbeat thread ends the wait. Knows nothing of chunks' meaning: callers
+pass tensors and a description ("params of chunk group 3"). What a reduction calls stays in
+this module (a hot path: docs/ARCHITECTURE.md, "Hot paths").
 
 Does not own: the process group it runs on (``topology.own_group`` builds one with the
-collective timeout), the records in the store and the heartbeat thread (``watchdog.py``,
-see its [Note: the watchdog] and [Note: dead peers]), the error once a collective failed or
-the digests differ (``postmortem.py``), which chunks a group gathers (``groups.py``).
+collective timeout), this rank's record in the store and the heartbeat thread
+(``watchdog.RankRecord``, given to the constructor; see watchdog.py's [Note: the watchdog]
+and [Note: dead peers]), the error once a collective failed or the digests differ
+(``postmortem.py``), which chunks a group gathers (``groups.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import collections
 import datetime
 import hashlib
-import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,10 +30,8 @@ import torch
 import torch.distributed as dist
 
 from hybridps.client.sharding.postmortem import CollectiveError, _rank_list, failure_in_group, order_message, store_lost
-from hybridps.client.sharding.topology import own_group, store_address
-from hybridps.client.sharding.watchdog import PeerWatch, Position, pos_key
-
-logger = logging.getLogger(__name__)
+from hybridps.client.sharding.topology import own_group
+from hybridps.client.sharding.watchdog import PeerWatch, Position, RankRecord
 
 
 class _Pending:
@@ -60,96 +59,29 @@ class _Pending:
         return self._work is None or self._work.is_completed()
 
 
-class Collectives:
-    """The collectives of one rank in one process group."""
+class CollectiveOrder:
+    """The order of one rank's collectives: its position (one sequence number per collective
+    or compound operation, kept in ``position``), the running digest of every collective and
+    the recent history that ``Collectives.check_order`` compares (watchdog.py's [Note: the
+    watchdog]). In memory only."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        group: dist.ProcessGroup | None = None,
-        store: dist.Store | None = None,
-        timeout_s: float = 300.0,
-        prefix: str = "hybridps",
-        device: torch.device | None = None,
-        heartbeat_period_s: float = 2.0,
-        dead_after_s: float = 10.0,
-        history_len: int = 4096,
-        label: str = "",
-    ):
-        self.rank = rank
-        #: what these ranks are when they are not the whole job ("shard group 1"), for messages
-        self.label = label
-        #: where the backend wants tensors (CUDA for NCCL); small tensors are staged there
-        self.device = device or torch.device("cpu")
-        self.world_size = world_size
-        self.store = store
-        self.timeout_s = timeout_s
-        self.prefix = prefix
-        self.heartbeat_period_s = heartbeat_period_s
-        self.dead_after_s = dead_after_s
+    def __init__(self, position: Position, *, history_len: int = 4096):
+        self.position = position
         #: position counter: one per collective or compound operation (``arrive``)
         self.seq = 0
         #: collectives issued, the ones inside compound operations too
         self.issued = 0
-        self.order_checks = 0
-        self.position = Position()
-        #: running digest of (op, what, bytes) of every collective (watchdog.py's [Note: the watchdog])
+        #: order checks made (the number of the next one's keys in the store)
+        self.checks = 0
+        #: running digest of (op, what, bytes) of every collective
         self._digest = bytes(8)
         #: the collectives since the last order check that passed (at most ``history_len``):
         #: (issued, seq, op, what, bytes, running digest after it)
         self.history: collections.deque[tuple[int, int, str, str, int, int]] = collections.deque(maxlen=history_len)
-        #: bytes this rank received per kind of collective (for all-reduce: the tensor size);
-        #: averaged over ranks this is the per-rank volume of the ZeRO analysis
-        self.bytes_received: collections.Counter[str] = collections.Counter()
-        self.calls: collections.Counter[str] = collections.Counter()
-        self.store_address = store_address(store) if store is not None else None
-        watched = store is not None and world_size > 1
-        if watched:  # before the group is created: once it exists, every rank's record does too
-            try:
-                store.set(pos_key(prefix, rank), self.position.record(0))
-            except Exception as exc:
-                logger.debug("rank %d could not post its first position: %s", rank, exc)
-        self.group = own_group(group, world_size, timeout_s)
-        #: the job's rank of each rank of this group (torch.distributed's src/dst are those)
-        self.global_ranks: list[int] = list(range(world_size))
-        if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
-            self.global_ranks = dist.get_process_group_ranks(group)
-        #: the heartbeat thread, when the store can give it a connection of its own
-        self.watch: PeerWatch | None = None
-        if watched and heartbeat_period_s > 0:
-            try:
-                own = store.clone()
-            except Exception as exc:  # a store that cannot be cloned: only the timeout applies
-                logger.debug("no dead-peer detection (%s cannot be cloned: %s)", type(store).__name__, exc)
-            else:
-                self.watch = PeerWatch(
-                    store=own,
-                    rank=rank,
-                    world_size=world_size,
-                    prefix=prefix,
-                    position=self.position,
-                    period_s=heartbeat_period_s,
-                    dead_after_s=dead_after_s,
-                    global_ranks=self.global_ranks,
-                )
-                weakref.finalize(self, self.watch.stop)
-        #: CPU collectives wait in slices and can be abandoned for a dead peer (NCCL's wait
-        #: does not block the CPU; it has a watchdog of its own)
-        self._sliced = self.watch is not None and self.device.type == "cpu"
-        self._slice = datetime.timedelta(seconds=min(0.5, max(heartbeat_period_s / 2, 0.05)))
 
-    def close(self) -> None:
-        """Stop the heartbeat thread; its last record says this rank closed its collectives."""
-        if self.watch is not None:
-            self.watch.stop(post_closed=True)
-
-    # -- positions and the order digest ----------------------------------------------------
-
-    def _enter(self, op: str, what: str, nbytes: int, *, checked: bool = False) -> tuple[int, str, str]:
-        """Move this rank's position (unless ``checked``: a collective inside the compound
-        operation entered last) and fold the collective into the digest; in memory only."""
+    def enter(self, op: str, what: str, nbytes: int, *, checked: bool = False) -> tuple[int, str, str]:
+        """Move the position (unless ``checked``: a collective inside the compound operation
+        entered last) and fold the collective into the digest; the position."""
         if not checked:
             self.seq += 1
             self.position.at = (self.seq, op, what)
@@ -158,16 +90,108 @@ class Collectives:
         self.history.append((self.issued, self.seq, op, what, nbytes, int.from_bytes(self._digest, "big")))
         return self.position.at
 
+    @property
+    def digest(self) -> int:
+        return int.from_bytes(self._digest, "big")
+
+
+class Collectives:
+    """The collectives of the rank that ``record`` names (its record in the group's store,
+    made before the group: watchdog.py), on ``group`` or on one made over the same ranks with
+    ``timeout_s``; small tensors staged on ``device``; ``label`` names the ranks in messages
+    when they are not the whole job."""
+
+    def __init__(
+        self,
+        record: RankRecord,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 300.0,
+        device: torch.device | None = None,
+        history_len: int = 4096,
+        label: str = "",
+    ):
+        self.record = record
+        self.rank = record.rank
+        self.world_size = record.world_size
+        #: what these ranks are when they are not the whole job ("shard group 1"), for messages
+        self.label = label
+        #: where the backend wants tensors (CUDA for NCCL); small tensors are staged there
+        self.device = device or torch.device("cpu")
+        self.timeout_s = timeout_s
+        self.order = CollectiveOrder(record.position, history_len=history_len)
+        #: bytes this rank received per kind of collective (for all-reduce: the tensor size);
+        #: averaged over ranks this is the per-rank volume of the ZeRO analysis
+        self.bytes_received: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.group = own_group(group, self.world_size, timeout_s)
+        #: the job's rank of each rank of this group (torch.distributed's src/dst are those)
+        self.global_ranks: list[int] = list(range(self.world_size))
+        if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
+            self.global_ranks = dist.get_process_group_ranks(group)
+        watch = record.start_watch(self.global_ranks)
+        if watch is not None:
+            weakref.finalize(self, watch.stop)
+        #: CPU collectives wait in slices and can be abandoned for a dead peer (NCCL's wait
+        #: does not block the CPU; it has a watchdog of its own)
+        self._sliced = watch is not None and self.device.type == "cpu"
+        self._slice = datetime.timedelta(seconds=min(0.5, max(record.heartbeat_period_s / 2, 0.05)))
+
+    def close(self) -> None:
+        """Stop the heartbeat thread; its last record says this rank closed its collectives."""
+        self.record.stop()
+
+    # -- what a post-mortem reads (postmortem.Watched) -------------------------------------
+
+    @property
+    def store(self) -> dist.Store | None:
+        return self.record.store
+
+    @property
+    def store_address(self) -> str | None:
+        return self.record.store_address
+
+    @property
+    def prefix(self) -> str:
+        return self.record.prefix
+
+    @property
+    def heartbeat_period_s(self) -> float:
+        return self.record.heartbeat_period_s
+
+    @property
+    def watch(self) -> PeerWatch | None:
+        """The heartbeat thread, when the store could give it a connection of its own."""
+        return self.record.watch
+
+    @property
+    def position(self) -> Position:
+        return self.order.position
+
+    @property
+    def seq(self) -> int:
+        return self.order.seq
+
+    @property
+    def order_checks(self) -> int:
+        return self.order.checks
+
+    @property
+    def history(self) -> collections.deque[tuple[int, int, str, str, int, int]]:
+        return self.order.history
+
+    # -- positions and the order digest ----------------------------------------------------
+
     def arrive(self, op: str, what: str) -> None:
         """Enter a compound operation (several collectives that follow from one decision,
         e.g. one broadcast per member of a chunk group), issued with ``checked=True``: one
         position for all of them. Local: no store request."""
-        self._enter(op, what, 0)
+        self.order.enter(op, what, 0)
 
     @property
     def digest(self) -> int:
         """The running digest of this rank's collectives (equal across ranks in step)."""
-        return int.from_bytes(self._digest, "big")
+        return self.order.digest
 
     def check_order(self, what: str) -> None:
         """Fail with CollectiveError if the ranks issued different collectives so far (in
@@ -180,7 +204,7 @@ class Collectives:
         hi, lo = d >> 32, d & 0xFFFFFFFF
         both = torch.tensor([hi, lo, -hi, -lo], dtype=torch.int64)
         staged = self._staged(both)
-        self.order_checks += 1
+        self.order.checks += 1
         self._collective(
             "check_order",
             what,
@@ -190,7 +214,7 @@ class Collectives:
         self._count("check_order", staged.numel() * staged.element_size())
         top_hi, top_lo, neg_hi, neg_lo = staged.tolist()
         if top_hi == -neg_hi and top_lo == -neg_lo:
-            self.history.clear()  # every rank issued the same so far: only what follows can differ
+            self.order.history.clear()  # every rank issued the same so far: only what follows can differ
             return
         raise CollectiveError(f"{order_message(self, what)}{self._numbering()}")
 
@@ -209,7 +233,7 @@ class Collectives:
     ):
         """Issue ``call(async_op)``; wait (watched) unless ``async_op``, then run ``then``;
         with ``async_op`` return a handle whose ``wait()`` does both."""
-        at = self._enter(op, what, nbytes, checked=checked)
+        at = self.order.enter(op, what, nbytes, checked=checked)
         try:
             work = call(async_op or self._sliced)
         except Exception as exc:
@@ -230,10 +254,10 @@ class Collectives:
             if not self._sliced:
                 work.wait()
                 return
-            watch = self.watch
+            watch = self.record.watch
             assert watch is not None
             waiting = (*at, started, time.time())
-            self.position.waiting = waiting
+            self.order.position.waiting = waiting
             try:
                 while True:
                     try:
@@ -245,27 +269,19 @@ class Collectives:
                             return
                     verdict = watch.verdict
                     if verdict is not None and verdict[0] is waiting:
-                        self._post_failed(at, "a peer is dead or frozen")
+                        self.record.post_failed(at, "a peer is dead or frozen")
                         raise CollectiveError(f"{verdict[1]}{self._numbering()}")
-                    lost = store_lost(self.watch)
+                    lost = store_lost(watch)
                     if lost is not None:
                         raise lost
             finally:
-                self.position.waiting = None
+                self.order.position.waiting = None
         except CollectiveError:
             raise
         except Exception as exc:
             raise self._failure(at, op, what, exc, started) from None
 
     # -- post-mortems (postmortem.py) -------------------------------------------------------
-
-    def _post_failed(self, at: tuple[int, str, str], cause: str) -> None:
-        self.position.failed = (*at, cause)
-        if self.store is not None:
-            try:
-                self.store.set(pos_key(self.prefix, self.rank), self.position.record(self.watch.beats if self.watch else 0))
-            except Exception as exc:
-                logger.debug("rank %d could not post its failure: %s", self.rank, exc)
 
     def _failure(self, at: tuple[int, str, str], op: str, what: str, exc: BaseException, started: float) -> CollectiveError:
         """The error of a failed collective, saying which ranks its rank numbers mean when
@@ -398,6 +414,6 @@ class Collectives:
         return {
             "bytes_received": dict(self.bytes_received),
             "calls": dict(self.calls),
-            "collectives": self.seq,
-            "order_checks": self.order_checks,
+            "collectives": self.order.seq,
+            "order_checks": self.order.checks,
         }

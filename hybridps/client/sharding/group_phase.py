@@ -4,9 +4,9 @@ A rank keeps its own chunk of every group; the other members' chunks (foreign co
 and go. Owns the phase of those copies and its table: dropped, arriving (an asynchronous
 gather issued, not waited for), gathered (in use), retained (the forward is done with the
 group and it is kept gathered for backward within ``live_gathered_bytes``). Does not own what
-a move does (``groups.py`` issues the collectives, frees the copies, keeps the retained
-queue's order and bytes), nor whether the group holds local grads waiting for their
-reduction (orthogonal: ``ChunkGroups.pending``).
+a move does (``gathers.py`` issues the collectives, frees the copies, keeps the retained
+queue's order and bytes), nor where the group's grads are (orthogonal: the phase of its
+reduction, ``ReductionPhase`` in reductions.py).
 
 Every move is decided from the access order alone, so every rank of a shard group makes the
 same moves in the same order; an illegal move is a bug and raises.

@@ -2,11 +2,13 @@
 collective waits: the watchdog's side of a collective that does not end.
 
 Owns: ``Position`` (where the main thread is: the collective issued last, the one it is
-blocked in, the one that failed), its record in the store (``pos_key``) and how records are
-read back made safe to show (``read_records``), the heartbeat thread (``PeerWatch``) that
-publishes the record once per period and declares a peer that will not come (dead, frozen,
-failed or closed before this collective), and the words of that verdict (``dead_message``,
-the advice every error about a dead peer or a different order ends with).
+blocked in, the one that failed), its record in the store (``pos_key``; ``RankRecord``: the
+record of one rank in one group, posted first, by the heartbeat and on a failure) and how
+records are read back made safe to show (``read_records``), the heartbeat thread
+(``PeerWatch``) that publishes the record once per period, the verdict on a peer that will
+not come (``PeerJudge``: dead, frozen, failed or closed before this collective), and the
+words of that verdict (``dead_message``, the advice every error about a dead peer or a
+different order ends with).
 
 Does not own: the collectives and the order digest (``collectives.py``, which moves the
 position and waits in slices for the verdict), the error after a collective failed
@@ -77,6 +79,7 @@ import weakref
 
 import torch.distributed as dist
 
+from hybridps.client.sharding.topology import store_address
 from hybridps.common.text import MAX_PEER_NAME_CHARS, safe_data
 
 logger = logging.getLogger(__name__)
@@ -197,15 +200,12 @@ def _stop_watches() -> None:
         watch.stop(join_s=1.0)
 
 
-class PeerWatch:
-    """A thread that publishes this rank's record (position and heartbeat) once per period
-    and, while the main thread has been blocked in one collective for longer than a period,
-    reads the peers' records to declare a dead or frozen one (see [Note: dead peers]).
+class PeerJudge:
+    """The verdict on the peers of a rank blocked in one collective: reads their records and
+    declares the one that will not come (failed or closed before this collective, or its beat
+    still for ``dead_after_s``; see [Note: dead peers]).
 
-    ``store`` must be a connection of its own (``Store.clone()``); the thread never touches
-    the main thread's. Holds no reference to the Collectives that owns it, only to the
-    ``Position`` they share.
-    """
+    Called on the heartbeat thread only, with that thread's ``store`` connection."""
 
     def __init__(
         self,
@@ -214,7 +214,6 @@ class PeerWatch:
         rank: int,
         world_size: int,
         prefix: str,
-        position: Position,
         period_s: float,
         dead_after_s: float,
         clock=time.monotonic,
@@ -224,66 +223,27 @@ class PeerWatch:
         self.rank = rank
         #: the job's rank of each rank of the watched group: what messages call them
         self.global_ranks = global_ranks or list(range(world_size))
-        self.world_size = world_size
-        self.prefix = prefix
-        self.position = position
+        #: the heartbeat's period, which the peers' beats move by
         self.period_s = period_s
         self.dead_after_s = dead_after_s
         self.clock = clock
-        self._stop = threading.Event()
-        self._post_closed = False
         #: (the Position.waiting it was made for, message): a peer that will not come
         self.verdict: tuple[tuple, str] | None = None
         #: the waiting tuple being watched, and per peer (beat seen, monotonic time first seen)
         self._watching: tuple | None = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._all_posted = False
-        #: (monotonic time, error) when the store stopped answering the thread
-        self.store_error: tuple[float, BaseException] | None = None
-        #: store requests: beats published, reads of the peers' records
-        self.beats = 0
+        #: store requests: reads of the peers' records
         self.reads = 0
         self._keys = [pos_key(prefix, r) for r in range(world_size) if r != rank]
         self._peers = [r for r in range(world_size) if r != rank]
-        self._thread = threading.Thread(target=self._run, name=f"hybridps-peerwatch-{rank}", daemon=True)
-        self._thread.start()
-        _WATCHES.add(self)
 
     def _job(self, r: int) -> int:
         return self.global_ranks[r]
 
-    def stop(self, join_s: float = 0.0, *, post_closed: bool = False) -> None:
-        """Stop the thread; with ``post_closed`` its last record says this rank closed its
-        collectives (peers then name it as closed instead of dead)."""
-        self._post_closed = post_closed
-        self._stop.set()
-        if join_s > 0 and self._thread is not threading.current_thread():
-            self._thread.join(join_s)
-
-    def _run(self) -> None:
-        key = pos_key(self.prefix, self.rank)
-        while not self._stop.is_set():
-            if not dist.is_initialized():  # the process group was destroyed: nothing to watch
-                return
-            try:
-                self.beats += 1
-                self.store.set(key, self.position.record(self.beats))
-                waiting = self.position.waiting
-                if waiting is not None and self.clock() - waiting[3] >= self.period_s:
-                    self._watch(waiting)
-            except Exception as exc:  # the store host is gone: the main thread reports it
-                self.store_error = (self.clock(), exc)
-                logger.debug("peer watch of rank %d: the store stopped answering: %s", self.rank, exc)
-                return
-            self._stop.wait(self.period_s)
-        if self._post_closed and dist.is_initialized():
-            try:
-                self.position.closed = True
-                self.store.set(key, self.position.record(self.beats))
-            except Exception:
-                pass
-
-    def _watch(self, waiting: tuple) -> None:
+    def watch(self, waiting: tuple) -> None:
+        """Read the peers' records once while this rank waits at ``waiting`` (a
+        ``Position.waiting``) and give the verdict when one of them will not come."""
         if self.verdict is not None and self.verdict[0] is waiting:
             return
         if self._watching is not waiting:
@@ -334,3 +294,144 @@ class PeerWatch:
     def _declare(self, waiting: tuple, message: str) -> None:
         self.verdict = (waiting, message)
         logger.debug("peer watch of rank %d: %s", self.rank, message)
+
+
+class PeerWatch:
+    """A thread that publishes this rank's record (position and heartbeat) once per period
+    and, while the main thread has been blocked in one collective for longer than a period,
+    has ``judge`` read the peers' records (see [Note: dead peers]); the period and the clock
+    are the judge's.
+
+    ``store`` must be a connection of its own (``Store.clone()``), the judge's too; the thread
+    never touches the main thread's. Holds no reference to the Collectives that owns it, only
+    to the ``Position`` they share.
+    """
+
+    def __init__(self, *, store, rank: int, prefix: str, position: Position, judge: PeerJudge):
+        self.store = store
+        self.rank = rank
+        self.position = position
+        self.judge = judge
+        self._key = pos_key(prefix, rank)
+        self._stop = threading.Event()
+        self._post_closed = False
+        #: (monotonic time, error) when the store stopped answering the thread
+        self.store_error: tuple[float, BaseException] | None = None
+        #: store requests: beats published
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name=f"hybridps-peerwatch-{rank}", daemon=True)
+        self._thread.start()
+        _WATCHES.add(self)
+
+    @property
+    def verdict(self) -> tuple[tuple, str] | None:
+        """(the Position.waiting it was made for, message): a peer that will not come."""
+        return self.judge.verdict
+
+    def stop(self, join_s: float = 0.0, *, post_closed: bool = False) -> None:
+        """Stop the thread; with ``post_closed`` its last record says this rank closed its
+        collectives (peers then name it as closed instead of dead)."""
+        self._post_closed = post_closed
+        self._stop.set()
+        if join_s > 0 and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+
+    def _run(self) -> None:
+        period_s, clock = self.judge.period_s, self.judge.clock
+        while not self._stop.is_set():
+            if not dist.is_initialized():  # the process group was destroyed: nothing to watch
+                return
+            try:
+                self.beats += 1
+                self.store.set(self._key, self.position.record(self.beats))
+                waiting = self.position.waiting
+                if waiting is not None and clock() - waiting[3] >= period_s:
+                    self.judge.watch(waiting)
+            except Exception as exc:  # the store host is gone: the main thread reports it
+                self.store_error = (clock(), exc)
+                logger.debug("peer watch of rank %d: the store stopped answering: %s", self.rank, exc)
+                return
+            self._stop.wait(period_s)
+        if self._post_closed and dist.is_initialized():
+            try:
+                self.position.closed = True
+                self.store.set(self._key, self.position.record(self.beats))
+            except Exception:
+                pass
+
+
+class RankRecord:
+    """This rank (``rank`` of ``world_size``) in the store of one group, its keys under
+    ``prefix``: its ``Position``, its record posted once at construction (before the group
+    exists: once it does, every rank's record does too), once per ``heartbeat_period_s`` by
+    its ``PeerWatch`` (0: no thread), and where a collective failed. With no ``store``, or
+    one rank, nothing is posted and only the collective timeout applies."""
+
+    def __init__(
+        self,
+        store: dist.Store | None,
+        *,
+        rank: int,
+        world_size: int,
+        prefix: str = "hybridps",
+        heartbeat_period_s: float = 2.0,
+        dead_after_s: float = 10.0,
+    ):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.prefix = prefix
+        self.heartbeat_period_s = heartbeat_period_s
+        self.dead_after_s = dead_after_s
+        #: where the main thread is, shared with the heartbeat thread
+        self.position = Position()
+        #: host:port of the store's host, for the message when it stops answering
+        self.store_address = store_address(store) if store is not None else None
+        #: the heartbeat thread, once started, when the store can give it a connection of its own
+        self.watch: PeerWatch | None = None
+        if self.posted:
+            try:
+                store.set(pos_key(prefix, rank), self.position.record(0))
+            except Exception as exc:
+                logger.debug("rank %d could not post its first position: %s", rank, exc)
+
+    @property
+    def posted(self) -> bool:
+        """Whether this rank's record is kept in the store (a store, and peers to read it)."""
+        return self.store is not None and self.world_size > 1
+
+    def start_watch(self, global_ranks: list[int]) -> PeerWatch | None:
+        """Start the heartbeat thread (``global_ranks``: what its messages call the ranks of
+        the group), on a clone of the store; None where there is none to start."""
+        if not self.posted or self.heartbeat_period_s <= 0:
+            return None
+        try:
+            own = self.store.clone()
+        except Exception as exc:  # a store that cannot be cloned: only the timeout applies
+            logger.debug("no dead-peer detection (%s cannot be cloned: %s)", type(self.store).__name__, exc)
+            return None
+        judge = PeerJudge(
+            store=own,
+            rank=self.rank,
+            world_size=self.world_size,
+            prefix=self.prefix,
+            period_s=self.heartbeat_period_s,
+            dead_after_s=self.dead_after_s,
+            global_ranks=global_ranks,
+        )
+        self.watch = PeerWatch(store=own, rank=self.rank, prefix=self.prefix, position=self.position, judge=judge)
+        return self.watch
+
+    def post_failed(self, at: tuple[int, str, str], cause: str) -> None:
+        """Say in the store that this rank's collective ``at`` (seq, op, what) failed, and why."""
+        self.position.failed = (*at, cause)
+        if self.store is not None:
+            try:
+                self.store.set(pos_key(self.prefix, self.rank), self.position.record(self.watch.beats if self.watch else 0))
+            except Exception as exc:
+                logger.debug("rank %d could not post its failure: %s", self.rank, exc)
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread; its last record says this rank closed its collectives."""
+        if self.watch is not None:
+            self.watch.stop(post_closed=True)

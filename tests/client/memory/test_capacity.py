@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridps
 from hybridps import CapacityError
+from hybridps.client.memory.activity import MoveCallback
 from hybridps.common.units import format_bytes
 from tests.training import SMALL_GPT, adamw_groups, gpt_pair, model_data_bytes, tokens
 
@@ -32,7 +33,7 @@ class TotalObserver(TorchDispatchMode):
         self.device = engine.client.compute.name
         self.peak_bytes = 0
         self.non_model_peak_bytes = 0
-        engine.client.mover.watch_moves(lambda *args: self.sample())
+        MoveCallback(engine.client.mover.activity, lambda *args: self.sample())
 
     def sample(self) -> None:
         live = self.engine.tracer.live_non_model()

@@ -14,7 +14,10 @@ import torch
 from hybridps.client.chunks.chunk import Chunk, ChunkKind, PayloadState
 from hybridps.client.chunks.layout import Slot
 from hybridps.client.chunks.states import TensorState
+from hybridps.client.memory.host_buffers import HostBuffers
 from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.placement import PlacementPolicy
+from hybridps.client.memory.pool import PayloadPool
 from hybridps.client.memory.trace import MomentTrace
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError, StateError
@@ -45,7 +48,9 @@ class FixedTrace:
 def _mover(gpu_chunks: int = 3, *, trace=None, margin_bytes: int = 0, pool_chunks: int = 0) -> ChunkMover:
     inventory = DeviceInventory.build({GPU: gpu_chunks * CHUNK_BYTES, "cpu": 64 * CHUNK_BYTES}, simulate="always")
     connection = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
-    return ChunkMover(inventory, connection, margin_bytes=margin_bytes, pool_bytes=pool_chunks * CHUNK_BYTES, trace=trace)
+    host = HostBuffers(connection, inventory, pool=PayloadPool(pool_chunks * CHUNK_BYTES))
+    placement = PlacementPolicy(inventory.compute_device, margin_bytes=margin_bytes)
+    return ChunkMover(inventory, host, placement=placement, trace=trace)
 
 
 def _chunk(i: int) -> Chunk:
@@ -67,7 +72,7 @@ def test_place_books_a_zeroed_payload_where_it_was_asked():
     assert c.device == GPU and c.payload_state is PayloadState.RESIDENT
     assert torch.count_nonzero(c.payload) == 0
     assert mover.used_bytes == {GPU: CHUNK_BYTES, "cpu": 0}
-    assert mover.resident[GPU] == {0: c} and mover.peak_bytes[GPU] == CHUNK_BYTES
+    assert mover.resident[GPU] == {0: c} and mover.tally.peak_bytes[GPU] == CHUNK_BYTES
     assert mover.figures.device_stats()[GPU]["booked_bytes"] == CHUNK_BYTES
     assert mover.counts.moves == 0
 
@@ -139,7 +144,7 @@ def test_evict_and_free_return_the_bytes():
     mover.free(b)
     assert a.payload is None and a.device is None and a.payload_state is PayloadState.ABSENT
     assert mover.used_bytes == {GPU: 0, "cpu": 0} and mover.resident == {GPU: {}, "cpu": {}}
-    assert mover.peak_bytes == {GPU: 2 * CHUNK_BYTES, "cpu": CHUNK_BYTES}
+    assert mover.tally.peak_bytes == {GPU: 2 * CHUNK_BYTES, "cpu": CHUNK_BYTES}
     mover.free(a)  # nothing to free: no change
     assert mover.used_bytes == {GPU: 0, "cpu": 0}
 

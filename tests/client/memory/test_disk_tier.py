@@ -324,6 +324,6 @@ def test_a_chunk_taken_where_it_lies_on_the_disk_is_taken_in_memory_and_keeps_wh
     chunk.payload.fill_(0.5)
     mover.give_back(chunk, states)
     # push it down again (the policy's victims until it is one), then read it back through a view
-    mover._to_disk(lambda freed: chunk.device == "nvme", protect=(), who="the test", size=chunk.nbytes)
+    mover.spill.send_down(lambda freed: chunk.device == "nvme", protect=(), who="the test", size=chunk.nbytes)
     assert bool((chunk.view(chunk.slots[0]) == 0.5).all())
     engine.close()

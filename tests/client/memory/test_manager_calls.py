@@ -20,7 +20,9 @@ import hybridps
 from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.layout import Slot
 from hybridps.client.memory.arena import HostArena
+from hybridps.client.memory.host_buffers import HostBuffers
 from hybridps.client.memory.mover import ChunkMover
+from hybridps.client.memory.pool import PayloadPool
 from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import CapacityError
 from hybridps.common.protocol import ClientInfo
@@ -63,7 +65,8 @@ def make_manager(
     devices = {"cuda:0": gpu_bytes, **({"cpu": cpu_bytes} if cpu_bytes is not None else {})}
     inventory = DeviceInventory.build(devices, simulate="always")
     conn = CountingConnection(EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
-    return ChunkMover(inventory, conn, pool_bytes=pool_chunks * CHUNK_BYTES, arena=arena), conn
+    host = HostBuffers(conn, inventory, pool=PayloadPool(pool_chunks * CHUNK_BYTES), arena=arena)
+    return ChunkMover(inventory, host), conn
 
 
 def new_chunk(i: int, slots: int = 0) -> Chunk:
@@ -138,7 +141,7 @@ def test_a_freed_cpu_chunk_and_a_cpu_payload_from_the_pool_cost_no_request():
     assert conn.take() == {} and manager.pool.held_bytes == 0
     assert_exact(manager, conn)
     manager.free(new)
-    manager.release_pool()
+    manager.host.release()
     assert conn.take() == {"update": 1}
     assert conn.status()["clients"][0]["usage"] == {}
 
@@ -185,7 +188,7 @@ def test_with_the_cpu_short_pooled_buffers_go_first_and_the_ledger_stays_exact()
 
 def test_a_refused_request_leaves_the_pool_and_the_ledger_as_they_were():
     manager, conn = make_manager()
-    other = manager.connection.inner._manager.connect(ClientInfo(devices=("cpu", "cuda:0")))
+    other = manager.host.connection.inner._manager.connect(ClientInfo(devices=("cpu", "cuda:0")))
     chunk = new_chunk(0)
     manager.place(chunk, "cpu")
     manager.free(chunk)
@@ -206,7 +209,7 @@ def test_a_training_step_makes_at_most_one_request_per_chunk_move(fraction, most
     )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     manager = engine.client.mover
-    conn = CountingConnection(manager.connection)
+    conn = CountingConnection(manager.host.connection)
     manager.host.connection = conn
     try:
         for step in range(4):

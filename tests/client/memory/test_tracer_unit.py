@@ -9,6 +9,7 @@ import torch
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.store import ChunkStore
+from hybridps.client.memory.host_buffers import HostBuffers
 from hybridps.client.memory.mover import ChunkMover
 from hybridps.client.memory.tracer import MemoryTracer
 from hybridps.common.config import Config
@@ -19,7 +20,8 @@ from hybridps.manager.embedded import EmbeddedManager
 
 def _setup():
     inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
-    mover = ChunkMover(inventory, EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names))))
+    connection = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
+    mover = ChunkMover(inventory, HostBuffers(connection, inventory))
     store = ChunkStore(Config(precision="fp32"), inventory.compute_device, rank=0, world_size=1)
     chunks = []
     for index in range(3):

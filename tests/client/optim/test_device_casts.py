@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.memory.activity import MoveCallback
 from tests.client.optim.test_overlap_step import _engine, _train
 
 
@@ -34,10 +35,11 @@ def _param_moves_down(engine) -> list:
         return out
 
     engine.step = counting_step
-    engine.client.mover.watch_moves(
+    MoveCallback(
+        engine.client.mover.activity,
         lambda chunk, src, dst, seconds, evicted: (
             moves.append(steps[0]) if chunk.kind is ChunkKind.PARAM and dst == "cpu" else None
-        )
+        ),
     )
     return moves
 
@@ -60,7 +62,7 @@ def test_steps_with_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu(ove
     want_engine = _bf16_engine(False, overlap=overlap, worker=worker)
     want = _train(want_engine, 4, clip=clip)
     engine = _bf16_engine(True, overlap=overlap, worker=worker)
-    assert engine.optimizer.casts.enabled
+    assert engine.optimizer.iteration.chunk_step.casts.enabled
     down = _param_moves_down(engine)
     tasks = engine.optimizer.worker.submitted
     got = _train(engine, 4, clip=clip)
@@ -79,9 +81,9 @@ def test_steps_with_casts_on_the_gpu_train_bit_for_bit_like_casts_on_the_cpu(ove
 
 def test_without_bf16_grad_reuse_or_a_gpu_the_casts_stay_on_the_cpu():
     fp32 = _engine(False, precision="fp32", casts_on_gpu=True)
-    assert not fp32.optimizer.casts.enabled, "fp32: the grads are stepped in place, nothing is cast"
+    assert not fp32.optimizer.iteration.chunk_step.casts.enabled, "fp32: the grads are stepped in place, nothing is cast"
     accumulating = _engine(False, precision="bf16", casts_on_gpu=True, grad_reuse=False)
-    assert not accumulating.optimizer.casts.enabled, "grads in chunks of their own"
+    assert not accumulating.optimizer.iteration.chunk_step.casts.enabled, "grads in chunks of their own"
     fp32.close()
     accumulating.close()
 
@@ -116,12 +118,12 @@ def test_with_a_pinning_arena_the_masters_and_the_grads_buffer_are_page_locked_a
         config,
         client=hybridps.Client(config, host_registrar=registrar),
     )
-    engine.optimizer.cpu_steps_beside_backward = True
+    engine.optimizer.iteration.early.cpu_steps_beside_backward = True
     _train(engine, 3, clip=None)
     client, arena = engine.client, engine.client.mover.arena
     masters = [c for c in client.store.rows[ChunkKind.MASTER] if c.payload is not None and c.device == "cpu"]
     assert masters and all(arena.owns(c.payload) for c in masters)
-    host = engine.optimizer.casts._hosts.get(True)
+    host = engine.optimizer.iteration.chunk_step.casts._hosts.get(True)
     assert host is not None and arena.owns(host), "the worker's grads come down into an arena slot"
     usage = next(c["usage"] for c in client.connection.status()["clients"] if c["client_id"] == client.connection.client_id)
     cpu = client.mover.figures.device_stats()["cpu"]

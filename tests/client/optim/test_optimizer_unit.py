@@ -95,6 +95,20 @@ def test_three_chunked_steps_match_fused_adamw_bit_for_bit():
     assert not any(client.param_info(p).has_grad for p in params)
 
 
+def test_a_chunk_step_reads_the_rows_the_store_laid_out_looked_up_once():
+    client, optimizer, params, reference, ref_opt = _registered()
+    _train(client, optimizer, params, reference, ref_opt, range(2))
+    store, chunk_step = client.store, optimizer.iteration.chunk_step
+    for index in range(store.num_chunks):
+        rows = chunk_step.rows_of(index)
+        assert chunk_step.rows_of(index) is rows
+        assert rows.master is store.rows[ChunkKind.MASTER][index] and rows.grads is store.rows[ChunkKind.PARAM][index]
+        assert rows.params is rows.grads  # grad reuse: the param chunk holds the grads
+        assert list(rows.states) == [ChunkKind.MOMENTUM, ChunkKind.VARIANCE]
+        assert rows.taken == (rows.master, *rows.states.values(), rows.grads)
+        assert rows.used == store.layout.used(index)
+
+
 def test_clipped_steps_match_torch_clip_then_fused_adamw_bit_for_bit():
     client, optimizer, params, reference, ref_opt = _registered()
     _train(client, optimizer, params, reference, ref_opt, range(3), clip=0.5)
@@ -167,8 +181,8 @@ def test_optimizer_state_is_a_read_only_view():
 def test_zero_grad_drops_grads_gives_the_slots_their_params_back_and_announces_it():
     announced, listened = [], []
     client, optimizer, params, reference, _ = _registered({"zero_grad_listeners": [lambda: listened.append(True)]})
-    drop = optimizer.on_zero_grad
-    optimizer.on_zero_grad = lambda: (announced.append(True), drop())
+    drop = optimizer.iteration.grads.on_zero_grad
+    optimizer.iteration.grads.on_zero_grad = lambda: (announced.append(True), drop())
     _backward(client, params, _grads(0))
     assert all(client.param_info(p).has_grad for p in params)
     optimizer.zero_grad()

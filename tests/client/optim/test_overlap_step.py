@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridps
-import hybridps.client.optim.chunk_arithmetic as adam_module
+import hybridps.client.optim.chunk_step as chunk_step_module
 from hybridps import CapacityError, StateError
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState
@@ -31,7 +31,7 @@ def _engine(overlap, *, worker=False, precision="fp32", **config):
         torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
         hybridps.Config(precision=precision, overlap_step=overlap, collective_timeout_s=60, **config),
     )
-    engine.optimizer.cpu_steps_beside_backward = worker
+    engine.optimizer.iteration.early.cpu_steps_beside_backward = worker
     return engine
 
 
@@ -86,7 +86,7 @@ def test_clipped_early_steps_train_bit_for_bit_like_stepping_after_backward(clip
     want, _ = _run(False, clip=clip)
     got, optim = _run(True, clip=clip, worker=worker)
     _assert_same(got, want)
-    spec = optim.speculation
+    spec = optim.iteration.early.speculation
     assert spec.speculated > 0
     if clip < 1:  # every speculation failed: each one was undone and stepped again
         assert spec.rolled_back == spec.speculated
@@ -103,7 +103,7 @@ def test_fp16_overflow_during_early_steps_skips_the_step_like_stepping_after_bac
     got, optim = _run(True, 5, clip=0, overflow_at=(1,), worker=True, **config)
     assert want["skipped"] == 1
     _assert_same(got, want)
-    assert optim.speculation.rolled_back > 0
+    assert optim.iteration.early.speculation.rolled_back > 0
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_bf16_clipping_that_holds_keeps_every_speculative_step():
     want, _ = _run(False, clip=1e6, precision="bf16")
     got, optim = _run(True, clip=1e6, precision="bf16", worker=True)
     _assert_same(got, want)
-    assert optim.speculation.speculated > 0 and optim.speculation.rolled_back == 0
+    assert optim.iteration.early.speculation.speculated > 0 and optim.iteration.early.speculation.rolled_back == 0
 
 
 def test_no_room_for_backups_stops_early_steps_for_the_rest_of_backward(monkeypatch):
@@ -139,7 +139,7 @@ def test_no_room_for_backups_stops_early_steps_for_the_rest_of_backward(monkeypa
     monkeypatch.setattr(mover, "scratch", scratch)
     try:
         got = _train(engine, 3, clip=1e-3)
-        spec = engine.optimizer.speculation
+        spec = engine.optimizer.iteration.early.speculation
     finally:
         engine.close()
     _assert_same(got, want)
@@ -153,7 +153,7 @@ def test_a_clip_after_early_steps_for_good_is_refused():
         x, y = tokens(1, batch=4)
         _, loss = engine(x, y)
         engine.backward(loss)
-        assert engine.optimizer._stepped_early and not engine.optimizer.speculation.backups
+        assert engine.optimizer.iteration.early.stepped and not engine.optimizer.iteration.early.speculation.backups
         with pytest.raises(StateError, match="Clip in every iteration"):
             engine.clip_grad_norm_(1.0)
     finally:
@@ -169,11 +169,11 @@ def test_zero_grad_without_a_step_after_early_steps_for_good_is_refused_and_leav
         x, y = tokens(1, batch=4)
         _, loss = engine(x, y)
         engine.backward(loss)
-        stepped = sorted(engine.optimizer._stepped_early)
-        assert stepped and not engine.optimizer.speculation.backups
+        stepped = sorted(engine.optimizer.iteration.early.stepped)
+        assert stepped and not engine.optimizer.iteration.early.speculation.backups
         with pytest.raises(StateError, match=rf"zero_grad\(\) without a step after {len(stepped)} chunks .*stepped for good"):
             engine.zero_grad()
-        assert not engine.optimizer._stepped_early
+        assert not engine.optimizer.iteration.early.stepped
         assert not any(info.has_grad for info in engine.client.params)
         engine.zero_grad()  # said once
         _train(engine, 1, clip=0)  # and the next iteration trains
@@ -201,14 +201,14 @@ def test_zero_grad_without_a_step_undoes_speculative_early_steps():
 def test_an_error_on_the_step_worker_surfaces_and_releases_its_chunks(monkeypatch):
     engine = _engine(True, worker=True)
     optim = engine.optimizer
-    real = adam_module.run_adam
+    real = chunk_step_module.run_adam
 
     def adam(*args, **kwargs):
         if threading.current_thread().name.startswith("hybridps-step"):
             raise RuntimeError("injected failure of the fused Adam")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adam_module, "run_adam", adam)
+    monkeypatch.setattr(chunk_step_module, "run_adam", adam)
     try:
         with pytest.raises(RuntimeError, match="injected failure") as info:
             _train(engine, 1, clip=0)
@@ -240,16 +240,16 @@ def test_without_speculation_a_backward_that_needs_it_leaves_every_chunk_to_the_
     # what overlap_step="auto" does on a real GPU: early steps only where they are final
     want, _ = _run(False, clip=1e-3)
     engine = _engine(True)
-    engine.optimizer.speculation.enabled = False
+    engine.optimizer.iteration.early.speculation.enabled = False
     try:
         got = _train(engine, 3, clip=1e-3)
-        assert engine.optimizer.speculation.speculated == 0
+        assert engine.optimizer.iteration.early.speculation.speculated == 0
         early = []
         for step in range(3):  # no clip: the first backward still expects one, later ones step early
             x, y = tokens(step, batch=4)
             _, loss = engine(x, y)
             engine.backward(loss)
-            early.append(len(engine.optimizer._stepped_early))
+            early.append(len(engine.optimizer.iteration.early.stepped))
             engine.step()
             engine.zero_grad()
     finally:
@@ -311,8 +311,8 @@ def _ranks(rank, world, cases):
         engine = _engine(overlap, worker=overlap, **kwargs)
         try:
             result = _train(engine, 3, clip=clip, overflow_at=overflow_at, rank=rank, world=world)
-            result["rolled_back"] = engine.optimizer.speculation.rolled_back
-            result["speculated"] = engine.optimizer.speculation.speculated
+            result["rolled_back"] = engine.optimizer.iteration.early.speculation.rolled_back
+            result["speculated"] = engine.optimizer.iteration.early.speculation.speculated
         finally:
             engine.close()
         out[(name, overlap)] = result if rank == 0 else {k: result[k] for k in ("losses", "rolled_back", "speculated")}

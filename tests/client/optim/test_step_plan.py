@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hybridps
-from hybridps.client.optim.step_plan import TAIL_WIDTH_ELEMENTS, StepPlans, make_plan
+from hybridps.client.optim.chunk_step import StepPlans
+from hybridps.client.optim.step_plan import TAIL_WIDTH_ELEMENTS, make_plan
 from hybridps.client.optim.step_worker import THREAD_NAME, StepWorker
 from tests.training import SMALL_GPT, adamw_groups, gpt_pair, model_data_bytes, train_engine, train_plain
 
@@ -120,11 +121,11 @@ def test_early_steps_on_the_worker_are_bit_equal_to_torch_with_the_same_kernel(k
         hybridps.Config(devices={"cuda:0": int(model_data_bytes(SMALL_GPT) * 0.3)}, overlap_step=True),
     )
     optim = engine.optimizer
-    optim.cpu_steps_beside_backward = True  # as on a real GPU
+    optim.iteration.early.cpu_steps_beside_backward = True  # as on a real GPU
     try:
         assert train_engine(engine, 6, clip=clip) == expected
         assert optim.worker.submitted > 0
         # each chunk's runs were worked out once or twice (early and after backward), not per step
-        assert optim.arithmetic.plans.made <= 2 * engine.client.store.num_chunks
+        assert optim.iteration.chunk_step.arithmetic.plans.made <= 2 * engine.client.store.num_chunks
     finally:
         engine.close()

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import hybridps.client.optim.chunk_arithmetic as adam_module
+import hybridps.client.optim.chunk_step as chunk_step_module
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState
 from tests.client.optim.test_overlap_step import _engine
@@ -26,14 +26,14 @@ def _one_step_held_up(engine, step):
     optim = engine.optimizer
     worker = optim.worker
     gate = threading.Event()
-    decide = optim._steps_beside_forward
+    decide = optim.iteration.steps_beside_forward
 
     def held_up():  # step_chunks asks this after its drain, before it hands any chunk over
         if not worker.in_flight:
             worker.submit(lambda: gate.wait(30), lambda: None, frozenset(), "a gate")
         return decide()
 
-    optim._steps_beside_forward = held_up
+    optim.iteration.steps_beside_forward = held_up
     try:
         x, y = tokens(step, batch=4)
         _, loss = engine(x, y)
@@ -44,7 +44,7 @@ def _one_step_held_up(engine, step):
         engine.zero_grad()
         after_zero_grad = worker.in_flight - 1
     finally:
-        del optim._steps_beside_forward
+        del optim.iteration.steps_beside_forward
     return gate, after_step, after_zero_grad, loss.item()
 
 
@@ -172,7 +172,7 @@ def test_a_scheduler_changing_a_tensor_lr_in_place_after_step_leaves_the_steps_i
 def test_an_error_of_a_step_in_flight_surfaces_at_the_next_use_and_releases_every_chunk(monkeypatch):
     engine = _engine(True, worker=True)
     optim = engine.optimizer
-    real = adam_module.run_adam
+    real = chunk_step_module.run_adam
     fail = threading.Event()
 
     def adam(*args, **kwargs):
@@ -180,7 +180,7 @@ def test_an_error_of_a_step_in_flight_surfaces_at_the_next_use_and_releases_ever
             raise RuntimeError("injected failure of the fused Adam")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adam_module, "run_adam", adam)
+    monkeypatch.setattr(chunk_step_module, "run_adam", adam)
     try:
         _plain_step(engine, 0)
         gate, after_step, _, _ = _one_step_held_up(engine, 1)
@@ -224,12 +224,12 @@ from tests.client.optim.test_steps_beside_forward import CLIP, _plain_step
 engine = _engine(True, worker=True)
 _plain_step(engine, 0)
 worker = engine.optimizer.worker
-decide = engine.optimizer._steps_beside_forward
+decide = engine.optimizer.iteration.steps_beside_forward
 def slow():  # the step's CPU chunks queue behind a task that is still computing at exit
     a = torch.rand(1500, 1500)
     worker.submit(lambda: [a @ a for _ in range(40)], lambda: None, frozenset(), "a slow task")
     return decide()
-engine.optimizer._steps_beside_forward = slow
+engine.optimizer.iteration.steps_beside_forward = slow
 _plain_step(engine, 1)
 assert worker.in_flight > 1
 print("exiting with", worker.in_flight, "tasks in flight", flush=True)

@@ -234,7 +234,7 @@ def _overlap_losses(rank, world, overlap_step):
         x, y = tokens(step, batch=GLOBAL_BATCH)
         _, loss = engine(x[rank::world], y[rank::world])
         engine.backward(loss)  # with overlap_step each group steps once its grads are reduced
-        stepped_early.append(len(engine.optimizer._stepped_early))
+        stepped_early.append(len(engine.optimizer.iteration.early.stepped))
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())

@@ -1,4 +1,4 @@
-"""Chunk groups (sharding/groups.py) driven in the test process, with no ranks spawned.
+"""Chunk groups (sharding/groups.py, gathers.py, reductions.py) driven in the test process.
 
 The Client builds ChunkGroups only when the world has more than one rank (client.py), so a
 process group of one rank would test nothing of them. Two ranks run instead as two threads
@@ -33,6 +33,7 @@ from hybridps.client.chunks.ownership import assign_owners
 from hybridps.client.sharding import build_groups as build_groups_module
 from hybridps.client.sharding import group_phase
 from hybridps.client.sharding.group_phase import GroupMove, GroupPhase
+from hybridps.client.sharding.reductions import ReductionPhase
 from hybridps.common.errors import StateError
 
 WORLD = 2
@@ -244,37 +245,39 @@ def _phases_through_an_iteration(rank: int) -> dict:
     # nothing kept gathered after the forward: each group drops once its last slot is done
     client, optimizer, params, _, _ = _registered(live_gathered_bytes=0)
     groups = client.groups
+    gathers, reductions = groups.gathers, groups.reductions
     landed = _record_landed(client, optimizer)
-    assert groups.gathered == [] and groups.gathers == 0
+    assert gathers.gathered == [] and gathers.issued == 0
 
     client.begin_forward()
     for i, p in enumerate(params):
         g = GROUP_OF_PARAM[i]
         client.access(p)
-        assert groups.phase.get(g) is GroupPhase.GATHERED, f"param {i}: its group is gathered before it is used"
+        assert gathers.phase.get(g) is GroupPhase.GATHERED, f"param {i}: its group is gathered before it is used"
         assert _foreign(client, g).payload is not None
         client.release(p, _S.HOLD_AFTER_FWD)
         last_of_group = i + 1 == len(params) or GROUP_OF_PARAM[i + 1] != g
         if last_of_group:  # every slot of the group reached HOLD_AFTER_FWD: the copies go
-            assert not groups.is_here(g) and g not in groups.phase, f"group {g} dropped after its last param"
+            assert not gathers.is_here(g) and g not in gathers.phase, f"group {g} dropped after its last param"
             assert _foreign(client, g).payload is None, "the foreign chunk's memory is freed"
         else:
-            assert groups.phase.get(g) is GroupPhase.GATHERED, f"group {g} kept while param {i + 1} is to come"
+            assert gathers.phase.get(g) is GroupPhase.GATHERED, f"group {g} kept while param {i + 1} is to come"
     client.end_forward()
-    assert groups.gathered == [] and groups.gathers == 2
+    assert gathers.gathered == [] and gathers.issued == 2
     own = [client.store.rows[ChunkKind.PARAM][i] for i in range(4) if client.owns(i)]
     assert all(c.payload is not None for c in own), "a rank's own chunks stay when the copies go"
 
-    trail = []
+    trail, phases = [], []
     with client.backward_running():
         for i in reversed(range(len(params))):
             g = GROUP_OF_PARAM[i]
             client.access(params[i])
-            assert groups.phase.get(g) is GroupPhase.GATHERED, f"group {g} gathered again for backward"
+            assert gathers.phase.get(g) is GroupPhase.GATHERED, f"group {g} gathered again for backward"
             client.store_grad(params[i], _grads(0, rank)[i])
             client.release(params[i], _S.HOLD_AFTER_BWD)
-            trail.append((i, sorted(groups.pending), list(groups.reducing), groups.gathered))
-    assert groups.gathers == 4, "each group gathered once more, for backward"
+            trail.append((i, reductions.collecting(), reductions.in_flight(), gathers.gathered))
+            phases.append([red.phase for red in reductions.records])
+    assert gathers.issued == 4, "each group gathered once more, for backward"
     assert trail == [
         # param 4 is group 1's only slot: its grads are final, its reduction starts at once
         (4, [], [1], [1]),
@@ -285,15 +288,18 @@ def _phases_through_an_iteration(rank: int) -> dict:
         # its reduction starts; one reduction in flight at a time lands group 1's, which drops it
         (0, [], [0], [0]),
     ]
-    assert groups.reductions_landed == {"window": 1}
+    _I, _C, _F, _L = ReductionPhase.IDLE, ReductionPhase.COLLECTING, ReductionPhase.IN_FLIGHT, ReductionPhase.LANDED
+    assert phases == [[_I, _F], [_C, _F], [_C, _F], [_C, _F], [_F, _L]], "each group's reduction, by its phase"
+    assert reductions.landings == {"window": 1}
     client.end_backward()
-    assert groups.reducing == {} and groups.pending == set() and groups.gathered == []
-    assert groups.reductions_landed == {"window": 1, "end of backward": 1}
+    assert reductions.in_flight() == [] and reductions.collecting() == [] and gathers.gathered == []
+    assert all(red.phase is ReductionPhase.IDLE for red in reductions.records), "no record carries over"
+    assert reductions.landings == {"window": 1, "end of backward": 1}
     for p in params:  # owners hold the reduced grads; the others none
         assert client.param_info(p).has_grad == client.owns(client.param_info(p).chunk)
     optimizer.step()
     optimizer.zero_grad()
-    return {"landed": landed, "reduces": groups.reduces}
+    return {"landed": landed, "reduces": reductions.reduces}
 
 
 def test_a_groups_copies_are_gathered_for_use_dropped_after_the_forward_gathered_again_and_reduced(ranks):
@@ -307,13 +313,13 @@ def _kept_for_backward(rank: int, live_bytes: int | None) -> dict:
     client, optimizer, params, _, _ = _registered(live_gathered_bytes=live_bytes)
     groups = client.groups
     _forward(client, params)
-    phases = {g: groups.phase.get(g) for g in range(groups.num_groups)}
-    retained = list(groups.retained)
-    gathers = groups.gathers
+    phases = {g: groups.gathers.phase.get(g) for g in range(groups.num_groups)}
+    retained = list(groups.gathers.retained)
+    gathers = groups.gathers.issued
     _backward(client, params, _grads(0, rank))
     optimizer.step()
     optimizer.zero_grad()
-    return {"phases": phases, "retained": retained, "backward_gathers": groups.gathers - gathers}
+    return {"phases": phases, "retained": retained, "backward_gathers": groups.gathers.issued - gathers}
 
 
 @pytest.mark.parametrize(
@@ -367,14 +373,14 @@ def _grads_for_one_group(rank: int) -> dict:
     client, optimizer, params, reference, ref_opt = _registered()
     groups = client.groups
     _forward(client, params)
-    assert groups.retained.keys() == {0, 1}, "both groups kept for backward"
+    assert groups.gathers.retained.keys() == {0, 1}, "both groups kept for backward"
     grad = _grads(0, rank)[4]
     with client.backward_running():  # only param 4 (group 1) takes part in the loss
         _grad_in(client, params[4], grad)
     client.end_backward()
     # group 1 dropped by its reduction; group 0, kept for a backward that gave it no grads,
     # by the end of backward
-    assert groups.gathered == [] and groups.retained == {} and groups.reducing == {}
+    assert groups.gathers.gathered == [] and groups.gathers.retained == {} and groups.reductions.in_flight() == []
     assert _foreign(client, 0).payload is None
     has_grad = [client.param_info(p).has_grad for p in params]
     reference[4].grad = _mean_grads(0)[4]
@@ -388,6 +394,52 @@ def _grads_for_one_group(rank: int) -> dict:
 def test_end_of_backward_drops_a_group_kept_for_backward_that_took_no_grads_and_steps_only_what_did(ranks):
     has_grad = ranks(_grads_for_one_group)
     assert has_grad == [[False] * 4 + [True], [False] * 5], "only the owner of param 4's chunk holds its grad"
+
+
+# -- early steps after the landings (Config.overlap_step) --------------------------------------
+
+
+def _early_steps(rank: int) -> dict:
+    # driven through the client alone (no engine hooks): every landing's chunk is taken at the
+    # end of backward, where Client.end_backward steps what take_ready hands out
+    client, optimizer, params, reference, ref_opt = _registered(overlap_step=True)
+    groups = client.groups
+    landed = _record_landed(client, optimizer)
+    taken: list[list[int]] = []
+    take = groups.take_ready
+    groups.take_ready = lambda: (taken.append(ready := take()), ready)[1]
+    stepped: list[list[int]] = []  # per backward, the chunks reported stepped (note_early_step)
+    note = groups.note_early_step
+    groups.note_early_step = lambda index: (stepped[-1].append(index), note(index))[1]
+    order_checks = []
+    for step in range(2):
+        for ref, g in zip(reference, _mean_grads(step), strict=True):
+            ref.grad = g
+        _forward(client, params)
+        checks = groups.comm.stats()["order_checks"]
+        stepped.append([])
+        _backward(client, params, _grads(step, rank))
+        order_checks.append(groups.comm.stats()["order_checks"] - checks)
+        assert all(red.phase is ReductionPhase.IDLE and not red.stepped_early for red in groups.reductions.records)
+        ref_opt.step()
+        optimizer.step()
+        optimizer.zero_grad()
+        _assert_same_params(client, params, reference, f"rank {rank}, step {step}")
+    return {"landed": landed, "taken": taken, "stepped": stepped, "order_checks": order_checks}
+
+
+def test_owned_chunks_made_final_by_a_landing_step_early_and_train_bit_equal_to_fused_adamw(ranks):
+    for rank, result in enumerate(ranks(_early_steps)):
+        # group 1 lands first (the window), group 0 at the end of backward: the rank's owned
+        # chunk of each, in landing order (rank 1's of group 1 is padding, which nothing steps)
+        own = [next(i for i in (2 * g, 2 * g + 1) if OWNER_OF[i] == rank) for g in (1, 0)]
+        assert own == ([2, 1] if rank == 0 else [3, 0])
+        assert result["taken"] == [own, own]
+        assert result["stepped"] == [[i for i in own if i in OWNED_WITH_PARAMS[rank]]] * 2
+        # the end of backward's order check, then one per landing before its early step
+        assert result["order_checks"] == [3, 3]
+        # a chunk stepped early has its params written back: none is left to the step's write-back
+        assert result["landed"] == [set(), set()]
 
 
 # -- ownership -------------------------------------------------------------------------------
@@ -442,8 +494,9 @@ def _abandoned(rank: int, grads_in: int) -> dict:
     with client.backward_running():  # backward raises after ``grads_in`` grads (on every rank)
         for i in list(reversed(range(len(params))))[:grads_in]:
             _grad_in(client, params[i], _grads(0, rank)[i])
+    abandoned = {GROUP_OF_PARAM[i] for i in list(reversed(range(len(params))))[:grads_in]}
     assert groups.backward_unfinished()
-    landed_before = dict(groups.reductions_landed)
+    landed_before = dict(groups.reductions.landings)
     with pytest.raises(StateError, match=r"a forward after a backward that raised partway.*zero_grad\(\)"):
         client.begin_forward()
     with pytest.raises(StateError, match=r"the optimizer step after a backward that raised partway.*zero_grad\(\)"):
@@ -451,9 +504,15 @@ def _abandoned(rank: int, grads_in: int) -> dict:
 
     optimizer.zero_grad()  # drops the backward
     assert not groups.backward_unfinished()
-    assert groups.reducing == {} and groups.pending == set() and groups.gathered == [] and groups.retained == {}
-    assert groups.grads_seen == [0] * groups.num_groups and not groups.local_flags.any()
-    assert groups.staging == {} and groups.stepped_early == set()
+    gathers, reductions = groups.gathers, groups.reductions
+    assert reductions.in_flight() == [] and reductions.collecting() == []
+    assert gathers.gathered == [] and gathers.retained == {}
+    # every group that took a grad is ABANDONED (the others IDLE), with nothing carried over
+    phases = [red.phase for red in reductions.records]
+    assert phases == [ReductionPhase.ABANDONED if g in abandoned else ReductionPhase.IDLE for g in range(groups.num_groups)]
+    assert all(red.grads_seen == 0 and not red.stepped_early and not red.params_hold_grads for red in reductions.records)
+    assert not reductions.local_flags.any() and not reductions.untaken
+    assert reductions.staging.chunks == {}
     assert not any(client.param_info(p).has_grad for p in params)
     for p, ref in zip(params, reference, strict=True):
         info = client.param_info(p)
@@ -470,7 +529,7 @@ def _abandoned(rank: int, grads_in: int) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     _assert_same_params(client, params, reference, f"rank {rank}, after the abandoned backward")
-    return {"returned": returned, "landed_before": landed_before, "landed": dict(groups.reductions_landed)}
+    return {"returned": returned, "landed_before": landed_before, "landed": dict(groups.reductions.landings)}
 
 
 @pytest.mark.parametrize(

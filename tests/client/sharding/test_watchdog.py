@@ -37,15 +37,21 @@ class CountingStore:
         return counted
 
 
-def _comm(rank, world, store=None, **kw):
+def _comm(rank, world, store=None, *, timeout_s=30.0, heartbeat_period_s=0.2, dead_after_s=1.0):
     from torch.distributed.distributed_c10d import _get_default_store
 
     from hybridps.client.sharding.collectives import Collectives
+    from hybridps.client.sharding.watchdog import RankRecord
 
-    kw.setdefault("timeout_s", 30.0)
-    kw.setdefault("heartbeat_period_s", 0.2)
-    kw.setdefault("dead_after_s", 1.0)
-    return Collectives(rank=rank, world_size=world, store=store or _get_default_store(), prefix="wd", **kw)
+    record = RankRecord(
+        store or _get_default_store(),
+        rank=rank,
+        world_size=world,
+        prefix="wd",
+        heartbeat_period_s=heartbeat_period_s,
+        dead_after_s=dead_after_s,
+    )
+    return Collectives(record, timeout_s=timeout_s)
 
 
 # -- the normal path --------------------------------------------------------------------------

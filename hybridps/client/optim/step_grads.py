@@ -1,0 +1,116 @@
+"""The grads an optimizer steps with, as it consumes or drops them.
+
+Owns: which params hold a grad that this optimizer steps (by chunk, in slot order), the
+owned chunks whose param slots took reduced grads (grad reuse, several ranks: the chunk groups
+report them at the end of backward, or ``abandon_backward`` after one that raised), and what
+consuming, restoring or dropping grads does: the grads owner's ``has_grad`` flags (reported
+through ``set_has_grad``, never written here), the param slots given their values back from
+the master (under grad reuse), the grad chunks freed (without it), and telling the grads
+owner when every grad is dropped. Does not own the flags themselves (params/grads.py), the
+write-back copy (chunk_step.py), nor when a step or zero_grad happens (iteration_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from hybridps.client.chunks.chunk import ChunkKind
+from hybridps.client.chunks.states import TensorState
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ChunkStore, ParamInfo
+    from hybridps.client.memory.mover import ChunkMover
+    from hybridps.client.optim.chunk_step import ChunkStep
+
+
+class StepGrads:
+    """The grads one optimizer steps with: which params hold one, and what using them up does."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        mover: ChunkMover,
+        chunk_step: ChunkStep,
+        param_group_of: list[int | None],
+        *,
+        set_has_grad: Callable[[ParamInfo, bool], None],
+        on_zero_grad: Callable[[], None] | None = None,
+    ):
+        """``param_group_of``: registration index -> its param group (None: not optimized);
+        ``set_has_grad`` records whether a param holds a grad (the grads' owner, grads.py);
+        ``on_zero_grad`` is told when zero_grad drops every grad, so that their owner drops
+        what it holds beside the slots."""
+        self.store = store
+        self.mover = mover
+        self.chunk_step = chunk_step
+        self.param_group_of = param_group_of
+        self._set_has_grad = set_has_grad
+        self.on_zero_grad = on_zero_grad
+        #: owned chunks whose param slots took reduced grads, as the chunk groups reported
+        #: them: the step writes them back
+        self._landed: set[int] = set()
+
+    def of_chunk(self, index: int) -> list[ParamInfo]:
+        """The params of chunk ``index`` that this optimizer steps, with a grad or not."""
+        return [i for i in self.store.chunk_params(index) if self.param_group_of[i.slot.index] is not None]
+
+    def by_chunk(self) -> dict[int, list[ParamInfo]]:
+        """Params holding a grad that this optimizer steps, by chunk, in slot order."""
+        out: dict[int, list[ParamInfo]] = {}
+        for info in self.store.params:
+            if info.has_grad and self.param_group_of[info.slot.index] is not None:
+                out.setdefault(info.chunk, []).append(info)
+        return out
+
+    def landed(self, indices: set[int]) -> None:
+        """Owned chunks whose param slots took reduced grads (grad reuse): the step writes
+        their params back from the master copy (those it does not step too), or zero_grad does."""
+        self._landed |= indices
+
+    def write_back_landed(self, stepped: Iterable[int]) -> None:
+        """After a step: the chunks that took reduced grads but whose params all lacked
+        grads (the step did not write them back) get their params back."""
+        for index in sorted(self._landed - set(stepped)):
+            self.chunk_step.write_back(index)
+        self._landed.clear()
+
+    def consumed(self, infos: Iterable[ParamInfo]) -> None:
+        """``infos`` were stepped with their grads: they hold none any more."""
+        for info in infos:
+            self._set_has_grad(info, False)
+
+    def held_again(self, infos: Iterable[ParamInfo]) -> None:
+        """``infos``' grads are back in their slots (a speculative early step undone)."""
+        for info in infos:
+            self._set_has_grad(info, True)
+
+    def restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
+        """After a skipped step under grad reuse, give the param slots their values back."""
+        indices = set(grads) | self._landed
+        self._landed.clear()
+        for index in sorted(indices):
+            self.chunk_step.write_back(index)
+        for infos in grads.values():
+            self.consumed(infos)
+
+    def drop(self) -> None:
+        """zero_grad: every grad goes. Under grad reuse the param slots holding grads (or
+        reduced ones) get the params' values back from the master copy (nothing is lost);
+        otherwise the grad chunks are freed. The grads owner is told."""
+        store = self.store
+        grads = self.by_chunk()
+        if store.config.grad_reuse:
+            if grads or self._landed:
+                self.restore_params(grads)
+        else:
+            for chunk in store.rows[ChunkKind.GRAD]:
+                if chunk.payload is None:
+                    continue
+                for slot, state in zip(chunk.slots, list(chunk.states), strict=True):
+                    if state is not TensorState.FREE:
+                        chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
+                self.mover.free(chunk)
+        self.consumed(store.params)
+        if self.on_zero_grad is not None:
+            self.on_zero_grad()
