@@ -131,7 +131,7 @@ def reduction() -> set[str]:
     )
 
     from hybridps import Client, Config, TensorState
-    from hybridps.client.sharding import build_groups as build_groups_module
+    from hybridps.client import rank_parts as build_groups_module
 
     # every client of the job numbers its watchdog records alike (tests/client/sharding/test_groups_unit.py)
     build_groups_module._collectives_prefix = lambda group: "hybridps/hot_path"

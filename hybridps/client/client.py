@@ -6,8 +6,9 @@ chunk lists by kind (param, grad, master, momentum, variance) with one shared la
 param is not accessed its ``.data`` is an empty placeholder, and ``access`` points it at its
 slot in a chunk on the compute device.
 
-Owns: building the rank's collaborators (each takes what it uses in its constructor, never
-the client; the engine's parts are built over it by assembly.py), the client's lifetime
+Owns: the facade over the rank's parts, which rank_parts.py builds once, in order, each
+taking what it uses in its constructor, never the client (the engine's parts are built over
+it by assembly.py); the order of registering the optimizer; the client's lifetime
 (``close``) and its figures (``memory_stats``). Delegates the rows and param records to the
 store, movement to the mover, memory authority to the node manager, collectives to the chunk
 groups, and registration, values (see [Note: access counting]), grads and managed tensors to
@@ -18,44 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.chunks.chunk import Chunk, ChunkKind
+from hybridps.client.chunks.chunk import Chunk
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.chunks.store import ChunkStore, ParamInfo
-from hybridps.client.memory.activity import ChunkActivity
-from hybridps.client.memory.arena import HostRegistrar, host_arena
-from hybridps.client.memory.host_buffers import HostBuffers
+from hybridps.client.chunks.store import ParamInfo
+from hybridps.client.memory.arena import HostRegistrar
 from hybridps.client.memory.host_memory import host_breakdown
-from hybridps.client.memory.mover import ChunkMover
-from hybridps.client.memory.optimizer_rows import OptimizerRows
-from hybridps.client.memory.placement import make_policy
-from hybridps.client.memory.scratch_file import ScratchFile
-from hybridps.client.memory.sim_link import SimulatedLink
-from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim.adam import ChunkedAdam
-from hybridps.client.params.grads import Grads, set_has_grad
-from hybridps.client.params.managed import ManagedTensors
-from hybridps.client.params.placeholder import ParamGuard
-from hybridps.client.params.registry import ParamRegistry, placeholders
-from hybridps.client.params.running_forward import RunningForward
-from hybridps.client.params.values import Values
-from hybridps.client.sharding.build_groups import build_groups
-from hybridps.client.sharding.groups import ChunkGroups
-from hybridps.client.sharding.mesh import ShardLayout, resolve_shard_size
-from hybridps.client.sharding.topology import _topology
+from hybridps.client.rank_parts import RankParts, build_optimizer, build_rank
 from hybridps.common.config import Config
-from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
+from hybridps.common.devices import DeviceInventory
 from hybridps.common.errors import StateError
-from hybridps.common.protocol import ClientInfo
 from hybridps.common.units import format_bytes
-from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
+from hybridps.manager.embedded import ManagerConnection
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +45,11 @@ def _of_store(name: str) -> property:
     """A read-only property of the client that is the store's attribute ``name`` (store.py):
     the store's writers are registration and the collaborators that take the store."""
     return property(lambda self: getattr(self.store, name))
+
+
+def _of_parts(name: str, doc: str = "") -> property:
+    """A read-only property of the client that is its part ``name`` (rank_parts.py)."""
+    return property(lambda self: getattr(self.parts, name), doc=doc or None)
 
 
 class Client:
@@ -83,170 +69,68 @@ class Client:
     ):
         """``host_registrar`` page-locks the host arena's segments; default: CUDA's when a
         real GPU computes, nothing otherwise (a recorder in tests stands for a real GPU)."""
-        self.config = config or Config()
-        rank, local_rank, world_size = _topology(rank, local_rank, world_size, process_group)
-        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
-        #: this rank's place among the replicas and shard groups (mesh.py)
-        self.shard_layout = ShardLayout(rank, world_size, resolve_shard_size(self.config.shard_group_size, world_size))
-        #: ranks that hold one copy of the model data between them: chunk groups are this wide
-        self.shard_size = self.shard_layout.shard_size
-        self.inventory = inventory or DeviceInventory.build(
-            self.config.devices,
-            simulate=self.config.simulate,
+        self._closed = False
+        #: the rank's parts, built once and in order (rank_parts.py)
+        self.parts: RankParts = build_rank(
+            self,
+            config or Config(),
+            inventory=inventory,
+            connection=connection,
+            rank=rank,
             local_rank=local_rank,
             world_size=world_size,
-            nvme_path=self.config.nvme_path,
+            process_group=process_group,
+            host_registrar=host_registrar,
         )
-        self.compute = self.inventory.compute_device
-        #: the disk tier's file of this rank (scratch_file.py), taken before anything is booked:
-        #: a second job on the same nvme_path, or a disk too small, is refused before training
-        self.scratch = self._scratch_file()
-        if self.compute.is_gpu and not self.compute.simulated and self.config.expandable_segments:
-            logger.info("CUDA allocator: %s", use_expandable_segments())
-        self.param_dtype = self.config.param_dtype
-        info = ClientInfo(
-            rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(self.inventory.names)
-        )
-        if connection is None:
-            try:
-                connection = self._connect(info)
-            except BaseException:
-                if self.scratch is not None:
-                    self.scratch.close()
-                raise
-        self.connection = connection
-        self.mover = self._mover(host_registrar)
-        #: the rank's chunk rows and param records (store.py): what every collaborator takes
-        self.store = ChunkStore(self.config, self.compute, rank=self.shard_layout.shard_rank, world_size=self.shard_size)
-        #: the optimizer rows moved to the GPU after warm-up (optimizer_rows.py)
-        self.optimizer_rows = OptimizerRows(self.store, self.mover, placement=self.placement, compute=self.compute)
-        #: the empty tensor of each dtype that released params' ``.data`` is (registry.py)
-        self._placeholder = placeholders(self.compute.torch_device)
         #: handles of hooks installed on the model (engine); removed by close().
         self.hook_handles: list = []
-        self.groups: ChunkGroups | None = None
-        if world_size > 1:
-            self.groups = build_groups(
-                self.store,
-                self.mover,
-                layout=self.shard_layout,
-                rank=rank,
-                world_size=world_size,
-                placement=self.placement,
-                set_has_grad=set_has_grad,
-                trace=self.trace,
-                process_group=process_group,
-            )
-        #: what ops on released params mean (placeholder.py)
-        self.guard = ParamGuard(self, RunningForward())
-        self._params_side()
-        self._closed = False
 
-    def _scratch_file(self) -> ScratchFile | None:
-        disk = self.inventory.disk
-        if disk is None or disk.meta:
-            return None  # no disk tier, or the planner's (nothing is written)
-        scratch = ScratchFile(
-            self.config.nvme_path, rank=self.rank, threads=self.config.nvme_threads, timeout_s=self.config.nvme_timeout_s
-        )
-        try:
-            scratch.check_room(disk.capacity_bytes)
-        except BaseException:
-            scratch.close()
-            raise
-        return scratch
+    # -- the rank's parts (rank_parts.py) --------------------------------------------------
 
-    def _mover(self, host_registrar: HostRegistrar | None) -> ChunkMover:
-        """The mover (mover.py: allocates, copies, books chunks), the link, placement and trace it uses."""
-        link = parse_link(self.config.simulate_link) if any(d.simulated for d in self.inventory.gpus) else None
-        #: the copy engines of simulated GPUs (Config.simulate_link), None for instant copies
-        self.link = SimulatedLink(*link) if link is not None else None
-        #: the non-model memory of the compute device and what the warm-up used, driven by the
-        #: engine's tracer, read by the mover, the placement and the prefetcher (trace.py)
-        self.trace = MomentTrace(self.compute, margin_bytes=self.config.margin)
-        #: where each kind of model data lives (placement.py); victims by the trace's next uses
-        #: while it is replayed (Config.eviction "opt"/"auto"; a trace no tracer drives never is)
-        self.placement = make_policy(
-            self.config.placement,
-            self.compute,
-            margin_bytes=self.config.margin,
-            disk=self.inventory.disk is not None,
-            trace=self.trace if self.config.eviction in ("opt", "auto") else None,
-        )
-        # the host memory the mover borrows payloads from, and the booking of each chunk operation
-        host = HostBuffers(
-            self.connection,
-            self.inventory,
-            arena=host_arena(self.config.pinned_bytes, cpu=self.inventory.cpu, compute=self.compute, registrar=host_registrar),
-            arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if self.config.casts_on_gpu else ())),
-        )
-        return ChunkMover(
-            self.inventory,
-            host,
-            placement=self.placement,
-            trace=self.trace,
-            activity=ChunkActivity(),  # before the mover: its listeners join it later (activity.py)
-            link=self.link,
-            scratch=self.scratch,
-            host_sharers=self._ranks_on_node() if self.config.manager is not None else 1,
-        )
+    config = _of_parts("config")
+    shard_layout = _of_parts("shard_layout", "this rank's place among the replicas and shard groups (mesh.py)")
+    local_rank = _of_parts("local_rank")
+    inventory = _of_parts("inventory")
+    scratch = _of_parts("scratch", "the disk tier's file of this rank (scratch_file.py); None without one")
+    connection = _of_parts("connection")
+    link = _of_parts("link", "the copy engines of simulated GPUs (Config.simulate_link), None for instant copies")
+    trace = _of_parts("trace")
+    placement = _of_parts("placement")
+    mover = _of_parts("mover")
+    store = _of_parts("store", "the rank's chunk rows and param records (store.py)")
+    optimizer_rows = _of_parts("optimizer_rows")
+    groups = _of_parts("groups", "the chunk groups over the ranks; None on one rank")
+    guard = _of_parts("guard", "what ops on released params mean (placeholder.py)")
+    grads = _of_parts("grads")
+    registry = _of_parts("registry")
+    managed = _of_parts("managed")
+    values = _of_parts("values")
 
-    def _ranks_on_node(self) -> int:
-        """The ranks of this node (torchrun's ``LOCAL_WORLD_SIZE``; the world without it)."""
-        try:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        except ValueError:
-            local = self.world_size
-        return max(1, min(local, self.world_size))
+    @property
+    def rank(self) -> int:
+        return self.parts.shard_layout.rank
 
-    def _params_side(self) -> None:
-        """The params' collaborators (params/): each takes the store, the mover and what else
-        it uses in its constructor, never the client."""
-        #: grads landing in their slots, read back and dropped (grads.py)
-        self.grads = Grads(self.store, self.mover, groups=self.groups, compute=self.compute, world_size=self.world_size)
-        #: grads that may not enter their slot yet (pending_grads.py)
-        self.pending = self.grads.pending
-        #: registration of params and the optimizer (registry.py)
-        self.registry = ParamRegistry(
-            self.store,
-            self.mover,
-            placement=self.placement,
-            guard=self.guard,
-            groups=self.groups,
-            inventory=self.inventory,
-            world_size=self.world_size,
-            shard_size=self.shard_size,
-            placeholder=self._placeholder,
-            on_zero_grad=self.pending.drop,
-        )
-        #: results of collectives kept in buffer chunks (managed.py)
-        self.managed = ManagedTensors(
-            self.store,
-            self.mover,
-            placement=self.placement,
-            guard=self.guard,
-            groups=self.groups,
-            world_size=self.world_size,
-            placeholder=self._placeholder,
-            check_open=self._check_open,
-        )
-        #: param values: accessed for compute, read, written and given back (values.py)
-        self.values = Values(
-            self.store,
-            self.mover,
-            placement=self.placement,
-            guard=self.guard,
-            groups=self.groups,
-            compute=self.compute,
-            placeholder=self._placeholder,
-        )
+    @property
+    def world_size(self) -> int:
+        return self.parts.shard_layout.world_size
 
-    def _connect(self, info: ClientInfo) -> ManagerConnection:
-        if self.config.manager is None:
-            return EmbeddedManager(self.inventory).connect(info)
-        from hybridps.client.remote import connect_remote  # the daemon's client stub
+    @property
+    def shard_size(self) -> int:
+        """Ranks that hold one copy of the model data between them: chunk groups are this wide."""
+        return self.parts.shard_layout.shard_size
 
-        return connect_remote(self.config.manager, info, self.inventory)
+    @property
+    def compute(self):
+        return self.parts.inventory.compute_device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.parts.config.param_dtype
+
+    @property
+    def pending(self):
+        """Grads that may not enter their slot yet (pending_grads.py)."""
+        return self.parts.grads.pending
 
     # -- the store's figures, for callers of the facade ------------------------------------
 
@@ -278,20 +162,24 @@ class Client:
     def register_module(self, module: nn.Module, *, optimizer_follows: torch.optim.Optimizer | list | None = None) -> None:
         """Move every param of ``module`` (shared params once) into chunks, in module order;
         ``optimizer_follows``: the optimizer registered next, so the fit check counts its states."""
-        self._check_open()
+        self.check_open()
         self.registry.register_module(module, optimizer_follows=optimizer_follows)
 
     def register_param(self, param: nn.Parameter, name: str | None = None) -> None:
         """Move one ``nn.Parameter`` into chunks (plain tensors are refused)."""
-        self._check_open()
+        self.check_open()
         self.registry.register_param(param, name)
 
     def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
         """Lay out fp32 master, momentum and variance like the param chunks; return the chunked
         optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
-        ``wiring``: ``ChunkedAdam``'s ``scaler``, ``step_driver`` and listeners (registry.py)."""
-        self._check_open()
-        return self.registry.register_optim(optimizer, **wiring)
+        ``wiring``: the ``scaler``, ``step_driver`` and listeners ``build_optimizer`` takes
+        (rank_parts.py); the registry lays out and books its rows (registry.py)."""
+        self.check_open()
+        self.registry.refuse_second_optimizer()
+        chunked = build_optimizer(self.parts, optimizer, **wiring)
+        self.registry.register_optim(chunked)
+        return chunked
 
     @property
     def optimizer(self) -> ChunkedAdam | None:
@@ -471,7 +359,8 @@ class Client:
 
     # -- lifetime --------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise if this client is closed, or broken by a failed registration."""
         if self._closed:
             raise StateError("this client is closed; create a new Client")
         if self.registry.broken:

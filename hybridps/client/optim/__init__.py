@@ -1,5 +1,5 @@
 """The optimizer over chunks: ChunkedAdam, the torch surface (adam.py), built with its parts
-by build_optimizer.py; the step of an iteration (iteration_step.py) and the grads it consumes
+by client/rank_parts.py; the step of an iteration (iteration_step.py) and the grads it consumes
 (step_grads.py); one chunk's step and its arithmetic (chunk_step.py), Adam's kernels
 (adam_kernels.py) and any optimizer's own step (torch_step.py); the grad norm, clip and fp16
 overflow check (grad_norm.py), the Adam states in torch's shape (adam_state.py), early steps

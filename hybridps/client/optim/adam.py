@@ -16,7 +16,7 @@ not own, beside it: the step of an iteration, its clip, the validation of early 
 what zero_grad drops (iteration_step.py, step_grads.py); one chunk's step and its kernels
 (chunk_step.py, adam_kernels.py, [Note: exactness]); which chunk may step early and the
 undoing of speculative steps (early_step.py, speculation.py); the checks and the hand-over
-at registration (registration.py); nor the wiring of these parts (build_optimizer.py).
+at registration (registration.py); nor the wiring of these parts (client/rank_parts.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Owns: those checks and their messages, run once, before anything is laid out, an
 optimizers as the chunked optimizer keeps them (``hand_over``: their param groups, each
 one's part, each param's group, ``adopt_groups``). Does not own the layout of the Adam states
 (the client's ``register_optim``), the import of a state the optimizer already had
-(adam_state.py), nor anything the optimizer does once accepted (adam.py, build_optimizer.py).
+(adam_state.py), nor anything the optimizer does once accepted (adam.py; its parts are built in client/rank_parts.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ class ManagedTensors:
         guard: ParamGuard,
         groups: ChunkGroups | None,
         world_size: int,
-        placeholder: Callable[[torch.dtype], torch.Tensor],
         check_open: Callable[[], None],
     ):
         self.store = store
@@ -51,8 +50,6 @@ class ManagedTensors:
         self.groups = groups
         self.world_size = world_size
         self.config = store.config
-        #: the empty tensor of a dtype that a released tensor's ``.data`` is
-        self._placeholder = placeholder
         #: raises if the client is closed or broken
         self._check_open = check_open
         self._buffer_layout: ChunkLayout | None = None
@@ -120,5 +117,5 @@ class ManagedTensors:
         chunk.set_slot_state(slot, TensorState.HOLD, info)
         self.store.add(info)
         self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(value.dtype))
+        self.guard.unmaterialize(info, self.guard.placeholder(value.dtype))
         return param

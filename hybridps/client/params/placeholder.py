@@ -35,6 +35,7 @@ would see ops later, below autograd, and every op on an accessed param would pay
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -267,6 +268,17 @@ def _dispatch(func, args, kwargs):
     return guard.apply(func, args, kwargs, targets)
 
 
+def placeholders(device: torch.device) -> Callable[[torch.dtype], torch.Tensor]:
+    """One empty tensor per dtype on ``device``, made at its first use: the ``.data`` of every
+    registered param (and managed tensor) of that dtype while it is not accessed."""
+
+    @functools.cache
+    def placeholder(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=device)
+
+    return placeholder
+
+
 class ParamGuard:
     """The meaning of ops on one client's unmaterialized params.
 
@@ -275,10 +287,14 @@ class ParamGuard:
     nothing and the op takes the paths below.
     """
 
-    def __init__(self, client: ParamValues, forward: RunningForward):
+    def __init__(self, client: ParamValues, forward: RunningForward, placeholder: Callable[[torch.dtype], torch.Tensor]):
+        """``client``: the holder of the params' values, asked when an op is applied;
+        ``placeholder``: the empty tensor of a dtype on the compute device (``placeholders``)."""
         self.client = client
         #: the module forwards under way, which a param an op needs is lent to
         self.forward = forward
+        #: the empty tensor of a dtype that a released param's ``.data`` is (one per dtype)
+        self.placeholder = placeholder
         self._shadows: dict[int, torch.Tensor] = {}
         #: while a state_dict is taken: id(param) -> the copy already read (one tensor per tied param)
         self._read_cache: dict[int, torch.Tensor] | None = None

@@ -5,8 +5,7 @@ module could compute in, model data that does not fit the devices), the layout o
 params into chunk rows (on one rank, or in chunk groups of which this rank keeps its own),
 the rollback of a registration that failed partway, the pool's cap, the optimizer's
 momentum and variance rows and where the early step is wired, and the figures of the
-largest module's working set (``min_compute_bytes``). Also the empty placeholder tensors a
-param's ``.data`` is while it is not accessed (``placeholders``).
+largest module's working set (``min_compute_bytes``).
 
 Does not own the rows and records once made (the store), how chunks move (the mover), the
 chunk groups' collectives (groups.py), the optimizer's step (adam.py), or access and release
@@ -15,7 +14,6 @@ chunk groups' collectives (groups.py), the optimizer's step (adam.py), or access
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -29,8 +27,6 @@ from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.optim import registration
 from hybridps.client.optim.adam import ChunkedAdam
-from hybridps.client.optim.build_optimizer import build_optimizer
-from hybridps.client.params.grads import set_has_grad
 from hybridps.client.params.placeholder import ChunkedParameter, ParamGuard, guard_of
 from hybridps.common.errors import CapacityError, ConfigError, RegistrationError, StateError
 from hybridps.common.units import format_bytes
@@ -40,21 +36,11 @@ if TYPE_CHECKING:
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
     from hybridps.client.sharding.groups import ChunkGroups
+    from hybridps.client.sharding.mesh import ShardLayout
     from hybridps.common.devices import DeviceInventory, DeviceSpec
 
 #: registration logs as the client it registers for (its records kept their name when it moved here)
 logger = logging.getLogger("hybridps.client.client")
-
-
-def placeholders(device: torch.device) -> Callable[[torch.dtype], torch.Tensor]:
-    """One empty tensor per dtype on ``device``, made at its first use: the ``.data`` of every
-    registered param (and managed tensor) of that dtype while it is not accessed."""
-
-    @functools.cache
-    def placeholder(dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(0, dtype=dtype, device=device)
-
-    return placeholder
 
 
 class ParamRegistry:
@@ -69,10 +55,7 @@ class ParamRegistry:
         guard: ParamGuard,
         groups: ChunkGroups | None,
         inventory: DeviceInventory,
-        world_size: int,
-        shard_size: int,
-        placeholder: Callable[[torch.dtype], torch.Tensor],
-        on_zero_grad: Callable[[], None],
+        shard_layout: ShardLayout,
     ):
         self.store = store
         self.mover = mover
@@ -83,13 +66,9 @@ class ParamRegistry:
         self.compute = inventory.compute_device
         self.config = store.config
         self.param_dtype = self.config.param_dtype
-        self.world_size = world_size
+        self.world_size = shard_layout.world_size
         #: ranks that hold one copy of the model data between them
-        self.shard_size = shard_size
-        #: the empty tensor of a dtype that a released param's ``.data`` is
-        self._placeholder = placeholder
-        #: told by the optimizer when zero_grad drops every grad (the pending grads' owner)
-        self._on_zero_grad = on_zero_grad
+        self.shard_size = shard_layout.shard_size
         self.optimizer: ChunkedAdam | None = None
         #: the largest param (+ grad) chunks one module computes with, and that module
         self.min_compute_bytes = 0
@@ -210,7 +189,7 @@ class ParamRegistry:
             if info.meta_key is not None:
                 _leave_meta(info.param, self.compute.torch_device)
             self.guard.adopt(info)
-            self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
+            self.guard.unmaterialize(info, self.guard.placeholder(self.param_dtype))
 
     def _size_pool(self) -> None:
         if self.config.pool_bytes is not None:
@@ -294,7 +273,7 @@ class ParamRegistry:
         if info.meta_key is not None:
             _leave_meta(p, self.compute.torch_device)
         self.guard.adopt(info)
-        self.guard.unmaterialize(info, self._placeholder(self.param_dtype))
+        self.guard.unmaterialize(info, self.guard.placeholder(self.param_dtype))
         return info
 
     def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
@@ -321,24 +300,11 @@ class ParamRegistry:
 
     # -- the optimizer ---------------------------------------------------------------------
 
-    def register_optim(self, optimizer: torch.optim.Optimizer, **wiring) -> ChunkedAdam:
-        """Lay out the optimizer's row states (Adam's momentum and variance; another optimizer's
-        as optim/state_layout.py finds them) like the param chunks; return the chunked
-        optimizer that replaces ``optimizer`` (same param_groups, same hyper-parameters).
-        ``wiring``: what the caller gives the optimizer (``build_optimizer``'s keyword
-        arguments ``scaler``, ``step_driver``, ``step_listeners``, ``zero_grad_listeners``)."""
-        if self.optimizer is not None:
-            raise StateError("register_optim was called already; one optimizer per client")
-        chunked = build_optimizer(
-            self.store,
-            self.mover,
-            optimizer,
-            placement=self.placement,
-            set_has_grad=set_has_grad,
-            groups=self.groups,
-            on_zero_grad=self._on_zero_grad,
-            **wiring,
-        )
+    def register_optim(self, chunked: ChunkedAdam) -> None:
+        """Lay out the row states of ``chunked`` (the chunked optimizer built over the
+        script's, rank_parts.py: Adam's momentum and variance; another optimizer's as
+        optim/state_layout.py finds them) like the param chunks, book them, and keep it."""
+        self.refuse_second_optimizer()
         self.store.state_kinds = chunked.state_kinds
         parts = chunked.parts_by_param
         for kind in self.store.state_kinds:
@@ -356,7 +322,10 @@ class ParamRegistry:
         self._book_optimizer_states()
         self.optimizer = chunked
         chunked.attach_state()
-        return chunked
+
+    def refuse_second_optimizer(self) -> None:
+        if self.optimizer is not None:
+            raise StateError("register_optim was called already; one optimizer per client")
 
     def _check_step_fits_the_cpu(self) -> None:
         """With a disk tier the optimizer rows step on the CPU, coming up from the disk a chunk

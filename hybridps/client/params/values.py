@@ -22,7 +22,7 @@ last ``release``. The state given to the last release is the one the param ends 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +53,6 @@ class Values:
         guard: ParamGuard,
         groups: ChunkGroups | None,
         compute: DeviceSpec,
-        placeholder: Callable[[torch.dtype], torch.Tensor],
     ):
         self.store = store
         self.mover = mover
@@ -62,8 +61,8 @@ class Values:
         self.groups = groups
         self.compute = compute
         self.config = store.config
-        #: the empty tensor of a dtype that a released param's ``.data`` is
-        self._placeholder = placeholder
+        #: the empty tensor of a dtype that a released param's ``.data`` is (the guard's)
+        self._placeholder = guard.placeholder
 
     # -- access for compute (see [Note: access counting]) ----------------------------------
 

@@ -168,7 +168,7 @@ def test_when_the_store_host_dies_the_survivor_says_so_instead_of_a_timeout():
 def _counted_steps(rank, world):
     import collections
 
-    import hybridps.client.sharding.build_groups as groups_module
+    import hybridps.client.rank_parts as groups_module
     from tests.client.sharding.test_watchdog import CountingStore
 
     stores = []

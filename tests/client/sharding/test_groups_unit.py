@@ -28,9 +28,9 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 )
 
 from hybridps import Client, Config, TensorState
+from hybridps.client import rank_parts as build_groups_module
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.ownership import assign_owners
-from hybridps.client.sharding import build_groups as build_groups_module
 from hybridps.client.sharding import group_phase
 from hybridps.client.sharding.group_phase import GroupMove, GroupPhase
 from hybridps.client.sharding.reductions import ReductionPhase
