@@ -131,10 +131,10 @@ def reduction() -> set[str]:
     )
 
     from hybridps import Client, Config, TensorState
-    from hybridps.client import rank_parts as build_groups_module
+    from hybridps.client import rank_parts
 
     # every client of the job numbers its watchdog records alike (tests/client/sharding/test_groups_unit.py)
-    build_groups_module._collectives_prefix = lambda group: "hybridps/hot_path"
+    rank_parts._collectives_prefix = lambda group: "hybridps/hot_path"
     shapes = [(5, 7), (20,), (6, 6), (4,), (50,)]
     store = dist.HashStore()
     recorder = Recorder()

@@ -185,12 +185,11 @@ class ModuleHooks:
             capacity_bytes=self._capacity_bytes,
         )
         self.own: dict[nn.Module, list[nn.Parameter]] = self.units.params
-        self.names: dict[nn.Module, str] = {}
         # labels built once: the hooks run for every unit of every iteration
         self._labels: dict[nn.Module, tuple[tuple, tuple, tuple, str, str]] = {}
         for name, mod in self.module.named_modules():
             if mod in self.own:
-                n = self.names[mod] = name or type(self.module).__name__
+                n = name or type(self.module).__name__
                 self._labels[mod] = (("fwd", n), ("fwd_end", n), ("bwd", n), f"module {n!r}", f"module {n!r} (backward)")
         #: modules with params that get no grad: released after the module's backward
         with torch._C.DisableTorchFunctionSubclass():

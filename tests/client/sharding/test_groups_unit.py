@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 )
 
 from hybridps import Client, Config, TensorState
-from hybridps.client import rank_parts as build_groups_module
+from hybridps.client import rank_parts
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.ownership import assign_owners
 from hybridps.client.sharding import group_phase
@@ -65,7 +65,7 @@ def ranks(monkeypatch):
     # clients made so far in the process (topology._collectives_prefix): two ranks in one
     # process would number theirs apart. Every run here is a fresh job with a fresh store,
     # as every process of a real job counts only its own clients.
-    monkeypatch.setattr(build_groups_module, "_collectives_prefix", lambda group: "hybridps/unit")
+    monkeypatch.setattr(rank_parts, "_collectives_prefix", lambda group: "hybridps/unit")
 
     def run(fn, *args):
         store = dist.HashStore()
