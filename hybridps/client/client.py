@@ -266,14 +266,25 @@ class Client:
         self.pending.end_backward()
         if self.groups is not None:
             self.groups.finish_backward()
-            early_step = self.early_step
-            if early_step is not None:
-                for index in self.groups.take_ready():
-                    if early_step(index):
-                        self.groups.note_early_step(index)
-            landed = self.groups.end_backward()
+            self.step_ready()
+            end = self.groups.end_backward()
+            self.grads.agreed(end)
             if self.optimizer is not None:
-                self.optimizer.grads_landed(landed)
+                self.optimizer.grads_landed(end.landed)
+
+    def step_ready(self) -> None:
+        """Several ranks, Config.overlap_step: the owned chunks whose reduced grads the
+        landings so far made final hold their grads (grads.py), and step early. Every rank
+        calls this at the same points of backward (the engine's hooks, ``end_backward``),
+        where the chunk groups check the order of collectives."""
+        early_step = self.early_step
+        if self.groups is None or early_step is None:
+            return
+        ready = self.groups.take_ready()
+        self.grads.final(ready)
+        for index in ready:
+            if early_step(index):
+                self.groups.note_early_step(index)
 
     # -- access and values (values.py) -----------------------------------------------------
 

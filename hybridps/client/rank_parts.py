@@ -56,7 +56,7 @@ from hybridps.client.optim.early_step import EarlySteps
 from hybridps.client.optim.iteration_step import IterationStep
 from hybridps.client.optim.step_grads import StepGrads
 from hybridps.client.optim.step_worker import StepWorker
-from hybridps.client.params.grads import Grads, set_has_grad
+from hybridps.client.params.grads import Grads
 from hybridps.client.params.managed import ManagedTensors
 from hybridps.client.params.placeholder import ParamGuard, ParamValues, placeholders
 from hybridps.client.params.registry import ParamRegistry
@@ -325,7 +325,6 @@ def _groups(
         shard,
         gathers=gathers,
         placement=placement,
-        set_has_grad=set_has_grad,
         replicas=replicas,
         everyone=everyone if replicas is not None else None,
     )
@@ -364,8 +363,8 @@ def build_optimizer(
     # casts on the GPU never apply under a loss scale or with several ranks (device_casts.py)
     casts = DeviceCasts(store, mover, enabled=store.config.casts_on_gpu and scaler is None and groups is None)
     chunk_step = ChunkStep(store, mover, parts.placement, arithmetic, worker, casts, step_listeners=step_listeners)
-    # grads the step uses up: the grads' owner is told when zero_grad drops every grad
-    grads = StepGrads(store, mover, chunk_step, handed.group_of, set_has_grad=set_has_grad, on_zero_grad=parts.grads.pending.drop)
+    # the grads the step uses up; their owner (params/grads.py) hears what using them up did
+    grads = StepGrads(store, mover, chunk_step, handed.group_of, flags=parts.grads)
     adam_only = all(p.torch_step is None for p in handed.parts)  # the early steps' condition
     early = EarlySteps(store, mover, chunk_step, grads, worker, steps, adam_only=adam_only, scaler=scaler)
     iteration = IterationStep(store, chunk_step, early, grads, worker, steps, scaler=scaler, groups=groups)

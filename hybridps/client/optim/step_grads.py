@@ -3,17 +3,17 @@
 Owns: which params hold a grad that this optimizer steps (by chunk, in slot order), the
 owned chunks whose param slots took reduced grads (grad reuse, several ranks: the chunk groups
 report them at the end of backward, or ``abandon_backward`` after one that raised), and what
-consuming, restoring or dropping grads does: the grads owner's ``has_grad`` flags (reported
-through ``set_has_grad``, never written here), the param slots given their values back from
-the master (under grad reuse), the grad chunks freed (without it), and telling the grads
-owner when every grad is dropped. Does not own the flags themselves (params/grads.py), the
+consuming, restoring or dropping grads does: reporting it to the grads' owner (``GradFlags``,
+params/grads.py, which writes every ``has_grad`` flag: none is written here), the param slots
+given their values back from the master (under grad reuse), the grad chunks freed (without
+it), and telling the grads' owner when every grad is dropped. Does not own the flags themselves (params/grads.py), the
 write-back copy (chunk_step.py), nor when a step or zero_grad happens (iteration_step.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
@@ -22,6 +22,19 @@ if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.chunk_step import ChunkStep
+
+
+class GradFlags(Protocol):
+    """What the optimizer reports to the owner of the params' grads (params/grads.py)."""
+
+    def consumed(self, infos: Iterable[ParamInfo]) -> None:
+        """``infos`` were stepped with their grads: they hold none any more."""
+
+    def held_again(self, infos: Iterable[ParamInfo]) -> None:
+        """``infos``' grads are back in their slots (a speculative early step undone)."""
+
+    def dropped_all(self) -> None:
+        """zero_grad dropped every grad: what the owner holds beside the slots goes too."""
 
 
 class StepGrads:
@@ -34,19 +47,15 @@ class StepGrads:
         chunk_step: ChunkStep,
         param_group_of: list[int | None],
         *,
-        set_has_grad: Callable[[ParamInfo, bool], None],
-        on_zero_grad: Callable[[], None] | None = None,
+        flags: GradFlags,
     ):
         """``param_group_of``: registration index -> its param group (None: not optimized);
-        ``set_has_grad`` records whether a param holds a grad (the grads' owner, grads.py);
-        ``on_zero_grad`` is told when zero_grad drops every grad, so that their owner drops
-        what it holds beside the slots."""
+        ``flags``: the grads' owner, told what consuming, restoring and dropping grads did."""
         self.store = store
         self.mover = mover
         self.chunk_step = chunk_step
         self.param_group_of = param_group_of
-        self._set_has_grad = set_has_grad
-        self.on_zero_grad = on_zero_grad
+        self.flags = flags
         #: owned chunks whose param slots took reduced grads, as the chunk groups reported
         #: them: the step writes them back
         self._landed: set[int] = set()
@@ -77,13 +86,11 @@ class StepGrads:
 
     def consumed(self, infos: Iterable[ParamInfo]) -> None:
         """``infos`` were stepped with their grads: they hold none any more."""
-        for info in infos:
-            self._set_has_grad(info, False)
+        self.flags.consumed(infos)
 
     def held_again(self, infos: Iterable[ParamInfo]) -> None:
         """``infos``' grads are back in their slots (a speculative early step undone)."""
-        for info in infos:
-            self._set_has_grad(info, True)
+        self.flags.held_again(infos)
 
     def restore_params(self, grads: dict[int, list[ParamInfo]]) -> None:
         """After a skipped step under grad reuse, give the param slots their values back."""
@@ -112,5 +119,4 @@ class StepGrads:
                         chunk.set_slot_state(slot, TensorState.FREE, f"grad chunk {chunk.index}")
                 self.mover.free(chunk)
         self.consumed(store.params)
-        if self.on_zero_grad is not None:
-            self.on_zero_grad()
+        self.flags.dropped_all()

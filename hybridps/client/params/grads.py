@@ -4,8 +4,12 @@ hands it over, how it is read back as ``param.grad`` and how it is dropped.
 Owns the writes of grads into their slots (the param's own slot under grad reuse, else its
 slot in the grad chunk; with several ranks, the gathered group or a staging chunk until the
 group is reduce-scattered), the pending grads that may not enter their slot yet
-(pending_grads.py) and every write of ``ParamInfo.has_grad``: the optimizer and the chunk
-groups report theirs through ``set_has_grad``, given to their constructors.
+(pending_grads.py) and every write of ``ParamInfo.has_grad``, derived here from what the
+others return or report: a grad stored or dropped here, the chunk groups' final chunks
+(``take_ready``) and their agreement at the end of backward (``end_backward`` returns both,
+and the client hands them over: ``final``, ``agreed``), and the optimizer's consuming and
+restoring of grads (it reports them to this object, which it takes in its constructor as
+``GradFlags``: ``consumed``, ``held_again``).
 
 Does not own the slots themselves (the store), the reductions of chunk groups (reductions.py),
 the optimizer's view of a grad (unscaling, clipping: ``ChunkedAdam.as_user_grad``) or when
@@ -15,7 +19,7 @@ backward begins and ends (the engine).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +36,8 @@ if TYPE_CHECKING:
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.optim.adam import ChunkedAdam
     from hybridps.client.sharding.groups import ChunkGroups
+    from hybridps.client.sharding.reductions import BackwardEnd
     from hybridps.common.devices import DeviceSpec
-
-
-def set_has_grad(info: ParamInfo, flag: bool) -> None:
-    """Record whether ``info``'s slot holds a grad: the one writer of ``ParamInfo.has_grad``."""
-    info.has_grad = flag
 
 
 class Grads:
@@ -150,7 +150,7 @@ class Grads:
             else:
                 view.copy_(grad.reshape(-1))
             chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
-        set_has_grad(info, True)
+        info.has_grad = True
 
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Add a grad that reached ``param`` through an op outside the forward (placeholder.py)."""
@@ -209,7 +209,40 @@ class Grads:
                 chunk.set_slot_state(info.slot, TensorState.FREE, info.describe() + " grad")
             if chunk.state is ChunkState.FREE:
                 self.mover.free(chunk)
-        set_has_grad(info, False)
+        info.has_grad = False
+
+    # -- has_grad from what the chunk groups return and the optimizer reports ---------------
+
+    def final(self, indices: Iterable[int]) -> None:
+        """Owned chunks whose reduced grads are final (the chunk groups' ``take_ready``): their
+        params that require grad hold one."""
+        for index in indices:
+            for slot in self.store.rows[ChunkKind.PARAM][index].slots:
+                info = self.store.params[slot.index]
+                info.has_grad = info.param.requires_grad
+
+    def agreed(self, end: BackwardEnd) -> None:
+        """The ranks agreed at the end of backward (the chunk groups' ``end_backward``): the
+        params of owned chunks that hold their reduced grads here, and those of other ranks'
+        chunks, which hold none here."""
+        for info in end.held:
+            info.has_grad = True
+        for info in end.elsewhere:
+            info.has_grad = False
+
+    def consumed(self, infos: Iterable[ParamInfo]) -> None:
+        """The optimizer stepped ``infos`` with their grads: they hold none any more."""
+        for info in infos:
+            info.has_grad = False
+
+    def held_again(self, infos: Iterable[ParamInfo]) -> None:
+        """The optimizer put ``infos``' grads back in their slots (a speculative early step undone)."""
+        for info in infos:
+            info.has_grad = True
+
+    def dropped_all(self) -> None:
+        """The optimizer's zero_grad dropped every grad: the grads waiting beside their slots go too."""
+        self.pending.drop()
 
     @torch.no_grad()
     def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:

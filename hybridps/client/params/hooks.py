@@ -79,6 +79,7 @@ class ParamAccess(Protocol):
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor: ...
     def release(self, param: nn.Parameter, state: TensorState = ...) -> None: ...
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None: ...
+    def step_ready(self) -> None: ...
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -419,12 +420,8 @@ class ModuleHooks:
         """Several ranks, Config.overlap_step: step early the owned chunks whose reduced grads
         the landings in the calls just made into the chunk groups made final. Every rank calls
         this at the same points of backward, where the groups check the order of collectives."""
-        groups = self.client.groups
-        if self.early_step is None or groups is None:
-            return
-        for index in groups.take_ready():
-            if self.early_step(index):
-                groups.note_early_step(index)
+        if self.early_step is not None and self.client.groups is not None:
+            self.client.step_ready()
 
     def _bare_backward_done(self) -> None:
         self._bare_queued = False

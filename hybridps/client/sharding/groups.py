@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from hybridps.client.sharding.reductions import ReductionPhase
+from hybridps.client.sharding.reductions import BackwardEnd, ReductionPhase
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.chunk import ChunkKind
@@ -182,15 +182,16 @@ class ChunkGroups:
 
     def take_ready(self) -> list[int]:
         """The owned chunks whose reduced grads became final in the landings since the last
-        call, in landing order, their params' flags settled: the caller steps them early
-        (Config.overlap_step) and reports each that stepped (``note_early_step``). Called by
-        every rank at the same points of backward: each landing's order check is a collective."""
+        call, in landing order: their params that require grad hold one (the caller records
+        it), and the caller steps them early (Config.overlap_step) and reports each that
+        stepped (``note_early_step``). Called by every rank at the same points of backward:
+        each landing's order check is a collective."""
         ready = []
         for red in self.reductions.take_landed():
             # an early step applies what this backward computed: first make sure every rank
             # issued the same collectives so far (one small all-reduce)
             self.check_order(f"early step of chunk group {red.group}")
-            if self.reductions.settle_final(red):
+            if self.reductions.is_final(red):
                 ready.append(red.own_index)
         return ready
 
@@ -207,14 +208,15 @@ class ChunkGroups:
             self.reduce(g)
         self.reductions.finish(why="end of backward")
 
-    def end_backward(self) -> set[int]:
+    def end_backward(self) -> BackwardEnd:
         """After ``finish_backward``: agree on which params have grads and drop every gathered
-        group. Returns the owned chunks whose param slots took reduced grads in this backward
-        (grad reuse), which the step writes back from the master copy."""
+        group. Returns what the agreement settled: the params holding grads here and those
+        holding none, and the owned chunks whose param slots took reduced grads in this
+        backward (grad reuse), which the step writes back from the master copy."""
         self.gathers.settle_all()
-        landed = self.reductions.end_backward()
+        end = self.reductions.end_backward()
         self.gathers.end_forward(keep_retained=False)
-        return landed
+        return end
 
     # -- a backward that raised (reductions.py, [Note: a backward that raised]) --------------
 

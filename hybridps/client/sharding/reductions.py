@@ -51,7 +51,6 @@ import collections
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -228,6 +227,18 @@ class StagingChunks:
         self.chunks.clear()
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardEnd:
+    """What the end of a backward settled on one rank (``GroupReductions.end_backward``)."""
+
+    #: params of owned chunks that hold their reduced grads here (none stepped early)
+    held: list[ParamInfo]
+    #: params of other ranks' chunks: their grads went to their owners, none is held here
+    elsewhere: list[ParamInfo]
+    #: owned chunks whose param slots took reduced grads (grad reuse): the step writes them back
+    landed: set[int]
+
+
 class GroupReductions:
     """Where each chunk group's grads of the current backward are, on one rank."""
 
@@ -239,7 +250,6 @@ class GroupReductions:
         *,
         gathers: GroupGathers,
         placement: PlacementPolicy,
-        set_has_grad: Callable[[ParamInfo, bool], None],
         replicas: Collectives | None = None,
         everyone: Collectives | None = None,
     ):
@@ -254,8 +264,6 @@ class GroupReductions:
         #: the gathered copies a landing drops
         self.gathers = gathers
         self.placement = placement
-        #: records whether a param holds a grad (the grads' owner, grads.py)
-        self._set_has_grad = set_has_grad
         #: which rank owns each chunk: the store's table
         self.ownership = store.ownership
         #: per group, where its grads of this backward are (made by ``setup``)
@@ -457,16 +465,12 @@ class GroupReductions:
         self.untaken.clear()
         return landed
 
-    def settle_final(self, red: Reduction) -> bool:
+    @staticmethod
+    def is_final(red: Reduction) -> bool:
         """Whether the landing made the owned chunk's reduced grads final (the group was
-        complete, nothing came since), its params' flags then settled: an early step may take
-        it now."""
-        if red.phase is not ReductionPhase.LANDED or not red.complete:
-            return False
-        for slot in self.store.rows[ChunkKind.PARAM][red.own_index].slots:
-            info = self.store.params[slot.index]
-            self._set_has_grad(info, info.param.requires_grad)
-        return True
+        complete, nothing came since): its params that require grad hold one, and an early
+        step may take it now."""
+        return red.phase is ReductionPhase.LANDED and red.complete
 
     def note_early_step(self, index: int) -> None:
         """Owned chunk ``index`` stepped early: its step wrote the params back."""
@@ -474,26 +478,27 @@ class GroupReductions:
         red.stepped_early = True
         red.params_hold_grads = False
 
-    def end_backward(self) -> set[int]:
+    def end_backward(self) -> BackwardEnd:
         """Agree with every rank on which params have grads (the owners keep theirs), and
-        reset the records for the next backward; every reduction has landed. Returns the
-        owned chunks whose param slots took reduced grads (grad reuse), which the step writes
-        back from the master copy."""
+        reset the records for the next backward; every reduction has landed. Returns what
+        the agreement says and the owned chunks whose param slots took reduced grads (grad
+        reuse), which the step writes back from the master copy (``BackwardEnd``)."""
         flags = self.local_flags.clone()
         self.everyone.all_reduce(flags, op=dist.ReduceOp.MAX, what="which params received grads")
+        held, elsewhere = [], []
         for info in self.store.params:
             if self.ownership.owns(info.chunk):
                 if flags[info.slot.index] and not self.records[self.ownership.group_of(info.chunk)].stepped_early:
-                    self._set_has_grad(info, True)
+                    held.append(info)
             else:
-                self._set_has_grad(info, False)
+                elsewhere.append(info)
         self.local_flags.zero_()
         landed = self._param_slots_with_grads()
         for red in self.records:
             if red.phase is not ReductionPhase.IDLE:  # an idle record holds nothing to reset
                 red.reset(ReductionMove.BACKWARD_ENDED)
         self.untaken.clear()
-        return landed
+        return BackwardEnd(held=held, elsewhere=elsewhere, landed=landed)
 
     def _param_slots_with_grads(self) -> set[int]:
         return {red.own_index for red in self.records if red.params_hold_grads}

@@ -181,8 +181,10 @@ def test_optimizer_state_is_a_read_only_view():
 def test_zero_grad_drops_grads_gives_the_slots_their_params_back_and_announces_it():
     announced, listened = [], []
     client, optimizer, params, reference, _ = _registered({"zero_grad_listeners": [lambda: listened.append(True)]})
-    drop = optimizer.iteration.grads.on_zero_grad
-    optimizer.iteration.grads.on_zero_grad = lambda: (announced.append(True), drop())
+    owner = optimizer.iteration.grads.flags  # the grads' owner, told when every grad goes
+    assert owner is client.grads
+    drop = owner.dropped_all
+    owner.dropped_all = lambda: (announced.append(True), drop())
     _backward(client, params, _grads(0))
     assert all(client.param_info(p).has_grad for p in params)
     optimizer.zero_grad()
