@@ -109,9 +109,9 @@ class CpuSpill:
             (pinned if self.host.holds_slot(c) else pageable).append(c)
         freed = 0
         for group in (pageable, pinned):
-            while group and not enough(freed):
-                victim = self.placement.victim(group)
-                group.remove(victim)
+            for victim in self.placement.eviction_order(group):
+                if enough(freed):
+                    break
                 self._evict(victim)
                 freed += self.host.release_idle_segments() if group is pinned else victim.nbytes
         if not enough(freed):

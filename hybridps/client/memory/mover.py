@@ -542,9 +542,9 @@ class ChunkMover:
     def shrink(self, device: str, limit_bytes: int, victims: list[Chunk]) -> None:
         """Evict from ``victims`` (in the policy's order) until the chunks on ``device`` hold
         at most ``limit_bytes``, or no victim is left."""
-        while victims and self.tally.used_bytes[device] > limit_bytes:
-            victim = self.placement.victim(victims)
-            victims.remove(victim)
+        for victim in self.placement.eviction_order(victims):
+            if self.tally.used_bytes[device] <= limit_bytes:
+                break
             self.evict(victim)
 
     def evict(self, chunk: Chunk) -> None:

@@ -47,6 +47,7 @@ reserve and this policy for the formula (``budget_bytes``), at every move onto a
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -139,10 +140,16 @@ class PlacementPolicy:
         """Which of ``candidates`` (on a full device, none in use or protected) leaves: the
         furthest next use while a trace is replayed, else the least recently used; ties go to
         the older use, then the lower chunk id, so every run chooses alike."""
+        return self.eviction_order(candidates)[0]
+
+    def eviction_order(self, candidates: Sequence[Chunk]) -> list[Chunk]:
+        """``candidates`` in the order ``victim`` chooses them one after another. A chunk's
+        key does not change while others leave (moments advance at ticks, uses at accesses),
+        so one sort serves a whole eviction instead of a scan of every candidate per victim."""
         if self._next_use is not None and self._replaying():
             next_use = self._next_use
-            return max(candidates, key=lambda c: (next_use(c), -c.last_use, c.chunk_id))
-        return min(candidates, key=lambda c: (c.last_use, c.chunk_id))
+            return sorted(candidates, key=lambda c: (next_use(c), -c.last_use, c.chunk_id), reverse=True)
+        return sorted(candidates, key=lambda c: (c.last_use, c.chunk_id))
 
     # -- prefetch --------------------------------------------------------------------------
 
@@ -206,12 +213,15 @@ class PlacementPolicy:
             return []
         next_use = self._next_use
         mine = next_use(incoming)
-        later = [c for c in candidates if c is not incoming and next_use(c) > mine]
-        later.sort(key=lambda c: (-next_use(c), c.last_use, c.chunk_id))
+        # furthest first, taken off a heap: a prefetch usually needs a few of many candidates
+        later = []
+        for c in candidates:
+            if c is not incoming and (use := next_use(c)) > mine:
+                later.append((-use, c.last_use, c.chunk_id, c))  # chunk ids are unique: no tie reaches c
+        heapq.heapify(later)
         chosen, freed = [], 0
-        for chunk in later:
-            if freed >= need_bytes:
-                break
+        while later and freed < need_bytes:
+            chunk = heapq.heappop(later)[3]
             chosen.append(chunk)
             freed += chunk.nbytes
         return chosen if freed >= need_bytes else []
