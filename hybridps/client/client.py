@@ -31,9 +31,10 @@ from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.memory.arena import HostRegistrar
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.params.pending_grads import PendingGrads
 from hybridps.client.rank_parts import RankParts, build_optimizer, build_rank
 from hybridps.common.config import Config
-from hybridps.common.devices import DeviceInventory
+from hybridps.common.devices import DeviceInventory, DeviceSpec
 from hybridps.common.errors import StateError
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
@@ -120,7 +121,7 @@ class Client:
         return self.parts.shard_layout.shard_size
 
     @property
-    def compute(self):
+    def compute(self) -> DeviceSpec:
         return self.parts.inventory.compute_device
 
     @property
@@ -128,7 +129,7 @@ class Client:
         return self.parts.config.param_dtype
 
     @property
-    def pending(self):
+    def pending(self) -> PendingGrads:
         """Grads that may not enter their slot yet (pending_grads.py)."""
         return self.parts.grads.pending
 

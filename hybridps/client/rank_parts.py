@@ -326,7 +326,7 @@ def _groups(
         gathers=gathers,
         placement=placement,
         replicas=replicas,
-        everyone=everyone if replicas is not None else None,
+        everyone=everyone,
     )
     return ChunkGroups(
         store,
@@ -334,7 +334,7 @@ def _groups(
         gathers=gathers,
         reductions=reductions,
         replicas=replicas,
-        everyone=everyone if replicas is not None else None,
+        everyone=everyone,
     )
 
 

@@ -303,8 +303,8 @@ class ParamRegistry:
     def register_optim(self, chunked: ChunkedAdam) -> None:
         """Lay out the row states of ``chunked`` (the chunked optimizer built over the
         script's, rank_parts.py: Adam's momentum and variance; another optimizer's as
-        optim/state_layout.py finds them) like the param chunks, book them, and keep it."""
-        self.refuse_second_optimizer()
+        optim/state_layout.py finds them) like the param chunks, book them, and keep it. The
+        client refuses a second optimizer before building one (``refuse_second_optimizer``)."""
         self.store.state_kinds = chunked.state_kinds
         parts = chunked.parts_by_param
         for kind in self.store.state_kinds:
