@@ -14,6 +14,17 @@ With a disk tier it also reads back the chunks on the disk that the trace uses w
 window (``PlacementPolicy.disk_prefetch_candidates``) into host memory, so the read overlaps
 compute and the GPU's own prefetch then finds them there.
 
+[Note: a prefetcher with nothing to do]
+Where the model fits, every chunk the trace uses on the compute device is there after the
+first iterations, and a look at the next moments would find nothing to bring at every
+moment of every iteration. So when a trace is replayed the prefetcher asks the mover's tally
+to count how many of the chunks that trace uses on the compute device have their payload on
+another device (``ChunkTally.watch``; the count follows every payload made, moved or
+freed), and sleeps while none has: one integer read a moment. A chunk evicted or
+offloaded wakes it at the next moment. It never sleeps with a disk tier (a chunk on the
+disk has no payload to count) nor with several ranks (the gathers of the next moment go
+ahead whether or not this rank's chunks are here).
+
 With several ranks the prefetcher also starts the gathers of the chunk groups the next
 moment needs, asynchronously, so they overlap the current module's compute. Which groups a
 moment gathers is recorded during warm-up from the gathers themselves, which are the same
@@ -64,15 +75,30 @@ class Prefetcher:
         self.placement = placement if placement is not None else mover.placement
         self._by_id: dict[int, Chunk] | None = None
         self.groups = groups
+        #: the trace whose chunks the tally counts (see [Note: a prefetcher with nothing to do])
+        self._watching: int | None = None
+        self._may_sleep = groups is None and mover.disk is None
 
     def _chunk(self, chunk_id: int) -> Chunk | None:
         if self._by_id is None:
             self._by_id = {c.chunk_id: c for c in self.store.all_chunks()}
         return self._by_id.get(chunk_id)
 
+    def _nothing_away(self, trace: MomentTrace) -> bool:
+        """Whether every chunk the replayed trace uses on the compute device lies there."""
+        tally = self.mover.tally
+        if self._watching != trace.trace_id:
+            compute = self.store.compute.name
+            used = {chunk_id for uses in trace.by_moment.values() for chunk_id, device in uses if device == compute}
+            tally.watch(compute, used)
+            self._watching = trace.trace_id
+        return tally.watched_away == 0
+
     def on_tick(self, label: Hashable, non_model_bytes: int) -> None:
         trace = self.trace
         if not trace.replaying():
+            return
+        if self._may_sleep and self._nothing_away(trace):
             return
         now = trace.moment  # accesses right after this tick carry this moment: no gain in prefetching them
         placement = self.placement

@@ -115,3 +115,35 @@ def test_chunk_groups_gathered_ahead_on_every_rank_change_nothing_but_timing():
     ahead = run_ranks(_group_prefetch, 2, 2, timeout_s=90)
     assert [losses for losses, _ in ahead] == [losses for losses, _ in plain]
     assert all(n == 0 for _, n in plain) and all(n > 0 for _, n in ahead)
+
+
+def test_the_prefetcher_sleeps_while_every_chunk_it_wants_is_on_the_gpu_and_wakes_for_one_evicted():
+    """[Note: a prefetcher with nothing to do] in client/prefetch.py: everything fitting, the
+    steady iterations look no moment ahead; a chunk evicted between iterations is brought
+    ahead in the next one, and the results are those of a run without a prefetcher."""
+    model, _ = gpt_pair()
+    engine = engine_for(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), 3.0)
+    placement = engine.prefetcher.placement
+    looks = []
+    candidates = placement.prefetch_candidates
+    placement.prefetch_candidates = lambda *a, **k: looks.append(1) or candidates(*a, **k)
+    losses = train_engine(engine, 4)
+    assert engine.prefetcher.mover.tally.watched_away == 0
+    asleep = len(looks)
+    losses += train_engine(engine, 2, start=4)
+    assert len(looks) == asleep  # no look ahead while nothing is away
+
+    mover = engine.client.mover
+    param_chunks = [c for c in mover.resident["cuda:0"].values() if c.kind.name == "PARAM"]
+    victim = param_chunks[-1]
+    prefetches = engine.memory_stats()["prefetches"]
+    mover.evict(victim)
+    assert victim.device == "cpu" and mover.tally.watched_away == 1
+    losses += train_engine(engine, 1, start=6)
+    assert len(looks) > asleep  # awake: it looked ahead, and brought the chunk before its use
+    assert engine.memory_stats()["prefetches"] == prefetches + 1 and victim.device == "cuda:0"
+    assert mover.tally.watched_away == 0
+
+    plain_model, _ = gpt_pair()
+    plain = engine_for(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True), 3.0, prefetch_window=0)
+    assert train_engine(plain, 7) == losses

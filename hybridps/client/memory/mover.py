@@ -89,6 +89,21 @@ class ChunkTally:
         self.payload_ptrs: set[int] = set()
         #: moves, evictions, prefetches and bytes copied so far (memory/figures.py)
         self.counts = MoveCounts()
+        #: the chunks ``watch`` was given, the device they are wanted on, and how many of
+        #: them have a payload on another device now
+        self._watched: frozenset[int] = frozenset()
+        self._watched_on: str | None = None
+        self.watched_away = 0
+
+    def watch(self, device: str, chunk_ids: Iterable[int]) -> None:
+        """Count from now on how many of ``chunk_ids`` have their payload on a device other
+        than ``device`` (``watched_away``): the prefetcher's question whether anything it
+        wants is elsewhere, answered without a scan at every moment."""
+        self._watched = frozenset(chunk_ids)
+        self._watched_on = device
+        self.watched_away = sum(
+            1 for where, chunks in self.resident.items() if where != device for chunk_id in chunks if chunk_id in self._watched
+        )
 
     def add(self, device: str, chunk: Chunk) -> None:
         """``chunk``'s payload lies on ``device`` now (told once the payload exists)."""
@@ -96,6 +111,8 @@ class ChunkTally:
         self.used_bytes[device] += nbytes
         self._used_all_bytes += nbytes
         self.resident[device][chunk.chunk_id] = chunk
+        if device != self._watched_on and chunk.chunk_id in self._watched:
+            self.watched_away += 1
         self.peak_bytes[device] = max(self.peak_bytes[device], self.used_bytes[device])
         self.peak_all_bytes = max(self.peak_all_bytes, self._used_all_bytes)
         self.payload_ptrs.add(storage_key(chunk.payload))
@@ -105,6 +122,8 @@ class ChunkTally:
         self.used_bytes[device] -= chunk.nbytes
         self._used_all_bytes -= chunk.nbytes
         del self.resident[device][chunk.chunk_id]
+        if device != self._watched_on and chunk.chunk_id in self._watched:
+            self.watched_away -= 1
         self.payload_ptrs.discard(storage_key(chunk.payload))
 
     def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
