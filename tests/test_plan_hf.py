@@ -167,7 +167,9 @@ SEARCH_8X = {"8x16GiB+192GiB": ["--gpus", "8x16GiB", "--cpu", "192GiB"]}
     [*((name, next(iter(MACHINES))) for name in PUBLISHED), (next(iter(PUBLISHED)), next(iter(SEARCH_8X)))],
 )
 def test_the_published_configs_have_a_largest_member_on_both_machines(name, machine, capsys):
-    out = plan_json(capsys, "--model-config", CONFIGS / f"{name}.json", *{**MACHINES, **SEARCH_8X}[machine], "--precision", "bf16")
+    out = plan_json(
+        capsys, "--model-config", CONFIGS / f"{name}.json", *{**MACHINES, **SEARCH_8X}[machine], "--precision", "bf16"
+    )
     largest = out["hybridps"]["largest"]
     layers = json.loads((CONFIGS / f"{name}.json").read_text())["num_hidden_layers"]
     assert largest["confirmed"] and largest["n_layer"] > layers and largest["n_params"] > PUBLISHED[name]
