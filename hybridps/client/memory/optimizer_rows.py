@@ -46,10 +46,13 @@ class OptimizerRows:
         store = self.store
         per_iteration = sum(c.nbytes for k in (ChunkKind.PARAM, ChunkKind.GRAD) for c in store.rows.get(k, []))
         room = self.placement.optimizer_room_bytes(non_model_peak_bytes=non_model_peak_bytes, per_iteration_bytes=per_iteration)
+        # a later trace (the hooks chose blocks as units, an iteration departed from the trace)
+        # places again: the rows an earlier one moved take their part of the room already
+        room -= self._on_gpu_bytes()
         self.record = {
             "non_model_peak_bytes": non_model_peak_bytes,
             "per_iteration_bytes": per_iteration,
-            "room_bytes": room,
+            "room_bytes": max(room, 0),
             "moved_bytes": 0,
         }
         if room <= 0:
@@ -72,6 +75,16 @@ class OptimizerRows:
 
     def _kinds(self) -> list[ChunkKind]:
         return [k for k in (ChunkKind.MASTER, *self.store.state_kinds) if k in self.store.rows]
+
+    def _on_gpu_bytes(self) -> int:
+        """Bytes of this rank's optimizer rows that lie on the compute GPU now."""
+        store, compute = self.store, self.compute.name
+        return sum(
+            store.rows[k][i].nbytes
+            for k in self._kinds()
+            for i in range(store.num_chunks)
+            if store.ownership.owns(i) and store.rows[k][i].payload is not None and store.rows[k][i].device == compute
+        )
 
     def on_gpu_fraction(self) -> float:
         """The fraction of this rank's optimizer rows (master, momentum, variance of its

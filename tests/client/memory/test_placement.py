@@ -121,6 +121,34 @@ def test_the_fraction_of_optimizer_rows_on_the_gpu_follows_the_traces_non_model_
     assert _rows_on_gpu(1, "cpu_optimizer")["optimizer_rows_on_gpu_fraction"] == 0.0
 
 
+@pytest.mark.parametrize("hook_units", ["module", "auto"])
+def test_a_second_trace_places_optimizer_rows_within_the_room_the_first_left(hook_units):
+    """With hook_units="auto" the blocks become units after the warm-up and the next iteration
+    traces again, and so does an iteration that departs from the trace: each trace places
+    optimizer rows, and the rows an earlier one moved count against the room."""
+    from hybridps.models import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=128, seq_len=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = hybridps.Config(precision="fp32", devices={"cuda:0": int(cfg.n_params * 16 * 1.2)}, hook_units=hook_units)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    try:
+        x = torch.randint(0, 128, (1, 65), generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            _, loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        first = engine.memory_stats()["optimizer_rows_on_gpu_fraction"]
+        assert 0.0 < first < 1.0
+        peak = engine.memory_stats()["optimizer_placement"]["non_model_peak_bytes"]
+        assert engine.client.optimizer_rows.place(non_model_peak_bytes=peak) == 0  # the same trace again: no room left
+        assert engine.memory_stats()["optimizer_rows_on_gpu_fraction"] == first
+    finally:
+        engine.close()
+
+
 def _chunks(last_uses):
     out = []
     for i, last in enumerate(last_uses):
