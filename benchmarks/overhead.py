@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--grad-reuse", choices=("on", "off"), default="on", help="off: fp32 param chunks are the master copy (Config.grad_reuse)"
     )
-    ap.add_argument("--hook-units", choices=("module", "auto"), default="module", help="Config.hook_units")
+    ap.add_argument("--hook-units", choices=("module", "auto"), default="auto", help="Config.hook_units")
     ap.add_argument("--compile", action="store_true", help="Config(compile=True); plain PyTorch is compiled too")
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)

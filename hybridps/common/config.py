@@ -279,15 +279,16 @@ class Config:
         ),
     )
     hook_units: HookUnitsName = _field(
-        "module",
+        "auto",
         section="Placement and movement",
-        unit='`"module"`, `"auto"`',
+        unit='`"auto"`, `"module"`',
         doc=(
-            'What the engine\'s hooks wrap. `"module"`: every module is a unit, accessing its own params. `"auto"`: '
-            "once the warm-up shows the chunks the model computes with fit the compute device beside its activations, "
-            "each block (an element of an `nn.ModuleList` or `nn.Sequential` with submodules, such as a transformer "
-            "layer) becomes one unit, its params accessed together when it starts: fewer hook calls, coarser moments. "
-            "`compile=True` makes blocks units from the start. See [Note: blocks as units] in "
+            'What the engine\'s hooks wrap. `"auto"` (the default): once the warm-up shows the chunks the model '
+            "computes with fit the compute device beside its activations, each block (an element of an `nn.ModuleList` "
+            "or `nn.Sequential` with submodules, such as a transformer layer) becomes one unit, its params accessed "
+            "together when it starts: fewer hook calls where nothing moves; a model that does not fit keeps every "
+            'module a unit. `"module"`: every module is always a unit, accessing its own params (the finest moments '
+            "for the trace). `compile=True` makes blocks units from the start. See [Note: blocks as units] in "
             "hybridps/client/params/hook_units.py."
         ),
     )

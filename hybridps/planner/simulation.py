@@ -206,18 +206,7 @@ def simulate(
     back what the warm-up left there). Simulated GPUs: the same client and arena, unpinned.
     """
     start = time.perf_counter()
-    devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes}
-    if nvme_bytes:  # under simulate="meta" no path: moves are booked and counted, nothing is written
-        devices[NVME] = nvme_bytes
-    config = Config(
-        devices=devices,
-        simulate="meta",
-        precision=precision,
-        grad_reuse=grad_reuse,
-        margin=margin_bytes,
-        chunk_size=chunk_size,
-        optimizer_states=optimizer_states,
-    )
+    config = _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_bytes, chunk_size, optimizer_states)
     # each distinct op call runs its meta kernel once ([Note: why remember meta kernels] in meta_kernels.py)
     with remembered_meta_kernels():
         with torch.device("meta"):
@@ -260,6 +249,26 @@ def simulate(
     finally:
         if engine is not None:
             engine.client.close(restore=False)
+
+
+def _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_bytes, chunk_size, optimizer_states) -> Config:
+    """The simulated run's Config: one simulated GPU, the CPU and the disk tier where given."""
+    devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes}
+    if nvme_bytes:  # under simulate="meta" no path: moves are booked and counted, nothing is written
+        devices[NVME] = nvme_bytes
+    return Config(
+        devices=devices,
+        simulate="meta",
+        # per-module moments: where a run with the default hook_units="auto" makes blocks units,
+        # the model's chunks fit the GPU beside its activations, and per-module moments place and
+        # move the same chunks (blocks only save hook calls); the warm-up is then one iteration
+        hook_units="module",
+        precision=precision,
+        grad_reuse=grad_reuse,
+        margin=margin_bytes,
+        chunk_size=chunk_size,
+        optimizer_states=optimizer_states,
+    )
 
 
 def _refusal_under(exc: NotImplementedError) -> str:

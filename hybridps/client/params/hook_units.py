@@ -21,10 +21,13 @@ traces again with the new moments. A model that only fits module by module keeps
 module a unit. On the CPU (no device to fit) blocks are units from the start. With
 ``Config(compile=True)``, which needs blocks, they are units from the start whatever
 ``hook_units`` says, each while its own param chunks take at most ``BLOCK_SHARE`` of the
-device (a larger block is split into its modules and its own blocks). The default,
-``Config(hook_units="module")``, keeps every module a unit: the finest moments for the
-trace and the placement that follows it. Every module outside the blocks (the root,
-embeddings, the final norm and head) stays a unit of its own.
+device (a larger block is split into its modules and its own blocks). ``"auto"`` is the
+default: where the model fits, the per-module moments order nothing (no chunk moves) and
+only cost hook calls (measured: a 6-layer GPT's step on the VM, 1.18x plain PyTorch's with
+every module a unit, 1.15x with blocks, docs/BENCHMARKS.md). ``Config(hook_units="module")``
+keeps every module a unit always: the finest moments for the trace and the placement that
+follows it. Every module outside the blocks (the root, embeddings, the final norm and head)
+stays a unit of its own.
 
 Blocks as units are also what ``torch.compile`` needs: a compiled block's submodules may
 not run the engine's Python hooks inside the compiled graph.
@@ -45,7 +48,7 @@ from torch import nn
 class HookUnits(enum.Enum):
     """``Config.hook_units``: what the hooks wrap."""
 
-    AUTO = "auto"  # blocks once the warm-up shows they fit (from the start when compiled, or on the CPU)
+    AUTO = "auto"  # the default: blocks once the warm-up shows they fit (from the start when compiled, or on the CPU)
     MODULE = "module"  # every module
 
 
