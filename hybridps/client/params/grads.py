@@ -125,31 +125,34 @@ class Grads:
             f"gradients over micro-batches"
         )
 
-    @torch.no_grad()
     def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
+        if torch.is_grad_enabled():  # outside backward (end of backward, an op outside the forward)
+            with torch.no_grad():
+                return self._write_grad(info, grad)
         if self.config.grad_reuse:
             chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
             chunk.settle()
             chunk.wait_ready()
-            view = chunk.view(info.slot)
+            view = chunk.shaped_view(info.slot, info.shape)  # the param's own cached view: no new tensor a grad
             if info.has_grad:
-                view.add_(grad.reshape(-1))
+                view.add_(grad)
             else:
-                view.copy_(grad.reshape(-1))
+                view.copy_(grad)
             # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
             torch.autograd.graph.increment_version(info.param)
         else:
             chunk = self.store.rows[ChunkKind.GRAD][info.chunk]
             chunk.settle()
-            chunk.set_slot_state(info.slot, TensorState.COMPUTE, info.describe() + " grad")
-            self.mover.bring(chunk, self.compute.name, who=info.describe() + " grad")
-            view = chunk.view(info.slot)
+            what = _GradOf(info)  # formatted only in an error
+            chunk.set_slot_state(info.slot, TensorState.COMPUTE, what)
+            self.mover.bring(chunk, self.compute.name, who=what)
+            view = chunk.shaped_view(info.slot, info.shape)
             if info.has_grad:
-                view.add_(grad.reshape(-1))
+                view.add_(grad)
             else:
-                view.copy_(grad.reshape(-1))
-            chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, info.describe() + " grad")
+                view.copy_(grad)
+            chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, what)
         info.has_grad = True
 
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -261,3 +264,15 @@ class Grads:
         else:
             target.copy_(grad.reshape(-1))
         reductions.note_grad(info)
+
+
+class _GradOf:
+    """Names the grad of a param in a message, formatted only when one is written."""
+
+    __slots__ = ("info",)
+
+    def __init__(self, info: ParamInfo):
+        self.info = info
+
+    def __str__(self) -> str:
+        return self.info.describe() + " grad"
