@@ -207,8 +207,17 @@ class Chunk:
         self.states[pos] = new
 
     def set_all_states(self, new: TensorState, what: object) -> None:
-        for slot in self.slots:
-            self.set_slot_state(slot, new, what)
+        """Every slot to ``new``: each state they leave is checked once, and an illegal move
+        raises before any slot changes."""
+        states = self.states
+        for old in set(states):
+            if new not in ALLOWED_TRANSITIONS[old]:
+                transition(old, new, str(what))  # raises with the full message
+        counts = self.counts
+        for state in counts:
+            counts[state] = 0
+        counts[new] = len(states)
+        states[:] = [new] * len(states)
 
     def restore_states(self, states: list[TensorState], what: object) -> None:
         """Every slot back to its state in ``states`` (as ``states`` read them before)."""
