@@ -82,16 +82,21 @@ def test_the_policy_decides_where_optimizer_rows_live_and_not_the_numbers():
     assert tidal_losses == cpu_losses  # same bits wherever Adam steps
 
 
-def _rows_on_gpu(batch, placement="tidal"):
-    """Two iterations (the first is the warm-up) of a GPT whose GPU holds 1.2x its model data,
-    ``batch`` sequences of 64 tokens: what memory_stats says of the optimizer rows after."""
+def _roomy_engine(**config):
+    """A GPT of 2 layers whose GPU holds 1.2x its model data (fp32)."""
     from hybridps.models import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=128, seq_len=64)
     torch.manual_seed(0)
     model = GPT(cfg)
-    config = hybridps.Config(precision="fp32", devices={"cuda:0": int(cfg.n_params * 16 * 1.2)}, placement=placement)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    config = hybridps.Config(precision="fp32", devices={"cuda:0": int(cfg.n_params * 16 * 1.2)}, **config)
+    return hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+
+
+def _rows_on_gpu(batch, placement="tidal"):
+    """Two iterations (the first is the warm-up) of ``_roomy_engine``, ``batch`` sequences of
+    64 tokens: what memory_stats says of the optimizer rows after."""
+    engine = _roomy_engine(placement=placement)
     try:
         assert engine.memory_stats()["optimizer_rows_on_gpu_fraction"] == 0.0  # all on the CPU until the trace
         assert engine.memory_stats()["optimizer_placement"] is None
@@ -126,13 +131,7 @@ def test_a_second_trace_places_optimizer_rows_within_the_room_the_first_left(hoo
     """With hook_units="auto" the blocks become units after the warm-up and the next iteration
     traces again, and so does an iteration that departs from the trace: each trace places
     optimizer rows, and the rows an earlier one moved count against the room."""
-    from hybridps.models import GPT, GPTConfig
-
-    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=128, seq_len=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    config = hybridps.Config(precision="fp32", devices={"cuda:0": int(cfg.n_params * 16 * 1.2)}, hook_units=hook_units)
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    engine = _roomy_engine(hook_units=hook_units)
     try:
         x = torch.randint(0, 128, (1, 65), generator=torch.Generator().manual_seed(1))
         for _ in range(3):
