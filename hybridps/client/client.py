@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -292,6 +292,11 @@ class Client:
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data (values.py)."""
         return self.values.access(param, who=who)
+
+    def access_all(self, params: Sequence[nn.Parameter], *, who: object = "") -> None:
+        """``access`` of each of ``params``, each of their chunks brought once; a failure leaves
+        none of them accessed (values.py)."""
+        self.values.access_all(params, who=who)
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state`` (values.py)."""

@@ -190,3 +190,43 @@ def test_tied_params_are_chunked_once():
 def test_the_package_exports_the_public_surface():
     for name in ("Client", "Config", "TensorState", "ConfigError", "CapacityError", "StateError"):
         assert hasattr(hybridps, name)
+
+
+def test_access_all_brings_each_chunk_once_and_a_failure_leaves_none_of_its_params_accessed():
+    """A hook unit's params are accessed together (values.py, ``access_all``): the chunks
+    come once each, in the order of their first param; if one cannot come, no param of the
+    call stays accessed and every slot is back in its state."""
+    width = 32
+    model = layer_stack(4, width)
+    original = [p.detach().clone() for p in model.parameters()]
+    per_layer = width * width + width  # one Linear per chunk: weight and bias share it
+    cfg = Config(devices={"cuda:0": 3 * per_layer * 4}, chunk_size=per_layer, precision="fp32", grad_reuse=False, alignment=1)
+    with Client(cfg) as client:
+        client.register_module(model)
+        params = list(model.parameters())
+        brought = []
+        bring = client.mover.bring
+        client.mover.bring = lambda chunk, device, **kw: brought.append(chunk.index) or bring(chunk, device, **kw)
+        client.access_all(params[:4], who="two layers")  # two chunks, four params
+        assert brought == [0, 1]
+        for p, expected in zip(params[:4], original[:4], strict=True):
+            assert torch.equal(p.data, expected)
+            client.release(p, TensorState.HOLD)
+
+        client.access(params[0])  # an access already held nests, as access() does
+        states = [(c.index, list(c.states)) for c in client.rows[ChunkKind.PARAM]]
+
+        def refuse(chunk, device, **kw):
+            if chunk.index == 2:
+                raise hybridps.CapacityError("no room (test)")
+            return bring(chunk, device, **kw)
+
+        client.mover.bring = refuse
+        with pytest.raises(hybridps.CapacityError, match="no room"):
+            client.access_all(params[:6], who="three layers")
+        assert [(c.index, list(c.states)) for c in client.rows[ChunkKind.PARAM]] == states
+        assert [client.param_info(p).refs for p in params[:6]] == [1, 0, 0, 0, 0, 0]
+        for p in params[1:6]:
+            assert isinstance(p, ChunkedParameter)  # none of them holds a value
+        client.mover.bring = bring
+        client.release(params[0], TensorState.HOLD)

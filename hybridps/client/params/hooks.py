@@ -77,6 +77,7 @@ class ParamAccess(Protocol):
     def is_registered(self, param: torch.Tensor) -> bool: ...
     def param_info(self, param: torch.Tensor) -> ParamInfo: ...
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor: ...
+    def access_all(self, params: list[nn.Parameter], *, who: object = "") -> None: ...
     def release(self, param: nn.Parameter, state: TensorState = ...) -> None: ...
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None: ...
     def step_ready(self) -> None: ...
@@ -309,16 +310,7 @@ class ModuleHooks:
             return
         if self.grad_reuse:
             self._refuse_grad_slots(mod, params)
-        who = labels[3]
-        done = []
-        try:
-            for p in params:
-                self.client.access(p, who=who)
-                done.append(p)
-        except BaseException:
-            for p in done:  # leave nothing half-accessed behind a failed forward
-                self.client.release(p, TensorState.HOLD)
-            raise
+        self.client.access_all(params, who=labels[3])  # a failure leaves none of them accessed
         self._active[mod] = self._active.get(mod, 0) + 1
         if torch.is_grad_enabled() and mod in self.frozen:
             inputs = [t for t in iter_tensors(args) if t.requires_grad]
@@ -383,11 +375,12 @@ class ModuleHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._bare_backward_done)
         labels = self._labels[mod]
         self.tracer.tick(labels[2])
-        who = labels[4]
-        for p in self.own[mod]:
-            if id(p) not in self._held_for_backward:
-                self.client.access(p, who=who)
-                self._held_for_backward[id(p)] = p
+        held = self._held_for_backward
+        coming = [p for p in self.own[mod] if id(p) not in held]
+        if coming:
+            self.client.access_all(coming, who=labels[4])
+            for p in coming:
+                held[id(p)] = p
         self._step_ready()  # an access lands a reduction of its group still in flight
 
     def _pre_backward_tensor(self, mod: nn.Module, grad: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ last ``release``. The state given to the last release is the one the param ends 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,7 @@ from hybridps.client.params.placeholder import ParamGuard
 from hybridps.common.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.chunk import Chunk
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
@@ -84,6 +85,50 @@ class Values:
             ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
         info.refs += 1
         return param.data
+
+    def access_all(self, params: Sequence[nn.Parameter], *, who: object = "") -> None:
+        """``access`` of each of ``params`` (a hook unit's), each of their chunks brought once:
+        the slots not accessed yet go to COMPUTE first, so that no chunk of the unit is chosen
+        as another's victim, then each chunk comes to the compute device, then those params
+        take their values. A failure leaves none of them accessed by this call. With several
+        ranks one ``access`` a param, each gathering its chunk group."""
+        if self.groups is not None:
+            done: list[nn.Parameter] = []
+            try:
+                for param in params:
+                    self.access(param, who=who)
+                    done.append(param)
+            except BaseException:
+                for param in done:  # leave nothing half-accessed behind
+                    self.release(param, TensorState.HOLD)
+                raise
+            return
+        store = self.store
+        infos = [store.by_id.get(id(p)) or store.param_info(p) for p in params]
+        fresh: list[tuple[ParamInfo, Chunk, TensorState]] = []
+        chunks: dict[int, Chunk] = {}
+        seen: set[int] = set()  # a param listed twice is accessed twice, its slot moved once
+        try:
+            for info in infos:
+                if info.refs == 0 and id(info) not in seen:
+                    seen.add(id(info))
+                    chunk = store.rows[info.kind][info.chunk]
+                    chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
+                    previous = chunk.slot_state(info.slot)
+                    chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
+                    fresh.append((info, chunk, previous))
+                    chunks[chunk.chunk_id] = chunk
+            compute = self.compute.name
+            for chunk in chunks.values():
+                self.mover.bring(chunk, compute, who=who or chunk)
+        except BaseException:
+            for info, chunk, previous in reversed(fresh):
+                chunk.set_slot_state(info.slot, previous, info)
+            raise
+        for info, chunk, _ in fresh:
+            ParamGuard.materialize(info, chunk.shaped_view(info.slot, info.shape))
+        for info in infos:
+            info.refs += 1
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
