@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from hybridps.client.chunks.chunk import ChunkKind
 
 if TYPE_CHECKING:
+    from hybridps.client.chunks.chunk import Chunk
     from hybridps.client.chunks.store import ChunkStore
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
@@ -76,14 +77,16 @@ class OptimizerRows:
     def _kinds(self) -> list[ChunkKind]:
         return [k for k in (ChunkKind.MASTER, *self.store.state_kinds) if k in self.store.rows]
 
-    def _on_gpu_bytes(self) -> int:
-        """Bytes of this rank's optimizer rows that lie on the compute GPU now."""
-        store, compute = self.store, self.compute.name
+    def _owned_rows(self) -> list[Chunk]:
+        """This rank's optimizer rows: master, momentum, variance of the chunks it owns."""
+        store = self.store
+        return [store.rows[k][i] for k in self._kinds() for i in range(store.num_chunks) if store.ownership.owns(i)]
+
+    def _on_gpu_bytes(self, rows: list[Chunk] | None = None) -> int:
+        """Bytes of ``rows`` (this rank's optimizer rows) that lie on the compute GPU now."""
+        compute = self.compute.name
         return sum(
-            store.rows[k][i].nbytes
-            for k in self._kinds()
-            for i in range(store.num_chunks)
-            if store.ownership.owns(i) and store.rows[k][i].payload is not None and store.rows[k][i].device == compute
+            c.nbytes for c in (self._owned_rows() if rows is None else rows) if c.payload is not None and c.device == compute
         )
 
     def on_gpu_fraction(self) -> float:
@@ -92,8 +95,6 @@ class OptimizerRows:
         ``placement="cpu_optimizer"`` (unless the CPU had no room for a row when it was made:
         the node manager then placed it where it found room), up to 1 when every row fits
         beside the activations' peak."""
-        store = self.store
-        rows = [store.rows[k][i] for k in self._kinds() for i in range(store.num_chunks) if store.ownership.owns(i)]
+        rows = self._owned_rows()
         total = sum(c.nbytes for c in rows)
-        on_gpu = sum(c.nbytes for c in rows if c.payload is not None and c.device == self.compute.name)
-        return on_gpu / total if total and self.compute.is_gpu else 0.0
+        return self._on_gpu_bytes(rows) / total if total and self.compute.is_gpu else 0.0

@@ -69,11 +69,14 @@ class Values:
 
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor:
         """Bring ``param``'s chunk to the compute device, mark it COMPUTE, return its data."""
+        if self.groups is None:
+            self.access_all((param,), who=who)
+            return param.data
         info = self.store.by_id.get(id(param)) or self.store.param_info(param)
-        if info.refs == 0:
+        if info.refs == 0:  # several ranks: its chunk group is gathered first
             chunk = self.store.rows[info.kind][info.chunk]
             chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
-            if self.groups is not None and info.kind is ChunkKind.PARAM:
+            if info.kind is ChunkKind.PARAM:
                 self.groups.ensure_gathered(info.chunk, who)
             previous = chunk.slot_state(info.slot)
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
@@ -106,7 +109,7 @@ class Values:
         store = self.store
         infos = [store.by_id.get(id(p)) or store.param_info(p) for p in params]
         fresh: list[tuple[ParamInfo, Chunk, TensorState]] = []
-        chunks: dict[int, Chunk] = {}
+        chunks: dict[int, tuple[Chunk, ParamInfo]] = {}  # each with the first param that wants it
         seen: set[int] = set()  # a param listed twice is accessed twice, its slot moved once
         try:
             for info in infos:
@@ -117,10 +120,10 @@ class Values:
                     previous = chunk.slot_state(info.slot)
                     chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
                     fresh.append((info, chunk, previous))
-                    chunks[chunk.chunk_id] = chunk
+                    chunks.setdefault(chunk.chunk_id, (chunk, info))
             compute = self.compute.name
-            for chunk in chunks.values():
-                self.mover.bring(chunk, compute, who=who or chunk)
+            for chunk, first in chunks.values():
+                self.mover.bring(chunk, compute, who=who or first)
         except BaseException:
             for info, chunk, previous in reversed(fresh):
                 chunk.set_slot_state(info.slot, previous, info)
