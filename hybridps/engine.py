@@ -293,12 +293,13 @@ class Engine:
                 warmup = not self.tracer.has_trace
                 self.tracer.end_iteration()
                 if warmup and self.tracer.has_trace:
-                    self._place_optimizer_states()
+                    self._place_step_data()
 
-    def _place_optimizer_states(self) -> None:
+    def _place_step_data(self) -> None:
         """After warm-up: optimizer rows to the GPU where activations never need the room
-        (how much and which: the client's placement policy)."""
-        self.client.place_optimizer_states(non_model_peak_bytes=max(self.tracer.non_model, default=0))
+        (how much and which: the client's placement policy), then whether grads stay loose
+        until the step ([Note: loose grads] in client/optim/loose_grads.py)."""
+        self.client.place_step_data(non_model_peak_bytes=max(self.tracer.non_model, default=0))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every grad (``engine.optimizer.zero_grad()`` and ``param.grad = None`` do too)."""

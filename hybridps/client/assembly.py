@@ -118,6 +118,7 @@ def build(
     # the prefetcher's tick first: a moment's history in the event recorder shows its moves
     ticks = [prefetcher.on_tick] if prefetcher is not None else []
     tracer = MemoryTracer(client.store, client.mover, enabled=config.trace, tick_listeners=[*ticks, events.on_moment])
+    client.grads.loose.on_bytes = tracer.count_held  # loose grads are non-model memory (optim/loose_grads.py)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
     compiled = CompiledBlocks(model, hooks.units.blocks, hooks.make_blocks_units)

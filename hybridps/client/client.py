@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridps.client.chunks.chunk import Chunk
+from hybridps.client.chunks.chunk import Chunk, ChunkKind
 from hybridps.client.chunks.states import TensorState
 from hybridps.client.chunks.store import ParamInfo
 from hybridps.client.memory.arena import HostRegistrar
 from hybridps.client.memory.host_memory import host_breakdown
 from hybridps.client.optim.adam import ChunkedAdam
+from hybridps.client.optim.loose_grads import grads_fit
 from hybridps.client.params.pending_grads import PendingGrads
 from hybridps.client.rank_parts import RankParts, build_optimizer, build_rank
 from hybridps.common.config import Config
@@ -193,10 +194,13 @@ class Client:
 
     # -- optimizer rows on the GPU (optimizer_rows.py) -------------------------------------
 
-    def place_optimizer_states(self, *, non_model_peak_bytes: int) -> int:
-        """After warm-up: move the optimizer rows the placement policy chooses to the compute
-        GPU; return the bytes moved."""
-        return self.optimizer_rows.place(non_model_peak_bytes=non_model_peak_bytes)
+    def place_step_data(self, *, non_model_peak_bytes: int) -> int:
+        """After warm-up, where the optimizer step's data lies: the optimizer rows the placement
+        policy chooses move to the compute GPU, then whether the grads stay loose until the
+        step ([Note: loose grads] in optim/loose_grads.py). Returns the row bytes moved."""
+        moved = self.optimizer_rows.place(non_model_peak_bytes=non_model_peak_bytes)
+        self.grads.loose.decide(self._loose_grads_apply(non_model_peak_bytes))
+        return moved
 
     @property
     def optimizer_placement(self) -> dict[str, int] | None:
@@ -206,6 +210,28 @@ class Client:
 
     def optimizer_rows_on_gpu_fraction(self) -> float:
         return self.optimizer_rows.on_gpu_fraction()
+
+    def _loose_grads_apply(self, non_model_peak_bytes: int) -> bool:
+        store, optimizer, compute = self.store, self.optimizer, self.compute
+        if self.groups is not None or not self.config.grad_reuse or self.early_step is not None or optimizer is None:
+            return False
+        if store.param_dtype != torch.float32 or store.master_kind is ChunkKind.PARAM or store.compact_moments:
+            return False
+        if any(part.torch_step is not None for part in optimizer.parts):
+            return False
+        masters = [c for c in store.rows[store.master_kind] if c.slots]
+        if any(self.placement.step_device(c) != compute.name for c in masters):
+            return False
+        if not compute.is_gpu:
+            return True
+        grad_bytes = sum(i.shape.numel() * 4 for i in store.params if i.kind is ChunkKind.PARAM and i.param.requires_grad)
+        return grads_fit(
+            chunk_bytes=self.mover.used_bytes.get(compute.name, 0),
+            non_model_peak_bytes=non_model_peak_bytes,
+            grad_bytes=grad_bytes,
+            capacity_bytes=compute.capacity_bytes,
+            margin_bytes=self.mover.margin_bytes,
+        )
 
     # -- grads (grads.py) ------------------------------------------------------------------
 

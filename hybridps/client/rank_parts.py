@@ -362,7 +362,9 @@ def build_optimizer(
     arithmetic = ChunkArithmetic(store, handed.parts_by_param, handed.param_groups, StepPlans(handed.group_of), steps)
     # casts on the GPU never apply under a loss scale or with several ranks (device_casts.py)
     casts = DeviceCasts(store, mover, enabled=store.config.casts_on_gpu and scaler is None and groups is None)
-    chunk_step = ChunkStep(store, mover, parts.placement, arithmetic, worker, casts, step_listeners=step_listeners)
+    # loose grads: one rank only (several reduce their grads in chunk groups)
+    loose = parts.grads.loose if groups is None else None
+    chunk_step = ChunkStep(store, mover, parts.placement, arithmetic, worker, casts, loose=loose, step_listeners=step_listeners)
     # the grads the step uses up; their owner (params/grads.py) hears what using them up did
     grads = StepGrads(store, mover, chunk_step, handed.group_of, flags=parts.grads)
     adam_only = all(p.torch_step is None for p in handed.parts)  # the early steps' condition

@@ -80,8 +80,8 @@ class MomentTrace:
         self.measuring = False
         #: GPU memory the process held before HybridPS started (real GPUs; see memory/tracer.py)
         self.external_bytes = 0
-        #: bytes of the storages autograd keeps saved now (simulated GPUs): the tracer's pack
-        #: hook counts them here
+        #: bytes of the storages autograd keeps saved now, and of the loose grads (simulated
+        #: GPUs): the tracer's pack hook and ``count_held`` count them here
         self.live_saved_bytes = 0
         self.mode = TraceMode.OFF
         self.moment = 0

@@ -233,6 +233,22 @@ class MemoryTracer(ChunkListener):
         self._saved_refs[key] = refs + 1
         return _SavedTensor(t.data, key, self)  # .data: detach() without a dispatcher round trip
 
+    def count_held(self, delta_bytes: int) -> None:
+        """Tensors the engine holds on the compute device outside chunks and saved tensors
+        grew or shrank by ``delta_bytes`` (loose grads, optim/loose_grads.py): on a simulated
+        GPU they count as non-model bytes, as a real GPU's allocator counts them. Raises
+        CapacityError, counting nothing, where growing leaves no room."""
+        if not (self.device.is_gpu and self.device.simulated):
+            return
+        trace = self.trace
+        live = trace.live_saved_bytes
+        if delta_bytes > 0:
+            if self._chunk_bytes[self._name] + live + delta_bytes > trace.watch_bytes:
+                self._grow(live + delta_bytes)
+        elif live > self._non_model_peak:  # a peak ends where the non-model bytes fall
+            self._non_model_peak = live
+        trace.live_saved_bytes = live + delta_bytes
+
     def _grow(self, live: int) -> None:
         """The non-model bytes are about to become ``live``: keep chunks + non-model within
         the capacity (evicting idle chunks, or raising CapacityError) and note the peaks."""

@@ -4,7 +4,7 @@ the low-precision params written back, on the calling thread or the step worker.
 Owns: the rows a chunk's step takes, looked up once (``StepRows``: the chunks stay where the
 optimizer's registration laid them out), the plan each chunk stepped last (``StepPlans``),
 what a step computes once its rows are taken (``ChunkArithmetic``: the fp32 grads, copied or
-cast on the GPU and brought down; each optimizer's update of its params in the chunk - the
+cast on the GPU and brought down, or the loose grads as autograd made them; each optimizer's update of its params in the chunk - the
 chunked Adam's kernels over runs of params, adam_kernels.py, or an optimizer's own step on
 views, torch_step.py - and the write-back), and the step itself (``ChunkStep``: where it runs,
 taking and giving back the rows, handing the compute to the step worker, booking the
@@ -17,7 +17,8 @@ during it), how a chunk's rows are cut into runs (step_plan.py), the kernels and
 arguments (adam_kernels.py), the worker (step_worker.py), the casts on the GPU
 (device_casts.py), the grad buffers (grad_buffers.py), moving chunks (the mover), where a
 chunk steps (the placement policy), the clip and the loss scale themselves (grad_norm.py,
-loss_scaler.py), nor the backups' content (speculation.py).
+loss_scaler.py), the backups' content (speculation.py), nor the loose grads themselves
+(optim/loose_grads.py: a step takes them, or lands them where it cannot).
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ if TYPE_CHECKING:
     from hybridps.client.memory.mover import ChunkMover
     from hybridps.client.memory.placement import PlacementPolicy
     from hybridps.client.optim.device_casts import ChunkCasts, DeviceCasts
+    from hybridps.client.optim.loose_grads import LooseGrads
     from hybridps.client.optim.optimizer_part import OptimizerPart
     from hybridps.client.optim.speculation import Backup
     from hybridps.client.optim.step_worker import StepWorker
 
-#: one optimizer's update of its params in a chunk, given the chunk's fp32 grads
-Update = Callable[[torch.Tensor], None]
+#: one optimizer's update of its params in a chunk, given the chunk's fp32 grads (a row, or
+#: the loose grads as a plan's pieces: param k is piece 2k + 1)
+Update = Callable[[torch.Tensor | tuple[torch.Tensor | None, ...]], None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,17 +78,22 @@ class StepPlans:
     def __init__(self, group_of: Sequence[int | None]):
         self.group_of = group_of
         self._plans: dict[int, StepPlan] = {}
+        #: the plans of loose grads: every param a run of its own (optim/loose_grads.py)
+        self._per_param: dict[int, StepPlan] = {}
         #: plans worked out since the start (tests, benchmarks)
         self.made = 0
 
-    def get(self, index: int, infos: Sequence[ParamInfo], steps: Sequence[int]) -> tuple[StepPlan, int]:
-        """The plan of stepping ``infos`` of chunk ``index``, and the step count of its first
-        param (a run's count is that plus its ``step_offset``)."""
+    def get(
+        self, index: int, infos: Sequence[ParamInfo], steps: Sequence[int], *, per_param: bool = False
+    ) -> tuple[StepPlan, int]:
+        """The plan of stepping ``infos`` of chunk ``index`` (``per_param``: a run a param),
+        and the step count of its first param (a run's count is that plus its ``step_offset``)."""
         slots = tuple([i.slot.index for i in infos])
         base = steps[slots[0]]
-        plan = self._plans.get(index)
+        plans = self._per_param if per_param else self._plans
+        plan = plans.get(index)
         if plan is None or plan.slots != slots or plan.step_offsets != tuple([steps[s] - base for s in slots]):
-            plan = self._plans[index] = make_plan(infos, steps, self.group_of)
+            plan = plans[index] = make_plan(infos, steps, self.group_of, per_param=per_param)
             self.made += 1
         return plan, base
 
@@ -123,10 +131,13 @@ class ChunkArithmetic:
         backup: Backup | None,
         buffer: torch.Tensor | None,
         casts: ChunkCasts | None,
+        loose: list[torch.Tensor] | None = None,
     ) -> Callable[[], None]:
         """The step of ``infos`` over the taken ``rows``: grads into ``buffer`` (fp32) where
         given, divided by the loss scale and multiplied by ``clip_coef``; with ``backup``,
-        the chunk's values before are copied there first."""
+        the chunk's values before are copied there first. ``loose``: the fp32 grads of
+        ``infos`` as autograd made them, in order (the grad row is not read; only the exact
+        Adam, without a buffer, casts or a backup: see ``takes_loose``)."""
         used = rows.used
         master = rows.master.payload
         grad_payload = rows.grads.payload
@@ -137,12 +148,18 @@ class ChunkArithmetic:
             part = self.parts[info.slot.index]
             assert part is not None
             by_part.setdefault(id(part), (part, []))[1].append(info)
+        per_param = loose is not None
         updates = [
-            self._adam(rows, of_part, master, inv_scale, clip_coef, backup, buffer)
+            self._adam(rows, of_part, master, inv_scale, clip_coef, backup, buffer, per_param=per_param)
             if part.torch_step is None
             else self._torch(rows, part, of_part, master, inv_scale, clip_coef)
             for part, of_part in by_part.values()
         ]
+        pieces_of_loose: tuple = ()
+        if loose is not None:  # as a per-param plan cuts a row: param k is piece 2k + 1
+            pieces: list[torch.Tensor | None] = [None] * (2 * len(loose) + 1)
+            pieces[1::2] = loose
+            pieces_of_loose = tuple(pieces)
         capture = None
         if backup is not None:
             m, v = rows.states[ChunkKind.MOMENTUM].payload, rows.states[ChunkKind.VARIANCE].payload
@@ -154,7 +171,9 @@ class ChunkArithmetic:
         def compute() -> None:
             if capture is not None:
                 capture()
-            if buffer is None:
+            if loose is not None:
+                grads = pieces_of_loose
+            elif buffer is None:
                 grads = grad_payload
             elif casts is not None:
                 grads = buffer
@@ -171,6 +190,14 @@ class ChunkArithmetic:
 
         return compute
 
+    def takes_loose(self, rows: StepRows, infos: Sequence[ParamInfo]) -> bool:
+        """Whether a step of ``infos`` can read their grads loose (optim/loose_grads.py): fp32
+        grads, fp32 moments, every one of them stepped by the exact Adam."""
+        if rows.grads.dtype != torch.float32 or self.store.compact_moments:
+            return False
+        parts = self.parts
+        return all(parts[i.slot.index].torch_step is None for i in infos)
+
     def _adam(
         self,
         rows: StepRows,
@@ -180,11 +207,14 @@ class ChunkArithmetic:
         clip_coef: torch.Tensor | None,
         backup: Backup | None,
         buffer: torch.Tensor | None,
+        *,
+        per_param: bool = False,
     ) -> Update:
-        """The chunked Adam's kernels over runs of ``infos`` (adam_kernels.py, [Note: exactness])."""
+        """The chunked Adam's kernels over runs of ``infos`` (adam_kernels.py, [Note: exactness]);
+        ``per_param``: a run a param, the grads given as their pieces (loose grads)."""
         m, v = rows.states[ChunkKind.MOMENTUM].payload, rows.states[ChunkKind.VARIANCE].payload
         assert m is not None and v is not None
-        plan, base_step = self.plans.get(rows.master.index, infos, self.steps)
+        plan, base_step = self.plans.get(rows.master.index, infos, self.steps, per_param=per_param)
         if backup is not None and plan.slots == tuple(i.slot.index for i in backup.infos):
             backup.plan = plan
         device = master.device
@@ -198,9 +228,11 @@ class ChunkArithmetic:
         divisor = None if buffer is None else self.tensors.divisor(inv_scale, clip_coef, device)
         coef = None if buffer is not None or clip_coef is None else self.tensors.on_device(clip_coef, device)
 
-        def update(grads: torch.Tensor) -> None:
+        def update(grads: torch.Tensor | tuple) -> None:
             bounds = plan.bounds  # every run's view of each row, one native call per row
-            if moments is None:
+            if type(grads) is tuple:  # loose grads, already in pieces
+                cut = (master.tensor_split(bounds), grads, m.tensor_split(bounds), v.tensor_split(bounds))
+            elif moments is None:
                 cut = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
             else:  # the compact step takes whole rows and its runs' ranges
                 cut = ((), grads.tensor_split(bounds), (), ())
@@ -256,11 +288,13 @@ class ChunkStep:
         worker: StepWorker,
         casts: DeviceCasts,
         *,
+        loose: LooseGrads | None = None,
         step_listeners: Iterable[Callable[[str, int], None]] = (),
     ):
         """``casts``: the steps on the CPU whose param chunk stays on the GPU (device_casts.py);
-        ``step_listeners`` are called as ``("start" | "end", index)`` around each chunk's step
-        (tracer ticks, trace export)."""
+        ``loose``: the grads kept as autograd made them (optim/loose_grads.py; None: several
+        ranks); ``step_listeners`` are called as ``("start" | "end", index)`` around each
+        chunk's step (tracer ticks, trace export)."""
         self.store = store
         self.mover = mover
         self.placement = placement
@@ -268,6 +302,7 @@ class ChunkStep:
         #: the compute of the steps handed beside backward or the next forward (step_worker.py)
         self.worker = worker
         self.casts = casts
+        self.loose = loose
         self.step_listeners: list[Callable[[str, int], None]] = list(step_listeners)
         #: the fp32 grads of steps that cannot step the grads where they lie (grad_buffers.py)
         self.grad_buffers = GradBuffers(mover)
@@ -316,6 +351,9 @@ class ChunkStep:
         on_worker = on_worker and device == "cpu"
         # the param chunk (its grads) stays on the GPU, which casts (device_casts.py)
         cast_on = self.store.compute.name if self._casts_apply(index, device, speculative=backup is not None) else None
+        loose = None
+        if self.loose is not None and self.loose.any_held():
+            loose = self._loose_of(rows, infos, device, taken_as_is=inv_scale is None and backup is None and cast_on is None)
         for listener in self.step_listeners:
             listener("start", index)
         taken: list[tuple[Chunk, list[TensorState] | TensorState]] = []
@@ -341,7 +379,7 @@ class ChunkStep:
                 buffers, numel = self.grad_buffers, rows.grads.capacity
                 buffer = buffers.on_worker(numel, index) if on_worker else buffers.on_device(device, numel, index)
             compute = self.arithmetic.compute(
-                rows, infos, inv_scale=inv_scale, clip_coef=clip_coef, backup=backup, buffer=buffer, casts=casts
+                rows, infos, inv_scale=inv_scale, clip_coef=clip_coef, backup=backup, buffer=buffer, casts=casts, loose=loose
             )
             if on_worker:
                 self.worker.submit(
@@ -360,6 +398,18 @@ class ChunkStep:
         finally:
             if not handed_over:
                 self._release(index, taken)
+
+    def _loose_of(self, rows: StepRows, infos: list[ParamInfo], device: str, *, taken_as_is: bool) -> list[torch.Tensor] | None:
+        """The loose grads of ``infos`` where this step reads them as they are (on the compute
+        device, ``taken_as_is``: no scale, backup or casts, and the exact Adam); else None,
+        every loose one of them landed in its slot first (optim/loose_grads.py)."""
+        assert self.loose is not None
+        if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos):
+            grads = self.loose.take(infos)
+            if grads is not None:
+                return grads
+        self.loose.land(infos)
+        return None
 
     def bring_ahead(self, index: int) -> None:
         """Start moving chunk ``index``'s rows (master, states, grads) to where it will step,

@@ -14,7 +14,7 @@ nothing but the tensors it returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,10 +74,12 @@ def clip(
     *,
     groups: ChunkGroups | None,
     scale: float | None,
+    grad_view: Callable[[ParamInfo], torch.Tensor] | None = None,
 ) -> Clip:
     """The clip of this step's grads ``sources`` to ``max_norm``: the total norm (divided by
-    the loss ``scale`` under fp16) and the coefficient, as ``torch.nn.utils.clip_grad_norm_``."""
-    total = total_norm(store, sources, norm_type, groups)
+    the loss ``scale`` under fp16) and the coefficient, as ``torch.nn.utils.clip_grad_norm_``.
+    ``grad_view``: a param's grad as held (its slot by default; loose grads, loose_grads.py)."""
+    total = total_norm(store, sources, norm_type, groups, grad_view)
     if scale is not None:
         total = total / scale
     finite = True if total.is_meta else bool(torch.isfinite(total))
@@ -100,14 +102,21 @@ def norm_sources(params: list[ParamInfo], param_group_of: list[int | None], back
     return list(out.values())
 
 
-def total_norm(store: ChunkStore, sources: list[NormSource], norm_type: float, groups: ChunkGroups | None) -> torch.Tensor:
+def total_norm(
+    store: ChunkStore,
+    sources: list[NormSource],
+    norm_type: float,
+    groups: ChunkGroups | None,
+    grad_view: Callable[[ParamInfo], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The norm of order ``norm_type`` over ``sources`` (and every other rank's grads)."""
     low = store.param_dtype != torch.float32
+    grad_view = grad_view or store.grad_view
     by_param: list[tuple[int, torch.Tensor]] = []
     first_device = None
     for infos, backup in sources:
         if backup is None:
-            views = [store.grad_view(i) for i in infos]
+            views = [grad_view(i) for i in infos]
             first_device = first_device or views[0].device
             by_param.extend(zip((i.slot.index for i in infos), chunk_norms(views, norm_type, low), strict=True))
         else:

@@ -83,7 +83,9 @@ class IterationStep:
         if not sources and self.groups is None:
             return torch.tensor(0.0)
         scale = None if self.scaler is None else self.scaler.scale
-        clip = grad_norm.clip(self.store, sources, max_norm, norm_type, groups=self.groups, scale=scale)
+        clip = grad_norm.clip(
+            self.store, sources, max_norm, norm_type, groups=self.groups, scale=scale, grad_view=self.grads.grad_view
+        )
         if self.scaler is not None:
             self._found_inf = not clip.finite
         if error_if_nonfinite:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
 
@@ -35,6 +37,9 @@ class GradFlags(Protocol):
 
     def dropped_all(self) -> None:
         """zero_grad dropped every grad: what the owner holds beside the slots goes too."""
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        """``info``'s grad as held, flat: in its grad slot, or loose (optim/loose_grads.py)."""
 
 
 class StepGrads:
@@ -87,6 +92,10 @@ class StepGrads:
     def consumed(self, infos: Iterable[ParamInfo]) -> None:
         """``infos`` were stepped with their grads: they hold none any more."""
         self.flags.consumed(infos)
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        """``info``'s grad as held, flat (the norms read it)."""
+        return self.flags.grad_view(info)
 
     def held_again(self, infos: Iterable[ParamInfo]) -> None:
         """``infos``' grads are back in their slots (a speculative early step undone)."""

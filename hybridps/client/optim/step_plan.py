@@ -122,9 +122,12 @@ class StepPlan:
         return list(map(grads.tensor_split(self.param_bounds).__getitem__, self.param_pieces))
 
 
-def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequence[int | None]) -> StepPlan:
+def make_plan(
+    infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequence[int | None], *, per_param: bool = False
+) -> StepPlan:
     """The plan of stepping ``infos`` (params of one chunk, in slot order, each in a param
-    group) whose step counts are ``steps[i.slot.index]``."""
+    group) whose step counts are ``steps[i.slot.index]``; ``per_param``: every param a run of
+    its own (its grad is a tensor of its own: optim/loose_grads.py)."""
     slots = tuple(i.slot.index for i in infos)
     base = steps[slots[0]]
     offsets = tuple(steps[s] - base for s in slots)
@@ -137,6 +140,7 @@ def make_plan(infos: Sequence[ParamInfo], steps: Sequence[int], group_of: Sequen
         last = runs[-1] if runs else None
         if (
             last is not None
+            and not per_param
             and last.group == group
             and last.step_offset == offset
             and prev_slot == info.slot.index - 1

@@ -4,7 +4,7 @@ hands it over, how it is read back as ``param.grad`` and how it is dropped.
 Owns the writes of grads into their slots (the param's own slot under grad reuse, else its
 slot in the grad chunk; with several ranks, the gathered group or a staging chunk until the
 group is reduce-scattered), the pending grads that may not enter their slot yet
-(pending_grads.py) and every write of ``ParamInfo.has_grad``, derived here from what the
+(pending_grads.py), the loose grads that need not (optim/loose_grads.py) and every write of ``ParamInfo.has_grad``, derived here from what the
 others return or report: a grad stored or dropped here, the chunk groups' final chunks
 (``take_ready``) and their agreement at the end of backward (``end_backward`` returns both,
 and the client hands them over: ``final``, ``agreed``), and the optimizer's consuming and
@@ -27,6 +27,7 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState, TensorState
+from hybridps.client.optim.loose_grads import LooseGrads
 from hybridps.client.params.pending_grads import PendingGrads
 from hybridps.common.eager import eager
 from hybridps.common.errors import StateError
@@ -52,6 +53,8 @@ class Grads:
         self.world_size = world_size
         #: grads that may not enter their slot yet (pending_grads.py)
         self.pending = PendingGrads(store, mover, self._write_grad)
+        #: grads kept as autograd made them until the step (optim/loose_grads.py): single rank only
+        self.loose = LooseGrads(self._land_loose)
         #: a backward of the engine is running (for error messages): ``backward_running``
         self._in_backward = False
 
@@ -76,8 +79,9 @@ class Grads:
     def saved_tensors(self, tracer_hooks: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
         """Hooks on what autograd saves in a training forward: ``tracer_hooks`` (activations
         on a simulated GPU) and, with grad reuse on one rank, the count of saved param aliases
-        that keeps a grad out of a slot whose value autograd still needs (pending_grads.py)."""
-        if not (self.config.grad_reuse and self.groups is None):
+        that keeps a grad out of a slot whose value autograd still needs (pending_grads.py); not
+        while grads stay loose, which leaves every slot its value (optim/loose_grads.py)."""
+        if not (self.config.grad_reuse and self.groups is None) or self.loose.enabled:
             return tracer_hooks
         pending = self.pending
         if isinstance(tracer_hooks, torch.autograd.graph.saved_tensors_hooks):
@@ -104,6 +108,12 @@ class Grads:
         if self.config.grad_reuse:
             if info.has_grad:
                 raise StateError(self._second_grad_message(info))
+            if self.loose.enabled:
+                # loose, the slot keeps its value; else no alias is counted while grads are
+                # loose (``saved_tensors``): into the slot at the end of backward
+                if not self._loosen(info, grad):
+                    self.pending.add(info, grad)
+                return
             if self.pending.must_wait(info) or self.pending.waiting(info) is not None:
                 self.pending.add(info, grad)
                 return
@@ -126,10 +136,30 @@ class Grads:
         )
 
     def _write_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """``info`` takes (or adds) ``grad``: loose where grads are kept so, else in its grad slot (single rank)."""
+        if not self._loosen(info, grad):
+            self._write_slot(info, grad)
+
+    def _land_loose(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """A loose grad of ``info`` enters its slot, which holds the param's value: it is
+        written, not added (``has_grad`` said the grad was loose)."""
+        info.has_grad = False
+        self._write_slot(info, grad)
+
+    def _loosen(self, info: ParamInfo, grad: torch.Tensor) -> bool:
+        """Keep ``grad`` loose for ``info`` where grads are kept so (an fp32 grad under grad
+        reuse); returns whether it did."""
+        if not (self.loose.enabled and self.config.grad_reuse and grad.dtype == torch.float32):
+            return False
+        self.loose.add(info, grad.detach() if grad.requires_grad else grad)
+        info.has_grad = True
+        return True
+
+    def _write_slot(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
         if torch.is_grad_enabled():  # outside backward (end of backward, an op outside the forward)
             with torch.no_grad():
-                return self._write_grad(info, grad)
+                return self._write_slot(info, grad)
         if self.config.grad_reuse:
             chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
             chunk.settle()
@@ -173,6 +203,7 @@ class Grads:
         as clip_grad_norm_ has asked by ``optimizer``, original dtype, compute device), or None."""
         info = self.store.param_info(param)
         waiting = self.pending.waiting(info)
+        loose = self.loose.get(info)
         if not info.has_grad and waiting is None:
             return None
         if self.groups is not None:
@@ -182,7 +213,9 @@ class Grads:
             )
         with torch.no_grad():
             grad = torch.zeros(info.shape, dtype=torch.float32, device=self.compute.torch_device)
-            if info.has_grad:
+            if loose is not None:
+                grad.add_(loose.view(info.shape).to(grad.device, torch.float32))
+            elif info.has_grad:
                 grad.add_(self.store.grad_view(info).view(info.shape).to(grad.device, torch.float32))
             if waiting is not None:
                 grad.add_(waiting.view(info.shape).to(grad.device, torch.float32))
@@ -197,6 +230,10 @@ class Grads:
         info = self.store.param_info(param)
         self.pending.drop(info)
         if not info.has_grad:
+            return
+        if self.loose.get(info) is not None:  # its slot kept the value
+            self.loose.drop(info)
+            info.has_grad = False
             return
         if self.groups is not None:
             raise StateError(
@@ -244,8 +281,14 @@ class Grads:
             info.has_grad = True
 
     def dropped_all(self) -> None:
-        """The optimizer's zero_grad dropped every grad: the grads waiting beside their slots go too."""
+        """The optimizer's zero_grad dropped every grad: the grads waiting or loose beside their slots go too."""
         self.pending.drop()
+        self.loose.drop()
+
+    def grad_view(self, info: ParamInfo) -> torch.Tensor:
+        """``info``'s grad as stored, flat: loose, or in its grad slot (its chunk allocated)."""
+        loose = self.loose.get(info)
+        return self.store.grad_view(info) if loose is None else loose.view(-1)
 
     @torch.no_grad()
     def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:

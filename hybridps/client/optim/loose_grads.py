@@ -1,0 +1,141 @@
+"""Loose grads: grads kept as autograd made them, beside their slots, until the step reads them.
+
+[Note: loose grads]
+Under grad reuse a param's grad is copied into the param's own slot when autograd hands it
+over (grads.py), so that the grads move, reduce and step as chunks. The copy writes every
+grad's bytes once more, into memory that is not in any cache: on the 2-vCPU VM, everything
+fitting (a 6-layer GPT, 512 tokens a step), a 1 MiB grad took 0.2-0.3 ms to land, about 5 ms
+a step, and the step as a whole 6-9 ms more than without the copies (the grads no longer hot
+for what follows them in backward). Plain PyTorch keeps the tensor autograd made as
+``.grad`` and its fused Adam reads it there.
+
+Where nothing needs the grads in their slots, the engine does the same: the grad is *loose*,
+held here as autograd made it, the slot keeps the param's value, and the step hands the loose
+tensors to the fused kernel beside the views of the master, momentum and variance rows, one
+tensor a param as torch's own step (bit for bit the same). What needs a grad in its slot
+lands it first (``land``): a chunk that steps on another device than the compute device, an
+optimizer other than the exact Adam, reading it back for the step of a chunk under a
+different plan. The flag ``ParamInfo.has_grad`` means the same either way: the param holds a
+grad for this iteration, and the forward refuses it until the step (a loose grad would not
+break it, but the behaviour must not depend on where the grad lies).
+
+Loose grads are on (``enabled``) only where nothing else in the iteration could want the
+slots, decided after each warm-up (``decide``, the client's ``place_step_data``): one rank
+(no chunk group reduces grads), fp32 under grad reuse (the slot is an fp32 copy of the
+master; a low-precision grad is cast into an fp32 buffer by the step anyway, and without
+reuse the grads accumulate in grad chunks), every optimizer the exact Adam with fp32 moments,
+no early steps (they read the grad rows during backward), every chunk stepping on the compute
+device, and room there for every grad beside the warm-up's chunks and non-model peak
+(``grads_fit``): the loose grads are live from their backward to the step, where landed ones
+would lie in the slots. On a simulated GPU their bytes count as non-model memory (the
+tracer), as a real GPU's allocator counts them. Turning them off lands what is held.
+
+Owns the held tensors, their bytes and whether grads are kept loose. Does not own
+``has_grad`` (params/grads.py), the slot writes (params/grads.py's ``_write_slot``), nor the step that reads
+them (chunk_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hybridps.client.chunks.store import ParamInfo
+
+
+def grads_fit(*, chunk_bytes: int, non_model_peak_bytes: int, grad_bytes: int, capacity_bytes: int, margin_bytes: int) -> bool:
+    """Whether every grad can stay loose on the compute device from its backward to the step:
+    the chunks there (``chunk_bytes``), the warm-up's non-model peak and ``grad_bytes`` fit
+    within the capacity less the margin."""
+    return chunk_bytes + non_model_peak_bytes + grad_bytes <= capacity_bytes - margin_bytes
+
+
+class LooseGrads:
+    """The loose grads of one client (single rank), by registration index."""
+
+    def __init__(self, write_slot: Callable[[ParamInfo, torch.Tensor], None], *, on_bytes: Callable[[int], None] | None = None):
+        """``write_slot`` lands a grad in its slot; ``on_bytes`` hears every change of the
+        bytes held (the tracer counts them on a simulated GPU)."""
+        self._write_slot = write_slot
+        self.on_bytes = on_bytes
+        #: whether grads arriving now stay loose
+        self.enabled = False
+        self._held: dict[int, tuple[ParamInfo, torch.Tensor]] = {}
+        self._bytes = 0
+
+    # -- on and off ------------------------------------------------------------------------
+
+    def decide(self, on: bool) -> bool:
+        """Keep grads loose from now on, or not (landing every held one); returns ``on``."""
+        if not on and self._held:
+            self.land_all()
+        self.enabled = on
+        return on
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def add(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """Hold ``grad`` for ``info``, or add it to the one held (an op outside the forward)."""
+        held = self._held.get(info.slot.index)
+        if held is not None:
+            self._held[info.slot.index] = (info, held[1] + grad)
+            return
+        self._count(grad.numel() * grad.element_size())  # may raise (no room): then nothing is held
+        self._held[info.slot.index] = (info, grad)
+
+    def get(self, info: ParamInfo) -> torch.Tensor | None:
+        held = self._held.get(info.slot.index)
+        return None if held is None else held[1]
+
+    def any_held(self) -> bool:
+        return bool(self._held)
+
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    # -- giving them up --------------------------------------------------------------------
+
+    def take(self, infos: Sequence[ParamInfo]) -> list[torch.Tensor] | None:
+        """The loose grads of ``infos`` as flat tensors, in order, no longer held here; None
+        (keeping them) unless every one of ``infos`` has one."""
+        held = self._held
+        if not held:
+            return None
+        try:
+            grads = [held[i.slot.index][1] for i in infos]
+        except KeyError:
+            return None
+        for info in infos:
+            del held[info.slot.index]
+        self._count(-sum(g.numel() * g.element_size() for g in grads))
+        return [g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads]
+
+    def land(self, infos: Iterable[ParamInfo]) -> None:
+        """Write the loose grads of ``infos`` into their slots."""
+        for info in infos:
+            held = self._held.pop(info.slot.index, None)
+            if held is not None:
+                self._count(-held[1].numel() * held[1].element_size())
+                self._write_slot(info, held[1])
+
+    def land_all(self) -> None:
+        self.land([info for info, _ in list(self._held.values())])
+
+    def drop(self, info: ParamInfo | None = None) -> None:
+        """Forget the loose grad of ``info`` (every one with None)."""
+        if info is None:
+            self._held.clear()
+            self._count(-self._bytes)
+            return
+        held = self._held.pop(info.slot.index, None)
+        if held is not None:
+            self._count(-held[1].numel() * held[1].element_size())
+
+    def _count(self, delta: int) -> None:
+        if delta:
+            self._bytes += delta
+            if self.on_bytes is not None:
+                self.on_bytes(delta)
