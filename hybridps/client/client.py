@@ -328,6 +328,10 @@ class Client:
         """End one access of ``param``; the last release puts it in ``state`` (values.py)."""
         self.values.release(param, state)
 
+    def release_all(self, params: Sequence[nn.Parameter], state: TensorState = TensorState.HOLD) -> None:
+        """``release`` of each of ``params``, each chunk left FREE freed once (values.py)."""
+        self.values.release_all(params, state)
+
     def read_param(self, param: nn.Parameter) -> torch.Tensor:
         return self.values.read_param(param)
 

@@ -182,7 +182,9 @@ class Config:
             "model data is 14 B/param in fp16/bf16 instead of 16. Forbids gradient accumulation over "
             "micro-batches; set `False` to accumulate. In fp32 both layouts cost 16 B/param: with reuse, grads "
             "need no extra GPU room during backward but the step writes the params back from the master copy; "
-            "without, the param chunks are the master copy and the step is a plain fused Adam."
+            "without, the param chunks are the master copy and the step is a plain fused Adam. With one rank "
+            "in fp32, where every grad fits the compute device beside the activations, grads stay as autograd "
+            "made them until the step instead (*loose grads* in [CONCEPTS.md](CONCEPTS.md))."
         ),
     )
     manager: str | None = _field(

@@ -192,6 +192,38 @@ def test_the_package_exports_the_public_surface():
         assert hasattr(hybridps, name)
 
 
+def test_release_all_ends_one_access_of_each_param_and_frees_a_chunk_left_free_once():
+    width = 32
+    model = layer_stack(3, width)
+    per_layer = width * width + width
+    cfg = Config(devices={"cuda:0": 4 * per_layer * 4}, chunk_size=per_layer, precision="fp32", grad_reuse=False, alignment=1)
+    with Client(cfg) as client:
+        client.register_module(model)
+        params = list(model.parameters())
+        client.access_all(params[:4])
+        client.access(params[0])  # nested: one release_all leaves it accessed
+        client.release_all(params[:4], TensorState.HOLD_AFTER_FWD)
+        assert [client.param_info(p).refs for p in params[:4]] == [1, 0, 0, 0]
+        chunks = client.rows[ChunkKind.PARAM]
+        assert [chunks[0].slot_state(client.param_info(p).slot) for p in params[:2]] == [
+            TensorState.COMPUTE,
+            TensorState.HOLD_AFTER_FWD,
+        ]
+        assert all(isinstance(p, ChunkedParameter) for p in params[1:4])
+        with pytest.raises(hybridps.StateError, match="not accessed"):
+            client.release_all(params[1:2])
+        with pytest.raises(hybridps.StateError, match="COMPUTE -> COMPUTE"):
+            client.release_all(params[:1], TensorState.COMPUTE)
+        freed = []
+        free = client.mover.free
+        client.mover.free = lambda chunk: freed.append(chunk.index) or free(chunk)
+        client.access_all(params[2:4])
+        client.release_all(params[2:4], TensorState.FREE)  # both slots of chunk 1 FREE: freed once
+        assert freed == [1] and chunks[1].payload is None
+        client.mover.free = free
+        client.release(params[0], TensorState.HOLD)
+
+
 def test_access_all_brings_each_chunk_once_and_a_failure_leaves_none_of_its_params_accessed():
     """A hook unit's params are accessed together (values.py, ``access_all``): the chunks
     come once each, in the order of their first param; if one cannot come, no param of the

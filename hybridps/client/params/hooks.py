@@ -348,11 +348,10 @@ class ModuleHooks:
         elif not borrowed:
             return  # no params, or the pre-hook failed (this hook also runs on errors)
         self._register_backward(mod, output)
-        for p in borrowed:
-            self.client.release(p, TensorState.HOLD_AFTER_FWD)
+        if borrowed:
+            self.client.release_all(borrowed, TensorState.HOLD_AFTER_FWD)
         if active:  # the params the pre-hook accessed: own[mod] as it was, before this call's borrows
-            for p in params[: len(params) - len(borrowed)] if borrowed else params:
-                self.client.release(p, TensorState.HOLD_AFTER_FWD)
+            self.client.release_all(params[: len(params) - len(borrowed)] if borrowed else params, TensorState.HOLD_AFTER_FWD)
 
     def _register_backward(self, mod: nn.Module, output) -> None:
         if torch.is_grad_enabled():

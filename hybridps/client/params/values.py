@@ -135,28 +135,57 @@ class Values:
 
     def release(self, param: nn.Parameter, state: TensorState = TensorState.HOLD) -> None:
         """End one access of ``param``; the last release puts it in ``state``."""
-        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
-        chunk = self.store.rows[info.kind][info.chunk]
-        if not isinstance(state, TensorState):
-            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
-        if info.refs == 0:
-            raise StateError(
-                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
-                f"call access() first"
-            )
-        if state is TensorState.COMPUTE:
-            raise StateError(
-                f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
-            )
-        info.refs -= 1
-        if info.refs:
+        released = self._release_slot(param, state)
+        if released is None:
             return
-        chunk.set_slot_state(info.slot, state, info)
-        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
+        info, chunk = released
         if self.groups is not None and info.kind is ChunkKind.PARAM:
             self.groups.after_release(info, state)
         elif chunk.state is ChunkState.FREE:
             self.mover.free(chunk)
+
+    def release_all(self, params: Sequence[nn.Parameter], state: TensorState = TensorState.HOLD) -> None:
+        """``release`` of each of ``params`` (a hook unit's, after its forward), in order; with
+        one rank each chunk left FREE is freed once, after them."""
+        if self.groups is not None:
+            for param in params:
+                self.release(param, state)
+            return
+        chunks: dict[int, Chunk] = {}
+        for param in params:
+            released = self._release_slot(param, state)
+            if released is not None:
+                chunks[released[1].chunk_id] = released[1]
+        for chunk in chunks.values():
+            if chunk.state is ChunkState.FREE:
+                self.mover.free(chunk)
+
+    def _release_slot(self, param: nn.Parameter, state: TensorState) -> tuple[ParamInfo, Chunk] | None:
+        """One access of ``param`` ends: its record and the chunk whose slot went to ``state``
+        (the last release), else None."""
+        info = self.store.by_id.get(id(param)) or self.store.param_info(param)
+        if info.refs == 0 or state is TensorState.COMPUTE or not isinstance(state, TensorState):
+            self._refuse_release(info, state)
+        info.refs -= 1
+        if info.refs:
+            return None
+        chunk = self.store.rows[info.kind][info.chunk]
+        chunk.set_slot_state(info.slot, state, info)
+        ParamGuard.unmaterialize(info, self._placeholder(chunk.dtype))
+        return info, chunk
+
+    def _refuse_release(self, info: ParamInfo, state: object) -> None:
+        if not isinstance(state, TensorState):
+            raise StateError(f"release of {info.describe()}: {state!r} is not a TensorState")
+        if info.refs == 0:
+            chunk = self.store.rows[info.kind][info.chunk]
+            raise StateError(
+                f"release of {info.describe()}: it is not accessed (state {chunk.slot_state(info.slot).name}); "
+                f"call access() first"
+            )
+        raise StateError(
+            f"release of {info.describe()}: illegal state change COMPUTE -> COMPUTE; release to a HOLD state or FREE"
+        )
 
     # -- values outside an access ----------------------------------------------------------
 

@@ -54,7 +54,14 @@ def _hooked(model: nn.Module, **config):
         released.append((names[id(p)], state))
         release(p, state)
 
-    client.release = recording_release  # the hooks call the client's release: record the order
+    release_all = client.release_all
+
+    def recording_release_all(params, state=_S.HOLD):
+        released.extend((names[id(p)], state) for p in params)
+        release_all(params, state)
+
+    # the hooks call the client's release (one param) and release_all (a unit's): record the order
+    client.release, client.release_all = recording_release, recording_release_all
     return client, tracer, hooks, released
 
 
