@@ -213,9 +213,9 @@ class Client:
 
     def _loose_grads_apply(self, non_model_peak_bytes: int) -> bool:
         store, optimizer, compute = self.store, self.optimizer, self.compute
-        if self.groups is not None or not self.config.grad_reuse or self.early_step is not None or optimizer is None:
+        if self.groups is not None or self.early_step is not None or optimizer is None:
             return False
-        if store.param_dtype != torch.float32 or store.master_kind is ChunkKind.PARAM or store.compact_moments:
+        if store.param_dtype != torch.float32 or store.compact_moments:
             return False
         if any(part.torch_step is not None for part in optimizer.parts):
             return False
@@ -225,8 +225,12 @@ class Client:
         if not compute.is_gpu:
             return True
         grad_bytes = sum(i.shape.numel() * 4 for i in store.params if i.kind is ChunkKind.PARAM and i.param.requires_grad)
+        # grad chunks the warm-up made on the device go at zero_grad: loose grads take their place
+        grad_chunks = sum(
+            c.nbytes for c in store.rows.get(ChunkKind.GRAD, ()) if c.payload is not None and c.device == compute.name
+        )
         return grads_fit(
-            chunk_bytes=self.mover.used_bytes.get(compute.name, 0),
+            chunk_bytes=self.mover.used_bytes.get(compute.name, 0) - grad_chunks,
             non_model_peak_bytes=non_model_peak_bytes,
             grad_bytes=grad_bytes,
             capacity_bytes=compute.capacity_bytes,

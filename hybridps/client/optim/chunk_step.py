@@ -142,7 +142,7 @@ class ChunkArithmetic:
         master = rows.master.payload
         grad_payload = rows.grads.payload
         param = rows.params.payload if rows.params is not rows.master else None
-        assert master is not None and grad_payload is not None
+        assert master is not None and (grad_payload is not None or loose is not None)
         by_part: dict[int, tuple[OptimizerPart, list[ParamInfo]]] = {}
         for info in infos:
             part = self.parts[info.slot.index]
@@ -361,6 +361,8 @@ class ChunkStep:
         try:
             for chunk in rows.taken:
                 holds_grads = chunk is rows.grads
+                if holds_grads and loose is not None and chunk.kind is ChunkKind.GRAD:
+                    continue  # the grads are loose: the grad chunk is not read (nor made)
                 # beside backward the copies run on the copy stream and the worker waits for
                 # them, not this thread (step_worker.py, [Note: nothing waits for the worker])
                 previous = self.mover.take(
@@ -405,7 +407,8 @@ class ChunkStep:
         every loose one of them landed in its slot first (optim/loose_grads.py)."""
         assert self.loose is not None
         if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos):
-            grads = self.loose.take(infos)
+            # without grad reuse the grads outlive the step (until zero_grad), as in grad chunks
+            grads = self.loose.take(infos, keep=rows.grads.kind is ChunkKind.GRAD)
             if grads is not None:
                 return grads
         self.loose.land(infos)

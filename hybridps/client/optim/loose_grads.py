@@ -1,34 +1,32 @@
 """Loose grads: grads kept as autograd made them, beside their slots, until the step reads them.
 
 [Note: loose grads]
-Under grad reuse a param's grad is copied into the param's own slot when autograd hands it
-over (grads.py), so that the grads move, reduce and step as chunks. The copy writes every
-grad's bytes once more, into memory that is not in any cache: on the 2-vCPU VM, everything
-fitting (a 6-layer GPT, 512 tokens a step), a 1 MiB grad took 0.2-0.3 ms to land, about 5 ms
-a step, and the step as a whole 6-9 ms more than without the copies (the grads no longer hot
-for what follows them in backward). Plain PyTorch keeps the tensor autograd made as
-``.grad`` and its fused Adam reads it there.
+A grad lands in a chunk when autograd hands it over (params/grads.py): under grad reuse in its
+param's own slot, else in its slot of a grad chunk, so that grads move, reduce and step as
+chunks. The copy writes every grad's bytes once more, into memory no cache holds: on the
+2-vCPU VM, everything fitting (a 6-layer GPT, 512 tokens a step), a 1 MiB grad took 0.2-0.3 ms
+to land, and a step took 4% longer than with the grads left where autograd made them (plain
+PyTorch keeps that tensor as ``.grad``, and its fused Adam reads it there).
 
-Where nothing needs the grads in their slots, the engine does the same: the grad is *loose*,
-held here as autograd made it, the slot keeps the param's value, and the step hands the loose
-tensors to the fused kernel beside the views of the master, momentum and variance rows, one
-tensor a param as torch's own step (bit for bit the same). What needs a grad in its slot
-lands it first (``land``): a chunk that steps on another device than the compute device, an
-optimizer other than the exact Adam, reading it back for the step of a chunk under a
-different plan. The flag ``ParamInfo.has_grad`` means the same either way: the param holds a
-grad for this iteration, and the forward refuses it until the step (a loose grad would not
-break it, but the behaviour must not depend on where the grad lies).
+Where nothing needs the grads in chunks, the engine does the same: the grad is *loose*, held
+here as autograd made it, and the step hands the loose tensors to the fused kernel beside the
+views of the master, momentum and variance rows, one tensor a param as torch's own step (bit
+for bit the same). Under grad reuse the param slot keeps its value (the step writes the master
+back as before) and the step uses the grads up; without it the grad chunks are never made, and
+the grads outlive the step until zero_grad, as grads in grad chunks do (a second backward adds
+to them). What needs a grad in a chunk lands it first (``land``): a chunk that steps on another
+device than the compute device, an optimizer other than the exact Adam. The flag
+``ParamInfo.has_grad`` means the same either way, and so does everything it decides (a
+forward between backward and step refused under grad reuse, ``param.grad``, the clip).
 
-Loose grads are on (``enabled``) only where nothing else in the iteration could want the
-slots, decided after each warm-up (``decide``, the client's ``place_step_data``): one rank
-(no chunk group reduces grads), fp32 under grad reuse (the slot is an fp32 copy of the
-master; a low-precision grad is cast into an fp32 buffer by the step anyway, and without
-reuse the grads accumulate in grad chunks), every optimizer the exact Adam with fp32 moments,
-no early steps (they read the grad rows during backward), every chunk stepping on the compute
-device, and room there for every grad beside the warm-up's chunks and non-model peak
-(``grads_fit``): the loose grads are live from their backward to the step, where landed ones
-would lie in the slots. On a simulated GPU their bytes count as non-model memory (the
-tracer), as a real GPU's allocator counts them. Turning them off lands what is held.
+Loose grads are on (``enabled``) only where nothing else in the iteration could want grads in
+chunks, decided after each warm-up (``decide``, from the client's ``place_step_data``): one
+rank (no chunk group reduces grads), fp32 (a low-precision grad is cast into an fp32 buffer by
+the step anyway), every optimizer the exact Adam with fp32 moments, no early steps (they read
+the grad rows during backward), every chunk stepping on the compute device, and room there for
+every grad beside the warm-up's chunks and non-model peak (``grads_fit``). On a simulated GPU
+their bytes count as non-model memory (the tracer), as a real GPU's allocator counts them.
+Turning them off lands what is held.
 
 Owns the held tensors, their bytes and whether grads are kept loose. Does not own
 ``has_grad`` (params/grads.py), the slot writes (params/grads.py's ``_write_slot``), nor the step that reads
@@ -98,9 +96,10 @@ class LooseGrads:
 
     # -- giving them up --------------------------------------------------------------------
 
-    def take(self, infos: Sequence[ParamInfo]) -> list[torch.Tensor] | None:
-        """The loose grads of ``infos`` as flat tensors, in order, no longer held here; None
-        (keeping them) unless every one of ``infos`` has one."""
+    def take(self, infos: Sequence[ParamInfo], *, keep: bool = False) -> list[torch.Tensor] | None:
+        """The loose grads of ``infos`` as flat tensors, in order, no longer held here (``keep``:
+        still held, as grads in grad chunks outlive the step until zero_grad); None (keeping
+        them) unless every one of ``infos`` has one."""
         held = self._held
         if not held:
             return None
@@ -108,9 +107,10 @@ class LooseGrads:
             grads = [held[i.slot.index][1] for i in infos]
         except KeyError:
             return None
-        for info in infos:
-            del held[info.slot.index]
-        self._count(-sum(g.numel() * g.element_size() for g in grads))
+        if not keep:
+            for info in infos:
+                del held[info.slot.index]
+            self._count(-sum(g.numel() * g.element_size() for g in grads))
         return [g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads]
 
     def land(self, infos: Iterable[ParamInfo]) -> None:

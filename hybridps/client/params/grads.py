@@ -141,15 +141,16 @@ class Grads:
             self._write_slot(info, grad)
 
     def _land_loose(self, info: ParamInfo, grad: torch.Tensor) -> None:
-        """A loose grad of ``info`` enters its slot, which holds the param's value: it is
-        written, not added (``has_grad`` said the grad was loose)."""
+        """A loose grad of ``info`` enters its grad slot (under grad reuse the param's slot,
+        which holds the param's value): it is written, not added (``has_grad`` said the grad
+        was loose)."""
         info.has_grad = False
         self._write_slot(info, grad)
 
     def _loosen(self, info: ParamInfo, grad: torch.Tensor) -> bool:
-        """Keep ``grad`` loose for ``info`` where grads are kept so (an fp32 grad under grad
-        reuse); returns whether it did."""
-        if not (self.loose.enabled and self.config.grad_reuse and grad.dtype == torch.float32):
+        """Keep ``grad`` loose for ``info`` (added to the one held) where grads are kept so
+        (an fp32 grad); returns whether it did."""
+        if not (self.loose.enabled and grad.dtype == torch.float32):
             return False
         self.loose.add(info, grad.detach() if grad.requires_grad else grad)
         info.has_grad = True
