@@ -231,6 +231,12 @@ class Alternation:
         """``candidate``'s median over ``baseline``'s (above 1: the candidate is slower)."""
         return self.median(candidate) / self.median(baseline)
 
+    def paired_ratio(self, candidate: str, baseline: str) -> float:
+        """The median over repetitions of ``candidate``'s time over ``baseline``'s in the same
+        repetition: a drift of the machine's speed over the run (a neighbour's load coming and
+        going) moves both of a pair, where it moves the two medians apart."""
+        return statistics.median(c / b for c, b in zip(self.samples[candidate], self.samples[baseline], strict=True))
+
     def report(self, digits: int = 6) -> dict:
         """Each name's median (s) and repetitions; with two names the ratio second/first."""
         out: dict[str, Any] = {f"{name}_median_s": round(self.median(name), digits) for name in self.names}
@@ -250,14 +256,15 @@ def alternate(
     sync: Callable[[], object] | None = None,
     names: tuple[str, str] = ("baseline", "candidate"),
 ) -> Alternation:
-    """Run ``baseline`` then ``candidate`` each repetition, each timed; ``setup(i)`` (untimed)
-    makes what both get (default: the repetition's index). ``.report()`` gives the medians and
-    the ratio candidate/baseline."""
+    """Run ``baseline`` and ``candidate`` each repetition, each timed, in turns (the baseline
+    first in even repetitions, second in odd ones, so that neither always finds the caches the
+    other left); ``setup(i)`` (untimed) makes what both get (default: the repetition's index).
+    ``.report()`` gives the medians and the ratio candidate/baseline."""
     timer = Alternation(*names, warmup=warmup, sync=sync)
     for i in timer.rounds(repeats):
         arg = setup(i) if setup is not None else i
-        with timer.time(names[0]):
-            baseline(arg)
-        with timer.time(names[1]):
-            candidate(arg)
+        order = ((names[0], baseline), (names[1], candidate))
+        for name, work in order if i % 2 == 0 else order[::-1]:
+            with timer.time(name):
+                work(arg)
     return timer

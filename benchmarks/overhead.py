@@ -44,7 +44,7 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
         compile=args.compile,
     )
     engine = hybridps.initialize(model, make_optimizer(model), config)
-    losses = []
+    losses: dict[str, list[torch.Tensor]] = {"plain": [], "hybridps": []}  # by step, each in its turn
     moves0 = bytes0 = 0
 
     def setup(step: int):
@@ -61,7 +61,7 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
         plain_opt.step()
-        losses.append([loss])
+        losses["plain"].append(loss)
 
     def hybridps_step(xy) -> None:
         x, y = xy
@@ -70,7 +70,7 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
-        losses[-1].append(loss)
+        losses["hybridps"].append(loss)
 
     timer = harness.alternate(
         plain_step,
@@ -91,11 +91,16 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
         "plain_step_ms": round(p, 2),
         "hybridps_step_ms": round(h, 2),
         "ratio": round(h / p, 4),
+        # the median of each repetition's own ratio: what a drift of the machine moves least
+        "paired_ratio": round(timer.paired_ratio("hybridps", "plain"), 4),
         "moves_per_step": (stats["moves"] - moves0) / args.steps,
         "moved_bytes_per_step": (sum(stats["moved_bytes"].values()) - bytes0) / args.steps,
         "peak_total_bytes": dev["peak_total_bytes"],
         "non_model_peak_bytes": dev["non_model_peak_bytes"],
-        "max_loss_diff": max(abs(a.item() - b.item()) for a, b in losses[args.warmup :]),
+        "max_loss_diff": max(
+            abs(a.item() - b.item())
+            for a, b in zip(losses["plain"][args.warmup :], losses["hybridps"][args.warmup :], strict=True)
+        ),
     }
 
 

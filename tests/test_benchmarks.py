@@ -223,11 +223,15 @@ def test_alternation_times_each_piece_past_the_warmup_and_gives_medians_and_thei
         calls.append(("candidate", i))
 
     timer = harness.alternate(baseline, candidate, repeats=3, warmup=2, names=("plain", "hybridps"))
-    assert calls == [(who, i) for i in range(5) for who in ("baseline", "candidate")]
+    # in turns: the baseline first in even repetitions, second in odd ones
+    order = ("baseline", "candidate")
+    assert calls == [(who, i) for i in range(5) for who in (order if i % 2 == 0 else order[::-1])]
     assert [len(s) for s in timer.samples.values()] == [3, 3]
     report = timer.report()
     assert set(report) == {"plain_median_s", "hybridps_median_s", "repeats", "ratio"} and report["repeats"] == 3
     assert timer.ratio("hybridps", "plain") == pytest.approx(timer.median("hybridps") / timer.median("plain"))
+    timer.samples = {"plain": [1.0, 2.0, 4.0], "hybridps": [1.1, 2.4, 4.0]}  # a machine slowing down
+    assert timer.paired_ratio("hybridps", "plain") == pytest.approx(1.1)
 
 
 def test_shape_flags_and_counts():
