@@ -49,9 +49,27 @@ def _of_store(name: str) -> property:
     return property(lambda self: getattr(self.store, name))
 
 
-def _of_parts(name: str, doc: str = "") -> property:
-    """A read-only property of the client that is its part ``name`` (rank_parts.py)."""
-    return property(lambda self: getattr(self.parts, name), doc=doc or None)
+class _Part:
+    """The client's part ``name`` (rank_parts.py), looked up in its parts once: they are built
+    once and never replaced, so the first read keeps the part in the client's own dict, where
+    later reads find it without a call (the engine's hooks read some of them hundreds of times
+    a step)."""
+
+    def __init__(self, name: str, doc: str = ""):
+        self.name = name
+        self.__doc__ = doc or None
+
+    def __get__(self, client: Client | None, owner: type | None = None):
+        if client is None:
+            return self
+        part = getattr(client.parts, self.name)
+        client.__dict__[self.name] = part
+        return part
+
+
+def _of_parts(name: str, doc: str = "") -> _Part:
+    """The client's part ``name`` (rank_parts.py), read like an attribute."""
+    return _Part(name, doc)
 
 
 class Client:

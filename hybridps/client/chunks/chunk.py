@@ -317,6 +317,19 @@ class Chunk:
         """The prefetcher brought the chunk ahead of its use."""
         self.move_payload(PayloadMove.BROUGHT_AHEAD)
 
+    def quiet_on(self, device: str) -> bool:
+        """Whether the chunk lies on ``device`` with nothing pending: no step it was handed
+        over to, its bytes not on the disk, no prefetch not yet used, no copy into it in
+        flight. A use then only needs noting (the mover's ``bring``)."""
+        return (
+            self.device == device
+            and self._settler is None
+            and self._fetcher is None
+            and self._ready_event is None
+            and self.payload_state is not PayloadState.PREFETCHED
+            and self.payload_state is not PayloadState.PREFETCHING
+        )
+
     def first_use(self) -> bool:
         """The chunk is used where it lies; returns whether a prefetch brought it there."""
         if self.prefetched:

@@ -421,15 +421,19 @@ class ChunkMover:
         A chunk is used in memory: brought "to the disk" (where it lies), it comes to the CPU."""
         if device == NVME:
             device = CPU  # a payload on the disk is a stand-in: computing into it would be lost
-        if chunk.on_disk:
+        quiet = chunk.quiet_on(device)  # the common case where the model fits: a use to note, no more
+        if not quiet and chunk.on_disk:
             self._fetch(chunk, protect)  # to host memory first, the caller's chunks kept where they are
-        chunk.settle()  # for a use that did not settle it first (chunk.py, [Note: a chunk handed over])
+        if not quiet:
+            chunk.settle()  # for a use that did not settle it first (chunk.py, [Note: a chunk handed over])
         activity = self.activity
         activity.clock += 1
         chunk.last_use = activity.clock
         for listener in activity.listeners:  # each heard by its own switch (memory/activity.py)
             if listener.hears_accesses:
                 listener.accessed(chunk, device)
+        if quiet:
+            return
         if chunk.device == device:
             if chunk.first_use():
                 self.tally.counts.prefetch_hits += 1

@@ -139,6 +139,7 @@ class MemoryTracer(ChunkListener):
         # read by the pack hook for every saved storage: bound once
         self._chunk_bytes = mover.tally.used_bytes  # device name -> chunk bytes there
         self._payload_ptrs = mover.tally.payload_ptrs
+        self._registered = store.by_id  # id(param) -> its record, filled in place by registration
         self._name = self.device.name
         self._non_model_peak = 0  # see the property
         #: called as on_tick(label, non_model_bytes) at every moment, in this order (the
@@ -214,7 +215,7 @@ class MemoryTracer(ChunkListener):
         return torch.autograd.graph.saved_tensors_hooks(eager(self._pack), self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if self.store.is_registered(t):
+        if id(t) in self._registered:  # a param itself (store.is_registered, without the call)
             return t
         key = storage_key(t)
         if key in self._payload_ptrs:

@@ -150,7 +150,7 @@ def adam_calls(
     ``compact`` moment rows, the compact step's calls instead."""
     device = master.device
     calls = []
-    for group_index in dict.fromkeys(call.group for call in plan.by_group):
+    for group_index in dict.fromkeys([call.group for call in plan.by_group]):
         group = param_groups[group_index]
         fused, foreach = (False, False) if compact else adam_kernel(group, [master])
         beta1, beta2 = group["betas"]

@@ -114,6 +114,8 @@ class ChunkArithmetic:
         step count before this step (read: the kernels' step tensors)."""
         self.store = store
         self.parts = parts
+        #: every optimizer handed over is the exact Adam (the usual case: no per-param check)
+        self._adam_only = all(part is None or part.torch_step is None for part in parts)
         self.param_groups = param_groups
         self.plans = plans
         self.steps = steps
@@ -195,6 +197,8 @@ class ChunkArithmetic:
         grads, fp32 moments, every one of them stepped by the exact Adam."""
         if rows.grads.dtype != torch.float32 or self.store.compact_moments:
             return False
+        if self._adam_only:
+            return True
         parts = self.parts
         return all(parts[i.slot.index].torch_step is None for i in infos)
 

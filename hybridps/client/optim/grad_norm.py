@@ -118,7 +118,7 @@ def total_norm(
         if backup is None:
             views = [grad_view(i) for i in infos]
             first_device = first_device or views[0].device
-            by_param.extend(zip((i.slot.index for i in infos), chunk_norms(views, norm_type, low), strict=True))
+            by_param.extend(zip([i.slot.index for i in infos], chunk_norms(views, norm_type, low), strict=True))
         else:
             ahead = backup.norms.get(float(norm_type))
             first_device = first_device or (ahead[0].device if ahead else backup.grad.device)

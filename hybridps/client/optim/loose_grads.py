@@ -108,9 +108,11 @@ class LooseGrads:
         except KeyError:
             return None
         if not keep:
-            for info in infos:
+            nbytes = 0
+            for info, grad in zip(infos, grads, strict=True):
                 del held[info.slot.index]
-            self._count(-sum(g.numel() * g.element_size() for g in grads))
+                nbytes += grad.numel() * grad.element_size()
+            self._count(-nbytes)
         return [g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads]
 
     def land(self, infos: Iterable[ParamInfo]) -> None:

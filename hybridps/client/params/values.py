@@ -115,8 +115,9 @@ class Values:
             for info in infos:
                 if info.refs == 0 and id(info) not in seen:
                     seen.add(id(info))
-                    chunk = store.rows[info.kind][info.chunk]
-                    chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
+                    chunk = store.rows[info.kind][info.slot.chunk]
+                    if chunk.chunk_id not in chunks:
+                        chunk.settle()  # an optimizer step still computing on it ends first (chunk.py)
                     previous = chunk.slot_state(info.slot)
                     chunk.set_slot_state(info.slot, TensorState.COMPUTE, info)
                     fresh.append((info, chunk, previous))
