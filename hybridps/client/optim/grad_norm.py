@@ -114,14 +114,24 @@ def total_norm(
     grad_view = grad_view or store.grad_view
     by_param: list[tuple[int, torch.Tensor]] = []
     first_device = None
+    # every live grad, one norm call a device (not one a chunk: the norms are per param either way)
+    on_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for infos, backup in sources:
         if backup is None:
-            views = [grad_view(i) for i in infos]
-            first_device = first_device or views[0].device
-            by_param.extend(zip([i.slot.index for i in infos], chunk_norms(views, norm_type, low), strict=True))
+            for info in infos:
+                view = grad_view(info)
+                first_device = first_device or view.device  # the first source's, backup or not
+                indices, views = on_device.setdefault(view.device, ([], []))
+                indices.append(info.slot.index)
+                views.append(view)
         else:
             ahead = backup.norms.get(float(norm_type))
             first_device = first_device or (ahead[0].device if ahead else backup.grad.device)
+    for indices, views in on_device.values():
+        by_param.extend(zip(indices, chunk_norms(views, norm_type, low), strict=True))
+    for _, backup in sources:
+        if backup is not None:
+            ahead = backup.norms.get(float(norm_type))
             found = ahead if ahead is not None else chunk_norms(backup.grad_views(), norm_type, low)
             by_param.extend(zip((i.slot.index for i in backup.infos), found, strict=True))
     # in registration order, as clip_grad_norm_ stacks them: a chunk's params need not be
