@@ -142,10 +142,8 @@ class Grads:
 
     def _land_loose(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """A loose grad of ``info`` enters its grad slot (under grad reuse the param's slot,
-        which holds the param's value): it is written, not added (``has_grad`` said the grad
-        was loose)."""
-        info.has_grad = False
-        self._write_slot(info, grad)
+        which holds the param's value): written, not added, though ``has_grad`` is set."""
+        self._write_slot(info, grad, add=False)
 
     def _loosen(self, info: ParamInfo, grad: torch.Tensor) -> bool:
         """Keep ``grad`` loose for ``info`` (added to the one held) where grads are kept so
@@ -156,20 +154,19 @@ class Grads:
         info.has_grad = True
         return True
 
-    def _write_slot(self, info: ParamInfo, grad: torch.Tensor) -> None:
-        """Write (or add) ``grad`` into ``info``'s grad slot (single rank)."""
+    def _write_slot(self, info: ParamInfo, grad: torch.Tensor, *, add: bool | None = None) -> None:
+        """Write ``grad`` into ``info``'s grad slot, or add it to the grad there (``add``; by
+        default where ``info`` holds one) (single rank)."""
         if torch.is_grad_enabled():  # outside backward (end of backward, an op outside the forward)
             with torch.no_grad():
-                return self._write_slot(info, grad)
+                return self._write_slot(info, grad, add=add)
+        add = info.has_grad if add is None else add
         if self.config.grad_reuse:
             chunk = self.store.rows[ChunkKind.PARAM][info.chunk]
             chunk.settle()
             chunk.wait_ready()
             view = chunk.shaped_view(info.slot, info.shape)  # the param's own cached view: no new tensor a grad
-            if info.has_grad:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
+            view.add_(grad) if add else view.copy_(grad)
             # the slot holds the grad now: a use of the value that autograd still keeps must fail loudly
             torch.autograd.graph.increment_version(info.param)
         else:
@@ -179,10 +176,7 @@ class Grads:
             chunk.set_slot_state(info.slot, TensorState.COMPUTE, what)
             self.mover.bring(chunk, self.compute.name, who=what)
             view = chunk.shaped_view(info.slot, info.shape)
-            if info.has_grad:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
+            view.add_(grad) if add else view.copy_(grad)
             chunk.set_slot_state(info.slot, TensorState.HOLD_AFTER_BWD, what)
         info.has_grad = True
 
@@ -215,7 +209,7 @@ class Grads:
         with torch.no_grad():
             grad = torch.zeros(info.shape, dtype=torch.float32, device=self.compute.torch_device)
             if loose is not None:
-                grad.add_(loose.view(info.shape).to(grad.device, torch.float32))
+                grad.add_(loose.reshape(info.shape).to(grad.device, torch.float32))
             elif info.has_grad:
                 grad.add_(self.store.grad_view(info).view(info.shape).to(grad.device, torch.float32))
             if waiting is not None:
@@ -289,7 +283,7 @@ class Grads:
     def grad_view(self, info: ParamInfo) -> torch.Tensor:
         """``info``'s grad as stored, flat: loose, or in its grad slot (its chunk allocated)."""
         loose = self.loose.get(info)
-        return self.store.grad_view(info) if loose is None else loose.view(-1)
+        return self.store.grad_view(info) if loose is None else loose.reshape(-1)
 
     @torch.no_grad()
     def _store_local_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
