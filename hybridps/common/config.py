@@ -289,9 +289,11 @@ class Config:
             "computes with fit the compute device beside its activations, each block (an element of an `nn.ModuleList` "
             "or `nn.Sequential` with submodules, such as a transformer layer) becomes one unit, its params accessed "
             "together when it starts: fewer hook calls where nothing moves; a model that does not fit keeps every "
-            'module a unit. `"module"`: every module is always a unit, accessing its own params (the finest moments '
-            "for the trace). `compile=True` makes blocks units from the start. See [Note: blocks as units] in "
-            "hybridps/client/params/hook_units.py."
+            "module a unit. Where the whole iteration fits on one rank (grads stay loose until the step, every param "
+            "chunk on the compute device), the model itself is the one unit. "
+            '`"module"`: every module is always a unit, accessing its own params (the finest moments '
+            "for the trace). `compile=True` makes blocks units from the start. See [Note: blocks as units] and "
+            "[Note: the model as one unit] in hybridps/client/params/hook_units.py."
         ),
     )
     compile: bool = _field(

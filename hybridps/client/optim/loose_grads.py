@@ -59,6 +59,9 @@ class LooseGrads:
         bytes held (the tracer counts them on a simulated GPU)."""
         self._write_slot = write_slot
         self.on_bytes = on_bytes
+        #: hears every decision (``decide``), after what was held landed: the module hooks take
+        #: grads at the end of backward while they are loose (params/hooks.py)
+        self.on_decided: Callable[[bool], None] | None = None
         #: whether grads arriving now stay loose
         self.enabled = False
         self._held: dict[int, tuple[ParamInfo, torch.Tensor]] = {}
@@ -71,6 +74,8 @@ class LooseGrads:
         if not on and self._held:
             self.land_all()
         self.enabled = on
+        if self.on_decided is not None:
+            self.on_decided(on)
         return on
 
     # -- holding ---------------------------------------------------------------------------

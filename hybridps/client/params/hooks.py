@@ -13,12 +13,24 @@ remove them:
   access the params again;
 - a post-accumulate-grad hook per param fires when its grad is final (every use of a tied
   param contributed): the grad goes into its chunk slot, ``param.grad`` is dropped and the
-  param released to HOLD_AFTER_BWD;
+  param released to HOLD_AFTER_BWD; not while grads are loose, see [Note: grads taken at the
+  end of backward];
 - a multi-grad hook on the module's inputs (mode "all") fires after the module's backward:
   params that get no grad (frozen) are released there.
 
 Params still held when backward ends (a param whose grad never came) are released by
 ``end_backward``.
+
+[Note: grads taken at the end of backward]
+A post-accumulate-grad hook is a call from autograd into Python per param and backward: on
+the 2-vCPU VM, 76 hooks that only moved ``param.grad`` aside cost 1.5 ms a backward of 105 ms
+(a 6-layer GPT), before the hook's own work. While grads stay loose (optim/loose_grads.py:
+one rank, everything on the compute device) nothing needs a grad before backward ends, so
+the per-param hooks are removed (``take_grads_at_end``) and autograd keeps each grad in
+``param.grad``, adding up tied uses as in plain PyTorch; ``end_backward`` then hands every
+grad to the client in one pass, before it releases the params. The params stay accessed from
+their module's pre-backward to the end of backward, which is room the loose-grads decision
+found. When grads stop being loose the hooks come back.
 
 [Note: borrowed params]
 A module may compute with a param it does not own (a tied head reading the embedding's
@@ -79,6 +91,7 @@ class ParamAccess(Protocol):
     def access(self, param: nn.Parameter, *, who: object = "") -> torch.Tensor: ...
     def access_all(self, params: list[nn.Parameter], *, who: object = "") -> None: ...
     def release(self, param: nn.Parameter, state: TensorState = ...) -> None: ...
+    def release_all(self, params: list[nn.Parameter], state: TensorState = ...) -> None: ...
     def store_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None: ...
     def step_ready(self) -> None: ...
 
@@ -150,6 +163,9 @@ class ModuleHooks:
         blocks = client.config.compile or (mode is HookUnits.AUTO and self._capacity_bytes is None)
         #: whether the warm-up's trace still has to decide on blocks ([Note: blocks as units])
         self._deciding = mode is HookUnits.AUTO and not blocks
+        #: whether the model may become one unit ([Note: the model as one unit])
+        self._may_be_one_unit = mode is HookUnits.AUTO and not client.config.compile
+        self._blocks_before_whole = False  # whether blocks were the units before the model became one
         self._unit_handles: list = []
         self._take_units(blocks)
         self._held_for_backward: dict[int, nn.Parameter] = {}
@@ -165,7 +181,11 @@ class ModuleHooks:
         #: with the guard of released params, which lends them params ops need
         self.forward = client.guard.forward
         self._trainable = [i.param.requires_grad for i in client.params]
-        self._grad_hooked: set[int] = set()
+        #: the post-accumulate-grad hook of each trainable param, by id
+        self._grad_handles: dict[int, Any] = {}
+        #: grads stay in ``param.grad`` until ``end_backward`` takes them ([Note: grads taken at
+        #: the end of backward]); else each param's hook takes its grad when it is final
+        self.grads_at_end = False
         #: grads sit in the params' own slots from their backward to the step (Config.grad_reuse)
         self.grad_reuse = client.config.grad_reuse
         self.handles: list = []
@@ -175,7 +195,7 @@ class ModuleHooks:
         """Whether a forward of a module of the model is under way."""
         return self.forward.running
 
-    def _take_units(self, blocks: bool) -> None:
+    def _take_units(self, blocks: bool, *, whole: bool = False) -> None:
         """Choose the units (hook_units.py) and what the hooks keep of each."""
         client = self.client
         #: the units the hooks wrap, each with the params it accesses, and the blocks
@@ -185,6 +205,7 @@ class ModuleHooks:
             is_registered=client.is_registered,
             chunk_bytes_of=client.store.param_chunk_bytes,
             capacity_bytes=self._capacity_bytes,
+            whole=whole,
         )
         self.own: dict[nn.Module, list[nn.Parameter]] = self.units.params
         # labels built once: the hooks run for every unit of every iteration
@@ -242,6 +263,38 @@ class ModuleHooks:
             self.tracer.retrace()
         return self.units.blocks
 
+    def loose_decided(self, on: bool) -> None:
+        """The client decided whether grads stay loose until the step (optim/loose_grads.py),
+        after a warm-up: grads are taken at the end of backward while they are, and the model
+        is one unit while they are and every param chunk is on the compute device ([Note: the
+        model as one unit] in hook_units.py)."""
+        self.take_grads_at_end(on)
+        self._be_one_unit(on and self._may_be_one_unit and self._params_on_compute_device())
+
+    def _params_on_compute_device(self) -> bool:
+        store = self.client.store
+        compute = store.compute.name
+        return all(c.device == compute for c in store.rows[ChunkKind.PARAM] if c.slots)
+
+    def _be_one_unit(self, on: bool) -> None:
+        """Make the model the one unit, or give the units back (blocks where they were blocks,
+        else every module, with blocks decided again from the next trace); between iterations.
+        The next iteration traces its moments anew."""
+        if on == self.units.whole:
+            return
+        blocks = bool(self.units.blocks) if on else self._blocks_before_whole
+        if on:
+            self._blocks_before_whole = blocks
+            self._deciding = False
+        else:
+            self._deciding = not blocks and self._capacity_bytes is not None
+        for handle in self._unit_handles:
+            handle.remove()
+        self._unit_handles.clear()
+        self._take_units(blocks, whole=on)
+        self._hook_units(root=False)
+        self.tracer.retrace()
+
     def install(self) -> None:
         self._hook_units()
         for info in self.client.params:
@@ -250,11 +303,40 @@ class ModuleHooks:
         self.client.hook_handles.extend(self.handles)
 
     def _hook_grad(self, p: nn.Parameter) -> None:
+        if self.grads_at_end or id(p) in self._grad_handles:
+            return
         with torch._C.DisableTorchFunctionSubclass():
             handle = p.register_post_accumulate_grad_hook(self._grad_ready)
         self.handles.append(handle)
         self.client.hook_handles.append(handle)
-        self._grad_hooked.add(id(p))
+        self._grad_handles[id(p)] = handle
+
+    def take_grads_at_end(self, on: bool) -> None:
+        """Take grads at the end of backward (``on``: the per-param hooks go) or as each is
+        final (they come back); between iterations ([Note: grads taken at the end of backward])."""
+        if on == self.grads_at_end:
+            return
+        self.grads_at_end = on
+        if on:
+            for handle in self._grad_handles.values():
+                handle.remove()
+            self._grad_handles.clear()
+            return
+        with torch._C.DisableTorchFunctionSubclass():
+            trainable = [i.param for i in self.client.params if i.param.requires_grad]
+        for p in trainable:
+            self._hook_grad(p)
+
+    def _take_grads(self) -> None:
+        """Every grad autograd left in ``param.grad`` goes to the client (grads taken at the end)."""
+        client = self.client
+        with torch._C.DisableTorchFunctionSubclass():
+            for info in client.params:
+                p = info.param
+                grad = p.grad
+                if grad is not None:
+                    p.grad = None
+                    client.store_grad(p, grad)
 
     def sync_requires_grad(self) -> None:
         """Honour ``requires_grad`` changes made since the last check (unfreezing a layer
@@ -274,7 +356,7 @@ class ModuleHooks:
                     f"model.parameters() (frozen ones included: Adam skips params without grads) before initialize"
                 )
         for info, trainable in zip(params, now, strict=True):
-            if trainable and id(info.param) not in self._grad_hooked:
+            if trainable:
                 self._hook_grad(info.param)
         self._trainable = now
         frozen_ids = {id(i.param) for i, trainable in zip(params, now, strict=True) if not trainable}
@@ -421,8 +503,12 @@ class ModuleHooks:
             self.on_bare_backward()
 
     def end_backward(self) -> None:
-        """Release what backward left accessed (params whose grad never came)."""
-        for p in self._held_for_backward.values():
-            self.client.release(p, TensorState.HOLD_AFTER_BWD)
-        self._held_for_backward.clear()
+        """Take the grads autograd left in ``param.grad`` (grads taken at the end), then
+        release what backward left accessed (params whose grad never came, or every param
+        accessed for backward when grads are taken at the end)."""
+        if self.grads_at_end:
+            self._take_grads()
+        if self._held_for_backward:
+            self.client.release_all(list(self._held_for_backward.values()), TensorState.HOLD_AFTER_BWD)
+            self._held_for_backward.clear()
         self._step_ready()
