@@ -151,6 +151,8 @@ class Chunk:
         self.payload: torch.Tensor | None = None
         self.device: str | None = None  # logical device name while a payload exists
         self._views: dict[int, torch.Tensor] = {}  # slot index -> shaped view of the payload
+        #: bounds -> the payload cut there (``pieces``), kept as long as the views
+        self._pieces: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
         self.slots: list[Slot] = []
         self._pos: dict[int, int] = {}  # slot.index -> position in self.slots / self.states
         self.states: list[TensorState] = []
@@ -359,6 +361,19 @@ class Chunk:
             view = self._views[slot.index] = self.view(slot).view(shape)
         return view
 
+    def pieces(self, bounds: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The payload cut at ``bounds`` (``tensor_split``); cached until the payload changes,
+        as ``shaped_view`` is: a resident row's step cuts it once, not every step."""
+        cut = self._pieces.get(bounds)
+        if cut is None:
+            assert self.payload is not None, f"{self} has no payload"
+            cut = self._pieces[bounds] = self.payload.tensor_split(bounds)
+        return cut
+
+    def _forget_views(self) -> None:
+        self._views.clear()
+        self._pieces.clear()
+
     def wait_ready(self) -> None:
         """Make the payload safe to use: wait for a copy into it still in flight (the compute
         stream waits on the GPU; the host waits for a copy to host memory)."""
@@ -387,7 +402,7 @@ class Chunk:
         self.move_payload(PayloadMove.ALLOCATE)
         self.payload = payload
         self.device = device.name
-        self._views.clear()
+        self._forget_views()
 
     def move_to(self, device: DeviceSpec, *, buffer: torch.Tensor | None = None, non_blocking: bool = False) -> torch.Tensor:
         """Move the payload to ``device`` (into ``buffer`` if given) as one copy; return the
@@ -397,7 +412,7 @@ class Chunk:
         dst.copy_(self.payload, non_blocking=non_blocking)
         old, self.payload = self.payload, dst
         self.device = device.name
-        self._views.clear()
+        self._forget_views()
         return old
 
     def rebind(self, device: DeviceSpec, buffer: torch.Tensor) -> torch.Tensor:
@@ -407,7 +422,7 @@ class Chunk:
         assert self.payload is not None, f"{self} has no payload to move"
         old, self.payload = self.payload, buffer
         self.device = device.name
-        self._views.clear()
+        self._forget_views()
         return old
 
     def drop(self) -> torch.Tensor | None:
@@ -416,7 +431,7 @@ class Chunk:
             self.move_payload(PayloadMove.DROP)
         old, self.payload = self.payload, None
         self.device = None
-        self._views.clear()
+        self._forget_views()
         return old
 
     def __repr__(self) -> str:

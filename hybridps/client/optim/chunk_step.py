@@ -232,12 +232,18 @@ class ChunkArithmetic:
         divisor = None if buffer is None else self.tensors.divisor(inv_scale, clip_coef, device)
         coef = None if buffer is not None or clip_coef is None else self.tensors.on_device(clip_coef, device)
 
+        master_chunk, m_chunk, v_chunk = rows.master, rows.states[ChunkKind.MOMENTUM], rows.states[ChunkKind.VARIANCE]
+
+        def cut_row(chunk: Chunk, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # a row that is its chunk's payload is cut once while it stays (Chunk.pieces)
+            return chunk.pieces(plan.bounds) if chunk.payload is row else row.tensor_split(plan.bounds)
+
         def update(grads: torch.Tensor | tuple) -> None:
             bounds = plan.bounds  # every run's view of each row, one native call per row
             if type(grads) is tuple:  # loose grads, already in pieces
-                cut = (master.tensor_split(bounds), grads, m.tensor_split(bounds), v.tensor_split(bounds))
+                cut = (cut_row(master_chunk, master), grads, cut_row(m_chunk, m), cut_row(v_chunk, v))
             elif moments is None:
-                cut = (master.tensor_split(bounds), grads.tensor_split(bounds), m.tensor_split(bounds), v.tensor_split(bounds))
+                cut = (cut_row(master_chunk, master), grads.tensor_split(bounds), cut_row(m_chunk, m), cut_row(v_chunk, v))
             else:  # the compact step takes whole rows and its runs' ranges
                 cut = ((), grads.tensor_split(bounds), (), ())
             if coef is not None:

@@ -67,3 +67,24 @@ def test_a_reduced_grad_arrives_by_a_named_move_not_through_compute():
     chunk.set_slot_state(slots[1], TensorState.COMPUTE, "p1")
     with pytest.raises(StateError, match="a reduced grad arrives while COMPUTE"):
         chunk.apply(slots[1], Move.REDUCED_GRAD_ARRIVES, "p1")
+
+
+def test_a_chunks_cut_is_made_once_while_its_payload_stays_and_anew_after_every_change():
+    from hybridps.common.devices import DeviceSpec
+
+    cpu = DeviceSpec(name="cpu", capacity_bytes=1 << 20)
+    chunk = Chunk(ChunkKind.MOMENTUM, 0, 12, torch.float32, chunk_id=0)
+    chunk.allocate(cpu)
+    chunk.payload.copy_(torch.arange(12.0))
+    first = chunk.pieces((2, 5))
+    assert chunk.pieces((2, 5)) is first and [p.tolist() for p in first] == [
+        [0.0, 1.0],
+        [2.0, 3.0, 4.0],
+        list(map(float, range(5, 12))),
+    ]
+    old = chunk.move_to(cpu)  # a new payload: the old cut would write into memory the chunk let go
+    again = chunk.pieces((2, 5))
+    assert again is not first and again[1].data_ptr() == chunk.payload.data_ptr() + 2 * 4 and old is not chunk.payload
+    chunk.drop()
+    chunk.allocate(cpu)
+    assert chunk.pieces((2, 5))[0].data_ptr() == chunk.payload.data_ptr()
