@@ -365,8 +365,12 @@ def test_a_changed_access_order_is_detected_and_traced_again():
 
     torch.manual_seed(0)
     model = Branchy()
+    # every module a unit: where the model fits it would become one unit, whose moments no
+    # branch inside it changes ([Note: the model as one unit]: nothing moves within an iteration)
     engine = hybridps.initialize(
-        model, torch.optim.Adam(model.parameters()), hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=72)
+        model,
+        torch.optim.Adam(model.parameters()),
+        hybridps.Config(devices={"cuda:0": "4KiB"}, chunk_size=72, hook_units="module"),
     )
     for use_b in (True, True, False, False, True):
         engine.backward(engine(torch.randn(2, 8), use_b).sum())
