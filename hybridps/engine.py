@@ -148,6 +148,7 @@ class Engine:
         training = self.module.training and torch.is_grad_enabled()
         args, kwargs = self._prepare_inputs(args), self._prepare_inputs(kwargs)
         if training and not self.phase.iteration_open:
+            self.hooks.iteration_inputs(args, kwargs)  # larger inputs: the units back ([Note: the model as one unit])
             self.tracer.start_iteration()
             self.phase = self.phase.forward_opens()
         saved = self.client.begin_forward(self.tracer.saved_tensors() if training else None)

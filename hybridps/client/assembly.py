@@ -121,7 +121,7 @@ def build(
     client.grads.loose.on_bytes = tracer.count_held  # loose grads are non-model memory (optim/loose_grads.py)
     hooks = ModuleHooks(client, model, tracer, on_bare_backward=on_bare_backward)
     hooks.install()
-    client.grads.loose.on_decided = hooks.loose_decided  # grads at the end of backward, the model one unit
+    hooks.follow(client.grads.loose)  # grads at the end of backward, the model one unit
     compiled = CompiledBlocks(model, hooks.units.blocks, hooks.make_blocks_units)
     client.hook_handles.append(compiled)  # the client's close gives the blocks their own forwards back
     if config.compile:

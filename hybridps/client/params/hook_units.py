@@ -42,7 +42,11 @@ not four per block. On the 2-vCPU VM (a 6-layer GPT, 512 tokens a step, everythi
 the block units' hooks took about 3.5 ms of a 170 ms step. Nothing else changes: the hooks
 are the same hooks, the tracer's moments are fewer (the next iteration traces them again),
 and where the grads stop being loose (a later warm-up finds no room) the units go back to
-what they were. ``"auto"`` only: ``"module"`` keeps every module a unit, and
+what they were. Every param stays accessed for the whole forward, so activations that outgrow
+the trace cannot make room by evicting the params of modules not running: on a GPU (the
+simulated one included), an iteration whose inputs are larger than any before (a longer
+sequence, a larger batch) starts with its units back and grads not loose, and traces anew; the
+decision after it makes the model one unit again if everything still fits. ``"auto"`` only: ``"module"`` keeps every module a unit, and
 ``compile=True`` keeps blocks.
 
 Blocks as units are also what ``torch.compile`` needs: a compiled block's submodules may

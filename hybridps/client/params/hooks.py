@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.memory.tracer import MemoryTracer
     from hybridps.client.optim.adam import ChunkedAdam
+    from hybridps.client.optim.loose_grads import LooseGrads
     from hybridps.client.params.placeholder import ParamGuard
     from hybridps.client.sharding.groups import ChunkGroups
     from hybridps.common.config import Config
@@ -166,6 +167,9 @@ class ModuleHooks:
         #: whether the model may become one unit ([Note: the model as one unit])
         self._may_be_one_unit = mode is HookUnits.AUTO and not client.config.compile
         self._blocks_before_whole = False  # whether blocks were the units before the model became one
+        self._loose: LooseGrads | None = None  # the client's loose grads, once followed
+        #: the most input elements an iteration of the model started with ([Note: the model as one unit])
+        self._largest_inputs_numel = 0
         self._unit_handles: list = []
         self._take_units(blocks)
         self._held_for_backward: dict[int, nn.Parameter] = {}
@@ -262,6 +266,24 @@ class ModuleHooks:
             self._hook_units(root=False)
             self.tracer.retrace()
         return self.units.blocks
+
+    def follow(self, loose: LooseGrads) -> None:
+        """Hear the client's loose-grads decisions, and ask for one: no loose grads (which
+        gives the units back) when an iteration's inputs are larger than any before."""
+        loose.on_decided = self.loose_decided
+        self._loose = loose
+
+    def iteration_inputs(self, args: tuple, kwargs: dict) -> None:
+        """A training iteration starts with these inputs to the model. On a GPU, inputs larger
+        than any before may need more activation memory than the trace that made the model one
+        unit showed, with every param accessed for the whole forward: its units come back
+        for this iteration, which traces anew ([Note: the model as one unit])."""
+        numel = sum(t.numel() for t in iter_tensors((args, kwargs)))
+        if numel <= self._largest_inputs_numel:
+            return
+        self._largest_inputs_numel = numel
+        if self.units.whole and self._capacity_bytes is not None and self._loose is not None:
+            self._loose.decide(False)  # heard back in loose_decided
 
     def loose_decided(self, on: bool) -> None:
         """The client decided whether grads stay loose until the step (optim/loose_grads.py),

@@ -109,3 +109,36 @@ def test_per_module_units_and_several_other_layouts_keep_their_units():
     train_engine(low, 3)
     assert not low.hooks.units.whole and not low.hooks.grads_at_end and _grad_hooks(model) > 0
     low.close()
+
+
+def test_larger_inputs_than_any_before_give_the_units_back_and_train_where_one_unit_would_not_fit():
+    """On a GPU every param stays accessed for the whole forward of a model that is one unit:
+    a batch three times the warm-up's has no room beside them (measured: a CapacityError), so
+    its iteration starts with the units back and grads not loose, and traces anew."""
+    from hybridps.models import GPT, GPTConfig
+    from hybridps.models.data import arithmetic_batch
+
+    cfg = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=128, seq_len=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plain = GPT(cfg)
+    plain.load_state_dict(model.state_dict())
+    engine = hybridps.initialize(model, _adamw(model), hybridps.Config(devices={"cuda:0": cfg.n_params * 32}))
+    optimizer = _adamw(plain)
+    whole = []
+    for step, batch in enumerate([2, 2, 2, 2, 6, 6, 2, 6]):
+        x, y = arithmetic_batch(step, batch, cfg.seq_len, cfg.vocab_size)
+        _, loss = engine(x, y)
+        whole.append(engine.hooks.units.whole)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        _, expected = plain(x, y)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == expected.item(), step
+    assert whole[2:4] == [True, True]  # one unit after the warm-up (and its trace again)
+    assert whole[4] is False  # the larger batch: its units back
+    assert not engine.client.grads.loose.enabled  # the new trace left no room for loose grads here
+    engine.close()
