@@ -352,13 +352,15 @@ class ModuleHooks:
     def _take_grads(self) -> None:
         """Every grad autograd left in ``param.grad`` goes to the client (grads taken at the end)."""
         client = self.client
-        with torch._C.DisableTorchFunctionSubclass():
+        taken = []
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's own .grad of a released param too
             for info in client.params:
                 p = info.param
-                grad = p.grad
-                if grad is not None:
+                if p.grad is not None:
+                    taken.append((p, p.grad))
                     p.grad = None
-                    client.store_grad(p, grad)
+        for p, grad in taken:
+            client.store_grad(p, grad)
 
     def sync_requires_grad(self) -> None:
         """Honour ``requires_grad`` changes made since the last check (unfreezing a layer
