@@ -26,7 +26,10 @@ the step anyway), every optimizer the exact Adam with fp32 moments, no early ste
 the grad rows during backward), every chunk stepping on the compute device, and room there for
 every grad beside the warm-up's chunks and non-model peak (``grads_fit``). On a simulated GPU
 their bytes count as non-model memory (the tracer), as a real GPU's allocator counts them.
-Turning them off lands what is held.
+Turning them off lands what is held. The module hooks follow each decision (``on_decided``):
+while grads are loose no param has a post-accumulate-grad hook and the grads are taken at the
+end of backward, and the model may be one unit (params/hooks.py, params/hook_units.py); on a
+simulated GPU the grads therefore count from the end of backward, not from each one's arrival.
 
 Owns the held tensors, their bytes and whether grads are kept loose. Does not own
 ``has_grad`` (params/grads.py), the slot writes (params/grads.py's ``_write_slot``), nor the step that reads
