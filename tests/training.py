@@ -82,6 +82,19 @@ def eval_loss(forward, cfg: GPTConfig = SMALL_GPT) -> float:
     return loss.item()
 
 
+def accumulate_both(engine, plain, step: int, micro_batches: int = 2) -> None:
+    """One step's micro-batches through the engine and plain PyTorch, each loss bitwise equal,
+    grads adding up; then both clip, their norms bitwise equal (the step is the caller's)."""
+    for micro in range(micro_batches):
+        x, y = tokens(micro_batches * step + micro)
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        _, expected = plain(x, y)
+        expected.backward()
+        assert loss.item() == expected.item(), (step, micro)
+    assert engine.clip_grad_norm_(1.0).item() == torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0).item()
+
+
 def engine_for(model, optimizer, fraction: float, cfg: GPTConfig = SMALL_GPT, **config) -> hybridps.Engine:
     capacity = int(model_data_bytes(cfg) * fraction)
     return hybridps.initialize(model, optimizer, hybridps.Config(devices={"cuda:0": capacity}, **config))

@@ -7,7 +7,7 @@ import torch
 import hybridps
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.optim.loose_grads import LooseGrads, grads_fit
-from tests.training import engine_for, gpt_pair, tokens, train_engine, train_plain
+from tests.training import accumulate_both, engine_for, gpt_pair, tokens, train_engine, train_plain
 
 
 def _engine(fraction=2.0, **config):
@@ -35,14 +35,7 @@ def test_without_grad_reuse_loose_grads_accumulate_outlive_the_step_and_no_grad_
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     grad_rows = engine.client.store.rows[ChunkKind.GRAD]
     for step in range(4):
-        for micro in range(2):  # two micro-batches a step
-            x, y = tokens(2 * step + micro)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            _, expected = plain(x, y)
-            expected.backward()
-            assert loss.item() == expected.item(), (step, micro)
-        assert engine.clip_grad_norm_(1.0).item() == torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0).item()
+        accumulate_both(engine, plain, step)  # two micro-batches a step
         engine.step()
         optimizer.step()
         if step:  # past the warm-up: grads loose, no grad chunk

@@ -5,7 +5,7 @@ the end of backward] in hybridps/client/params/hooks.py)."""
 import torch
 
 import hybridps
-from tests.training import engine_for, gpt_pair, tokens, train_engine, train_plain
+from tests.training import accumulate_both, engine_for, gpt_pair, tokens, train_engine, train_plain
 
 
 def _adamw(model):
@@ -44,14 +44,7 @@ def test_computing_on_the_cpu_the_model_is_one_unit_too_and_accumulation_matches
     engine = hybridps.initialize(model, _adamw(model), hybridps.Config(devices={}, simulate=False, grad_reuse=False))
     optimizer = _adamw(plain)
     for step in range(4):
-        for micro in range(2):
-            x, y = tokens(2 * step + micro)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            _, expected = plain(x, y)
-            expected.backward()
-            assert loss.item() == expected.item(), (step, micro)
-        assert engine.clip_grad_norm_(1.0).item() == torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0).item()
+        accumulate_both(engine, plain, step)
         engine.step()
         optimizer.step()
         engine.zero_grad()
