@@ -24,7 +24,7 @@ import torch
 import hybridps
 from benchmarks import harness
 from hybridps.planner.model import GPTShape
-from hybridps.planner.rates import load_rates
+from hybridps.planner.rates import load_rates, threads_mismatch
 from hybridps.planner.simulation import simulate
 from hybridps.planner.speed import predict_speed
 
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = ap.parse_args(argv)
     rates = load_rates(args.rates)
+    warning = threads_mismatch(rates, torch.get_num_threads())
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     rows = []
     for layers, d, heads, seq, batch, frac in (SHAPES[int(i)] for i in args.shapes.split(",")):
         shape = GPTShape(n_layer=layers, d_model=d, n_head=heads, seq_len=seq, batch_size=batch, vocab_size=args.vocab)

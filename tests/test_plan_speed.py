@@ -10,7 +10,7 @@ import pytest
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.model import GPTShape
-from hybridps.planner.rates import PROFILE_NAMES, MachineRates, load_rates, profile, read_rates_file
+from hybridps.planner.rates import PROFILE_NAMES, MachineRates, load_rates, profile, read_rates_file, threads_mismatch
 from hybridps.planner.speed import PARTS, StepWork, compose, predict_work
 
 
@@ -131,6 +131,26 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert r.simulated_gpu and r.compute_tflops and all(t > 0 for _, t in r.compute_tflops)
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
+    import torch
+
+    assert r.host_threads == torch.get_num_threads()
+
+
+def test_a_plan_warns_when_a_simulated_gpus_rates_were_measured_on_other_threads(capsys, tmp_path):
+    import torch
+
+    from hybridps.planner.cli import main
+
+    rates = tmp_path / "r.json"
+    args = ["--layers", "2", "--hidden", "128", "--heads", "2", "--vocab", "512", "--seq-len", "64", "--batch", "2"]
+    args += ["--gpus", "1x16MiB", "--cpu", "1GiB", "--simulated-gpus", "--no-search", "--json", "--rates", str(rates)]
+    _rates(simulated_gpu=True, host_threads=torch.get_num_threads() + 1).save(rates)
+    assert main(args) == 0
+    assert "measured on" in capsys.readouterr().err
+    _rates(simulated_gpu=True, host_threads=torch.get_num_threads()).save(rates)
+    assert main(args) == 0
+    assert "measured on" not in capsys.readouterr().err
+    assert threads_mismatch(_rates(host_threads=99), 1) is None  # a real GPU's rates: its kernels do not run on them
 
 
 def test_plan_json_carries_the_predicted_step_and_tflops(capsys, tmp_path):

@@ -267,6 +267,7 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
         d2h_gbps=d2h,
         gpu_adam_params_per_s=gpu_adam,
         host_s_per_tensor=host,
+        host_threads=torch.get_num_threads(),
         disk_read_gbps=read,
         disk_write_gbps=write,
         measured=f"hybridps calibrate{' --quick' if quick else ''}, {datetime.date.today().isoformat()}, "

@@ -381,9 +381,15 @@ def run_command(args: argparse.Namespace) -> int:
                 **training,
             )
         else:
-            from hybridps.planner.rates import load_rates
+            import torch
 
-            speed = dict(rates=load_rates(args.rates), micro_batches=args.micro_batches)
+            from hybridps.planner.rates import load_rates, threads_mismatch
+
+            rates = load_rates(args.rates)
+            warning = None if rates is None else threads_mismatch(rates, torch.get_num_threads())
+            if warning is not None:
+                print(f"hybridps plan: warning: {warning}", file=sys.stderr)
+            speed = dict(rates=rates, micro_batches=args.micro_batches)
             report = plan(model, node, margin=args.margin, shard_group_size=args.shard_group_size[0], **training, **speed)
     except ConfigError as exc:
         print(f"hybridps plan: error: {exc}", file=sys.stderr)

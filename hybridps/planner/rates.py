@@ -67,6 +67,9 @@ class MachineRates:
     #: the disk tier's sustained read and write; None: not measured (the node's figures apply)
     disk_read_gbps: float | None = None
     disk_write_gbps: float | None = None
+    #: torch's intra-op threads when measured: on a simulated GPU the compute, the copies and
+    #: the CPU step all ran on them (None: not recorded, as in the shipped GPU profiles)
+    host_threads: int | None = None
     #: when and how the rates were measured
     measured: str = ""
     #: field -> where its value comes from (a command, a figure of docs/BENCHMARKS.md)
@@ -155,6 +158,18 @@ def read_rates_file(path: Path) -> MachineRates:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"rates file {str(path)!r} cannot be read ({exc}); run `hybridps calibrate --out FILE`") from None
     return MachineRates.from_dict(data, where=str(path))
+
+
+def threads_mismatch(rates: MachineRates, threads_now: int) -> str | None:
+    """A warning where a simulated GPU's rates were measured on another number of torch
+    threads than ``threads_now``, the ones the training will run on; else None."""
+    if not rates.simulated_gpu or rates.host_threads is None or rates.host_threads == threads_now:
+        return None
+    return (
+        f"the rates {rates.name!r} were measured on {rates.host_threads} torch threads and this process has "
+        f"{threads_now}: on a simulated GPU every rate scales with them, so the predicted step is off by about "
+        f"that ratio; run `hybridps calibrate` under the same OMP_NUM_THREADS as the training"
+    )
 
 
 def profile(name: str) -> MachineRates:
