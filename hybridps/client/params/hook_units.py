@@ -72,6 +72,15 @@ class HookUnits(enum.Enum):
     MODULE = "module"  # every module
 
 
+class UnitLayout(enum.Enum):
+    """What the units are now (``Units.layout``); the hooks move between them between
+    iterations (params/hooks.py)."""
+
+    MODULES = "modules"  # every module is a unit
+    BLOCKS = "blocks"  # each block that fits BLOCK_SHARE is one unit, every other module its own
+    MODEL = "model"  # the model is the one unit ([Note: the model as one unit])
+
+
 #: the largest share of the compute device's capacity the param chunks of one block may take
 #: for the block to be one unit (the rest stays for activations, grads and the chunks coming next)
 BLOCK_SHARE = 0.25
@@ -86,34 +95,37 @@ class Units:
 
     params: dict[nn.Module, list[nn.Parameter]]
     blocks: list[nn.Module]
-    #: the model is the one unit ([Note: the model as one unit])
-    whole: bool = False
+    layout: UnitLayout
+
+    @property
+    def whole(self) -> bool:
+        """The model is the one unit ([Note: the model as one unit])."""
+        return self.layout is UnitLayout.MODEL
 
 
 def choose_units(
     model: nn.Module,
     *,
-    blocks: bool,
+    layout: UnitLayout,
     is_registered: Callable[[nn.Parameter], bool],
     chunk_bytes_of: Callable[[Iterable[nn.Parameter]], int],
     capacity_bytes: int | None,
-    whole: bool = False,
 ) -> Units:
-    """The units of ``model`` in module order, each with the registered params it accesses
-    (a param once per unit; a param tied between units is in each, as each module's own
-    params are when every module is a unit). ``blocks``: blocks are units, each while the
-    param chunks it touches (``chunk_bytes_of``) take at most ``BLOCK_SHARE`` of the compute
-    device's ``capacity_bytes`` (None: no limit, computing on the CPU); else every module is.
-    ``whole``: the model is the one unit, with every registered param once."""
-    if whole:
-        return Units({model: _registered(model, is_registered)}, [], whole=True)
+    """The units of ``model`` in ``layout``, in module order, each with the registered params
+    it accesses (a param once per unit; a param tied between units is in each, as each
+    module's own params are when every module is a unit). Under ``BLOCKS`` a block is a unit
+    while the param chunks it touches (``chunk_bytes_of``) take at most ``BLOCK_SHARE`` of the
+    compute device's ``capacity_bytes`` (None: no limit, computing on the CPU); under
+    ``MODEL`` the model is the one unit, with every registered param once."""
+    if layout is UnitLayout.MODEL:
+        return Units({model: _registered(model, is_registered)}, [], layout)
     found: set[nn.Module] = set()
-    if blocks:
+    if layout is UnitLayout.BLOCKS:
         limit = None if capacity_bytes is None else int(capacity_bytes * BLOCK_SHARE)
         _find_blocks(model, found, chunk_bytes_of, limit, is_registered)
     units: dict[nn.Module, list[nn.Parameter]] = {}
     _assign(model, model, found, units, {}, is_registered)
-    return Units(units, [m for m in units if m in found])
+    return Units(units, [m for m in units if m in found], layout)
 
 
 def blocks_fit(*, chunk_bytes: int, non_model_peak_bytes: int, capacity_bytes: int, margin_bytes: int) -> bool:

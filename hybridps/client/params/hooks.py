@@ -55,7 +55,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.params.hook_units import HookUnits, blocks_fit, choose_units
+from hybridps.client.params.hook_units import HookUnits, UnitLayout, blocks_fit, choose_units
 from hybridps.client.params.placeholder import ChunkedParameter
 from hybridps.common.eager import eager
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
@@ -166,12 +166,12 @@ class ModuleHooks:
         self._deciding = mode is HookUnits.AUTO and not blocks
         #: whether the model may become one unit ([Note: the model as one unit])
         self._may_be_one_unit = mode is HookUnits.AUTO and not client.config.compile
-        self._blocks_before_whole = False  # whether blocks were the units before the model became one
+        self._layout_before_model = UnitLayout.MODULES  # the units before the model became one
         self._loose: LooseGrads | None = None  # the client's loose grads, once followed
         #: the most input elements an iteration of the model started with ([Note: the model as one unit])
         self._largest_inputs_numel = 0
         self._unit_handles: list = []
-        self._take_units(blocks)
+        self._take_units(UnitLayout.BLOCKS if blocks else UnitLayout.MODULES)
         self._held_for_backward: dict[int, nn.Parameter] = {}
         #: called once at the end of a backward pass that engine.backward did not start (a bare
         #: loss.backward(), as Trainer-style loops run it); see [Note: bare backward]
@@ -199,17 +199,16 @@ class ModuleHooks:
         """Whether a forward of a module of the model is under way."""
         return self.forward.running
 
-    def _take_units(self, blocks: bool, *, whole: bool = False) -> None:
+    def _take_units(self, layout: UnitLayout) -> None:
         """Choose the units (hook_units.py) and what the hooks keep of each."""
         client = self.client
         #: the units the hooks wrap, each with the params it accesses, and the blocks
         self.units = choose_units(
             self.module,
-            blocks=blocks,
+            layout=layout,
             is_registered=client.is_registered,
             chunk_bytes_of=client.store.param_chunk_bytes,
             capacity_bytes=self._capacity_bytes,
-            whole=whole,
         )
         self.own: dict[nn.Module, list[nn.Parameter]] = self.units.params
         # labels built once: the hooks run for every unit of every iteration
@@ -262,7 +261,7 @@ class ModuleHooks:
             for handle in self._unit_handles:
                 handle.remove()
             self._unit_handles.clear()
-            self._take_units(True)
+            self._take_units(UnitLayout.BLOCKS)
             self._hook_units(root=False)
             self.tracer.retrace()
         return self.units.blocks
@@ -304,16 +303,16 @@ class ModuleHooks:
         The next iteration traces its moments anew."""
         if on == self.units.whole:
             return
-        blocks = bool(self.units.blocks) if on else self._blocks_before_whole
         if on:
-            self._blocks_before_whole = blocks
+            self._layout_before_model, layout = self.units.layout, UnitLayout.MODEL
             self._deciding = False
         else:
-            self._deciding = not blocks and self._capacity_bytes is not None
+            layout = self._layout_before_model
+            self._deciding = layout is UnitLayout.MODULES and self._capacity_bytes is not None
         for handle in self._unit_handles:
             handle.remove()
         self._unit_handles.clear()
-        self._take_units(blocks, whole=on)
+        self._take_units(layout)
         self._hook_units(root=False)
         self.tracer.retrace()
 
