@@ -4,7 +4,9 @@ Each step runs plain PyTorch and then HybridPS on the same batch, alternating, s
 the same machine noise; the result is the ratio of medians. Cases:
 
 - fits: the simulated (or real) GPU holds all model data (2x its size);
-- tight: the GPU capacity is a fraction of the model data (default 30%).
+- tight: the GPU capacity is a fraction of the model data (default 30%);
+- cpu (without a GPU): HybridPS computing on the CPU itself, as ``Config()`` does on a machine
+  with no GPU (``devices={}``, nothing simulated).
 
     python -m benchmarks overhead                # prints one JSON object
     python -m benchmarks overhead --d-model 768 --layers 6 --steps 20
@@ -28,7 +30,8 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
 
 
-def run_case(args, capacity_fraction: float, device: str) -> dict:
+def run_case(args, capacity_fraction: float | None, device: str) -> dict:
+    """One case; ``capacity_fraction`` None: HybridPS computes on the CPU, no GPU simulated."""
     cfg = harness.gpt_config(args)
     torch.manual_seed(0)
     plain = GPT(cfg).to(device)
@@ -36,8 +39,10 @@ def run_case(args, capacity_fraction: float, device: str) -> dict:
     plain_call = torch.compile(plain) if args.compile else plain
     plain_opt = make_optimizer(plain)
     model_bytes = cfg.n_params * 16
+    on_cpu = capacity_fraction is None
     config = hybridps.Config(
-        devices={device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)},
+        devices={} if on_cpu else {device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)},
+        simulate=not on_cpu,
         precision="fp32",
         grad_reuse=args.grad_reuse == "on",
         hook_units=args.hook_units,
@@ -139,4 +144,6 @@ def main(argv: list[str] | None = None) -> dict:
         fits=_safe(run_case, args, 2.0, args.device),
         tight=_safe(run_case, args, args.tight, args.device),
     )
+    if args.device == "cpu":
+        out["cpu"] = _safe(run_case, args, None, args.device)
     return harness.emit(out)
