@@ -93,6 +93,68 @@ def test_tflops_are_interpolated_by_hidden_size_and_flat_beyond_the_table():
     r = _rates()
     assert r.tflops_at(512) == 100.0 and r.tflops_at(8192) == 400.0
     assert r.tflops_at(2048) == pytest.approx(250.0)
+    assert r.tflops_at(2048, tokens=64) == r.tflops_at(2048)  # no counts measured: any count alike
+
+
+def test_tflops_follow_the_tokens_a_micro_batch_where_several_were_measured():
+    grid = ((1024, 128, 50.0), (1024, 1024, 100.0), (4096, 128, 200.0), (4096, 1024, 400.0))
+    r = _rates(compute_tflops_by_tokens=grid)
+    assert r.tflops_at(1024, tokens=128) == 50.0 and r.tflops_at(1024, tokens=64) == 50.0  # flat below
+    assert r.tflops_at(4096, tokens=1 << 20) == 400.0  # flat above
+    assert r.tflops_at(1024, tokens=362) == pytest.approx(75.0, rel=1e-3)  # halfway in log(tokens)
+    assert r.tflops_at(2048, tokens=128) == pytest.approx(125.0)  # then halfway in log(hidden)
+    few = dataclasses.replace(WORK, batch_size=1, seq_len=128)  # 128 tokens a micro-batch
+    step = dataclasses.replace(few, micro_batches=8)  # the same micro-batch, accumulated
+    assert predict_work(few, r).compute_tflops_used == predict_work(step, r).compute_tflops_used == pytest.approx(125.0)
+    with pytest.raises(ConfigError, match="compute_tflops_by_tokens"):
+        _rates(compute_tflops_by_tokens=((1024, 0, 1.0),))
+
+
+def test_the_head_is_timed_apart_where_the_rates_measured_it():
+    r = _rates(head_s_per_logit=((1024, 50304, 2e-9), (2048, 50304, 3e-9)))
+    assert r.head_s_at(1536, 50304) == pytest.approx(2.5e-9)
+    assert r.head_s_at(4096, 50304) == pytest.approx(5e-9)  # along the last segment beyond the table
+    assert r.head_s_at(512, 50304) == pytest.approx(1.5e-9)  # and the first below it
+    assert r.head_s_at(1536, 8) == r.head_s_at(1536, 1 << 20) == r.head_s_at(1536, 50304)  # one vocabulary: any alike
+    assert _rates().head_s_at(1024, 50304) is None
+    two = _rates(head_s_per_logit=((1024, 8192, 2e-9), (1024, 32768, 4e-9), (2048, 8192, 3e-9), (2048, 32768, 5e-9)))
+    assert two.head_s_at(1024, 16384) == pytest.approx(3e-9)  # halfway in log(vocabulary)
+    assert two.head_s_at(1536, 16384) == pytest.approx(3.5e-9)  # then in the hidden size
+    assert two.head_s_at(1024, 128256) == pytest.approx(4e-9)  # flat beyond the vocabularies timed
+    lm = dataclasses.replace(WORK, vocab_size=50304)
+    at_block_rate = predict_work(lm, _rates()).parts["compute"]
+    assert at_block_rate == pytest.approx((lm.step_flops) / 250e12)  # no head rate: the head's FLOPs at the blocks'
+    pred = predict_work(lm, r)
+    head = lm.tokens * 50304 * 3e-9
+    assert pred.head_seconds == pytest.approx(head)
+    assert pred.parts["compute"] == pytest.approx((lm.step_flops - lm.head_flops) / 250e12 + head)
+    assert predict_work(WORK, r).head_seconds is None  # vocabulary unknown: nothing apart
+    with pytest.raises(ConfigError, match="head_s_per_logit"):
+        _rates(head_s_per_logit=((1024, 8192, -1.0),))
+
+
+def test_an_untied_embedding_multiplies_nothing_and_checkpointing_recomputes_only_the_blocks():
+    tied = dataclasses.replace(WORK, vocab_size=50304)
+    untied = dataclasses.replace(tied, tied_embeddings=False)
+    assert untied.model_flops == tied.model_flops  # the reported TFLOPS keep 6 N T
+    lookup = 6.0 * 50304 * 2048 * WORK.tokens
+    compute = {w: predict_work(w, _rates()).parts["compute"] for w in (tied, untied)}
+    assert compute[tied] - compute[untied] == pytest.approx(lookup / 250e12)
+    ckpt = dataclasses.replace(tied, checkpoint=True)
+    blocks = WORK.n_params - 50304 * 2048
+    assert ckpt.step_flops - ckpt.model_flops == pytest.approx(2.0 * blocks * WORK.tokens + 4.0 * 24 * 2048 * 1024 * WORK.tokens)
+
+
+def test_a_simulated_gpus_own_copies_are_memcpys_and_a_real_gpus_are_not_counted():
+    sim = _rates(simulated_gpu=True)
+    fp32 = dataclasses.replace(WORK, precision="fp32", master_apart=True)
+    grads, write_back = 10**9 * 4, 10**9 * 4
+    assert fp32.device_copy_bytes == grads + write_back
+    assert predict_work(fp32, sim).parts["device_copies"] == pytest.approx((grads + write_back) / 10e9)
+    assert dataclasses.replace(fp32, grads_loose=True).device_copy_bytes == write_back  # loose grads: no copy in
+    assert dataclasses.replace(fp32, master_apart=False).device_copy_bytes == grads  # the master is the param row
+    assert dataclasses.replace(WORK, micro_batches=3).device_copy_bytes == 3 * 10**9 * 2  # bf16 grads each micro-batch
+    assert predict_work(fp32, _rates()).parts["device_copies"] == 0.0
 
 
 @pytest.mark.parametrize("name", PROFILE_NAMES)
@@ -129,6 +191,10 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert main(["--quick", "--out", str(out)]) == 0
     r = read_rates_file(out)
     assert r.simulated_gpu and r.compute_tflops and all(t > 0 for _, t in r.compute_tflops)
+    assert {(h, v) for h, v, _ in r.head_s_per_logit} == {(h, v) for h, _ in r.compute_tflops for v in (8192, 32768)}
+    assert all(s > 0 for _, _, s in r.head_s_per_logit)
+    counts = {(h, n) for h, n, _ in r.compute_tflops_by_tokens}
+    assert counts == {(h, n) for h, _ in r.compute_tflops for n in (64, 512)}  # --quick: 512 tokens and an eighth
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
     import torch
@@ -185,3 +251,8 @@ def test_a_simulation_records_where_the_steady_steps_ran():
     assert full.step_params_cpu == 0 and full.step_params_gpu == full.n_params
     tight = simulate(shape, gpu_bytes=full.model_data_bytes // 2 + full.non_model_peak_bytes, cpu_bytes=1 << 30, precision="fp32")
     assert tight.step_params_cpu > 0 and tight.step_params_cpu + tight.step_params_gpu == full.n_params
+    # where the grads went and whether a master sits apart: the device copies of the speed model
+    assert full.grads_loose and not tight.grads_loose
+    assert full.master_apart  # fp32 with grads in the params' slots keeps the master apart
+    no_reuse = simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="fp32", grad_reuse=False)
+    assert not no_reuse.master_apart

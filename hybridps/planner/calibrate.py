@@ -2,7 +2,8 @@
 
 Owns the measurements (``calibrate``) and the ``calibrate`` subcommand
 (``add_subcommand``): a training step's compute rate at a few hidden sizes (bf16 on a CUDA
-GPU, else fp32 on the CPU: a simulated GPU computes on the CPU), the copy rates (pinned
+GPU, else fp32 on the CPU: a simulated GPU computes on the CPU) and the language-model
+head's time per logit at the same sizes, the copy rates (pinned
 host <-> GPU with a GPU, else a host memcpy: a simulated GPU's chunk moves), torch's fused
 AdamW and the compact step (``compact_adam_``) on the CPU, the dtype copies of a 16-bit
 step, the optimizer step on the GPU (on a simulated GPU: the CPU's), HybridPS's host time per
@@ -29,6 +30,26 @@ from typing import Any
 
 #: hidden sizes timed (``--quick``: the first two)
 HIDDEN_SIZES = (256, 512, 1024)
+#: the vocabularies the head is timed at (``head_s_per_logit``): a CPU's caches hold the
+#: smaller one's projection and not the larger's, 10-30% a logit apart on the VM
+HEAD_VOCABS = (8192, 32768)
+#: tokens the head is timed at: its time a logit moves little with them on a CPU (23-29 ns at
+#: 256 tokens against 25-29 at 1024, hidden 256, vocabulary 8192), so half the blocks' keep
+#: the calibration short; a GPU's kernels fill only with many
+CPU_HEAD_TOKENS, GPU_HEAD_TOKENS = 512, 8192
+#: tokens a micro-batch the compute rate is also timed at, as multiples of the reference
+#: count (on the CPU; a GPU's matmuls fill only with more rows, so it goes up as well)
+CPU_TOKEN_FACTORS = (0.125, 1)
+GPU_TOKEN_FACTORS = (1, 8)
+
+
+def token_counts(device, reference: int) -> tuple[int, ...]:
+    """The tokens a micro-batch the compute rate is timed at: ``reference`` (the rates'
+    ``compute_tflops``) and a smaller count on the CPU, a larger one on a GPU."""
+    factors = GPU_TOKEN_FACTORS if device.type == "cuda" else CPU_TOKEN_FACTORS
+    return tuple(sorted({max(1, int(reference * f)) for f in factors}))
+
+
 _MiB = 1 << 20
 
 
@@ -57,7 +78,7 @@ def _gpt(d_model: int, n_layer: int, seq: int, vocab: int = 256):
     return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model))
 
 
-def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 2) -> float:
+def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 3) -> float:
     """A GPT's forward and backward at ``hidden`` (one block, a small vocabulary), FLOPs
     counted as the speed model counts them: 6 N T + 12 L d S T."""
     import torch
@@ -73,6 +94,24 @@ def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, r
     seconds = _median_s(step, repeats, sync=_sync(device))
     flops = 6.0 * n * x.numel() + 12.0 * 1 * hidden * seq * x.numel()
     return flops / seconds / 1e12
+
+
+def head_s_per_logit(device, hidden: int, *, tokens: int = 1024, vocab: int = HEAD_VOCABS[0], repeats: int = 3) -> float:
+    """A GPT of no blocks at ``hidden``: what a language model does outside its blocks (the
+    embedding's lookup and its dense grad, the final norm, the tied projection to ``vocab``
+    entries, the cross-entropy in fp32), forward and backward, per logit: seconds / (tokens x
+    vocab)."""
+    import torch
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    seq = min(tokens, 256)
+    model = _gpt(hidden, 0, seq, vocab=vocab).to(device=device, dtype=dtype)
+    x = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=device)
+
+    def step():
+        model(x, x)[1].backward()
+
+    return _median_s(step, repeats, sync=_sync(device)) / (x.numel() * vocab)
 
 
 def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
@@ -235,7 +274,12 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     sizes = HIDDEN_SIZES[:2] if quick else HIDDEN_SIZES
-    table = tuple((h, compute_tflops(device, h, tokens=512 if quick else 1024)) for h in sizes)
+    tokens = 512 if quick else 1024
+    counts = token_counts(device, tokens)
+    by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
+    table = tuple((h, t) for h, n, t in by_tokens if n == tokens)
+    head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS
+    head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
@@ -247,6 +291,10 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
     kind = "bf16 on the GPU" if device.type == "cuda" else "fp32 on the CPU"
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
+        "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
+        "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
+        f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
+        "token and entry (calibrate.head_s_per_logit)",
         "h2d_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy (a simulated GPU's chunk moves)",
         "d2h_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy",
         "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
@@ -263,6 +311,8 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
         device=_device_name(device),
         simulated_gpu=device.type != "cuda",
         compute_tflops=table,
+        compute_tflops_by_tokens=by_tokens,
+        head_s_per_logit=head,
         h2d_gbps=h2d,
         d2h_gbps=d2h,
         gpu_adam_params_per_s=gpu_adam,
@@ -283,7 +333,7 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
         help="measure this machine's rates for `hybridps plan`'s predicted speed (under a minute)",
-        description="Measure compute TFLOPS, copy GB/s, CPU Adam params/s, host time per tensor and disk GB/s, "
+        description="Measure compute TFLOPS, the head's time a logit, copy GB/s, CPU Adam params/s, host time per tensor and disk GB/s, "
         "and store them for `hybridps plan --rates this-machine` (the default when stored).",
     )
     p.add_argument(
@@ -312,6 +362,8 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         table = ", ".join(f"{h}: {t * 1e3:.1f}" for h, t in rates.compute_tflops)
         print(f"{rates.device}\n  compute GFLOPS by hidden size: {table}")
+        head = ", ".join(f"{h} x {v}: {t * 1e9:.1f}" for h, v, t in rates.head_s_per_logit)
+        print(f"  head ns a logit by hidden size x vocabulary: {head}")
         print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
         print(
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "

@@ -108,6 +108,16 @@ class HFCausalLMFamily:
         """The hidden size (the speed model's width)."""
         return int(self.config.hidden_size)
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary (the speed model's head)."""
+        return int(getattr(self.config, "vocab_size", 0) or 0)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the head's weight is the input embedding's (the config's ``tie_word_embeddings``)."""
+        return bool(getattr(self.config, "tie_word_embeddings", True))
+
     def with_layers(self, n_layer: int) -> HFCausalLMFamily:
         return dataclasses.replace(self, n_layer=n_layer)
 

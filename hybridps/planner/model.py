@@ -80,6 +80,11 @@ class GPTShape:
     def n_params(self) -> int:
         return self.gpt_config.n_params
 
+    @property
+    def tied_embeddings(self) -> bool:
+        """The head's weight is the token embedding's (``hybridps.models.GPT`` ties them)."""
+        return True
+
     def with_layers(self, n_layer: int) -> GPTShape:
         return dataclasses.replace(self, n_layer=n_layer)
 

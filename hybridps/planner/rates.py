@@ -48,6 +48,10 @@ class MachineRates:
     #: (hidden size, TFLOPS) ascending: the rate a training step's compute reaches at that
     #: hidden size, FLOPs counted as ``speed.step_flops`` counts them (recompute included)
     compute_tflops: tuple[tuple[int, float], ...]
+    #: (hidden size, tokens a micro-batch, TFLOPS): the same rate at several token counts
+    #: (a small micro-batch gives every matmul few rows and runs slower a FLOP); () where
+    #: not measured (the shipped profiles): ``compute_tflops`` at any token count
+    compute_tflops_by_tokens: tuple[tuple[int, int, float], ...] = ()
     #: host -> GPU and GPU -> host over pinned memory (simulated GPU: a host memcpy)
     h2d_gbps: float
     d2h_gbps: float
@@ -64,6 +68,12 @@ class MachineRates:
     host_s_per_tensor: float
     #: Python per chunk stepped on the CPU (taking its rows, the kernel calls)
     cpu_step_s_per_chunk: float = 0.0
+    #: (hidden size, vocabulary, seconds per logit): a language model outside its blocks
+    #: (embedding, final norm, tied projection to the vocabulary, fp32 cross-entropy), forward
+    #: and backward, per token and vocabulary entry; () where not measured (the shipped
+    #: profiles): the head's FLOPs then count at ``compute_tflops`` ([Note: the head apart] in
+    #: speed.py)
+    head_s_per_logit: tuple[tuple[int, int, float], ...] = ()
     #: the disk tier's sustained read and write; None: not measured (the node's figures apply)
     disk_read_gbps: float | None = None
     disk_write_gbps: float | None = None
@@ -80,6 +90,18 @@ class MachineRates:
         if not table or any(h < 1 or not t > 0 for h, t in table):
             raise ConfigError(f"rates {self.name!r}: compute_tflops needs (hidden size, TFLOPS > 0) pairs, got {table!r}")
         object.__setattr__(self, "compute_tflops", table)
+        grid = tuple(sorted((int(h), int(n), float(t)) for h, n, t in self.compute_tflops_by_tokens))
+        if any(h < 1 or n < 1 or not (t > 0 and math.isfinite(t)) for h, n, t in grid):
+            raise ConfigError(
+                f"rates {self.name!r}: compute_tflops_by_tokens needs (hidden size, tokens, TFLOPS > 0) triples, got {grid!r}"
+            )
+        object.__setattr__(self, "compute_tflops_by_tokens", grid)
+        head = tuple(sorted((int(h), int(v), float(t)) for h, v, t in self.head_s_per_logit))
+        if any(h < 1 or v < 1 or not (t > 0 and math.isfinite(t)) for h, v, t in head):
+            raise ConfigError(
+                f"rates {self.name!r}: head_s_per_logit needs (hidden size, vocabulary, seconds > 0) triples, got {head!r}"
+            )
+        object.__setattr__(self, "head_s_per_logit", head)
         for f in (
             "h2d_gbps",
             "d2h_gbps",
@@ -97,23 +119,42 @@ class MachineRates:
             if getattr(self, f) is not None:
                 _check_positive(self.name, f, getattr(self, f))
 
-    def tflops_at(self, hidden: int) -> float:
-        """The compute rate at ``hidden``: the table's, linear in log(hidden) between its
-        entries and flat beyond its ends."""
+    def tflops_at(self, hidden: int, tokens: int | None = None) -> float:
+        """The compute rate at ``hidden`` (and ``tokens`` a micro-batch, where the rates were
+        measured at several): linear in the logarithms between entries, flat beyond the ends."""
         table = self.compute_tflops
-        if hidden <= table[0][0]:
-            return table[0][1]
-        if hidden >= table[-1][0]:
-            return table[-1][1]
-        for (h0, t0), (h1, t1) in zip(table, table[1:], strict=False):
-            if h0 <= hidden <= h1:
-                w = math.log(hidden / h0) / math.log(h1 / h0)
-                return t0 + w * (t1 - t0)
-        raise AssertionError("unreachable: the table is sorted")
+        if tokens is not None and self.compute_tflops_by_tokens:
+            by_hidden: dict[int, list[tuple[int, float]]] = {}
+            for h, n, t in self.compute_tflops_by_tokens:
+                by_hidden.setdefault(h, []).append((n, t))
+            table = tuple((h, _log_interpolate(tuple(sorted(row)), tokens)) for h, row in sorted(by_hidden.items()))
+        return _log_interpolate(table, hidden)
+
+    def head_s_at(self, hidden: int, vocab: int) -> float | None:
+        """Seconds per logit of the head at ``hidden`` and ``vocab``: linear in log(vocab)
+        between the vocabularies timed (flat beyond), then linear in the hidden size between
+        the table's entries and along its end segments beyond them (the projection's work
+        grows with it, the cross-entropy's does not); one hidden size timed scales in
+        proportion. None where the head was not measured."""
+        if not self.head_s_per_logit:
+            return None
+        by_hidden: dict[int, list[tuple[int, float]]] = {}
+        for h, v, t in self.head_s_per_logit:
+            by_hidden.setdefault(h, []).append((v, t))
+        table = [(h, _log_interpolate(tuple(sorted(row)), vocab)) for h, row in sorted(by_hidden.items())]
+        if len(table) == 1:
+            return table[0][1] * hidden / table[0][0]
+        segment = next((pair for pair in zip(table, table[1:], strict=False) if hidden <= pair[1][0]), table[-2:])
+        (h0, s0), (h1, s1) = segment
+        value = s0 + (hidden - h0) * (s1 - s0) / (h1 - h0)
+        # a table whose ends fall (noise) must not extrapolate to nothing
+        return max(value, min(s for _, s in table) * min(1.0, hidden / table[0][0]))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
+        out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
+        out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
 
@@ -125,6 +166,8 @@ class MachineRates:
         if missing:
             raise ConfigError(f"{where}: missing {', '.join(missing)}; run `hybridps calibrate` again")
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
+        fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
+        fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
         return cls(**fields)
 
     def save(self, path: Path) -> Path:
@@ -134,6 +177,19 @@ class MachineRates:
         tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         tmp.replace(path)
         return path
+
+
+def _log_interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
+    """``table``'s value at ``x`` (its keys ascending): linear in log(x) between entries,
+    flat beyond the ends."""
+    if x <= table[0][0]:
+        return table[0][1]
+    if x >= table[-1][0]:
+        return table[-1][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    raise AssertionError("unreachable: the table is sorted")
 
 
 def _required(f: dataclasses.Field) -> bool:

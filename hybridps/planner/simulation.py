@@ -144,6 +144,12 @@ class Simulation:
     step_params_gpu: int = 0
     step_chunks_cpu: int = 0
     step_chunks_gpu: int = 0
+    #: the steady iteration kept its grads loose until the step (optim/loose_grads.py): none
+    #: was copied into a chunk
+    grads_loose: bool = False
+    #: the params have an fp32 master row apart from their own (16-bit training, or grads in
+    #: the params' slots): the step writes the master back into the param row
+    master_apart: bool = True
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -385,12 +391,15 @@ def _state_bytes_per_param(engine, rows: ChunkRows, states: PlannedStates) -> fl
     return booked / elements if elements else 0.0
 
 
-def _step_counts(engine) -> dict[str, int]:
+def _step_counts(engine) -> dict[str, int | bool]:
     """Params and chunks of the steady iteration's optimizer steps on the CPU and on the GPU:
     each chunk steps where the placement policy says for its master's place, which the
-    iteration after warm-up leaves as every later one finds it."""
+    iteration after warm-up leaves as every later one finds it; whether its grads stayed
+    loose and whether the params keep a master apart (the speed model's device copies)."""
     client = engine.client
-    out = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0)
+    out: dict = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0)
+    out["grads_loose"] = bool(client.grads.loose.enabled)
+    out["master_apart"] = client.master_kind is not ChunkKind.PARAM
     for param_chunk, master in zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True):
         if not (param_chunk.owned and param_chunk.slots):
             continue

@@ -11,8 +11,13 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
 
 - FLOPs: model FLOPs ``6 N T + 12 L d S T`` (N params, T tokens, L layers, d hidden, S
   sequence: the formula of scripts/gpu_validate.py, recomputation not counted), plus with
-  activation checkpointing the recomputed forward ``2 N T + 4 L d S T``; ``compute`` is those
-  FLOPs at the rates' TFLOPS for the model's hidden size;
+  activation checkpointing the recomputed forward of the blocks ``2 N' T + 4 L d S T`` (N'
+  without the vocabulary's matrices, which no block holds); ``compute`` is those FLOPs at the
+  rates' TFLOPS for the model's hidden size and tokens a micro-batch (where the rates timed
+  several counts: at 128 tokens the VM's blocks ran 10-25% slower a FLOP than at 1024, the
+  third shape of the plan_speed bench predicted at 0.76x until they did), less the
+  ``6 V d T`` that ``6 N T`` counts for an untied input embedding (a lookup multiplies
+  nothing), with the head apart where the rates measured it (see [Note: the head apart]);
 - ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
   op launches) times the tensors and micro-batches;
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
@@ -22,7 +27,14 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   (rows not on the GPU), at the fused AdamW rate (exact moments) or ``compact_adam_``'s
   (int8 moments), plus in 16-bit training the two dtype copies per param, plus Python per
   chunk; ``gpu_adam``: the rows stepped on the GPU at its rate;
-- ``disk``: the disk tier's bytes read and written in the steady iteration at its rates.
+- ``disk``: the disk tier's bytes read and written in the steady iteration at its rates;
+- ``device_copies``: the copies the engine makes on the compute device itself: each
+  micro-batch's grads into their chunks (none while grads stay loose), and in fp32 with a
+  master apart the master written back into the param row. On a simulated GPU they are
+  host memcpys at the copy rate (4.5-5% of a 6 x 512 step with 30% of the model data on the
+  GPU, unexplained until counted); on a real GPU they run at its memory's bandwidth, which no
+  rate measures, and are taken as nothing (17 B bf16 params: 68 GB a step, ~25 ms at
+  3 TB/s against a step of seconds).
 
 Composition. On a real GPU forward and backward run the GPU's kernels, the host's Python
 and launches, and the chunk copies (prefetched on the copy streams) side by side: that phase
@@ -35,8 +47,24 @@ under accumulation) the CPU step runs on a worker while the next forward runs, w
 of ``max(compute, host, link)`` is taken as a third (forward against forward + backward):
 ``cpu_adam`` counts only ``max(0, cpu_adam - max(compute, host, link) / 3)``. On a simulated GPU every part runs on
 the host's cores (its copies are memcpys, its compute the CPU's), so the parts add up:
-``step = compute + host + h2d + d2h + cpu_adam + gpu_adam + disk``. ``bound_by`` names the
+``step = compute + host + h2d + d2h + cpu_adam + gpu_adam + disk + device_copies``. ``bound_by`` names the
 part that contributes most to the step.
+
+[Note: the head apart]
+The rates' TFLOPS are a block's (a one-block GPT with a 256-entry vocabulary). What a
+language model does outside its blocks runs slower per FLOP: the projection to the
+vocabulary is one wide, thin matmul, the fp32 cross-entropy reads and writes every logit
+several times without multiplying, and the embedding's backward writes a dense grad of the
+whole vocabulary. On the 2-vCPU machine, fp32, one thread: blocks 73-87 GFLOPS, the head of
+8192 entries 50-75 with 6-8 ns a logit of cross-entropy; a 4 x 256 GPT of that vocabulary at
+1024 tokens spends 47% of its step there, and counting it at the block rate predicted the
+step at 0.81-0.86x of the measured one. Where the rates carry ``head_s_per_logit``
+(``hybridps calibrate`` times a GPT of no blocks beside the one-block GPT, at two
+vocabularies: a CPU's caches hold 8192 entries' projection and not 32768's, 10-30% a logit
+apart) the head's
+``6 V d T`` leaves the FLOPs and its ``T x V`` logits cost that time each instead. The
+shipped GPU profiles carry none: their TFLOPS were read from whole-model runs, the head
+inside them.
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -53,7 +81,7 @@ from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
 
 #: the parts of a step, in the order the report lists them
-PARTS = ("compute", "host", "link", "cpu_adam", "gpu_adam", "disk")
+PARTS = ("compute", "host", "link", "cpu_adam", "gpu_adam", "disk", "device_copies")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,10 +106,22 @@ class StepWork:
     gpu_step_params: int = 0
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    #: the steady step's grads stayed loose (no copy into chunks); the params keep an fp32
+    #: master apart (written back after the step)
+    grads_loose: bool = False
+    master_apart: bool = False
+    #: the vocabulary (0: unknown, its matrices counted as any other params)
+    vocab_size: int = 0
+    #: the head's weight is the input embedding's (one matrix of the vocabulary, not two)
+    tied_embeddings: bool = True
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.batch_size * self.seq_len
 
     @property
     def tokens(self) -> int:
-        return self.batch_size * self.seq_len * self.micro_batches
+        return self.micro_batch_tokens * self.micro_batches
 
     @property
     def model_flops(self) -> float:
@@ -90,10 +130,35 @@ class StepWork:
         return 6.0 * self.n_params * t + 12.0 * self.n_layer * self.d_model * self.seq_len * t
 
     @property
+    def device_copy_bytes(self) -> int:
+        """Bytes the engine copies on the compute device a step: each micro-batch's grads
+        into their chunks, and in fp32 the master back into a param row apart from it (16-bit
+        casts count in the optimizer's rates)."""
+        elem = 4 if self.precision == "fp32" else 2
+        grads = 0 if self.grads_loose else self.n_params * elem * self.micro_batches
+        write_back = self.n_params * 4 if self.precision == "fp32" and self.master_apart else 0
+        return grads + write_back
+
+    @property
+    def vocab_params(self) -> int:
+        """Params of the vocabulary's matrices: the head's, and an untied input embedding's."""
+        return self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
+
+    @property
+    def head_flops(self) -> float:
+        """The head's projection, 6 V d T (inside ``model_flops``)."""
+        return 6.0 * self.vocab_size * self.d_model * self.tokens
+
+    @property
+    def lookup_flops(self) -> float:
+        """What ``6 N T`` counts for an untied input embedding, whose lookup multiplies nothing."""
+        return 0.0 if self.tied_embeddings else self.head_flops
+
+    @property
     def step_flops(self) -> float:
-        """The model FLOPs, plus the recomputed forward under activation checkpointing."""
+        """The model FLOPs, plus the blocks' recomputed forward under activation checkpointing."""
         t = self.tokens
-        recompute = 2.0 * self.n_params * t + 4.0 * self.n_layer * self.d_model * self.seq_len * t
+        recompute = 2.0 * (self.n_params - self.vocab_params) * t + 4.0 * self.n_layer * self.d_model * self.seq_len * t
         return self.model_flops + (recompute if self.checkpoint else 0.0)
 
 
@@ -114,6 +179,8 @@ class SpeedPrediction:
     model_flops_per_step: float
     flops_per_step: float
     compute_tflops_used: float
+    #: the head's share of ``compute`` where timed apart ([Note: the head apart]), else None
+    head_seconds: float | None
     h2d_bytes_per_step: int
     d2h_bytes_per_step: int
     cpu_step_params: int
@@ -165,14 +232,31 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         gpu_step_params=sim.step_params_gpu,
         disk_read_bytes=sim.nvme_read_bytes_per_step,
         disk_write_bytes=sim.nvme_write_bytes_per_step,
+        grads_loose=sim.grads_loose,
+        master_apart=sim.master_apart,
+        vocab_size=int(getattr(model, "vocab_size", 0) or 0),
+        tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
     )
+
+
+def head_seconds(work: StepWork, rates: MachineRates) -> float | None:
+    """The head's seconds a step at the rates' time per logit; None where the rates did not
+    measure it or the vocabulary is unknown (the head then counts at the blocks' rate)."""
+    per_logit = rates.head_s_at(work.d_model, work.vocab_size) if work.vocab_size else None
+    return None if per_logit is None else work.tokens * work.vocab_size * per_logit
 
 
 def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
     """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
     that measured no disk."""
     m = work.micro_batches
-    compute_tflops = rates.tflops_at(work.d_model)
+    rate = rates.tflops_at(work.d_model, work.micro_batch_tokens) * 1e12
+    head = head_seconds(work, rates)
+    flops = work.step_flops - work.lookup_flops
+    if head is None:  # the head at the blocks' rate
+        compute = flops / rate
+    else:  # [Note: the head apart]
+        compute = (flops - work.head_flops) / rate + head
     h2d = work.h2d_bytes * m / (rates.h2d_gbps * 1e9)
     d2h = work.d2h_bytes * m / (rates.d2h_gbps * 1e9)
     adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s
@@ -188,13 +272,15 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
             raise ConfigError(f"rates {rates.name!r} measured no disk and none was given: no disk seconds to predict")
         disk = work.disk_read_bytes / (read_gbps * 1e9) + work.disk_write_bytes / (write_gbps * 1e9)
     return {
-        "compute": work.step_flops / (compute_tflops * 1e12),
+        "compute": compute,
         "host": work.tensors * m * rates.host_s_per_tensor,
         # one copy engine per direction: the directions overlap on a real GPU; memcpys add up
         "link": h2d + d2h if rates.simulated_gpu else max(h2d, d2h),
         "cpu_adam": cpu,
         "gpu_adam": work.gpu_step_params / rates.gpu_adam_params_per_s,
         "disk": disk,
+        # a real GPU's own copies run at its memory's bandwidth: nothing here (the Note)
+        "device_copies": work.device_copy_bytes / (rates.h2d_gbps * 1e9) if rates.simulated_gpu else 0.0,
     }
 
 
@@ -202,12 +288,17 @@ def compose(parts: Mapping[str, float], *, simulated_gpu: bool, overlap_step: bo
     """(step seconds, the bounding part, the rule) of ``parts`` ([Note: the speed model]);
     ``overlap_step``: the CPU step beside the next forward (a real GPU only)."""
     if simulated_gpu:
-        rule = "compute + host + link + cpu_adam + gpu_adam + disk (a simulated GPU: every part on the host's cores)"
+        rule = (
+            "compute + host + link + cpu_adam + gpu_adam + disk + device_copies (a simulated GPU: every part on the host's cores)"
+        )
         contributions = dict(parts)
     else:
         rule = "max(compute, host, link) + cpu_adam + gpu_adam + disk"
         overlapped = max(("compute", "host", "link"), key=lambda k: parts[k])
-        contributions = {overlapped: parts[overlapped], **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
+        contributions = {
+            overlapped: parts[overlapped],
+            **{k: parts.get(k, 0.0) for k in ("cpu_adam", "gpu_adam", "disk", "device_copies")},
+        }
         if overlap_step:
             rule = "max(compute, host, link) + max(0, cpu_adam - max(compute, host, link) / 3) + gpu_adam + disk"
             contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - parts[overlapped] / 3)
@@ -256,7 +347,8 @@ def predict_work(
         micro_batches=work.micro_batches,
         model_flops_per_step=work.model_flops,
         flops_per_step=work.step_flops,
-        compute_tflops_used=rates.tflops_at(work.d_model),
+        compute_tflops_used=rates.tflops_at(work.d_model, work.micro_batch_tokens),
+        head_seconds=head_seconds(work, rates),
         h2d_bytes_per_step=work.h2d_bytes * work.micro_batches,
         d2h_bytes_per_step=work.d2h_bytes * work.micro_batches,
         cpu_step_params=work.cpu_step_params,
