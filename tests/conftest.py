@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests skip cleanly without CUDA; tests stay quiet and deterministic."""
+"""Shared test set-up: GPU tests skip cleanly without CUDA; tests stay quiet and deterministic,
+and none reads the machine's stored calibration (``hybridps calibrate``'s rates)."""
 
 import pytest
 import torch
@@ -17,3 +18,11 @@ def pytest_collection_modifyitems(config, items):
 def _seed_and_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_stored_rates(tmp_path_factory, monkeypatch):
+    """A stored calibration (``~/.cache/hybridps/rates.json``) would make ``hybridps plan``
+    predict, and warn, differently on a developer's machine than on a fresh one: every test
+    starts without one (a test that wants one sets ``HYBRIDPS_RATES`` itself)."""
+    monkeypatch.setenv("HYBRIDPS_RATES", str(tmp_path_factory.getbasetemp() / "no-stored-rates.json"))
