@@ -278,7 +278,7 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
     counts = token_counts(device, tokens)
     by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
     table = tuple((h, t) for h, n, t in by_tokens if n == tokens)
-    head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS
+    head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
     head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
