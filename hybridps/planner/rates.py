@@ -90,18 +90,11 @@ class MachineRates:
         if not table or any(h < 1 or not t > 0 for h, t in table):
             raise ConfigError(f"rates {self.name!r}: compute_tflops needs (hidden size, TFLOPS > 0) pairs, got {table!r}")
         object.__setattr__(self, "compute_tflops", table)
-        grid = tuple(sorted((int(h), int(n), float(t)) for h, n, t in self.compute_tflops_by_tokens))
-        if any(h < 1 or n < 1 or not (t > 0 and math.isfinite(t)) for h, n, t in grid):
-            raise ConfigError(
-                f"rates {self.name!r}: compute_tflops_by_tokens needs (hidden size, tokens, TFLOPS > 0) triples, got {grid!r}"
-            )
-        object.__setattr__(self, "compute_tflops_by_tokens", grid)
-        head = tuple(sorted((int(h), int(v), float(t)) for h, v, t in self.head_s_per_logit))
-        if any(h < 1 or v < 1 or not (t > 0 and math.isfinite(t)) for h, v, t in head):
-            raise ConfigError(
-                f"rates {self.name!r}: head_s_per_logit needs (hidden size, vocabulary, seconds > 0) triples, got {head!r}"
-            )
-        object.__setattr__(self, "head_s_per_logit", head)
+        for f, what in (("compute_tflops_by_tokens", "tokens, TFLOPS"), ("head_s_per_logit", "vocabulary, seconds")):
+            grid = tuple(sorted((int(h), int(n), float(t)) for h, n, t in getattr(self, f)))
+            if any(h < 1 or n < 1 or not (t > 0 and math.isfinite(t)) for h, n, t in grid):
+                raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {grid!r}")
+            object.__setattr__(self, f, grid)
         for f in (
             "h2d_gbps",
             "d2h_gbps",
@@ -124,10 +117,7 @@ class MachineRates:
         measured at several): linear in the logarithms between entries, flat beyond the ends."""
         table = self.compute_tflops
         if tokens is not None and self.compute_tflops_by_tokens:
-            by_hidden: dict[int, list[tuple[int, float]]] = {}
-            for h, n, t in self.compute_tflops_by_tokens:
-                by_hidden.setdefault(h, []).append((n, t))
-            table = tuple((h, _log_interpolate(tuple(sorted(row)), tokens)) for h, row in sorted(by_hidden.items()))
+            table = _by_hidden_at(self.compute_tflops_by_tokens, tokens)
         return _log_interpolate(table, hidden)
 
     def head_s_at(self, hidden: int, vocab: int) -> float | None:
@@ -138,10 +128,7 @@ class MachineRates:
         proportion. None where the head was not measured."""
         if not self.head_s_per_logit:
             return None
-        by_hidden: dict[int, list[tuple[int, float]]] = {}
-        for h, v, t in self.head_s_per_logit:
-            by_hidden.setdefault(h, []).append((v, t))
-        table = [(h, _log_interpolate(tuple(sorted(row)), vocab)) for h, row in sorted(by_hidden.items())]
+        table = _by_hidden_at(self.head_s_per_logit, vocab)
         if len(table) == 1:
             return table[0][1] * hidden / table[0][0]
         segment = next((pair for pair in zip(table, table[1:], strict=False) if hidden <= pair[1][0]), table[-2:])
@@ -190,6 +177,15 @@ def _log_interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
         if x0 <= x <= x1:
             return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
     raise AssertionError("unreachable: the table is sorted")
+
+
+def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int) -> tuple[tuple[int, float], ...]:
+    """A (hidden size, key, value) grid, sorted, read at key ``x``: each hidden size's value
+    there (``_log_interpolate`` over its keys)."""
+    rows: dict[int, list[tuple[int, float]]] = {}
+    for h, key, value in grid:
+        rows.setdefault(h, []).append((key, value))
+    return tuple((h, _log_interpolate(tuple(row), x)) for h, row in rows.items())
 
 
 def _required(f: dataclasses.Field) -> bool:

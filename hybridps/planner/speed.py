@@ -61,10 +61,9 @@ whole vocabulary. On the 2-vCPU machine, fp32, one thread: blocks 73-87 GFLOPS, 
 step at 0.81-0.86x of the measured one. Where the rates carry ``head_s_per_logit``
 (``hybridps calibrate`` times a GPT of no blocks beside the one-block GPT, at two
 vocabularies: a CPU's caches hold 8192 entries' projection and not 32768's, 10-30% a logit
-apart) the head's
-``6 V d T`` leaves the FLOPs and its ``T x V`` logits cost that time each instead. The
-shipped GPU profiles carry none: their TFLOPS were read from whole-model runs, the head
-inside them.
+apart) the head's ``6 V d T`` leaves the FLOPs and its ``T x V`` logits cost that time each
+instead. The shipped GPU profiles carry none: their TFLOPS were read from whole-model runs,
+the head inside them.
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -109,7 +108,7 @@ class StepWork:
     #: the steady step's grads stayed loose (no copy into chunks); the params keep an fp32
     #: master apart (written back after the step)
     grads_loose: bool = False
-    master_apart: bool = False
+    master_apart: bool = True
     #: the vocabulary (0: unknown, its matrices counted as any other params)
     vocab_size: int = 0
     #: the head's weight is the input embedding's (one matrix of the vocabulary, not two)
@@ -295,10 +294,8 @@ def compose(parts: Mapping[str, float], *, simulated_gpu: bool, overlap_step: bo
     else:
         rule = "max(compute, host, link) + cpu_adam + gpu_adam + disk"
         overlapped = max(("compute", "host", "link"), key=lambda k: parts[k])
-        contributions = {
-            overlapped: parts[overlapped],
-            **{k: parts.get(k, 0.0) for k in ("cpu_adam", "gpu_adam", "disk", "device_copies")},
-        }
+        # device_copies: nothing on a real GPU (``part_seconds``)
+        contributions = {overlapped: parts[overlapped], **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
         if overlap_step:
             rule = "max(compute, host, link) + max(0, cpu_adam - max(compute, host, link) / 3) + gpu_adam + disk"
             contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - parts[overlapped] / 3)

@@ -339,9 +339,13 @@ class ModuleHooks:
             return
         self.grads_at_end = on
         if on:
+            removed = set(map(id, self._grad_handles.values()))
             for handle in self._grad_handles.values():
                 handle.remove()
             self._grad_handles.clear()
+            # the lists that close the hooks keep none that is gone (decisions may flip again)
+            self.handles[:] = [h for h in self.handles if id(h) not in removed]
+            self.client.hook_handles[:] = [h for h in self.client.hook_handles if id(h) not in removed]
             return
         with torch._C.DisableTorchFunctionSubclass():
             trainable = [i.param for i in self.client.params if i.param.requires_grad]
