@@ -296,6 +296,7 @@ def _groups(
             timeout_s=config.collective_timeout_s,
             device=device,
             label=label,
+            shared_memory=config.node_shared_memory,
         )
 
     everyone = collectives(layout.rank, layout.world_size, process_group, "")

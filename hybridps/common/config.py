@@ -410,6 +410,17 @@ class Config:
             "[MULTI_RANK.md](MULTI_RANK.md#when-ranks-disagree))."
         ),
     )
+    node_shared_memory: bool | str = _field(
+        "auto",
+        section="Several ranks and the node manager",
+        doc=(
+            "Whether the chunk collectives of ranks on one host (broadcast, reduce, all-gather, reduce-scatter of "
+            "CPU chunks on gloo) go through shared memory instead of gloo's loopback TCP. ``'auto'``: when every rank "
+            "of the group is on this host, on x86-64, with room in ``/dev/shm`` (32 MiB a rank), else gloo; ``True``: "
+            "always, or a ConfigError saying why not; ``False``: gloo. See "
+            "[MULTI_RANK.md](MULTI_RANK.md#shared-memory-on-one-host)."
+        ),
+    )
     live_gathered_bytes: int | str | None = _field(
         None,
         section="Several ranks and the node manager",
@@ -508,6 +519,8 @@ class Config:
                 f'shard_group_size={self.shard_group_size!r}: use "node", "world" or a positive number of ranks '
                 f"that divides the world size"
             )
+        if not (isinstance(self.node_shared_memory, bool) or self.node_shared_memory == "auto"):
+            raise ConfigError(f"node_shared_memory={self.node_shared_memory!r}; use 'auto', True or False")
         if not (isinstance(self.overlap_step, bool) or self.overlap_step == "auto"):
             raise ConfigError(f"overlap_step={self.overlap_step!r}; use 'auto', True or False")
         if self.overlap_step is True and not self.grad_reuse:

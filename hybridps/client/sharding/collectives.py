@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import datetime
 import hashlib
+import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,8 +31,12 @@ import torch
 import torch.distributed as dist
 
 from hybridps.client.sharding.postmortem import CollectiveError, _rank_list, failure_in_group, order_message, store_lost
+from hybridps.client.sharding.shm_link import SharedMemoryLink
 from hybridps.client.sharding.topology import own_group
 from hybridps.client.sharding.watchdog import PeerWatch, Position, RankRecord
+from hybridps.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class _Pending:
@@ -99,7 +104,10 @@ class Collectives:
     """The collectives of the rank that ``record`` names (its record in the group's store,
     made before the group: watchdog.py), on ``group`` or on one made over the same ranks with
     ``timeout_s``; small tensors staged on ``device``; ``label`` names the ranks in messages
-    when they are not the whole job."""
+    when they are not the whole job. ``shared_memory`` (``Config.node_shared_memory``): the
+    chunk collectives of CPU tensors on gloo go through a shared-memory link when every rank
+    is on this host ("auto"), must (True) or never do (False); see shm_link.py's [Note: the
+    shared-memory link]."""
 
     def __init__(
         self,
@@ -110,6 +118,7 @@ class Collectives:
         device: torch.device | None = None,
         history_len: int = 4096,
         label: str = "",
+        shared_memory: bool | str = "auto",
     ):
         self.record = record
         self.rank = record.rank
@@ -136,10 +145,37 @@ class Collectives:
         #: does not block the CPU; it has a watchdog of its own)
         self._sliced = watch is not None and self.device.type == "cpu"
         self._slice = datetime.timedelta(seconds=min(0.5, max(record.heartbeat_period_s / 2, 0.05)))
+        #: the shared-memory link the chunk collectives go through, when they do
+        self.link: SharedMemoryLink | None = self._open_link(shared_memory)
+        if self.link is not None:
+            weakref.finalize(self, self.link.close)
+
+    def _open_link(self, shared_memory: bool | str) -> SharedMemoryLink | None:
+        """The shared-memory link of these ranks, opened on all of them at once; None where
+        it is off or cannot be (why, logged), a ConfigError where it must be and cannot."""
+        if shared_memory is False or self.world_size == 1:
+            return None
+        backend = str(dist.get_backend(self.group)) if dist.is_available() and dist.is_initialized() else "none"
+        if self.device.type != "cpu" or backend != "gloo":
+            why = f"the collectives run on {backend} with {self.device.type} tensors, not gloo with CPU tensors"
+        else:
+            gather = lambda obj: self.all_gather_object(obj, what="opening the shared-memory link")  # noqa: E731
+            link, why = SharedMemoryLink.open(
+                self.rank, self.world_size, gather, timeout_s=self.timeout_s, label=self.label or "the data-parallel ranks"
+            )
+            if link is not None:
+                return link
+        if shared_memory is True:
+            raise ConfigError(f"node_shared_memory=True, but the link cannot open: {why}. Pass node_shared_memory='auto'")
+        logger.info("chunk collectives go through %s: no shared-memory link (%s)", backend, why)
+        return None
 
     def close(self) -> None:
-        """Stop the heartbeat thread; its last record says this rank closed its collectives."""
+        """Stop the heartbeat thread (its last record says this rank closed its collectives)
+        and the shared-memory link."""
         self.record.stop()
+        if self.link is not None:
+            self.link.close()
 
     # -- what a post-mortem reads (postmortem.Watched) -------------------------------------
 
@@ -300,6 +336,11 @@ class Collectives:
 
     # -- collectives -----------------------------------------------------------------------
 
+    def _link_for(self, tensor: torch.Tensor) -> SharedMemoryLink | None:
+        """The link, for a collective of CPU tensors (the same on every rank: chunk
+        payloads of one kind live on one kind of device)."""
+        return self.link if self.link is not None and tensor.device.type == "cpu" else None
+
     def _count(self, op: str, nbytes: int) -> None:
         self.calls[op] += 1
         self.bytes_received[op] += nbytes
@@ -309,8 +350,15 @@ class Collectives:
         returns a handle to ``wait()``: nothing may touch the tensors until then."""
         nbytes = mine.numel() * mine.element_size()
         outs = list(outputs)
+        link = self._link_for(mine)
         work = self._collective(
-            "all_gather", what, nbytes, lambda a: dist.all_gather(outs, mine, group=self.group, async_op=a), async_op=async_op
+            "all_gather",
+            what,
+            nbytes,
+            (lambda a: link.all_gather(outs, mine))
+            if link
+            else (lambda a: dist.all_gather(outs, mine, group=self.group, async_op=a)),
+            async_op=async_op,
         )
         self._count("all_gather", nbytes * (self.world_size - 1))
         return work
@@ -321,11 +369,14 @@ class Collectives:
         touch the tensors until then."""
         ins = list(inputs)
         nbytes = output.numel() * output.element_size()
+        link = self._link_for(output)
         work = self._collective(
             "reduce_scatter",
             what,
             nbytes,
-            lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            (lambda a: link.reduce_scatter(output, ins))
+            if link
+            else (lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
             async_op=async_op,
             then=lambda: output.div_(self.world_size),
         )
@@ -337,14 +388,17 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, what: str, checked: bool = False, async_op: bool = False):
         nbytes = tensor.numel() * tensor.element_size()
-        if async_op:  # chunk payloads already live where the backend wants them
+        link = self._link_for(tensor)
+        if async_op or link:  # chunk payloads already live where the backend wants them
             assert tensor.device == self.device, "an asynchronous broadcast cannot stage its tensor"
             work = self._collective(
                 "broadcast",
                 what,
                 nbytes,
-                lambda a: dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=a),
-                async_op=True,
+                (lambda a: link.broadcast(tensor, src))
+                if link
+                else (lambda a: dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=a)),
+                async_op=async_op,
                 checked=checked,
             )
             self._count("broadcast", nbytes if self.rank != src else 0)
@@ -366,11 +420,14 @@ class Collectives:
         """Average of every rank's ``tensor`` into ``dst``'s (others' are left undefined).
         With ``async_op`` it returns a handle to ``wait()`` (which also averages)."""
         nbytes = tensor.numel() * tensor.element_size()
+        link = self._link_for(tensor)
         work = self._collective(
             "reduce",
             what,
             nbytes,
-            lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            (lambda a: link.reduce(tensor, dst))
+            if link
+            else (lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
             checked=checked,
             async_op=async_op,
             then=(lambda: tensor.div_(self.world_size)) if self.rank == dst else None,
@@ -416,4 +473,5 @@ class Collectives:
             "calls": dict(self.calls),
             "collectives": self.order.seq,
             "order_checks": self.order.checks,
+            "shared_memory_link": self.link.stats() if self.link is not None else None,
         }
