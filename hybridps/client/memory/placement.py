@@ -226,10 +226,30 @@ class PlacementPolicy:
             freed += chunk.nbytes
         return chosen if freed >= need_bytes else []
 
-    def prefetch_gathers(self, gathers_at: Mapping[int, Sequence[int]], *, now: int) -> Sequence[int]:
+    def prefetch_gathers(
+        self,
+        gathers_at: Mapping[int, Sequence[int]],
+        *,
+        now: int,
+        window: int = 1,
+        bytes_of: Callable[[int], int] | None = None,
+        budget_bytes: int = 0,
+    ) -> Sequence[int]:
         """The chunk groups to gather ahead at moment ``now`` (several ranks): those the
-        warm-up gathered at the next moment (``gathers_at``: moment -> groups)."""
-        return gathers_at.get(now + 1, ())
+        warm-up gathered at the next moment (``gathers_at``: moment -> groups), and those of
+        the moments after it up to ``window`` while the groups' bytes (``bytes_of``) stay
+        within ``budget_bytes``. Every input is the same on every rank, so is the answer."""
+        ahead = list(gathers_at.get(now + 1, ()))
+        if window <= 1 or bytes_of is None:
+            return ahead
+        total = sum(bytes_of(g) for g in ahead)
+        for moment in range(now + 2, now + 1 + window):
+            later = gathers_at.get(moment, ())
+            total += sum(bytes_of(g) for g in later)
+            if total > budget_bytes:
+                break
+            ahead.extend(later)
+        return ahead
 
 
 def _used_after(

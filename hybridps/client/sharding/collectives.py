@@ -8,7 +8,8 @@ collective or compound operation, the running order digest and the recent histor
 ``check_order`` compares once per iteration), and waiting for a collective in slices so that
 a verdict of the heartbeat thread ends the wait. Knows nothing of chunks' meaning: callers
 pass tensors and a description ("params of chunk group 3"). What a reduction calls stays in
-this module (a hot path: docs/ARCHITECTURE.md, "Hot paths").
+this module (a hot path: docs/ARCHITECTURE.md, "Hot paths"), but for the transport of ranks
+on one host (``shm_link.py``), which the chunk collectives go through when it is open.
 
 Does not own: the process group it runs on (``topology.own_group`` builds one with the
 collective timeout), this rank's record in the store and the heartbeat thread
@@ -159,9 +160,12 @@ class Collectives:
         if self.device.type != "cpu" or backend != "gloo":
             why = f"the collectives run on {backend} with {self.device.type} tensors, not gloo with CPU tensors"
         else:
-            gather = lambda obj: self.all_gather_object(obj, what="opening the shared-memory link")  # noqa: E731
             link, why = SharedMemoryLink.open(
-                self.rank, self.world_size, gather, timeout_s=self.timeout_s, label=self.label or "the data-parallel ranks"
+                self.rank,
+                self.world_size,
+                self._gather_unordered,
+                timeout_s=self.timeout_s,
+                label=self.label or "the data-parallel ranks",
             )
             if link is not None:
                 return link
@@ -169,6 +173,14 @@ class Collectives:
             raise ConfigError(f"node_shared_memory=True, but the link cannot open: {why}. Pass node_shared_memory='auto'")
         logger.info("chunk collectives go through %s: no shared-memory link (%s)", backend, why)
         return None
+
+    def _gather_unordered(self, obj: object) -> list:
+        """Every rank's ``obj``, outside the order of collectives: opening the link happens
+        once, as the collectives are built, and moves no position (a rank that does not
+        come is left to the group's timeout)."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def close(self) -> None:
         """Stop the heartbeat thread (its last record says this rank closed its collectives)
@@ -434,6 +446,48 @@ class Collectives:
         )
         self._count("reduce", nbytes * (self.world_size - 1) if self.rank == dst else 0)
         return work
+
+    def gather_members(self, tensors: Sequence[torch.Tensor], *, what: str, whats: Sequence[str], async_op: bool = False) -> list:
+        """``tensors[r]`` <- rank r's, their sizes differing (a group with an oversize chunk),
+        checked in once as ``what``: one collective of the link, else one broadcast a rank
+        (``whats[r]``). The handles to wait for (none left once it returns without
+        ``async_op``)."""
+        self.arrive("gather", what)
+        link = self._link_for(tensors[0])
+        if link is None:
+            return [self.broadcast(t, src=r, what=whats[r], checked=True, async_op=async_op) for r, t in enumerate(tensors)]
+        mine = tensors[self.rank]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        work = self._collective(
+            "all_gather_v", what, nbytes, lambda a: link.all_gather_v(tensors), async_op=async_op, checked=True
+        )
+        self._count("all_gather", nbytes - mine.numel() * mine.element_size())
+        return [work] if work is not None else []
+
+    def reduce_members_avg(
+        self, tensors: Sequence[torch.Tensor], *, what: str, whats: Sequence[str], async_op: bool = False
+    ) -> list:
+        """``tensors[self.rank]`` <- the average over ranks of their ``tensors[self.rank]``,
+        their sizes differing (a group with an oversize chunk; the others' are left
+        undefined), checked in once as ``what``: one collective of the link, else one reduce
+        a rank (``whats[r]``). The handles to wait for, which also average."""
+        self.arrive("reduce", what)
+        link = self._link_for(tensors[0])
+        if link is None:
+            return [self.reduce_avg(t, dst=r, what=whats[r], checked=True, async_op=async_op) for r, t in enumerate(tensors)]
+        mine = tensors[self.rank]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        work = self._collective(
+            "reduce_v",
+            what,
+            nbytes,
+            lambda a: link.reduce_v(tensors),
+            async_op=async_op,
+            checked=True,
+            then=lambda: mine.div_(self.world_size),
+        )
+        self._count("reduce_scatter", mine.numel() * mine.element_size() * (self.world_size - 1))
+        return [work] if work is not None else []
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, *, what: str) -> None:
         staged = self._staged(tensor)

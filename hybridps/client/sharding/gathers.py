@@ -69,6 +69,7 @@ class GroupGathers:
         self.retained: collections.OrderedDict[int, int] = collections.OrderedDict()
         #: bytes of chunk groups kept gathered after the forward used them (same on all ranks)
         self.live_cap_bytes = 0
+        self._group_bytes: list[int] = []
         #: gathers issued, and how many of them the prefetcher issued ahead
         self.issued = 0
         self.prefetched = 0
@@ -92,6 +93,7 @@ class GroupGathers:
         self.param_pass = [-1] * len(self.store.params)
         self.pass_id = 0
         self.live_cap_bytes = live_cap_bytes
+        self._group_bytes = [sum(c.nbytes for c in self.members(g)) for g in range(self.num_groups)]
 
     def begin_forward(self) -> None:
         """A new forward pass: no param of any group has been used in it yet."""
@@ -146,14 +148,13 @@ class GroupGathers:
                     [c.payload for c in members], own.payload, what=f"params of chunk group {g}", async_op=asynchronous
                 )
             ]
-        else:  # an oversize chunk in the group: one broadcast per member, checked in once
-            self.comm.arrive("gather", f"params of chunk group {g}")
-            works = [
-                self.comm.broadcast(
-                    chunk.payload, src=r, what=f"params of chunk {chunk.index} (group {g})", checked=True, async_op=asynchronous
-                )
-                for r, chunk in enumerate(members)
-            ]
+        else:  # an oversize chunk in the group: members of differing sizes, checked in once
+            works = self.comm.gather_members(
+                [c.payload for c in members],
+                what=f"params of chunk group {g}",
+                whats=[f"params of chunk {c.index} (group {g})" for c in members],
+                async_op=asynchronous,
+            )
         for chunk in members:
             if not chunk.owned:
                 chunk.set_all_states(_S.HOLD, f"gathered {chunk}")
@@ -198,11 +199,15 @@ class GroupGathers:
         # a rank owns, and every rank must keep the same groups
         self.settle(g)
         self._move(g, GroupMove.FORWARD_DONE)
-        self.retained[g] = sum(c.nbytes for c in self.members(g))
+        self.retained[g] = self.group_bytes(g)
         self.retained.move_to_end(g)
         while self.retained and sum(self.retained.values()) > self.live_cap_bytes:
             oldest = next(iter(self.retained))
             self.drop(oldest)
+
+    def group_bytes(self, g: int) -> int:
+        """Bytes of group ``g``'s chunks, the same on every rank."""
+        return self._group_bytes[g]
 
     def members(self, g: int) -> list[Chunk]:
         """The group's param chunks, in chunk order."""

@@ -349,14 +349,13 @@ class GroupReductions:
                     result, [c.payload for c in sources], what=f"grads of chunk group {g}", async_op=True
                 )
             ]
-        else:  # an oversize chunk in the group: one reduce per member, checked in once
-            self.comm.arrive("reduce", f"grads of chunk group {g}")
-            works = [
-                self.comm.reduce_avg(
-                    chunk.payload, dst=r, what=f"grads of chunk {chunk.index} (group {g})", checked=True, async_op=True
-                )
-                for r, chunk in enumerate(sources)
-            ]
+        else:  # an oversize chunk in the group: members of differing sizes, checked in once
+            works = self.comm.reduce_members_avg(
+                [c.payload for c in sources],
+                what=f"grads of chunk group {g}",
+                whats=[f"grads of chunk {c.index} (group {g})" for c in sources],
+                async_op=True,
+            )
             result = own_src.payload  # averaged in place once the reduce lands
         # the chunk that holds the result stays put until the result is used; the others may
         # move as soon as the collective finished here

@@ -3,10 +3,12 @@ loopback TCP.
 
 Owns: the link's shared-memory files (one a rank, mapped by every rank of the group and
 unlinked once all have mapped them), its slots and their sequence numbers, the thread that
-runs the queued collectives in order, and the four collectives the chunk groups issue:
-broadcast, reduce (a sum), all-gather and reduce-scatter (a sum). Does not own: which
+runs the queued collectives in order, and the collectives the chunk groups issue: broadcast,
+reduce (a sum), all-gather and reduce-scatter (a sum), and for groups of unequal chunks an
+all-gather and a reduce of one tensor a rank of differing sizes (``all_gather_v``,
+``reduce_v``: one collective where gloo takes one broadcast or reduce a member). Does not own: which
 collectives come here and their order, positions, digests and post-mortems
-(``collectives.py``, which routes the four through ``Collectives.link``), the watchdog's
+(``collectives.py``, which routes the chunk collectives through ``Collectives.link``), the watchdog's
 verdict on a dead peer (``watchdog.py``; a wait here only ends at the collective timeout or at
 ``close``), averaging (the caller divides).
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 import collections
 import datetime
 import enum
+import hashlib
 import logging
 import mmap
 import os
@@ -71,6 +74,8 @@ SHM_DIR = "/dev/shm"
 #: header bytes of a rank's file, and the int64 words of its counters (a cache line apart)
 _HEADER_BYTES = 4096
 _TOKEN, _POSTED, _ACKED = 0, 8, 16
+#: the first of ``SLOTS`` words: the signature of the piece a slot holds
+_SIG = 24
 #: polls of a counter before its wait starts sleeping, and the longest sleep
 _SPINS = 64
 _MAX_NAP_S = 200e-6
@@ -108,15 +113,24 @@ class _Op:
     """One queued collective: its kind, tensors (flat views), root, the element ranges of its
     pieces and the sequence number of its first piece."""
 
-    __slots__ = ("kind", "root", "tensors", "out", "pieces", "first_seq", "write_back")
+    __slots__ = ("kind", "root", "tensors", "out", "pieces", "first_seq", "write_back", "sig", "what")
 
     def __init__(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], piece_elems: int):
         self.kind, self.root, self.tensors, self.out = kind, root, tensors, out
-        n = (out or tensors)[0].numel()
+        n = max(t.numel() for t in (out or tensors))
         self.pieces = [(start, min(start + piece_elems, n)) for start in range(0, n, piece_elems)] or [(0, 0)]
         self.first_seq = 0
         #: (contiguous result, caller's tensor) pairs to copy once done: the caller's was not contiguous
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        sizes = [t.numel() for t in tensors] if kind.endswith("_v") else [n]
+        dtype = (out or tensors)[0].dtype
+        #: what the collective is, for messages; its signature (every rank's alike), 40 bits
+        self.what = f"{kind}{'' if root < 0 else f' of rank {root}'} of {sizes} {dtype}"
+        self.sig = int.from_bytes(hashlib.blake2b(self.what.encode(), digest_size=5).digest(), "big")
+
+    def piece_sig(self, seq: int) -> int:
+        """The signature of piece ``seq``: the collective's and the piece's place in it."""
+        return (self.sig << 16) | ((seq - self.first_seq) & 0xFFFF)
 
     @property
     def last_seq(self) -> int:
@@ -222,7 +236,7 @@ class SharedMemoryLink:
             return None, "; ".join(w for w in said if w)
         return cls(rank, world, [m for m in maps if m is not None], timeout_s=timeout_s, label=label), ""
 
-    # -- the four collectives ----------------------------------------------------------------
+    # -- the collectives --------------------------------------------------------------------
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> LinkWork:
         """``tensor`` <- rank ``src``'s."""
@@ -240,17 +254,34 @@ class SharedMemoryLink:
         """``output`` <- the sum over ranks of their ``inputs[self.rank]``."""
         return self._issue("reduce_scatter", -1, list(inputs), [output])
 
+    def all_gather_v(self, tensors: Sequence[torch.Tensor]) -> LinkWork:
+        """``tensors[r]`` <- rank r's ``tensors[r]``; their sizes may differ (the same list
+        of sizes on every rank)."""
+        return self._issue("all_gather_v", -1, list(tensors), [])
+
+    def reduce_v(self, tensors: Sequence[torch.Tensor]) -> LinkWork:
+        """``tensors[self.rank]`` <- the sum over ranks of their ``tensors[self.rank]`` (the
+        others' are left as they were); their sizes may differ (alike on every rank)."""
+        return self._issue("reduce_v", -1, list(tensors), [])
+
     def _issue(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor]) -> LinkWork:
         if self.state is not LinkState.OPEN:
             raise self.error or LinkError(f"the shared-memory link{self._of()} is closed")
+        uneven = kind.endswith("_v")
+        if uneven and len(tensors) != self.world:
+            raise ValueError(f"{kind}: one tensor a rank expected, got {len(tensors)} for {self.world} ranks")
         sizes = {t.numel() for t in (tensors if kind != "all_gather" else [*tensors, *out])}
         dtypes = {t.dtype for t in (*tensors, *out)}
-        if len(sizes) != 1 or len(dtypes) != 1:
+        if (len(sizes) != 1 and not uneven) or len(dtypes) != 1:
             raise ValueError(f"{kind}: tensors of one size and dtype expected, got sizes {sorted(sizes)} and {dtypes}")
         elem = next(iter(dtypes)).itemsize
-        piece_elems = max(1, (_part_bytes(self.world) if kind == "reduce_scatter" else SLOT_BYTES) // elem)
+        piece_elems = max(1, (_part_bytes(self.world) if kind in ("reduce_scatter", "reduce_v") else SLOT_BYTES) // elem)
         flat_in = [_flat(t) for t in tensors]
         op = _Op(kind, root, flat_in, [], piece_elems)
+        if uneven:
+            for t, flat in zip(tensors, flat_in, strict=True):
+                if not t.is_contiguous():
+                    op.write_back.append((flat, t))
         for t in out if kind != "reduce" else []:
             flat = _flat(t) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
             if not t.is_contiguous():
@@ -359,9 +390,9 @@ class SharedMemoryLink:
             if me == op.root:
                 self._await(peers, _ACKED, seq - SLOTS, seq)
                 self._slot(me, seq, nbytes, t.dtype).copy_(t[start:end])
-                self._counters[me][_POSTED] = seq
+                self._post(op, seq)
             else:
-                self._await([op.root], _POSTED, seq, seq)
+                self._await([op.root], _POSTED, seq, seq, op)
                 t[start:end].copy_(self._slot(op.root, seq, nbytes, t.dtype))
         elif kind == "reduce":
             t = op.tensors[0]
@@ -369,9 +400,9 @@ class SharedMemoryLink:
             if me != op.root:
                 self._await(peers, _ACKED, seq - SLOTS, seq)
                 self._slot(me, seq, nbytes, t.dtype).copy_(t[start:end])
-                self._counters[me][_POSTED] = seq
+                self._post(op, seq)
             else:
-                self._await(peers, _POSTED, seq, seq)
+                self._await(peers, _POSTED, seq, seq, op)
                 acc = t[start:end]
                 for r in peers:
                     acc.add_(self._slot(r, seq, nbytes, t.dtype))
@@ -380,12 +411,16 @@ class SharedMemoryLink:
             nbytes = n * mine.element_size()
             self._await(peers, _ACKED, seq - SLOTS, seq)
             self._slot(me, seq, nbytes, mine.dtype).copy_(mine[start:end])
-            self._counters[me][_POSTED] = seq
+            self._post(op, seq)
             if op.out[me].data_ptr() != mine.data_ptr():
                 op.out[me][start:end].copy_(mine[start:end])
-            self._await(peers, _POSTED, seq, seq)
+            self._await(peers, _POSTED, seq, seq, op)
             for r in peers:
                 op.out[r][start:end].copy_(self._slot(r, seq, nbytes, mine.dtype))
+        elif kind == "all_gather_v":
+            self._gather_v_piece(op, seq, start, end)
+        elif kind == "reduce_v":
+            self._reduce_v_piece(op, seq, start, end)
         else:  # reduce_scatter: rank r's part of my slot holds my inputs[r]
             dtype = op.tensors[0].dtype
             nbytes = n * op.tensors[0].element_size()
@@ -393,21 +428,81 @@ class SharedMemoryLink:
             self._await(peers, _ACKED, seq - SLOTS, seq)
             for r in peers:
                 self._slot(me, seq, nbytes, dtype, r, part_bytes).copy_(op.tensors[r][start:end])
-            self._counters[me][_POSTED] = seq
+            self._post(op, seq)
             acc = op.out[0][start:end]
             acc.copy_(op.tensors[me][start:end])
-            self._await(peers, _POSTED, seq, seq)
+            self._await(peers, _POSTED, seq, seq, op)
             for r in peers:
                 acc.add_(self._slot(r, seq, nbytes, dtype, me, part_bytes))
 
-    def _await(self, ranks: list[int], word: int, at_least: int, seq: int) -> None:
-        """Wait until counter ``word`` of every rank of ``ranks`` reads at least ``at_least``."""
+    def _gather_v_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
+        """Elements [start, end) of every rank's tensor, where it has them."""
+        me, tensors = self.rank, op.tensors
+        peers = [r for r in range(self.world) if r != me]
+        mine = tensors[me]
+        if start < mine.numel():
+            stop = min(end, mine.numel())
+            self._await(peers, _ACKED, seq - SLOTS, seq)
+            self._slot(me, seq, (stop - start) * mine.element_size(), mine.dtype).copy_(mine[start:stop])
+            self._post(op, seq)
+        givers = [r for r in peers if start < tensors[r].numel()]
+        self._await(givers, _POSTED, seq, seq, op)
+        for r in givers:
+            t = tensors[r]
+            stop = min(end, t.numel())
+            t[start:stop].copy_(self._slot(r, seq, (stop - start) * t.element_size(), t.dtype))
+
+    def _reduce_v_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
+        """Elements [start, end) of this rank's tensor summed over ranks; rank r's part of my
+        slot holds my ``tensors[r]``."""
+        me, tensors = self.rank, op.tensors
+        peers = [r for r in range(self.world) if r != me]
+        part_bytes = _part_bytes(self.world)
+        targets = [r for r in peers if start < tensors[r].numel()]
+        if targets:
+            self._await(peers, _ACKED, seq - SLOTS, seq)
+            for r in targets:
+                t = tensors[r]
+                stop = min(end, t.numel())
+                self._slot(me, seq, (stop - start) * t.element_size(), t.dtype, r, part_bytes).copy_(t[start:stop])
+            self._post(op, seq)
+        mine = tensors[me]
+        if start < mine.numel():
+            stop = min(end, mine.numel())
+            self._await(peers, _POSTED, seq, seq, op)
+            acc = mine[start:stop]
+            for r in peers:
+                acc.add_(self._slot(r, seq, (stop - start) * mine.element_size(), mine.dtype, me, part_bytes))
+
+    def _post(self, op: _Op, seq: int) -> None:
+        """This rank's part of piece ``seq`` is in its slot: its signature, then its number."""
+        counters = self._counters[self.rank]
+        counters[_SIG + seq % SLOTS] = op.piece_sig(seq)
+        counters[_POSTED] = seq
+
+    def _await(self, ranks: list[int], word: int, at_least: int, seq: int, op: _Op | None = None) -> None:
+        """Wait until counter ``word`` of every rank of ``ranks`` reads at least ``at_least``;
+        with ``op``, the pieces they posted must be that collective's (else LinkError)."""
         if at_least <= 0:
             return
         counters = self._counters
         behind = [r for r in ranks if counters[r][word] < at_least]
-        if not behind:
-            return
+        if behind:
+            self._wait_counters(behind, word, at_least, seq)
+        if op is not None:
+            sig = op.piece_sig(seq)
+            slot = _SIG + seq % SLOTS
+            other = [r for r in ranks if counters[r][slot] != sig]
+            if other:
+                raise LinkError(
+                    f"rank(s) {other}{self._of()} posted another collective than {op.what} at piece {seq} of the "
+                    f"shared-memory link: the ranks issue different collectives"
+                )
+
+    def _wait_counters(self, behind: list[int], word: int, at_least: int, seq: int) -> None:
+        """Poll until counter ``word`` of every rank of ``behind`` reads ``at_least``: spin,
+        then sleep, the naps doubling up to ``_MAX_NAP_S``; a LinkError at the timeout."""
+        counters = self._counters
         started = time.monotonic()
         nap, spins = 10e-6, 0
         while behind:
@@ -418,8 +513,8 @@ class SharedMemoryLink:
                 if time.monotonic() - started > self.timeout_s:
                     what = "posted" if word == _POSTED else "finished"
                     raise LinkError(
-                        f"rank(s) {behind}{self._of()} had not {what} piece {at_least} of the shared-memory link "
-                        f"after {self.timeout_s:g} s"
+                        f"timed out: rank(s) {behind}{self._of()} had not {what} piece {at_least} of the "
+                        f"shared-memory link after {self.timeout_s:g} s"
                     )
                 time.sleep(nap)
                 nap = min(nap * 2, _MAX_NAP_S)

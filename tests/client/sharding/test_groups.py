@@ -370,3 +370,25 @@ def test_a_backward_that_raised_partway_on_every_rank_is_dropped_by_zero_grad_an
         assert losses == ref_losses, (losses, ref_losses)
         assert refused == [True, True], "a forward and a step before zero_grad are refused"
         assert landed.get("abandoned", 0) >= 1, landed
+
+
+@pytest.mark.slow
+def test_the_shared_memory_link_trains_bit_equal_to_gloo_and_is_used():
+    """Two ranks on this host: the chunk collectives go through the shared-memory link by
+    default, and training is bit-equal to the same ranks on gloo alone."""
+    linked = run_ranks(_train_ranks, 2, 3, {}, timeout_s=90)
+    gloo = run_ranks(_train_ranks, 2, 3, {"node_shared_memory": False}, timeout_s=90)
+    for a, b in zip(linked, gloo, strict=True):
+        assert a["losses"] == b["losses"]
+        link = a["dist"]["shared_memory_link"]
+        assert link["state"] == "open" and link["collectives"] > 0 and link["pieces"] >= link["collectives"]
+        assert b["dist"]["shared_memory_link"] is None
+    for key, value in gloo[0]["state"].items():
+        assert torch.equal(linked[0]["state"][key], value), key
+
+
+def test_node_shared_memory_takes_auto_true_or_false():
+    for value in ("auto", True, False):
+        assert hybridps.Config(node_shared_memory=value).node_shared_memory == value
+    with pytest.raises(hybridps.ConfigError, match="node_shared_memory='yes'"):
+        hybridps.Config(node_shared_memory="yes")

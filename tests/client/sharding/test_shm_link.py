@@ -116,6 +116,30 @@ def test_the_four_collectives_equal_their_definitions(tmp_path, world, dtype):
     assert list(tmp_path.iterdir()) == [], "the files are unlinked once every rank mapped them"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_collectives_of_unequal_members_equal_their_definitions(tmp_path, world):
+    """A group with an oversize chunk: one tensor a rank, of differing sizes (some rank's
+    larger than a slot, another's empty)."""
+    sizes = [3000, 700, 0][:world] if world == 3 else [2500, 130]
+
+    def body(rank, link):
+        gathered = [data(rank, n, salt=40) if r == rank else torch.full((n,), -1.0) for r, n in enumerate(sizes)]
+        link.all_gather_v(gathered).wait()
+        grads = [data(rank, n, salt=50 + r) for r, n in enumerate(sizes)]
+        link.reduce_v(grads).wait()
+        return gathered, grads[rank]
+
+    results = run_ranks(world, body, tmp_path)
+    for rank, (gathered, reduced) in enumerate(results):
+        for r, n in enumerate(sizes):
+            assert torch.equal(gathered[r], data(r, n, salt=40))
+        expected = data(rank, sizes[rank], salt=50 + rank)
+        for r in range(world):
+            if r != rank:
+                expected = expected + data(r, sizes[rank], salt=50 + rank)
+        assert torch.equal(reduced, expected)
+
+
 def test_many_collectives_in_flight_complete_in_order(tmp_path):
     """More pieces queued than slots: givers wait for the readers' acks, in order, without
     the callers waiting in between."""
@@ -154,7 +178,7 @@ def test_a_peer_that_never_comes_fails_the_wait_and_every_later_one(tmp_path):
         if rank == 1:
             return None  # never joins the broadcast
         work = link.broadcast(torch.zeros(10), src=1)
-        with pytest.raises(LinkError, match=r"rank\(s\) \[1\] had not posted"):
+        with pytest.raises(LinkError, match=r"timed out: rank\(s\) \[1\] had not posted"):
             work.wait()
         assert link.state is LinkState.BROKEN
         with pytest.raises(LinkError):
@@ -191,6 +215,10 @@ def test_unequal_tensors_are_refused(tmp_path):
     def body(rank, link):
         with pytest.raises(ValueError, match="one size and dtype"):
             link.all_gather([torch.empty(4), torch.empty(5)], torch.empty(4))
+        with pytest.raises(ValueError, match="one size and dtype"):
+            link.all_gather_v([torch.empty(4), torch.empty(5, dtype=torch.float16)])
+        with pytest.raises(ValueError, match="one tensor a rank"):
+            link.reduce_v([torch.empty(4)])
         return None
 
     run_ranks(2, body, tmp_path)
@@ -226,3 +254,21 @@ def test_a_directory_that_is_not_there_is_a_reason_not_an_error(tmp_path):
     gather = Gather(1)
     link, why = SharedMemoryLink.open(0, 1, lambda obj: gather(0, obj), timeout_s=1, directory=str(tmp_path / "none"))
     assert link is None and "not a writable directory" in why
+
+
+def test_ranks_at_different_collectives_are_told_apart_not_mixed(tmp_path):
+    """Rank 0 broadcasts 10 elements where rank 1 broadcasts 12: the reader names the
+    mismatch instead of copying the wrong bytes."""
+
+    def body(rank, link):
+        t = torch.full((10 if rank == 0 else 12,), float(rank))
+        work = link.broadcast(t, src=1)
+        if rank == 0:
+            with pytest.raises(LinkError, match=r"rank\(s\) \[1\] posted another collective than broadcast of rank 1"):
+                work.wait()
+            assert torch.equal(t, torch.zeros(10)), "nothing was copied"
+        else:
+            work.wait()
+        return None
+
+    run_ranks(2, body, tmp_path, timeout_s=5)
