@@ -155,10 +155,17 @@ def _worker(rank, world, port, system, args, outdir):
             engine.zero_grad()
             return loss
 
+    def own_count():  # HybridPS counts its own: its shared-memory link passes torch.distributed by
+        stats = engine.memory_stats().get("dist", {}) if system == "hybridps" else {}
+        return collections.Counter(stats.get("bytes_received", {}))
+
     times, losses = [], []
+    before = collections.Counter()
     for step in range(args.warmup + args.steps):
         x, y = batch(step, args.batch, args.seq, args.vocab)
         x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
+        if step == args.warmup:
+            before = own_count()
         counter.enabled = step >= args.warmup
         if world > 1:
             dist.barrier()
@@ -170,6 +177,9 @@ def _worker(rank, world, port, system, args, outdir):
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     counter.enabled = False
+    own = own_count() - before
+    if own:  # every byte HybridPS moved, through gloo or its link
+        counter.bytes = collections.Counter({k: v for k, v in own.items() if v})
     result = {
         "rank": rank,
         "step_s": statistics.median(times),
