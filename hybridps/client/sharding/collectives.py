@@ -367,7 +367,7 @@ class Collectives:
             "all_gather",
             what,
             nbytes,
-            (lambda a: link.all_gather(outs, mine))
+            (lambda a: link.all_gather(outs, mine, what=what))
             if link
             else (lambda a: dist.all_gather(outs, mine, group=self.group, async_op=a)),
             async_op=async_op,
@@ -386,7 +386,7 @@ class Collectives:
             "reduce_scatter",
             what,
             nbytes,
-            (lambda a: link.reduce_scatter(output, ins))
+            (lambda a: link.reduce_scatter(output, ins, what=what))
             if link
             else (lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
             async_op=async_op,
@@ -407,7 +407,7 @@ class Collectives:
                 "broadcast",
                 what,
                 nbytes,
-                (lambda a: link.broadcast(tensor, src))
+                (lambda a: link.broadcast(tensor, src, what=what))
                 if link
                 else (lambda a: dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=a)),
                 async_op=async_op,
@@ -437,7 +437,7 @@ class Collectives:
             "reduce",
             what,
             nbytes,
-            (lambda a: link.reduce(tensor, dst))
+            (lambda a: link.reduce(tensor, dst, what=what))
             if link
             else (lambda a: dist.reduce(tensor, self.global_ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
             checked=checked,
@@ -459,7 +459,7 @@ class Collectives:
         mine = tensors[self.rank]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         work = self._collective(
-            "all_gather_v", what, nbytes, lambda a: link.all_gather_v(tensors), async_op=async_op, checked=True
+            "all_gather_v", what, nbytes, lambda a: link.all_gather_v(tensors, what=what), async_op=async_op, checked=True
         )
         self._count("all_gather", nbytes - mine.numel() * mine.element_size())
         return [work] if work is not None else []
@@ -481,7 +481,7 @@ class Collectives:
             "reduce_v",
             what,
             nbytes,
-            lambda a: link.reduce_v(tensors),
+            lambda a: link.reduce_v(tensors, what=what),
             async_op=async_op,
             checked=True,
             then=lambda: mine.div_(self.world_size),

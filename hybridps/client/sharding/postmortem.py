@@ -204,6 +204,14 @@ def failure_in_group(
         return exc
     seq, at_op, at_what = at
     me = comm.global_ranks[comm.rank]
+    doing = getattr(exc, "doing", None)  # the shared-memory link saw the pieces of another collective
+    if doing:
+        comm.position.failed = (*at, _cause(exc))
+        text = "; ".join(f"rank {comm.global_ranks[r]} is at {_position_text(o, w)}" for r, o, w in doing)
+        return CollectiveError(
+            f"ranks diverged at collective #{seq}: {text}. {_ADVICE_ORDER}; found by the shared-memory link, before "
+            f"any byte of the other collective was taken"
+        )
     cause = _cause(exc)
     elapsed_s = time.monotonic() - started
     timed_out = _is_timeout(cause)

@@ -76,6 +76,8 @@ _HEADER_BYTES = 4096
 _TOKEN, _POSTED, _ACKED = 0, 8, 16
 #: the first of ``SLOTS`` words: the signature of the piece a slot holds
 _SIG = 24
+#: where in the header the label of the piece a slot holds starts, and its bytes a slot
+_LABEL_AT, _LABEL_BYTES = 512, 384
 #: polls of a counter before its wait starts sleeping, and the longest sleep
 _SPINS = 64
 _MAX_NAP_S = 200e-6
@@ -83,6 +85,15 @@ _MAX_NAP_S = 200e-6
 
 class LinkError(RuntimeError):
     """A collective of the link failed (a peer missed the timeout, or the link closed)."""
+
+
+class LinkMismatch(LinkError):
+    """Ranks issued different collectives: ``doing`` holds (group rank, op, what) of this
+    rank and of each peer whose piece was another collective's."""
+
+    def __init__(self, message: str, doing: list[tuple[int, str, str]]):
+        super().__init__(message)
+        self.doing = doing
 
 
 class LinkState(enum.Enum):
@@ -113,10 +124,14 @@ class _Op:
     """One queued collective: its kind, tensors (flat views), root, the element ranges of its
     pieces and the sequence number of its first piece."""
 
-    __slots__ = ("kind", "root", "tensors", "out", "pieces", "first_seq", "write_back", "sig", "what")
+    __slots__ = ("kind", "root", "tensors", "out", "pieces", "first_seq", "write_back", "sig", "what", "label")
 
-    def __init__(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], piece_elems: int):
+    def __init__(
+        self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], piece_elems: int, label: str = ""
+    ):
         self.kind, self.root, self.tensors, self.out = kind, root, tensors, out
+        #: the caller's description ("params of chunk group 3"), in the header with each piece posted
+        self.label = f"{kind}\x1f{label}".encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
         n = max(t.numel() for t in (out or tensors))
         self.pieces = [(start, min(start + piece_elems, n)) for start in range(0, n, piece_elems)] or [(0, 0)]
         self.first_seq = 0
@@ -169,6 +184,7 @@ class SharedMemoryLink:
         self.rank, self.world, self.timeout_s, self.label = rank, world, timeout_s, label
         self._maps = maps
         self._counters = [memoryview(m)[:_HEADER_BYTES].cast("q") for m in maps]
+        self._heads = [memoryview(m)[:_HEADER_BYTES] for m in maps]
         self._data = [torch.frombuffer(m, dtype=torch.uint8, offset=_HEADER_BYTES) for m in maps]
         self.state = LinkState.OPEN
         self.error: LinkError | None = None
@@ -238,33 +254,33 @@ class SharedMemoryLink:
 
     # -- the collectives --------------------------------------------------------------------
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> LinkWork:
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> LinkWork:
         """``tensor`` <- rank ``src``'s."""
-        return self._issue("broadcast", src, [tensor], [])
+        return self._issue("broadcast", src, [tensor], [], what)
 
-    def reduce(self, tensor: torch.Tensor, dst: int) -> LinkWork:
+    def reduce(self, tensor: torch.Tensor, dst: int, what: str = "") -> LinkWork:
         """Rank ``dst``'s ``tensor`` <- the sum of every rank's (the others' are left as they were)."""
-        return self._issue("reduce", dst, [tensor], [])
+        return self._issue("reduce", dst, [tensor], [], what)
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor) -> LinkWork:
+    def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor, what: str = "") -> LinkWork:
         """``outputs[r]`` <- rank r's ``mine``."""
-        return self._issue("all_gather", -1, [mine], list(outputs))
+        return self._issue("all_gather", -1, [mine], list(outputs), what)
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]) -> LinkWork:
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``output`` <- the sum over ranks of their ``inputs[self.rank]``."""
-        return self._issue("reduce_scatter", -1, list(inputs), [output])
+        return self._issue("reduce_scatter", -1, list(inputs), [output], what)
 
-    def all_gather_v(self, tensors: Sequence[torch.Tensor]) -> LinkWork:
+    def all_gather_v(self, tensors: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``tensors[r]`` <- rank r's ``tensors[r]``; their sizes may differ (the same list
         of sizes on every rank)."""
-        return self._issue("all_gather_v", -1, list(tensors), [])
+        return self._issue("all_gather_v", -1, list(tensors), [], what)
 
-    def reduce_v(self, tensors: Sequence[torch.Tensor]) -> LinkWork:
+    def reduce_v(self, tensors: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``tensors[self.rank]`` <- the sum over ranks of their ``tensors[self.rank]`` (the
         others' are left as they were); their sizes may differ (alike on every rank)."""
-        return self._issue("reduce_v", -1, list(tensors), [])
+        return self._issue("reduce_v", -1, list(tensors), [], what)
 
-    def _issue(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor]) -> LinkWork:
+    def _issue(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], what: str = "") -> LinkWork:
         if self.state is not LinkState.OPEN:
             raise self.error or LinkError(f"the shared-memory link{self._of()} is closed")
         uneven = kind.endswith("_v")
@@ -277,7 +293,7 @@ class SharedMemoryLink:
         elem = next(iter(dtypes)).itemsize
         piece_elems = max(1, (_part_bytes(self.world) if kind in ("reduce_scatter", "reduce_v") else SLOT_BYTES) // elem)
         flat_in = [_flat(t) for t in tensors]
-        op = _Op(kind, root, flat_in, [], piece_elems)
+        op = _Op(kind, root, flat_in, [], piece_elems, what)
         if uneven:
             for t, flat in zip(tensors, flat_in, strict=True):
                 if not t.is_contiguous():
@@ -328,6 +344,7 @@ class SharedMemoryLink:
         if self._thread.is_alive():
             return  # a torch copy still reads a mapping: leave the maps to the process's exit
         self._counters = []
+        self._heads = []
         self._data = []
         for m in self._maps:
             try:
@@ -477,6 +494,8 @@ class SharedMemoryLink:
     def _post(self, op: _Op, seq: int) -> None:
         """This rank's part of piece ``seq`` is in its slot: its signature, then its number."""
         counters = self._counters[self.rank]
+        at = _LABEL_AT + (seq % SLOTS) * _LABEL_BYTES
+        self._heads[self.rank][at : at + _LABEL_BYTES] = op.label
         counters[_SIG + seq % SLOTS] = op.piece_sig(seq)
         counters[_POSTED] = seq
 
@@ -494,10 +513,22 @@ class SharedMemoryLink:
             slot = _SIG + seq % SLOTS
             other = [r for r in ranks if counters[r][slot] != sig]
             if other:
-                raise LinkError(
-                    f"rank(s) {other}{self._of()} posted another collective than {op.what} at piece {seq} of the "
-                    f"shared-memory link: the ranks issue different collectives"
-                )
+                raise self._mismatch(op, seq, other)
+
+    def _mismatch(self, op: _Op, seq: int, other: list[int]) -> LinkMismatch:
+        """The error for peers ``other`` whose piece ``seq`` is another collective's, with
+        what each of them posted (from the label beside its piece)."""
+        at = _LABEL_AT + (seq % SLOTS) * _LABEL_BYTES
+        doing = [(self.rank, *bytes(op.label).rstrip(b"\0").decode(errors="replace").split("\x1f", 1))]
+        for r in other:
+            kind, _, what = bytes(self._heads[r][at : at + _LABEL_BYTES]).rstrip(b"\0").decode(errors="replace").partition("\x1f")
+            doing.append((r, kind, what))
+        text = "; ".join(f"rank {r} is at {kind} of {what or '?'}" for r, kind, what in doing)
+        return LinkMismatch(
+            f"rank(s) {other}{self._of()} posted another collective than {op.what} at piece {seq} of the shared-memory "
+            f"link ({text}): the ranks issue different collectives",
+            doing,
+        )
 
     def _wait_counters(self, behind: list[int], word: int, at_least: int, seq: int) -> None:
         """Poll until counter ``word`` of every rank of ``behind`` reads ``at_least``: spin,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridps.client.sharding import shm_link
-from hybridps.client.sharding.shm_link import LinkError, LinkState, SharedMemoryLink
+from hybridps.client.sharding.shm_link import LinkError, LinkMismatch, LinkState, SharedMemoryLink
 
 
 @pytest.fixture(autouse=True)
@@ -262,10 +262,16 @@ def test_ranks_at_different_collectives_are_told_apart_not_mixed(tmp_path):
 
     def body(rank, link):
         t = torch.full((10 if rank == 0 else 12,), float(rank))
-        work = link.broadcast(t, src=1)
+        work = link.broadcast(t, src=1, what=f"params of chunk group {rank}")
         if rank == 0:
-            with pytest.raises(LinkError, match=r"rank\(s\) \[1\] posted another collective than broadcast of rank 1"):
+            with pytest.raises(
+                LinkMismatch, match=r"rank\(s\) \[1\] posted another collective than broadcast of rank 1"
+            ) as caught:
                 work.wait()
+            assert caught.value.doing == [
+                (0, "broadcast", "params of chunk group 0"),
+                (1, "broadcast", "params of chunk group 1"),
+            ]
             assert torch.equal(t, torch.zeros(10)), "nothing was copied"
         else:
             work.wait()
