@@ -289,17 +289,19 @@ def _groups(
     prefix = _collectives_prefix(process_group)
     device = _backend_device(process_group, store.compute)
 
-    def collectives(rank: int, world: int, group, tag: str, label: str = "") -> Collectives:
+    def collectives(rank: int, world: int, group, tag: str, label: str = "", *, chunks: bool = False) -> Collectives:
+        # a shared-memory link only for the group that moves chunks: the others' collectives are
+        # small and stay on gloo, and each link holds 32 MiB of /dev/shm a rank
         return Collectives(
             RankRecord(_store_of(process_group), rank=rank, world_size=world, prefix=prefix + tag),
             group=group,
             timeout_s=config.collective_timeout_s,
             device=device,
             label=label,
-            shared_memory=config.node_shared_memory,
+            shared_memory=config.node_shared_memory if chunks else False,
         )
 
-    everyone = collectives(layout.rank, layout.world_size, process_group, "")
+    everyone = collectives(layout.rank, layout.world_size, process_group, "", chunks=not layout.hybrid)
     shard, replicas = everyone, None
     if layout.hybrid:
         if process_group is not None and process_group != dist.group.WORLD:
@@ -310,7 +312,12 @@ def _groups(
             )
         mesh = build_mesh(layout, device.type)
         shard = collectives(
-            layout.shard_rank, layout.shard_size, mesh.get_group("shard"), f"/s{layout.replica}", f"shard group {layout.replica}"
+            layout.shard_rank,
+            layout.shard_size,
+            mesh.get_group("shard"),
+            f"/s{layout.replica}",
+            f"shard group {layout.replica}",
+            chunks=True,
         )
         replicas = collectives(
             layout.replica,

@@ -115,6 +115,10 @@ def test_two_replicas_of_two_ranks_train_like_one_rank_and_resume_on_three_and_o
         replicas = r["dist"]["replicas"]
         assert replicas["calls"].get("all_reduce", 0) >= (STEPS + 2) * len(r["owned"])
         assert "all_gather" not in replicas["calls"] and "reduce_scatter" not in replicas["calls"]
+        # the shard group moves the chunks through shared memory; the replicas' and the whole
+        # job's small collectives open no link of their own
+        assert r["dist"]["shared_memory_link"]["collectives"] > 0
+        assert replicas["shared_memory_link"] is None and r["dist"]["everyone"]["shared_memory_link"] is None
     # the 2x2 checkpoint has one file per rank of a shard group and loads on 3 ranks and on 1
     files = sorted(os.listdir(path))
     assert "model-00001-of-00002.safetensors" in files and "model-00002-of-00002.safetensors" in files, files
