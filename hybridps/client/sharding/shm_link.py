@@ -96,6 +96,33 @@ class LinkMismatch(LinkError):
         self.doing = doing
 
 
+class LinkOp(enum.Enum):
+    """The collectives of the link."""
+
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER_V = "all_gather_v"
+    REDUCE_V = "reduce_v"
+
+    @property
+    def uneven(self) -> bool:
+        """One tensor a rank whose sizes may differ."""
+        return self in (LinkOp.ALL_GATHER_V, LinkOp.REDUCE_V)
+
+    @property
+    def one_a_rank(self) -> bool:
+        """``tensors`` holds one tensor a rank (the others: the caller's one tensor, or a
+        reduce-scatter's inputs and its output apart)."""
+        return self in (LinkOp.ALL_GATHER, LinkOp.ALL_GATHER_V, LinkOp.REDUCE_V)
+
+    @property
+    def parts_a_slot(self) -> bool:
+        """A rank's slot holds a part for each rank (what it gives to each)."""
+        return self in (LinkOp.REDUCE_SCATTER, LinkOp.REDUCE_V)
+
+
 class LinkState(enum.Enum):
     #: collectives run
     OPEN = "open"
@@ -121,26 +148,31 @@ _MOVES = {
 
 
 class _Op:
-    """One queued collective: its kind, tensors (flat views), root, the element ranges of its
-    pieces and the sequence number of its first piece."""
+    """One queued collective: its kind, tensors (flat views), root, a reduce-scatter's output,
+    the element ranges of its pieces and the sequence number of its first piece."""
 
-    __slots__ = ("kind", "root", "tensors", "out", "pieces", "first_seq", "write_back", "sig", "what", "label")
+    __slots__ = ("kind", "root", "tensors", "output", "pieces", "first_seq", "write_back", "sig", "what", "label")
 
     def __init__(
-        self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], piece_elems: int, label: str = ""
+        self,
+        kind: LinkOp,
+        root: int,
+        tensors: list[torch.Tensor],
+        piece_elems: int,
+        label: str = "",
+        output: torch.Tensor | None = None,
     ):
-        self.kind, self.root, self.tensors, self.out = kind, root, tensors, out
+        self.kind, self.root, self.tensors, self.output = kind, root, tensors, output
         #: the caller's description ("params of chunk group 3"), in the header with each piece posted
-        self.label = f"{kind}\x1f{label}".encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
-        n = max(t.numel() for t in (out or tensors))
+        self.label = f"{kind.value}\x1f{label}".encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0")
+        n = max(t.numel() for t in tensors)
         self.pieces = [(start, min(start + piece_elems, n)) for start in range(0, n, piece_elems)] or [(0, 0)]
         self.first_seq = 0
         #: (contiguous result, caller's tensor) pairs to copy once done: the caller's was not contiguous
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        sizes = [t.numel() for t in tensors] if kind.endswith("_v") else [n]
-        dtype = (out or tensors)[0].dtype
+        sizes = [t.numel() for t in tensors] if kind.uneven else [n]
         #: what the collective is, for messages; its signature (every rank's alike), 40 bits
-        self.what = f"{kind}{'' if root < 0 else f' of rank {root}'} of {sizes} {dtype}"
+        self.what = f"{kind.value}{'' if root < 0 else f' of rank {root}'} of {sizes} {tensors[0].dtype}"
         self.sig = int.from_bytes(hashlib.blake2b(self.what.encode(), digest_size=5).digest(), "big")
 
     def piece_sig(self, seq: int) -> int:
@@ -182,6 +214,7 @@ class SharedMemoryLink:
 
     def __init__(self, rank: int, world: int, maps: list[mmap.mmap], *, timeout_s: float, label: str = ""):
         self.rank, self.world, self.timeout_s, self.label = rank, world, timeout_s, label
+        self._peers = [r for r in range(world) if r != rank]
         self._maps = maps
         self._counters = [memoryview(m)[:_HEADER_BYTES].cast("q") for m in maps]
         self._heads = [memoryview(m)[:_HEADER_BYTES] for m in maps]
@@ -256,55 +289,64 @@ class SharedMemoryLink:
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> LinkWork:
         """``tensor`` <- rank ``src``'s."""
-        return self._issue("broadcast", src, [tensor], [], what)
+        return self._issue(LinkOp.BROADCAST, [tensor], what, root=src)
 
     def reduce(self, tensor: torch.Tensor, dst: int, what: str = "") -> LinkWork:
         """Rank ``dst``'s ``tensor`` <- the sum of every rank's (the others' are left as they were)."""
-        return self._issue("reduce", dst, [tensor], [], what)
+        return self._issue(LinkOp.REDUCE, [tensor], what, root=dst)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], mine: torch.Tensor, what: str = "") -> LinkWork:
         """``outputs[r]`` <- rank r's ``mine``."""
-        return self._issue("all_gather", -1, [mine], list(outputs), what)
+        return self._issue(LinkOp.ALL_GATHER, list(outputs), what, mine=mine)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``output`` <- the sum over ranks of their ``inputs[self.rank]``."""
-        return self._issue("reduce_scatter", -1, list(inputs), [output], what)
+        return self._issue(LinkOp.REDUCE_SCATTER, list(inputs), what, output=output)
 
     def all_gather_v(self, tensors: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``tensors[r]`` <- rank r's ``tensors[r]``; their sizes may differ (the same list
         of sizes on every rank)."""
-        return self._issue("all_gather_v", -1, list(tensors), [], what)
+        return self._issue(LinkOp.ALL_GATHER_V, list(tensors), what)
 
     def reduce_v(self, tensors: Sequence[torch.Tensor], what: str = "") -> LinkWork:
         """``tensors[self.rank]`` <- the sum over ranks of their ``tensors[self.rank]`` (the
         others' are left as they were); their sizes may differ (alike on every rank)."""
-        return self._issue("reduce_v", -1, list(tensors), [], what)
+        return self._issue(LinkOp.REDUCE_V, list(tensors), what)
 
-    def _issue(self, kind: str, root: int, tensors: list[torch.Tensor], out: list[torch.Tensor], what: str = "") -> LinkWork:
+    def _issue(
+        self,
+        kind: LinkOp,
+        tensors: list[torch.Tensor],
+        what: str,
+        *,
+        root: int = -1,
+        mine: torch.Tensor | None = None,
+        output: torch.Tensor | None = None,
+    ) -> LinkWork:
+        """Queue ``kind`` over ``tensors`` (flattened; those not contiguous get their result
+        back once done); an all-gather's ``mine`` goes into this rank's tensor now."""
         if self.state is not LinkState.OPEN:
             raise self.error or LinkError(f"the shared-memory link{self._of()} is closed")
-        uneven = kind.endswith("_v")
-        if uneven and len(tensors) != self.world:
-            raise ValueError(f"{kind}: one tensor a rank expected, got {len(tensors)} for {self.world} ranks")
-        sizes = {t.numel() for t in (tensors if kind != "all_gather" else [*tensors, *out])}
-        dtypes = {t.dtype for t in (*tensors, *out)}
-        if (len(sizes) != 1 and not uneven) or len(dtypes) != 1:
-            raise ValueError(f"{kind}: tensors of one size and dtype expected, got sizes {sorted(sizes)} and {dtypes}")
+        if kind.one_a_rank and len(tensors) != self.world:
+            raise ValueError(f"{kind.value}: one tensor a rank expected, got {len(tensors)} for {self.world} ranks")
+        every = [*tensors, *(t for t in (mine, output) if t is not None)]
+        sizes, dtypes = {t.numel() for t in every}, {t.dtype for t in every}
+        if (len(sizes) != 1 and not kind.uneven) or len(dtypes) != 1:
+            raise ValueError(f"{kind.value}: tensors of one size and dtype expected, got sizes {sorted(sizes)} and {dtypes}")
         elem = next(iter(dtypes)).itemsize
-        piece_elems = max(1, (_part_bytes(self.world) if kind in ("reduce_scatter", "reduce_v") else SLOT_BYTES) // elem)
-        flat_in = [_flat(t) for t in tensors]
-        op = _Op(kind, root, flat_in, [], piece_elems, what)
-        if uneven:
-            for t, flat in zip(tensors, flat_in, strict=True):
-                if not t.is_contiguous():
-                    op.write_back.append((flat, t))
-        for t in out if kind != "reduce" else []:
-            flat = _flat(t) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
-            if not t.is_contiguous():
-                op.write_back.append((flat, t))
-            op.out.append(flat)
-        if kind in ("broadcast", "reduce") and not tensors[0].is_contiguous():
-            op.write_back.append((flat_in[0], tensors[0]))  # reshape copied it: the result goes back
+        piece_elems = max(1, (_part_bytes(self.world) if kind.parts_a_slot else SLOT_BYTES) // elem)
+        flat = [_flat(t) for t in tensors]
+        written = kind is not LinkOp.REDUCE_SCATTER  # a reduce-scatter writes its output alone
+        write_back = [(f, t) for f, t in zip(flat, tensors, strict=True) if written and not t.is_contiguous()]
+        if mine is not None and flat[self.rank].data_ptr() != mine.data_ptr():
+            flat[self.rank].copy_(mine.reshape(-1))
+        flat_output = None
+        if output is not None:
+            flat_output = _flat(output) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+            if not output.is_contiguous():
+                write_back.append((flat_output, output))
+        op = _Op(kind, root, flat, piece_elems, what, flat_output)
+        op.write_back = write_back
         with self._cond:
             op.first_seq = self.queued_seq + 1
             self.queued_seq = op.last_seq
@@ -324,10 +366,6 @@ class SharedMemoryLink:
                 self._cond.wait(left)
             if self.done_seq < seq:
                 raise self.error or LinkError(f"the shared-memory link{self._of()} closed before piece {seq} was done")
-
-    def drain(self, timeout_s: float | None = None) -> None:
-        """Wait until every collective queued so far is done."""
-        self._wait_done(self.queued_seq, timeout_s)
 
     def _move(self, move: LinkMove) -> None:
         self.state = _MOVES[(self.state, move)]
@@ -398,64 +436,52 @@ class SharedMemoryLink:
         return self._data[r][base : base + nbytes].view(dtype)
 
     def _piece(self, op: _Op, seq: int, start: int, end: int) -> None:
-        me, world, kind = self.rank, self.world, op.kind
-        peers = [r for r in range(world) if r != me]
-        n = end - start
-        if kind == "broadcast":
-            t = op.tensors[0]
-            nbytes = n * t.element_size()
-            if me == op.root:
-                self._await(peers, _ACKED, seq - SLOTS, seq)
-                self._slot(me, seq, nbytes, t.dtype).copy_(t[start:end])
-                self._post(op, seq)
-            else:
-                self._await([op.root], _POSTED, seq, seq, op)
-                t[start:end].copy_(self._slot(op.root, seq, nbytes, t.dtype))
-        elif kind == "reduce":
-            t = op.tensors[0]
-            nbytes = n * t.element_size()
-            if me != op.root:
-                self._await(peers, _ACKED, seq - SLOTS, seq)
-                self._slot(me, seq, nbytes, t.dtype).copy_(t[start:end])
-                self._post(op, seq)
-            else:
-                self._await(peers, _POSTED, seq, seq, op)
-                acc = t[start:end]
-                for r in peers:
-                    acc.add_(self._slot(r, seq, nbytes, t.dtype))
-        elif kind == "all_gather":
-            mine = op.tensors[0]
-            nbytes = n * mine.element_size()
-            self._await(peers, _ACKED, seq - SLOTS, seq)
-            self._slot(me, seq, nbytes, mine.dtype).copy_(mine[start:end])
-            self._post(op, seq)
-            if op.out[me].data_ptr() != mine.data_ptr():
-                op.out[me][start:end].copy_(mine[start:end])
-            self._await(peers, _POSTED, seq, seq, op)
-            for r in peers:
-                op.out[r][start:end].copy_(self._slot(r, seq, nbytes, mine.dtype))
-        elif kind == "all_gather_v":
-            self._gather_v_piece(op, seq, start, end)
-        elif kind == "reduce_v":
+        kind = op.kind
+        if kind is LinkOp.BROADCAST or kind is LinkOp.REDUCE:
+            self._rooted_piece(op, seq, start, end)
+        elif kind is LinkOp.REDUCE_SCATTER:
+            self._scatter_piece(op, seq, start, end)
+        elif kind is LinkOp.REDUCE_V:
             self._reduce_v_piece(op, seq, start, end)
-        else:  # reduce_scatter: rank r's part of my slot holds my inputs[r]
-            dtype = op.tensors[0].dtype
-            nbytes = n * op.tensors[0].element_size()
-            part_bytes = _part_bytes(world)
+        else:  # ALL_GATHER (this rank's tensor filled at issue) and ALL_GATHER_V
+            self._gather_v_piece(op, seq, start, end)
+
+    def _rooted_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
+        """A broadcast's piece (the root gives, the others take) or a reduce's (the others
+        give, the root adds)."""
+        me, peers, t = self.rank, self._peers, op.tensors[0]
+        nbytes = (end - start) * t.element_size()
+        if (me == op.root) == (op.kind is LinkOp.BROADCAST):  # this rank gives
             self._await(peers, _ACKED, seq - SLOTS, seq)
-            for r in peers:
-                self._slot(me, seq, nbytes, dtype, r, part_bytes).copy_(op.tensors[r][start:end])
+            self._slot(me, seq, nbytes, t.dtype).copy_(t[start:end])
             self._post(op, seq)
-            acc = op.out[0][start:end]
-            acc.copy_(op.tensors[me][start:end])
+        elif op.kind is LinkOp.BROADCAST:
+            self._await([op.root], _POSTED, seq, seq, op)
+            t[start:end].copy_(self._slot(op.root, seq, nbytes, t.dtype))
+        else:
             self._await(peers, _POSTED, seq, seq, op)
+            acc = t[start:end]
             for r in peers:
-                acc.add_(self._slot(r, seq, nbytes, dtype, me, part_bytes))
+                acc.add_(self._slot(r, seq, nbytes, t.dtype))
+
+    def _scatter_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
+        """A reduce-scatter's piece: rank r's part of my slot holds my ``tensors[r]``."""
+        me, peers, tensors = self.rank, self._peers, op.tensors
+        assert op.output is not None
+        dtype, nbytes, part_bytes = tensors[0].dtype, (end - start) * tensors[0].element_size(), _part_bytes(self.world)
+        self._await(peers, _ACKED, seq - SLOTS, seq)
+        for r in peers:
+            self._slot(me, seq, nbytes, dtype, r, part_bytes).copy_(tensors[r][start:end])
+        self._post(op, seq)
+        acc = op.output[start:end]
+        acc.copy_(tensors[me][start:end])
+        self._await(peers, _POSTED, seq, seq, op)
+        for r in peers:
+            acc.add_(self._slot(r, seq, nbytes, dtype, me, part_bytes))
 
     def _gather_v_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
         """Elements [start, end) of every rank's tensor, where it has them."""
-        me, tensors = self.rank, op.tensors
-        peers = [r for r in range(self.world) if r != me]
+        me, peers, tensors = self.rank, self._peers, op.tensors
         mine = tensors[me]
         if start < mine.numel():
             stop = min(end, mine.numel())
@@ -472,8 +498,7 @@ class SharedMemoryLink:
     def _reduce_v_piece(self, op: _Op, seq: int, start: int, end: int) -> None:
         """Elements [start, end) of this rank's tensor summed over ranks; rank r's part of my
         slot holds my ``tensors[r]``."""
-        me, tensors = self.rank, op.tensors
-        peers = [r for r in range(self.world) if r != me]
+        me, peers, tensors = self.rank, self._peers, op.tensors
         part_bytes = _part_bytes(self.world)
         targets = [r for r in peers if start < tensors[r].numel()]
         if targets:
