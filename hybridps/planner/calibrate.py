@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridps.planner.calibrate_collectives import node_collective_gbps
+
 #: hidden sizes timed (``--quick``: the first two)
 HIDDEN_SIZES = (256, 512, 1024)
 #: the vocabularies the head is timed at (``head_s_per_logit``): a CPU's caches hold the
@@ -265,8 +267,12 @@ def _device_name(device) -> str:
     return f"simulated GPU (compute and copies on the CPU: {cpu})"
 
 
-def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = None, name: str = "this-machine"):
-    """Measure this machine's ``MachineRates`` (``quick``: smaller sizes, no disk: a few seconds)."""
+def calibrate(
+    *, quick: bool = False, disk: bool = True, disk_dir: str | None = None, collectives: bool = True, name: str = "this-machine"
+):
+    """Measure this machine's ``MachineRates`` (``quick``: smaller sizes, no disk and no
+    collectives: a few seconds; ``collectives``: between ranks of this host, a few seconds
+    more to start them)."""
     import torch
 
     from hybridps.planner.rates import MachineRates
@@ -288,6 +294,7 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
     read = write = None
     if disk and not quick:
         read, write = disk_gbps(disk_dir)
+    node = node_collective_gbps(device.type) if collectives and not quick else None
     kind = "bf16 on the GPU" if device.type == "cuda" else "fp32 on the CPU"
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
@@ -304,6 +311,8 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
         "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
         + ("" if device.type == "cuda" else ", less its plain step"),
     }
+    if node is not None:
+        sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node.how
     if read:
         sources["disk_read_gbps"] = sources["disk_write_gbps"] = "a 256 MiB temp file, synced, its pages dropped"
     rates = MachineRates(
@@ -320,6 +329,9 @@ def calibrate(*, quick: bool = False, disk: bool = True, disk_dir: str | None = 
         host_threads=torch.get_num_threads(),
         disk_read_gbps=read,
         disk_write_gbps=write,
+        node_gather_gbps=node.gather_gbps if node else None,
+        node_reduce_gbps=node.reduce_gbps if node else None,
+        node_collective_s=node.seconds_each if node else 0.0,
         measured=f"hybridps calibrate{' --quick' if quick else ''}, {datetime.date.today().isoformat()}, "
         f"torch {torch.__version__}, {time.perf_counter() - start:.1f} s",
         sources=sources,
@@ -344,6 +356,12 @@ def add_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="smaller sizes and no disk: a few seconds, rougher rates")
     p.add_argument("--no-disk", dest="disk", action="store_false", help="do not time the disk")
+    p.add_argument(
+        "--no-collectives",
+        dest="collectives",
+        action="store_false",
+        help="do not time the collectives between ranks of this host (two ranks on the CPU, one a GPU on a node of several)",
+    )
     p.add_argument("--disk-dir", default=None, help="directory of the disk's temp file (default: the system's temp dir)")
     p.add_argument("--json", action="store_true", help="print the rates as JSON")
     p.set_defaults(func=run_command)
@@ -355,7 +373,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     from hybridps.planner.rates import stored_rates_path
 
-    rates = calibrate(quick=args.quick, disk=args.disk, disk_dir=args.disk_dir)
+    rates = calibrate(quick=args.quick, disk=args.disk, disk_dir=args.disk_dir, collectives=args.collectives)
     path = rates.save(args.out or stored_rates_path())
     if args.json:
         print(json.dumps(rates.to_dict(), indent=2))
@@ -370,6 +388,11 @@ def run_command(args: argparse.Namespace) -> int:
             f"casts {rates.cpu_cast_params_per_s / 1e9:.2f}, GPU Adam {rates.gpu_adam_params_per_s / 1e9:.2f}"
         )
         print(f"  host {rates.host_s_per_tensor * 1e3:.3f} ms a tensor a step")
+        if rates.node_gather_gbps:
+            print(
+                f"  collectives between this host's ranks: all-gather {rates.node_gather_gbps:.2f} GB/s, reduce-scatter {rates.node_reduce_gbps:.2f} GB/s a rank, "
+                f"{rates.node_collective_s * 1e3:.2f} ms each beyond its bytes"
+            )
         if rates.disk_read_gbps:
             print(f"  disk read {rates.disk_read_gbps:.2f} GB/s, write {rates.disk_write_gbps:.2f} GB/s")
         print(f"  {rates.measured}\nstored in {path}")

@@ -196,6 +196,22 @@ def _add_speed_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="micro-batches of --batch accumulated per optimizer step, for the predicted speed (default 1)",
     )
+    sp.add_argument(
+        "--node-gbps",
+        type=_gbps,
+        default=None,
+        metavar="GB/S",
+        help="the collectives among a node's ranks for several ranks' predicted step: GB/s a rank sends in a ring "
+        "all-gather or reduce-scatter (NCCL's bus bandwidth; default: the rates', which `hybridps calibrate` measures "
+        "on a host of several ranks)",
+    )
+    sp.add_argument(
+        "--network-gbps",
+        type=_gbps,
+        default=None,
+        metavar="GB/S",
+        help="the same between nodes, for a shard group or replicas across nodes (no calibration measures it)",
+    )
 
 
 def _add_output_arguments(p: argparse.ArgumentParser, t) -> None:
@@ -383,9 +399,9 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             import torch
 
-            from hybridps.planner.rates import load_rates, threads_mismatch
+            from hybridps.planner.rates import load_rates, threads_mismatch, with_collective_rates
 
-            rates = load_rates(args.rates)
+            rates = with_collective_rates(load_rates(args.rates), node_gbps=args.node_gbps, network_gbps=args.network_gbps)
             warning = None if rates is None else threads_mismatch(rates, torch.get_num_threads())
             if warning is not None:
                 print(f"hybridps plan: warning: {warning}", file=sys.stderr)

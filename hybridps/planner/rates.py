@@ -77,6 +77,20 @@ class MachineRates:
     #: the disk tier's sustained read and write; None: not measured (the node's figures apply)
     disk_read_gbps: float | None = None
     disk_write_gbps: float | None = None
+    #: the collectives between the ranks of one node, per rank: the bytes a rank sends in a
+    #: ring all-gather (``(S - 1) / S`` of the gathered tensor) or reduce-scatter over their
+    #: seconds (NCCL's "bus bandwidth"), through the transport the engine uses there (NCCL
+    #: between GPUs; between the CPU tensors of a simulated GPU, the shared-memory link);
+    #: None: not measured (one GPU, or the shipped profiles): a multi-rank prediction then
+    #: needs ``hybridps plan --node-gbps``
+    node_gather_gbps: float | None = None
+    node_reduce_gbps: float | None = None
+    #: a collective's fixed time among a node's ranks beyond its bytes (the wake-ups and
+    #: hand-offs of a small chunk's collective)
+    node_collective_s: float = 0.0
+    #: the same between nodes (the slowest link a ring crossing nodes takes); one node cannot
+    #: measure it: ``hybridps plan --network-gbps`` gives it
+    network_gbps: float | None = None
     #: torch's intra-op threads when measured: on a simulated GPU the compute, the copies and
     #: the CPU step all ran on them (None: not recorded, as in the shipped GPU profiles)
     host_threads: int | None = None
@@ -104,11 +118,11 @@ class MachineRates:
             "gpu_adam_params_per_s",
         ):
             _check_positive(self.name, f, getattr(self, f))
-        for f in ("host_s_per_tensor", "cpu_step_s_per_chunk"):
+        for f in ("host_s_per_tensor", "cpu_step_s_per_chunk", "node_collective_s"):
             value = getattr(self, f)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"rates {self.name!r}: {f}={value!r} must be seconds >= 0")
-        for f in ("disk_read_gbps", "disk_write_gbps"):
+        for f in ("disk_read_gbps", "disk_write_gbps", "node_gather_gbps", "node_reduce_gbps", "network_gbps"):
             if getattr(self, f) is not None:
                 _check_positive(self.name, f, getattr(self, f))
 
@@ -222,6 +236,24 @@ def threads_mismatch(rates: MachineRates, threads_now: int) -> str | None:
         f"{threads_now}: on a simulated GPU every rate scales with them, so the predicted step is off by about "
         f"that ratio; run `hybridps calibrate` under the same OMP_NUM_THREADS as the training"
     )
+
+
+def with_collective_rates(
+    rates: MachineRates | None, *, node_gbps: float | None = None, network_gbps: float | None = None
+) -> MachineRates | None:
+    """``rates`` with the collectives' rates given on the command line in place of their own
+    (``hybridps plan --node-gbps / --network-gbps``)."""
+    if rates is None or (node_gbps is None and network_gbps is None):
+        return rates
+    changes: dict[str, Any] = {}
+    sources = dict(rates.sources)
+    if node_gbps is not None:
+        changes.update(node_gather_gbps=node_gbps, node_reduce_gbps=node_gbps)
+        sources["node_gather_gbps"] = sources["node_reduce_gbps"] = "given: hybridps plan --node-gbps"
+    if network_gbps is not None:
+        changes["network_gbps"] = network_gbps
+        sources["network_gbps"] = "given: hybridps plan --network-gbps"
+    return dataclasses.replace(rates, sources=sources, **changes)
 
 
 def profile(name: str) -> MachineRates:

@@ -34,13 +34,14 @@ from hybridps.planner.model import PlannedModel
 from hybridps.planner.node import NodeSpec
 from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, DEFAULT_OPTIMIZER
 from hybridps.planner.peers import peer_plans
+from hybridps.planner.rank_speed import rank_step_work
 from hybridps.planner.ranks import RankShare, derive_rank_share, gathered_at
 from hybridps.planner.rates import MachineRates
 from hybridps.planner.report import RULE, HybridPSPlan, LargestModel, PlanReport
 from hybridps.planner.request import Evaluation, PlanRequest
 from hybridps.planner.sharding import Communication, ShardGroupTooLargeError, smaller_shard_sizes
 from hybridps.planner.simulation import DeviceFigures, Simulation, simulate
-from hybridps.planner.speed import SpeedPrediction, predict_speed
+from hybridps.planner.speed import SpeedPrediction, predict_speed, predict_work
 
 #: the package's logger ("hybridps.planner"), whose level ``hybridps plan -v`` sets
 logger = logging.getLogger("hybridps.planner")
@@ -448,13 +449,22 @@ class Planner(LargestModelSearch):
             return None, f"the speed model times Adam's step at the fused AdamW's rate, not {req.optimizer}'s"
         if not ev.sim.completed:
             return None, "the simulation did not finish: no steady step to time"
-        if node.world_size > 1:
-            return None, "predicted for one rank only (the collectives' time is not modelled)"
         if not hasattr(req.model, "d_model"):
             return None, "the speed model needs a GPT shape (its hidden size, sequence and batch)"
         disk = (node.nvme_read_gbps, node.nvme_write_gbps) if node.has_disk else None
-        speed = predict_speed(ev.sim, req.model, req.rates, micro_batches=req.micro_batches, disk_gbps=disk)
-        return speed, f"rates {req.rates.name} ({req.rates.device}; {req.rates.measured}); {speed.composition}"
+        if ev.share is None:
+            speed = predict_speed(ev.sim, req.model, req.rates, micro_batches=req.micro_batches, disk_gbps=disk)
+            return speed, f"rates {req.rates.name} ({req.rates.device}; {req.rates.measured}); {speed.composition}"
+        # [Note: a rank's step] (rank_speed.py): steps beside the next forward are for one rank
+        work = rank_step_work(ev.sim, req.model, ev.share, gpu_bytes=node.gpu_bytes, micro_batches=req.micro_batches)
+        try:
+            speed = predict_work(work, req.rates, disk_gbps=disk, overlap_step=False)
+        except ConfigError as exc:
+            return None, str(exc)
+        return speed, (
+            f"rates {req.rates.name} ({req.rates.device}; {req.rates.measured}); one rank of {node.world_size}, its "
+            f"share and collectives derived; {speed.composition}"
+        )
 
     def _hybridps_plan(self, ev: Evaluation, largest: LargestModel | None, refused: str | None) -> HybridPSPlan:
         """HybridPS's figures for ``ev``: the simulated rank's own, or for a multi-rank job the

@@ -28,6 +28,9 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   (int8 moments), plus in 16-bit training the two dtype copies per param, plus Python per
   chunk; ``gpu_adam``: the rows stepped on the GPU at its rate;
 - ``disk``: the disk tier's bytes read and written in the steady iteration at its rates;
+- ``collectives``: several ranks' all-gathers and reductions, the bytes a rank sends in each
+  ring at the rates' GB/s among a node's ranks and between nodes (rank_speed.py,
+  [Note: a rank's step]); nothing at one rank;
 - ``device_copies``: the copies the engine makes on the compute device itself: each
   micro-batch's grads into their chunks (none while grads stay loose), and in fp32 with a
   master apart the master written back into the param row. On a simulated GPU they are
@@ -37,8 +40,10 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   3 TB/s against a step of seconds).
 
 Composition. On a real GPU forward and backward run the GPU's kernels, the host's Python
-and launches, and the chunk copies (prefetched on the copy streams) side by side: that phase
-takes ``max(compute, host, link)``. The optimizer step follows backward (chunks stepped on
+and launches, the chunk copies (prefetched on the copy streams) and the collectives (gathers
+ahead, reductions beside backward, on NCCL's streams over links of their own) side by side:
+that phase takes ``max(compute, host, link, collectives)``, written ``max(compute, host,
+link)`` below. The optimizer step follows backward (chunks stepped on
 the CPU one after the other, the GPU's rows beside them), and the disk's traffic is counted
 whole (its reads ahead wait on the same CPU room the step uses):
 ``step = max(compute, host, link) + cpu_adam + gpu_adam + disk``. With steps beside the
@@ -47,7 +52,8 @@ under accumulation) the CPU step runs on a worker while the next forward runs, w
 of ``max(compute, host, link)`` is taken as a third (forward against forward + backward):
 ``cpu_adam`` counts only ``max(0, cpu_adam - max(compute, host, link) / 3)``. On a simulated GPU every part runs on
 the host's cores (its copies are memcpys, its compute the CPU's), so the parts add up:
-``step = compute + host + h2d + d2h + cpu_adam + gpu_adam + disk + device_copies``. ``bound_by`` names the
+``step = compute + host + h2d + d2h + collectives + cpu_adam + gpu_adam + disk +
+device_copies`` (the shared-memory link's copies, too, take the cores the ranks compute on). ``bound_by`` names the
 part that contributes most to the step.
 
 [Note: the head apart]
@@ -80,7 +86,7 @@ from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
 
 #: the parts of a step, in the order the report lists them
-PARTS = ("compute", "host", "link", "cpu_adam", "gpu_adam", "disk", "device_copies")
+PARTS = ("compute", "host", "link", "collectives", "cpu_adam", "gpu_adam", "disk", "device_copies")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +119,15 @@ class StepWork:
     vocab_size: int = 0
     #: the head's weight is the input embedding's (one matrix of the vocabulary, not two)
     tied_embeddings: bool = True
+    #: the optimizer rows this rank steps, in params (None: every param, one rank)
+    owned_params: int | None = None
+    #: bytes this rank's collectives move per micro-batch: all-gathers and reductions among
+    #: the ranks of its node, and anything between nodes (rank_speed.py, [Note: a rank's step])
+    node_gather_bytes: int = 0
+    node_reduce_bytes: int = 0
+    network_bytes: int = 0
+    #: collectives among the node's ranks per micro-batch (each takes ``node_collective_s``)
+    node_collectives: int = 0
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -135,7 +150,8 @@ class StepWork:
         casts count in the optimizer's rates)."""
         elem = 4 if self.precision == "fp32" else 2
         grads = 0 if self.grads_loose else self.n_params * elem * self.micro_batches
-        write_back = self.n_params * 4 if self.precision == "fp32" and self.master_apart else 0
+        owned = self.n_params if self.owned_params is None else self.owned_params
+        write_back = owned * 4 if self.precision == "fp32" and self.master_apart else 0
         return grads + write_back
 
     @property
@@ -184,6 +200,10 @@ class SpeedPrediction:
     d2h_bytes_per_step: int
     cpu_step_params: int
     gpu_step_params: int
+    #: bytes this rank's collectives move a step among its node's ranks and between nodes
+    #: (0 at one rank)
+    node_collective_bytes_per_step: int = 0
+    network_bytes_per_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -275,6 +295,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         "host": work.tensors * m * rates.host_s_per_tensor,
         # one copy engine per direction: the directions overlap on a real GPU; memcpys add up
         "link": h2d + d2h if rates.simulated_gpu else max(h2d, d2h),
+        "collectives": collective_seconds(work, rates),
         "cpu_adam": cpu,
         "gpu_adam": work.gpu_step_params / rates.gpu_adam_params_per_s,
         "disk": disk,
@@ -283,22 +304,50 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     }
 
 
+def collective_seconds(work: StepWork, rates: MachineRates) -> float:
+    """Seconds of ``work``'s collectives a step at the rates' node and network GB/s; a
+    ``ConfigError`` where the work has collectives the rates did not measure."""
+    wanted = (
+        ("node_gather_bytes", "node_gather_gbps", "--node-gbps"),
+        ("node_reduce_bytes", "node_reduce_gbps", "--node-gbps"),
+        ("network_bytes", "network_gbps", "--network-gbps"),
+    )
+    seconds = 0.0
+    for bytes_field, rate_field, flag in wanted:
+        nbytes = getattr(work, bytes_field)
+        if not nbytes:
+            continue
+        gbps = getattr(rates, rate_field)
+        if not gbps:
+            where = "between nodes" if flag == "--network-gbps" else "between the GPUs of a node"
+            raise ConfigError(
+                f"rates {rates.name!r} measured no collectives {where}: give {flag} (GB/s a rank sends in a ring "
+                f"collective), or run `hybridps calibrate` on a node with several GPUs"
+            )
+        seconds += nbytes * work.micro_batches / (gbps * 1e9)
+    return seconds + work.node_collectives * work.micro_batches * rates.node_collective_s
+
+
 def compose(parts: Mapping[str, float], *, simulated_gpu: bool, overlap_step: bool = False) -> tuple[float, str, str]:
     """(step seconds, the bounding part, the rule) of ``parts`` ([Note: the speed model]);
     ``overlap_step``: the CPU step beside the next forward (a real GPU only)."""
     if simulated_gpu:
         rule = (
-            "compute + host + link + cpu_adam + gpu_adam + disk + device_copies (a simulated GPU: every part on the host's cores)"
+            "compute + host + link + collectives + cpu_adam + gpu_adam + disk + device_copies "
+            "(a simulated GPU: every part on the host's cores)"
         )
         contributions = dict(parts)
     else:
-        rule = "max(compute, host, link) + cpu_adam + gpu_adam + disk"
-        overlapped = max(("compute", "host", "link"), key=lambda k: parts[k])
+        rule = "max(compute, host, link, collectives) + cpu_adam + gpu_adam + disk"
+        overlapped = max(("compute", "host", "link", "collectives"), key=lambda k: parts.get(k, 0.0))
         # device_copies: nothing on a real GPU (``part_seconds``)
-        contributions = {overlapped: parts[overlapped], **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
+        contributions = {overlapped: parts.get(overlapped, 0.0), **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
         if overlap_step:
-            rule = "max(compute, host, link) + max(0, cpu_adam - max(compute, host, link) / 3) + gpu_adam + disk"
-            contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - parts[overlapped] / 3)
+            rule = (
+                "max(compute, host, link, collectives) + max(0, cpu_adam - max(compute, host, link, collectives) / 3) "
+                "+ gpu_adam + disk"
+            )
+            contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - contributions[overlapped] / 3)
     step = sum(contributions.values())
     bound = max(contributions, key=lambda k: contributions[k])
     return step, bound, rule
@@ -350,4 +399,6 @@ def predict_work(
         d2h_bytes_per_step=work.d2h_bytes * work.micro_batches,
         cpu_step_params=work.cpu_step_params,
         gpu_step_params=work.gpu_step_params,
+        node_collective_bytes_per_step=(work.node_gather_bytes + work.node_reduce_bytes) * work.micro_batches,
+        network_bytes_per_step=work.network_bytes * work.micro_batches,
     )
