@@ -173,8 +173,8 @@ class Config:
             "tensors after a larger one go on filling the chunk open before it."
         ),
     )
-    grad_reuse: bool = _field(
-        True,
+    grad_reuse: bool | Literal["auto"] = _field(
+        "auto",
         section="Model data layout",
         unit="bool",
         doc=(
@@ -184,7 +184,9 @@ class Config:
             "need no extra GPU room during backward but the step writes the params back from the master copy; "
             "without, the param chunks are the master copy and the step is a plain fused Adam. With one rank "
             "in fp32, where every grad fits the compute device beside the activations, grads stay as autograd "
-            "made them until the step instead (*loose grads* in [CONCEPTS.md](CONCEPTS.md))."
+            'made them until the step instead (*loose grads* in [CONCEPTS.md](CONCEPTS.md)). `"auto"`: off '
+            "where fp32 training computes on the CPU (no GPU room to save, so reuse would only add the write-back "
+            "and, with loose grads, a master copy of 4 B/param), on otherwise."
         ),
     )
     manager: str | None = _field(
@@ -478,8 +480,8 @@ class Config:
                         f"{self.chunk_size} elements x {self.param_dtype.itemsize} B = {chunk_bytes} B; raise the "
                         f"capacity or lower chunk_size"
                     )
-        if not isinstance(self.grad_reuse, bool):
-            raise ConfigError(f"grad_reuse={self.grad_reuse!r} must be True or False")
+        if not (isinstance(self.grad_reuse, bool) or self.grad_reuse == "auto"):
+            raise ConfigError(f"grad_reuse={self.grad_reuse!r}; use 'auto', True or False")
         if self.manager is not None and not isinstance(self.manager, str):
             raise ConfigError(f"manager={self.manager!r}; use None (embedded), 'auto' or an endpoint string")
         object.__setattr__(self, "margin", parse_bytes(self.margin, what="margin"))
@@ -575,6 +577,13 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+    def for_compute(self, *, on_gpu: bool) -> Config:
+        """This config with its "auto" choices that depend on the compute device made: whether
+        it is a GPU (real, simulated or the planner's) or the CPU (``grad_reuse``)."""
+        if self.grad_reuse != "auto":
+            return self
+        return self.replace(grad_reuse=on_gpu or self.precision != "fp32")
 
     # -- files -------------------------------------------------------------------------------
 

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import typing
 
@@ -93,3 +94,44 @@ def test_the_fp16_fields_read_as_one_loss_scale_config_that_builds_the_scaler():
     scaler.update(True)
     assert scaler.scale == 128.0 and scaler.skipped_steps == 1  # static: skipped, never scaled down
     assert loss_scaler(Config(precision="bf16")) is None
+
+
+def test_grad_reuse_auto_is_off_only_where_fp32_computes_on_the_cpu():
+    assert Config().grad_reuse == "auto"
+    assert Config(precision="fp32").for_compute(on_gpu=False).grad_reuse is False
+    assert Config(precision="bf16").for_compute(on_gpu=False).grad_reuse is True  # 14 B/param instead of 16
+    assert Config(precision="fp32").for_compute(on_gpu=True).grad_reuse is True  # no GPU room for grads in backward
+    explicit = Config(precision="fp32", grad_reuse=True)
+    assert explicit.for_compute(on_gpu=False) is explicit
+    with pytest.raises(ConfigError, match="grad_reuse"):
+        Config(grad_reuse="yes")
+
+
+def test_an_fp32_engine_on_the_cpu_steps_its_params_as_the_master_and_accumulates():
+    import torch
+
+    import hybridps
+    from hybridps.client.chunks.chunk import ChunkKind
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), Config(precision="fp32"))
+    plain_opt = torch.optim.AdamW(plain.parameters(), fused=True)
+    try:
+        assert engine.config.grad_reuse is False and engine.client.config.grad_reuse is False
+        assert engine.client.store.master_kind is ChunkKind.PARAM  # no master apart, no write-back
+        for step in range(3):
+            for micro in range(2):  # accumulation, which grad reuse refuses
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+                engine.backward(engine(x).square().mean())
+                plain(x).square().mean().backward()
+            engine.step()
+            engine.zero_grad()
+            plain_opt.step()
+            plain_opt.zero_grad()
+        with engine.gathered_parameters():
+            for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(mine.detach().cpu(), theirs.detach())
+    finally:
+        engine.close()
