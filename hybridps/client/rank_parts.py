@@ -54,6 +54,7 @@ from hybridps.client.optim.chunk_step import ChunkArithmetic, ChunkStep, StepPla
 from hybridps.client.optim.device_casts import DeviceCasts
 from hybridps.client.optim.early_step import EarlySteps
 from hybridps.client.optim.iteration_step import IterationStep
+from hybridps.client.optim.resident_step import ResidentStep
 from hybridps.client.optim.step_grads import StepGrads
 from hybridps.client.optim.step_worker import StepWorker
 from hybridps.client.params.grads import Grads
@@ -378,7 +379,8 @@ def build_optimizer(
     grads = StepGrads(store, mover, chunk_step, handed.group_of, flags=parts.grads)
     adam_only = all(p.torch_step is None for p in handed.parts)  # the early steps' condition
     early = EarlySteps(store, mover, chunk_step, grads, worker, steps, adam_only=adam_only, scaler=scaler)
-    iteration = IterationStep(store, chunk_step, early, grads, worker, steps, scaler=scaler, groups=groups)
+    resident = ResidentStep(chunk_step)
+    iteration = IterationStep(store, chunk_step, early, grads, worker, steps, scaler=scaler, groups=groups, resident=resident)
     return ChunkedAdam(
         handed,
         iteration,

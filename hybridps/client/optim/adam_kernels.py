@@ -134,6 +134,8 @@ class AdamCall:
     hyper: dict
     #: the fused kernel's found_inf where a scale is folded in
     found_inf: torch.Tensor | None = None
+    #: the param group whose runs it takes (calls of one group may join: resident_step.py)
+    group: int = -1
 
 
 def _scalar(x):
@@ -177,7 +179,8 @@ def adam_calls(
             # (after this step) and device serves every run and chunk
             call = next(c for c in plan.by_group if c.group == group_index)
             steps = [tensors.step(base_step + plan.runs[k].step_offset + 1, device) for k in call.runs]
-            calls.append(AdamCall(call.pieces, steps, True, False, group["decoupled_weight_decay"], hyper, tensors.zero(device)))
+            decoupled = group["decoupled_weight_decay"]
+            calls.append(AdamCall(call.pieces, steps, True, False, decoupled, hyper, tensors.zero(device), group=group_index))
             continue
         for call in plan.by_step:  # these kernels add 1 to their step tensors: new ones each time
             if call.group == group_index:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hybridps.client.optim.early_step import EarlySteps
     from hybridps.client.optim.grad_norm import Clip
     from hybridps.client.optim.loss_scaler import LossScaler
+    from hybridps.client.optim.resident_step import ResidentStep
     from hybridps.client.optim.step_grads import StepGrads
     from hybridps.client.optim.step_worker import StepWorker
     from hybridps.client.sharding.groups import ChunkGroups
@@ -50,12 +51,14 @@ class IterationStep:
         *,
         scaler: LossScaler | None,
         groups: ChunkGroups | None,
+        resident: ResidentStep,
     ):
         """``steps``: each param's step count, advanced by each step; ``scaler``: the fp16 loss
         scaler (None: no loss scaling); ``groups``: the chunk groups of several ranks (None:
-        one rank)."""
+        one rank); ``resident``: the step of every chunk at once, where it applies."""
         self.store = store
         self.chunk_step = chunk_step
+        self.resident = resident
         self.early = early
         self.grads = grads
         #: the compute of the steps beside backward or the next forward (step_worker.py)
@@ -154,10 +157,12 @@ class IterationStep:
         clip_coef = None if self._clip is None else self._clip.coef
         order = list(grads.items())
         beside_forward = self.steps_beside_forward()
-        for n, (index, infos) in enumerate(order):
-            if n + 1 < len(order):
-                self.chunk_step.bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
-            self.chunk_step.step(index, infos, inv_scale, clip_coef, on_worker=beside_forward)
+        together = inv_scale is None and not beside_forward and self.groups is None and not self.early.speculation.backups
+        if not (together and self.resident.run(order, clip_coef)):  # resident_step.py
+            for n, (index, infos) in enumerate(order):
+                if n + 1 < len(order):
+                    self.chunk_step.bring_ahead(order[n + 1][0])  # its copies overlap this chunk's Adam
+                self.chunk_step.step(index, infos, inv_scale, clip_coef, on_worker=beside_forward)
         if self.groups is not None:  # reduced chunks whose params all lacked grads
             self.grads.write_back_landed(grads)
         for infos in grads.values():
