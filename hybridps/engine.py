@@ -91,8 +91,8 @@ class Engine:
             call_ends=self._call_ends,
         )
         self.client = parts.client
-        #: the config with its choices for the compute device made, as the client's (Config.for_compute)
-        self.config = config.for_compute(on_gpu=self.client.compute.is_gpu)
+        #: the config with its choices for where it runs made, as the client's (Config.for_compute)
+        self.config = parts.config
         #: the chunked optimizer, every optimizer handed over at once; the script's own
         #: optimizer object is a view of it
         self.optimizer = parts.optimizer

@@ -48,6 +48,8 @@ class Parts:
     """What ``build`` made, for the engine to keep."""
 
     client: Client
+    #: the client's config, its choices for where it runs made (Config.for_compute)
+    config: Config
     optimizer: ChunkedAdam
     tracer: MemoryTracer
     hooks: ModuleHooks
@@ -145,4 +147,4 @@ def build(
         optimizer_view.adopt(own, engine_optimizer)
     # an optimizer built later over these params would step them beside the engine: refused at its first step
     client.hook_handles.append(optimizer_view.refuse_other_optimizers(client.store, chunked))
-    return Parts(client, chunked, tracer, hooks, compiled, prefetcher, events, unset_params)
+    return Parts(client, client.config, chunked, tracer, hooks, compiled, prefetcher, events, unset_params)

@@ -146,7 +146,7 @@ def build_rank(
         config.devices, simulate=config.simulate, local_rank=local_rank, world_size=world_size, nvme_path=config.nvme_path
     )
     compute = inventory.compute_device
-    config = config.for_compute(on_gpu=compute.is_gpu)  # Config.grad_reuse "auto"
+    config = config.for_compute(on_gpu=compute.is_gpu, ranks=world_size)  # Config.grad_reuse "auto"
     scratch = _scratch_file(config, inventory, rank)
     if compute.is_gpu and not compute.simulated and config.expandable_segments:
         logger.info("CUDA allocator: %s", use_expandable_segments())

@@ -185,8 +185,9 @@ class Config:
             "without, the param chunks are the master copy and the step is a plain fused Adam. With one rank "
             "in fp32, where every grad fits the compute device beside the activations, grads stay as autograd "
             'made them until the step instead (*loose grads* in [CONCEPTS.md](CONCEPTS.md)). `"auto"`: off '
-            "where fp32 training computes on the CPU (no GPU room to save, so reuse would only add the write-back "
-            "and, with loose grads, a master copy of 4 B/param), on otherwise."
+            "where one rank trains in fp32 on the CPU (no GPU room to save, so reuse would only add the write-back "
+            "and, with loose grads, a master copy of 4 B/param), on otherwise (several ranks reduce their grads "
+            "from the params' slots, without grad chunks of their own)."
         ),
     )
     manager: str | None = _field(
@@ -578,12 +579,13 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def for_compute(self, *, on_gpu: bool) -> Config:
-        """This config with its "auto" choices that depend on the compute device made: whether
-        it is a GPU (real, simulated or the planner's) or the CPU (``grad_reuse``)."""
+    def for_compute(self, *, on_gpu: bool, ranks: int) -> Config:
+        """This config with its "auto" choices that depend on where it runs made: whether the
+        compute device is a GPU (real, simulated or the planner's) or the CPU, and the ranks
+        of the job (``grad_reuse``)."""
         if self.grad_reuse != "auto":
             return self
-        return self.replace(grad_reuse=on_gpu or self.precision != "fp32")
+        return self.replace(grad_reuse=on_gpu or self.precision != "fp32" or ranks > 1)
 
     # -- files -------------------------------------------------------------------------------
 

@@ -96,13 +96,14 @@ def test_the_fp16_fields_read_as_one_loss_scale_config_that_builds_the_scaler():
     assert loss_scaler(Config(precision="bf16")) is None
 
 
-def test_grad_reuse_auto_is_off_only_where_fp32_computes_on_the_cpu():
+def test_grad_reuse_auto_is_off_only_where_one_rank_trains_fp32_on_the_cpu():
     assert Config().grad_reuse == "auto"
-    assert Config(precision="fp32").for_compute(on_gpu=False).grad_reuse is False
-    assert Config(precision="bf16").for_compute(on_gpu=False).grad_reuse is True  # 14 B/param instead of 16
-    assert Config(precision="fp32").for_compute(on_gpu=True).grad_reuse is True  # no GPU room for grads in backward
+    assert Config(precision="fp32").for_compute(on_gpu=False, ranks=1).grad_reuse is False
+    assert Config(precision="bf16").for_compute(on_gpu=False, ranks=1).grad_reuse is True  # 14 B/param instead of 16
+    assert Config(precision="fp32").for_compute(on_gpu=True, ranks=1).grad_reuse is True  # no GPU room for grads in backward
+    assert Config(precision="fp32").for_compute(on_gpu=False, ranks=2).grad_reuse is True  # no grad chunks to reduce
     explicit = Config(precision="fp32", grad_reuse=True)
-    assert explicit.for_compute(on_gpu=False) is explicit
+    assert explicit.for_compute(on_gpu=False, ranks=1) is explicit
     with pytest.raises(ConfigError, match="grad_reuse"):
         Config(grad_reuse="yes")
 
