@@ -25,7 +25,6 @@ import collections
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -94,14 +93,7 @@ def _peak_rss_bytes() -> int:
 def _worker(rank, world, port, system, args, outdir):
     os.dup2(2, 1)  # the peer prints to stdout; keep stdout for the JSON result
     sys.stdout = sys.stderr
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    harness.rank_environment(rank, world, port)
     torch.set_num_threads(max(1, args.threads // world))
     counter = ByteCounter()
     counter.install()
@@ -194,15 +186,9 @@ def _worker(rank, world, port, system, args, outdir):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(system: str, world: int, args) -> dict:
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, _free_port(), system, args, outdir), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, harness.free_port(), system, args, outdir), nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(outdir, f"{r}.json"))) for r in range(world)]
     params = ranks[0]["params"]
     received = statistics.mean(sum(r["bytes_received_per_step"].values()) for r in ranks)

@@ -55,6 +55,28 @@ SHAPE_FLAGS: dict[str, tuple[str, str]] = {
 # -- command line --------------------------------------------------------------------------
 
 
+def rank_environment(rank: int, world: int, port: int) -> None:
+    """The environment ``torch.distributed`` (and ``hybridps.init_distributed``) read for
+    ``rank`` of ``world`` ranks on this host, the store at ``port``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+
+
+def free_port() -> int:
+    """A free TCP port of this host for a store."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of benchmark ``name``: ``python -m benchmarks NAME`` and its docstring."""
     return argparse.ArgumentParser(

@@ -33,7 +33,6 @@ import torch.multiprocessing as mp
 
 import hybridps
 from benchmarks import harness
-from benchmarks.dist import _free_port
 from hybridps.planner.model import GPTShape
 from hybridps.planner.rates import load_rates, threads_mismatch
 from hybridps.planner.search import plan
@@ -73,14 +72,7 @@ def measure(shape: GPTShape, gpu_bytes: int, steps: int, warmup: int, precision:
 
 
 def _rank_worker(rank, world, port, shape, gpu_bytes, steps, warmup, precision, threads, outdir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    harness.rank_environment(rank, world, port)
     torch.set_num_threads(threads)
     hybridps.init_distributed(backend="gloo")
     torch.manual_seed(0)
@@ -120,7 +112,7 @@ def measure_ranks(shape: GPTShape, ranks: int, gpu_bytes: int, steps: int, warmu
     collectives received a step (the mean over ranks)."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as outdir:
-        args = (ranks, _free_port(), shape, gpu_bytes, steps, warmup, precision, threads, outdir)
+        args = (ranks, harness.free_port(), shape, gpu_bytes, steps, warmup, precision, threads, outdir)
         mp.start_processes(_rank_worker, args=args, nprocs=ranks, start_method="spawn")
         results = [json.load(open(os.path.join(outdir, f"{r}.json"))) for r in range(ranks)]
     steps_s = [max(ts) for ts in zip(*(r["times"] for r in results), strict=True)]

@@ -45,7 +45,7 @@ from typing import Any
 
 from hybridps.planner.ranks import RankShare
 from hybridps.planner.simulation import Simulation
-from hybridps.planner.speed import StepWork, step_work
+from hybridps.planner.speed import StepWork, d2h_bytes, h2d_bytes, step_work
 
 #: ``Config.live_gathered_bytes``'s default: a tenth of the compute device
 KEPT_GATHERED_FRACTION = 0.1
@@ -125,8 +125,8 @@ def rank_step_work(
     comm = collective_bytes(share, kept_gathered_bytes=0 if share.cpu_bytes else max(0, min(cap, room)))
     return dataclasses.replace(
         base,
-        h2d_bytes=sum(v for k, v in moved.items() if k.startswith("cpu") and k.endswith("->cuda:0")),
-        d2h_bytes=sum(v for k, v in moved.items() if k.startswith("cuda:0->") and k.endswith("cpu")),
+        h2d_bytes=h2d_bytes(moved),
+        d2h_bytes=d2h_bytes(moved),
         cpu_step_params=cpu_params,
         cpu_step_chunks=cpu_chunks,
         gpu_step_params=owned_params - cpu_params,

@@ -244,8 +244,8 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         precision=sim.precision,
         optimizer_states=sim.optimizer_states,
         tensors=len(sim.param_numels),
-        h2d_bytes=sum(v for k, v in moved.items() if k.endswith("->cuda:0") and k.startswith("cpu")),
-        d2h_bytes=sum(v for k, v in moved.items() if k.startswith("cuda:0->") and k.endswith("cpu")),
+        h2d_bytes=h2d_bytes(moved),
+        d2h_bytes=d2h_bytes(moved),
         cpu_step_params=sim.step_params_cpu,
         cpu_step_chunks=sim.step_chunks_cpu,
         gpu_step_params=sim.step_params_gpu,
@@ -256,6 +256,16 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         vocab_size=int(getattr(model, "vocab_size", 0) or 0),
         tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
     )
+
+
+def h2d_bytes(moved: Mapping[str, int]) -> int:
+    """The bytes from the CPU to the GPU of a ``moved_bytes_per_step`` mapping."""
+    return sum(v for k, v in moved.items() if k.startswith("cpu") and k.endswith("->cuda:0"))
+
+
+def d2h_bytes(moved: Mapping[str, int]) -> int:
+    """The bytes from the GPU to the CPU of a ``moved_bytes_per_step`` mapping."""
+    return sum(v for k, v in moved.items() if k.startswith("cuda:0->") and k.endswith("cpu"))
 
 
 def head_seconds(work: StepWork, rates: MachineRates) -> float | None:
