@@ -167,3 +167,16 @@ def test_calibrate_times_the_collectives_between_two_ranks_of_this_host():
     assert measured is not None and measured.gather_gbps > 0 and measured.reduce_gbps > 0
     assert measured.seconds_each >= 0
     assert "2 ranks" in measured.how and "gloo" in measured.how
+
+
+def test_ranks_that_cannot_run_leave_the_calibration_without_collectives_and_say_why(monkeypatch):
+    from hybridps.planner import calibrate_collectives
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("process 1 terminated with exit code 1\nRuntimeError: the store refused the connection")
+
+    monkeypatch.setattr(calibrate_collectives, "node_collective_gbps", fails)
+    measured, why = calibrate_collectives.measured_or_why("cpu")
+    assert measured is None and "RuntimeError" in why and "store refused" in why
+    monkeypatch.setattr(calibrate_collectives, "node_collective_gbps", lambda *a, **k: None)
+    assert calibrate_collectives.measured_or_why("cuda") == (None, "not measured: one GPU on this host")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridps.planner.calibrate_collectives import node_collective_gbps
+from hybridps.planner.calibrate_collectives import measured_or_why
 
 #: hidden sizes timed (``--quick``: the first two)
 HIDDEN_SIZES = (256, 512, 1024)
@@ -294,7 +294,9 @@ def calibrate(
     read = write = None
     if disk and not quick:
         read, write = disk_gbps(disk_dir)
-    node = node_collective_gbps(device.type) if collectives and not quick else None
+    node, node_how = measured_or_why(device.type) if collectives and not quick else (None, "")
+    if node is None and node_how:
+        print(f"hybridps calibrate: collectives between ranks {node_how}", file=sys.stderr)
     kind = "bf16 on the GPU" if device.type == "cuda" else "fp32 on the CPU"
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
@@ -311,8 +313,8 @@ def calibrate(
         "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
         + ("" if device.type == "cuda" else ", less its plain step"),
     }
-    if node is not None:
-        sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node.how
+    if node_how:
+        sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node_how
     if read:
         sources["disk_read_gbps"] = sources["disk_write_gbps"] = "a 256 MiB temp file, synced, its pages dropped"
     rates = MachineRates(

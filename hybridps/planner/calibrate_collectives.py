@@ -54,6 +54,20 @@ class NodeCollectives:
     how: str
 
 
+def measured_or_why(device_kind: str, **kwargs) -> tuple[NodeCollectives | None, str]:
+    """``node_collective_gbps``, or None and why not: fewer than two GPUs, or ranks that could
+    not run (the calibration keeps its other rates: a multi-rank plan then asks for
+    ``--node-gbps``)."""
+    try:
+        measured = node_collective_gbps(device_kind, **kwargs)
+    except Exception as exc:  # a rank that failed: spawn, the store, a backend
+        first = str(exc).strip().splitlines()
+        return None, f"not measured: ranks of this host failed ({type(exc).__name__}: {first[-1] if first else exc!r})"
+    if measured is None:
+        return None, "not measured: one GPU on this host"
+    return measured, measured.how
+
+
 def node_collective_gbps(
     device_kind: str, *, repeats: int = 5, chunk_kib: tuple[int, int] | None = None
 ) -> NodeCollectives | None:
