@@ -360,7 +360,7 @@ class ChunkStep:
         device = self.placement.step_device(rows.master)
         on_worker = on_worker and device == "cpu"
         # the param chunk (its grads) stays on the GPU, which casts (device_casts.py)
-        cast_on = self.store.compute.name if self._casts_apply(index, device, speculative=backup is not None) else None
+        cast_on = self.store.compute.name if self.casts_apply(index, device, speculative=backup is not None) else None
         loose = None
         if self.loose is not None and self.loose.any_held():
             loose = self._loose_of(rows, infos, device, taken_as_is=inv_scale is None and backup is None and cast_on is None)
@@ -406,7 +406,7 @@ class ChunkStep:
                     chunk.hand_over(self._settle)
                 return
             compute()
-            self._count_transfers(rows, casts)
+            self.count_transfers(rows, casts)
         finally:
             if not handed_over:
                 self._release(index, taken)
@@ -432,7 +432,7 @@ class ChunkStep:
             return
         rows = self.rows_of(index)
         device = self.placement.step_device(rows.master)
-        stays = self._casts_apply(index, device, speculative=False)  # the grads stay on the GPU
+        stays = self.casts_apply(index, device, speculative=False)  # the grads stay on the GPU
         for chunk in rows.taken:
             if chunk.payload is not None and chunk.device != device and not (stays and chunk is rows.grads):
                 self.mover.prefetch(chunk, device)
@@ -451,7 +451,7 @@ class ChunkStep:
         it alone is not kept for the next (adam_kernels.py's ``StepTensors``)."""
         self.arithmetic.tensors.end_step()
 
-    def _casts_apply(self, index: int, device: str, *, speculative: bool) -> bool:
+    def casts_apply(self, index: int, device: str, *, speculative: bool) -> bool:
         return self.casts.enabled and self.casts.applies(index, device, speculative=speculative)
 
     def _finish(self, index: int, taken: list, casts: ChunkCasts | None) -> None:
@@ -459,7 +459,7 @@ class ChunkStep:
         for chunk, _ in taken:
             chunk.settled()
         try:
-            self._count_transfers(self.rows_of(index), casts)
+            self.count_transfers(self.rows_of(index), casts)
         finally:
             self._release(index, taken)
 
@@ -469,7 +469,7 @@ class ChunkStep:
         self.worker.finish_through(chunk.chunk_id)
         chunk.settled()  # finishing settled it; a chunk no task holds any more is settled too
 
-    def _count_transfers(self, rows: StepRows, casts: ChunkCasts | None) -> None:
+    def count_transfers(self, rows: StepRows, casts: ChunkCasts | None) -> None:
         """Book a step's write-back; with casts on the GPU, its fp32 grads down and master up,
         and the params' new values are ready once their cast is (their next user waits)."""
         if casts is None:

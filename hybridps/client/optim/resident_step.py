@@ -27,6 +27,7 @@ grads (loose_grads.py), moving chunks (the mover), nor the step counts (iteratio
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,15 +66,15 @@ class ResidentStep:
         taken: list[tuple[Chunk, TensorState]] = []
         try:
             compute = cs.store.compute.name
-            for (index, _), (rows, _, _, _) in zip(order, prepared, strict=True):
-                for chunk in rows.taken:
+            for (index, _), joined in zip(order, prepared, strict=True):
+                for chunk in joined.rows.taken:
                     if chunk.kind is ChunkKind.GRAD:
                         continue  # the grads are loose: the grad chunk is not read (nor made)
                     cs.mover.take(chunk, compute, who=f"optimizer step of chunk {index}")
                     taken.append((chunk, TensorState.HOLD))  # as a chunk's own step leaves them
             self._compute(prepared, clip_coef)
-            for rows, _, _, _ in prepared:
-                cs._count_transfers(rows, None)
+            for joined in prepared:
+                cs.count_transfers(joined.rows, None)
             self.taken += 1
         finally:
             for chunk, after in reversed(taken):
@@ -83,8 +84,8 @@ class ResidentStep:
                     listener("end", index)
         return True
 
-    def _prepare(self, order: list[tuple[int, list[ParamInfo]]]):
-        """(rows, plan, kernel calls, loose grads) of each chunk of ``order``, or None where
+    def _prepare(self, order: list[tuple[int, list[ParamInfo]]]) -> list[_Joined] | None:
+        """What each chunk of ``order`` brings to the joint step, or None where
         the step of one of them cannot join (see the Note); the loose grads are taken (used
         up under grad reuse) only once every chunk can."""
         cs = self.chunk_step
@@ -93,10 +94,10 @@ class ResidentStep:
             return None
         arithmetic = cs.arithmetic
         compute = cs.store.compute.name
-        prepared = []
+        prepared: list[_Joined] = []
         for index, infos in order:
             rows = cs.rows_of(index)
-            if cs.placement.step_device(rows.master) != compute or cs._casts_apply(index, compute, speculative=False):
+            if cs.placement.step_device(rows.master) != compute or cs.casts_apply(index, compute, speculative=False):
                 return None
             if not arithmetic.takes_loose(rows, infos) or not _resident(rows, compute):
                 return None
@@ -107,23 +108,25 @@ class ResidentStep:
             calls = adam_calls(plan, base, rows.master.payload, arithmetic.param_groups, arithmetic.tensors, compact=False)
             if not all(isinstance(call, AdamCall) and call.fused for call in calls):
                 return None
-            prepared.append([rows, plan, calls, None])
-        for item, (_, infos) in zip(prepared, order, strict=True):
-            rows = item[0]
+            prepared.append(_Joined(rows, plan, calls))
+        for joined, (_, infos) in zip(prepared, order, strict=True):
             # without grad reuse the grads outlive the step (until zero_grad), as in grad chunks
-            item[3] = loose.take(infos, keep=rows.grads.kind is ChunkKind.GRAD)
+            grads = loose.take(infos, keep=joined.rows.grads.kind is ChunkKind.GRAD)
+            assert grads is not None  # held, as checked above
+            joined.grads = grads
         return prepared
 
-    def _compute(self, prepared, clip_coef: torch.Tensor | None) -> None:
+    def _compute(self, prepared: list[_Joined], clip_coef: torch.Tensor | None) -> None:
         """The clip's multiplication, the fused kernels and the write-backs of every chunk, one
         call each (a kernel call per param group and kind of weight decay)."""
         tensors = self.chunk_step.arithmetic.tensors
-        by_kernel: dict[tuple, tuple[AdamCall, list, list, list, list, list]] = {}
+        by_kernel: dict[tuple[int, bool], _KernelArgs] = {}
         to_clip: list[torch.Tensor] = []
         write_to: list[torch.Tensor] = []
         write_from: list[torch.Tensor] = []
         device = None
-        for rows, plan, calls, grads in prepared:
+        for joined in prepared:
+            rows, plan, grads = joined.rows, joined.plan, joined.grads
             master = rows.master.payload
             device = master.device
             m, v = rows.states[ChunkKind.MOMENTUM], rows.states[ChunkKind.VARIANCE]
@@ -132,17 +135,12 @@ class ResidentStep:
             cut = (_pieces(rows.master, plan), grad_pieces, _pieces(m, plan), _pieces(v, plan))
             if clip_coef is not None:
                 to_clip.extend(grad_pieces[k] for k in plan.run_pieces)
-            for call in calls:
+            for call in joined.calls:
                 key = (call.group, call.decoupled_weight_decay)
-                entry = by_kernel.get(key)
-                if entry is None:
-                    entry = by_kernel[key] = (call, [], [], [], [], [])
-                for k, step in zip(call.pieces, call.steps, strict=True):
-                    entry[1].append(cut[0][k])
-                    entry[2].append(cut[1][k])
-                    entry[3].append(cut[2][k])
-                    entry[4].append(cut[3][k])
-                    entry[5].append(step)
+                args = by_kernel.get(key)
+                if args is None:
+                    args = by_kernel[key] = _KernelArgs(call)
+                args.add(call, cut)
             if rows.params is not rows.master:
                 assert rows.params.payload is not None
                 write_to.append(rows.params.payload[: rows.used])
@@ -150,11 +148,59 @@ class ResidentStep:
         if to_clip:
             # fp32: multiply like torch.nn.utils.clip_grad_norm_ does, for bitwise parity
             torch._foreach_mul_(to_clip, tensors.on_device(clip_coef, device))
-        for call, params, grads, exp_avgs, exp_avg_sqs, steps in by_kernel.values():
-            kernel = torch._fused_adamw_ if call.decoupled_weight_decay else torch._fused_adam_
-            kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, grad_scale=None, found_inf=None, **call.hyper)
+        for args in by_kernel.values():
+            args.run()
         if write_to:
             torch._foreach_copy_(write_to, write_from)  # the write-backs, booked by the caller
+
+
+@dataclasses.dataclass(eq=False)
+class _Joined:
+    """What one chunk brings to the joint step: its rows, its runs, its kernel calls and, once
+    every chunk can join, its loose grads."""
+
+    rows: StepRows
+    plan: StepPlan
+    calls: list
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class _KernelArgs:
+    """One fused call's tensor lists over the runs of every chunk of one param group (the
+    hyperparameters of ``call``, the first chunk's: the same for every chunk of the group)."""
+
+    call: AdamCall
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    steps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def add(self, call: AdamCall, cut: tuple) -> None:
+        """``call``'s runs of one chunk, its rows ``cut`` (master, grads, momentum, variance) in pieces."""
+        for k, step in zip(call.pieces, call.steps, strict=True):
+            self.params.append(cut[0][k])
+            self.grads.append(cut[1][k])
+            self.exp_avgs.append(cut[2][k])
+            self.exp_avg_sqs.append(cut[3][k])
+            self.steps.append(step)
+
+    def run(self) -> None:
+        call = self.call
+        kernel = torch._fused_adamw_ if call.decoupled_weight_decay else torch._fused_adam_
+        kernel(
+            self.params,
+            self.grads,
+            self.exp_avgs,
+            self.exp_avg_sqs,
+            [],
+            self.steps,
+            amsgrad=False,
+            grad_scale=None,
+            found_inf=None,
+            **call.hyper,
+        )
 
 
 def _resident(rows: StepRows, compute: str) -> bool:
