@@ -10,6 +10,13 @@ the same machine noise; the result is the ratio of medians. Cases:
 
     python -m benchmarks overhead                # prints one JSON object
     python -m benchmarks overhead --d-model 768 --layers 6 --steps 20
+    python -m benchmarks overhead --loop torch   # the loop of a ported script (see below)
+
+``--loop engine`` (the default) drives HybridPS through the engine (``engine(x)``,
+``engine.backward``, ``engine.step``); ``--loop torch`` as a script ported with a few lines
+does: the module and optimizer it held before ``initialize`` (``model(x)``,
+``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``), only the clip through
+``engine.clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -44,11 +51,12 @@ def run_case(args, capacity_fraction: float | None, device: str) -> dict:
         devices={} if on_cpu else {device if device != "cpu" else "cuda:0": int(model_bytes * capacity_fraction)},
         simulate=not on_cpu,
         precision="fp32",
-        grad_reuse=args.grad_reuse == "on",
+        grad_reuse={"on": True, "off": False}.get(args.grad_reuse, "auto"),
         hook_units=args.hook_units,
         compile=args.compile,
     )
-    engine = hybridps.initialize(model, make_optimizer(model), config)
+    optimizer = make_optimizer(model)
+    engine = hybridps.initialize(model, optimizer, config)
     losses: dict[str, list[torch.Tensor]] = {"plain": [], "hybridps": []}  # by step, each in its turn
     moves0 = bytes0 = 0
 
@@ -70,11 +78,18 @@ def run_case(args, capacity_fraction: float | None, device: str) -> dict:
 
     def hybridps_step(xy) -> None:
         x, y = xy
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
+        if args.loop == "torch":  # the objects the script held before initialize
+            _, loss = model(x, y)
+            optimizer.zero_grad()
+            loss.backward()
+            engine.clip_grad_norm_(1.0)
+            optimizer.step()
+        else:
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
         losses["hybridps"].append(loss)
 
     timer = harness.alternate(
@@ -128,7 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
     harness.add_shape_flags(ap, d_model=512, layers=4, heads=8, seq=128, vocab=256, batch=2, steps=12, warmup=3)
     ap.add_argument("--tight", type=float, default=0.3, help="capacity fraction of the tight case")
     ap.add_argument(
-        "--grad-reuse", choices=("on", "off"), default="on", help="off: fp32 param chunks are the master copy (Config.grad_reuse)"
+        "--grad-reuse",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Config.grad_reuse (auto: its default; off: fp32 param chunks are the master copy)",
+    )
+    ap.add_argument(
+        "--loop", choices=("engine", "torch"), default="engine", help="torch: the loop of a ported script, on the objects it held"
     )
     ap.add_argument("--hook-units", choices=("module", "auto"), default="auto", help="Config.hook_units")
     ap.add_argument("--compile", action="store_true", help="Config(compile=True); plain PyTorch is compiled too")
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.update(
         model={"params": cfg.n_params, "d_model": args.d_model, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         grad_reuse=args.grad_reuse,
+        loop=args.loop,
         hook_units=args.hook_units,
         compile=args.compile,
         fits=_safe(run_case, args, 2.0, args.device),

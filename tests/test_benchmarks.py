@@ -264,3 +264,16 @@ def test_the_benchmarks_package_is_not_installed_with_hybridps():
     include = [name.strip().strip('"') for name in find.group(1).split(",")]
     packages = setuptools.find_packages(where=str(ROOT), include=include)
     assert "hybridps" in packages and not any(p.split(".")[0] == "benchmarks" for p in packages)
+
+
+def test_overhead_ported_loop_matches_plain(capsys, tmp_path, restore_process_state):
+    """``--loop torch`` drives HybridPS through the module and optimizer held before
+    ``initialize``, as a ported script does; in fp32 its losses equal plain PyTorch's."""
+    os.chdir(tmp_path)
+    module = importlib.import_module("benchmarks.overhead")
+    out = module.main([*TINY, "--steps", "2", "--warmup", "1", "--loop", "torch", "--grad-reuse", "auto", "--device", "cpu"])
+    capsys.readouterr()
+    assert out["loop"] == "torch" and out["grad_reuse"] == "auto"
+    for case in ("fits", "tight", "cpu"):
+        assert "error" not in out[case], (case, out[case])
+        assert out[case]["max_loss_diff"] == 0.0, (case, out[case])
