@@ -57,6 +57,7 @@ SMOKE: dict[str, list[str]] = {
     "overlap_step": [*TINY, "--steps", "1", "--warmup", "1", "--modes", "off,on_step_worker", "--clips", "no_clip"],
     "plan_speed": ["--rates", "h100", "--shapes", "0", "--steps", "1", "--warmup", "1", "--vocab", "256"],
     "scale": ["--worlds", "64,512", "--steps", "1", "--warmup", "1"],
+    "step_profile": [*TINY, "--steps", "2", "--warmup", "2", "--gpu-fraction", "0.5", "--torch-profiler"],
     "transfers": [*TINY, "--steps", "1", "--warmup", "1"],
     "watchdog": ["--worlds", "8", "--gloo-worlds", "", "--iterations", "2", "--overhead-calls", "10"],
 }  # fmt: skip
@@ -201,7 +202,28 @@ def _check_transfers(out: dict) -> None:
     assert importlib.import_module("benchmarks.transfers").exit_code(out) == 0
 
 
+def _check_step_profile(out: dict) -> None:
+    """Each phase's columns add up to its wall time (``rest`` is what the wrapped calls leave),
+    none is negative beyond rounding, and the moves, the optimizer and the profiler are seen."""
+    assert set(out["phases"]) == {"forward", "backward", "step"}
+    for name, phase in out["phases"].items():
+        columns = phase["columns_s"]
+        assert abs(sum(columns.values()) - phase["wall_s"]) < 1e-3, (name, phase)
+        assert all(v >= -1e-4 for v in columns.values()), (name, columns)
+    assert abs(out["step_s"] - sum(p["wall_s"] for p in out["phases"].values())) < 1e-3
+    assert out["phases"]["step"]["calls"].get("optimizer_compute[cpu]", 0) > 0 or any(
+        k.startswith("optimizer_compute") for k in out["phases"]["step"]["calls"]
+    )
+    assert out["moved_bytes_per_step"], "half the model data on a simulated GPU moves every step"
+    assert out["torch_profiler"]["top_cpu_ops_s_per_step"]
+    from hybridps.client.chunks.chunk import Chunk
+    from hybridps.client.optim.chunk_step import ChunkArithmetic
+
+    assert not hasattr(Chunk.wait_ready, "__wrapped__") and not hasattr(ChunkArithmetic.compute, "__wrapped__"), "restored"
+
+
 CHECKS = {
+    "step_profile": _check_step_profile,
     "optimizers": _check_optimizers,
     "host_churn": _check_host_churn,
     "host_register": _check_host_register,
