@@ -177,8 +177,11 @@ class _Segment:
     address: int
     pinned: bool
 
+    #: slots lent now (0: every slot is free, the segment may go)
+    lent: int = 0
+
     def all_free(self) -> bool:
-        return all(s is SlotState.FREE for s in self.states)
+        return self.lent == 0
 
 
 class HostArena:
@@ -211,6 +214,9 @@ class HostArena:
         self.grown = 0  # segments added
         self.released = 0  # segments let go
         self.lends = 0  # slots lent
+        #: bytes of the segments whose slots are all free (what ``release_idle`` may let go),
+        #: kept as slots move: the mover asks for it at every chunk operation that needs room
+        self._empty_bytes = 0
 
     # -- lending ---------------------------------------------------------------------------
 
@@ -301,6 +307,12 @@ class HostArena:
             )
         segment.states[index] = end
         self.lent_bytes += segment.slot_bytes if move is SlotMove.TAKE else -segment.slot_bytes
+        if move is SlotMove.TAKE:
+            self._empty_bytes -= segment.nbytes if segment.lent == 0 else 0
+            segment.lent += 1
+        else:
+            segment.lent -= 1
+            self._empty_bytes += segment.nbytes if segment.lent == 0 else 0
 
     # -- growth and release ----------------------------------------------------------------
 
@@ -341,6 +353,7 @@ class HostArena:
             # reversed: slot 0 is lent first, so a segment fills from its start
             self._free[slot_bytes].extend((segment, i) for i in reversed(range(len(segment.states))))
             self.held_bytes += nbytes
+            self._empty_bytes += nbytes
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             self.pinned_bytes += nbytes if pinned else 0
             self.grown += 1
@@ -362,7 +375,7 @@ class HostArena:
         """Bytes of the segments whose slots are all free (what ``release_idle`` lets go)."""
         with self._lock:
             self._drain()
-            return sum(s.nbytes for s in self._segments if s.all_free())
+            return self._empty_bytes
 
     def release_idle(self, need_bytes: int | None = None) -> int:
         """Unpin and unmap segments whose slots are all free: every one, or (``need_bytes``)
@@ -384,6 +397,7 @@ class HostArena:
             return sum(s.nbytes for s in idle)
 
     def _release(self, segment: _Segment) -> None:
+        assert segment.lent == 0, "only a segment whose slots are all free goes"
         self._segments.remove(segment)
         self._free[segment.slot_bytes] = [(s, i) for s, i in self._free[segment.slot_bytes] if s is not segment]
         if segment.pinned:
@@ -391,6 +405,7 @@ class HostArena:
         if segment.memory is not None:
             segment.memory.close()
         self.held_bytes -= segment.nbytes
+        self._empty_bytes -= segment.nbytes  # only an empty segment goes
         self.pinned_bytes -= segment.nbytes if segment.pinned else 0
         self.released += 1
 

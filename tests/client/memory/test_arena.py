@@ -12,6 +12,7 @@ from hybridps.client.memory.arena import (
     SEGMENT_MAX_SLOTS,
     SEGMENT_TARGET_BYTES,
     HostArena,
+    SlotState,
     idle_bound_bytes,
     segment_bytes,
     slots_per_segment,
@@ -166,3 +167,31 @@ def test_giving_back_a_slot_the_arena_did_not_lend_is_refused():
     arena.give(slot)
     with pytest.raises(StateError, match="not a slot this arena lends"):
         arena.give(slot)
+
+
+def test_the_empty_segments_bytes_follow_every_lend_return_growth_and_release():
+    """``releasable_bytes`` is kept as slots move (the mover asks at every operation that needs
+    room): it equals the segments whose slots are all free, counted afresh, after each of a
+    random run of takes, gives, growths and releases (on meta, where ``give`` frees at once)."""
+    import random
+
+    rng = random.Random(3)
+    arena = HostArena(64 * ONE, device="meta")
+    lent: list[torch.Tensor] = []
+    sizes = (SLOT, 2 * SLOT, SLOT // 4)
+    for _ in range(400):
+        action = rng.random()
+        numel = rng.choice(sizes) // 4
+        if action < 0.45:
+            slot = arena.take(torch.float32, numel)
+            if slot is None and (grow := arena.growth_bytes(numel * 4)):
+                slot = arena.grow_and_take(torch.float32, numel, grow, who="test")
+            if slot is not None:
+                lent.append(slot)
+        elif action < 0.9 and lent:
+            arena.give(lent.pop(rng.randrange(len(lent))))
+        else:
+            arena.release_idle(rng.choice((None, ONE)))
+        fresh = sum(s.nbytes for s in arena._segments if all(state is SlotState.FREE for state in s.states))
+        assert arena.releasable_bytes() == fresh
+        assert all(s.lent == sum(state is SlotState.LENT for state in s.states) for s in arena._segments)

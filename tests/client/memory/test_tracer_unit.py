@@ -78,3 +78,52 @@ def test_an_iteration_that_departs_from_the_trace_drops_it_and_traces_again():
     tracer.tick("a")
     tracer.end_iteration()
     assert tracer.has_trace and tracer.labels == ["a"] and tracer.trace_id == 2
+
+
+def _reference_next_use(trace, chunk) -> float:
+    """``next_use`` as a bisect over the chunk's uses, at every call (before answers were kept)."""
+    import bisect
+
+    uses = trace.uses.moments_of.get(chunk.chunk_id)
+    if not uses:
+        return float("inf")
+    i = bisect.bisect_left(uses, trace.moment)
+    if i < len(uses) and uses[i] == trace.moment and chunk.last_use > trace.moment_clock:
+        i += 1
+    return uses[i] if i < len(uses) else len(trace.labels) + uses[0]
+
+
+def test_next_use_kept_between_two_uses_answers_as_a_fresh_search_at_every_moment_and_access():
+    """Random traces, replayed with accesses in and out of the trace's order: the kept answers
+    ([Note: next uses between two uses]) equal a fresh search every time, across iterations."""
+    import random
+
+    from hybridps.client.memory.trace import MomentTrace
+
+    rng = random.Random(7)
+    inventory = DeviceInventory.build({"cuda:0": 1 << 20, "cpu": 1 << 24}, simulate=True)
+    store = ChunkStore(Config(precision="fp32"), inventory.compute_device, rank=0, world_size=1)
+    chunks = [store.new_chunk(ChunkKind.PARAM, i, 64) for i in range(12)]
+    trace = MomentTrace(inventory.compute_device)
+    clock = 0
+    moments = 40
+    trace.begin_iteration(enabled=True)
+    for m in range(moments):
+        for chunk in rng.sample(chunks[:10], rng.randint(0, 3)):  # two chunks never used
+            trace.record_access(chunk, "cuda:0")
+        trace.mark(f"m{m}", 0)
+    trace.end_iteration()
+    checked = 0
+    for _ in range(3):
+        assert trace.begin_iteration(enabled=True).name == "REPLAY"
+        for m in range(moments):
+            trace.moment_clock = clock
+            for _ in range(rng.randint(0, 4)):
+                for chunk in rng.sample(chunks, 4):
+                    assert trace.next_use(chunk) == _reference_next_use(trace, chunk), (m, chunk)
+                    checked += 1
+                clock += 1
+                rng.choice(chunks).last_use = clock  # an access in this moment
+            assert not trace.mark(f"m{m}", 0)
+        trace.end_iteration()
+    assert checked > 500
