@@ -18,20 +18,24 @@ kind (a wrapped call inside another is counted in its own column only):
   placeholders), less the moves inside;
 - ``phase_end_sync``: on a GPU, waiting at the phase's end for the work it queued;
 - ``optimizer_compute[DEVICE]``: the optimizer's arithmetic on the calling thread, by the
-  device it steps on (on the step worker: ``worker_optimizer_compute``, beside the others);
+  device it steps on (on the step worker: ``worker_s_per_step``, beside the calling thread's);
 - ``rest``: the phase's wall time less those: the model's compute (kernels on the CPU, their
   launches on a GPU), the hooks' and the placement's Python, the allocator.
 
 Beside them, per step: the bytes each direction of the link moved, the bytes that came down
-into page-locked arena slots (the rest came down pageable), and the arena's segments grown
-and released. ``--torch-profiler`` adds torch's profiler over the measured steps: on a GPU the
-kernels' time and the copies' time and bytes by kind (pinned or pageable, from the runtime's
-own names), on the CPU the ops that took the most time.
+into page-locked arena slots (the rest came down pageable), the arena's segments grown and
+released, the mover's out-of-memory retries (each evicts every idle chunk from the GPU) and,
+on a GPU, the caching allocator's device allocations, frees and retries. ``--torch-profiler``
+adds torch's profiler over the measured steps: on a GPU the kernels' time and the copies'
+time by kind (pinned or pageable, from the runtime's own names), on the CPU the ops that took
+the most time. With ``--meta`` (the planner's simulation) nothing computes: the columns are
+the engine's Python at sizes this machine cannot hold, and ``rest`` is mostly torch's meta
+kernels, written in Python, which say nothing of a GPU's launches.
 
     python -m benchmarks step_profile                                   # a simulated GPU of 30%
     python -m benchmarks step_profile --layers 24 --d-model 1024 --gpu-fraction 0.5
-    python -m benchmarks step_profile --meta --layers 340 --d-model 2048 --heads 16 --seq 1024 --batch 8 \
-        --vocab 50304 --precision bf16 --gpu-bytes 137.59e9 --cpu-bytes 119.3e9 --margin-bytes 1648361472 \
+    python -m benchmarks step_profile --meta --layers 340 --d-model 2048 --heads 16 --seq 1024 --batch 8 \\
+        --vocab 50304 --precision bf16 --gpu-bytes 137.59e9 --cpu-bytes 119.3e9 --margin-bytes 1648361472 \\
         --steps 2 --warmup 2                   # the H200's largest, its Python only, on this machine
     python -m benchmarks step_profile --gpu-bytes 137e9 --layers 340 --d-model 2048 --heads 16 \\
         --seq 1024 --batch 8 --vocab 50304 --precision bf16 --torch-profiler    # on the GPU node
@@ -164,6 +168,16 @@ def _instrument(clock: ColumnClock, engine) -> None:
     clock.patch(ResidentStep, "_compute", resident_column)
 
 
+#: the CUDA caching allocator's counters (``torch.cuda.memory_stats``): device allocations and
+#: frees are synchronous ``cudaMalloc``/``cudaFree``, a retry frees every cached block first
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams")
+
+
+def _allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
 def _torch_profile(prof, on_gpu: bool, steps: int) -> dict:
     """What torch's profiler saw over ``steps`` steps: on a GPU the kernels' and the copies'
     time by kind; on the CPU the ops with the most time of their own."""
@@ -261,6 +275,8 @@ def run(args) -> dict:
             one_step(i, False)
         before_arena = arena.stats() if arena is not None else {}
         before_moved = dict(mover.counts.moved_bytes)
+        before_retries = mover.counts.out_of_memory_retries
+        before_allocator = _allocator_counts() if on_gpu else {}
         pinned_down.clear()
         stack.callback(clock.restore)
         _instrument(clock, engine)
@@ -300,6 +316,12 @@ def run(args) -> dict:
         "worker_s_per_step": {k: round(v / steps, 4) for k, v in sorted(clock.elsewhere.items())},
         "moved_bytes_per_step": moved,
         "down_into_pinned_slots_bytes_per_step": {k: v / steps for k, v in sorted(pinned_down.items())},
+        "out_of_memory_retries_per_step": (mover.counts.out_of_memory_retries - before_retries) / steps,
+        **(
+            {"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in _allocator_counts().items()}}
+            if on_gpu
+            else {}
+        ),
         "arena_per_step": {
             k: (after_arena[k] - before_arena[k]) / steps for k in ("grown", "released", "lends") if k in after_arena
         },

@@ -43,6 +43,9 @@ class MoveCounts:
     prefetch_hits: int = 0
     #: chunks a prefetch evicted (the trace used them after the chunk it brought)
     prefetch_evictions: int = 0
+    #: CUDA out-of-memory errors a payload's allocation met, each answered by evicting every
+    #: chunk not in use from that GPU and trying once more (``ChunkMover._retry_out_of_memory``)
+    out_of_memory_retries: int = 0
     #: bytes copied between devices, by "src->dst": chunk moves and copies outside them
     moved_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -172,6 +175,7 @@ class ChunkFigures:
             "prefetches": counts.prefetches,
             "prefetch_hits": counts.prefetch_hits,
             "prefetch_evictions": counts.prefetch_evictions,
+            "out_of_memory_retries": counts.out_of_memory_retries,
             **({"pool": pool.stats()} if pool is not None else {}),
             **({"link": link.stats()} if link is not None else {}),
             "pinned_bytes": arena.pinned_bytes if arena is not None else 0,

@@ -613,6 +613,7 @@ class ChunkMover:
             if not spec.is_gpu or spec.simulated:
                 raise
             logger.warning("out of memory on %s for %s: evicting and retrying once", device, what)
+            self.tally.counts.out_of_memory_retries += 1
             for victim in self.tally.not_computing(device, protect):
                 self.evict(victim)
             self.sync()
