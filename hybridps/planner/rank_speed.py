@@ -98,6 +98,11 @@ def collective_bytes(share: RankShare, *, kept_gathered_bytes: int) -> Collectiv
     )
 
 
+def _scaled(nbytes: int, share_bytes: int, base_bytes: int) -> int:
+    """``nbytes`` in the proportion ``share_bytes / base_bytes`` (none where the base moved none)."""
+    return round(nbytes * min(1.0, share_bytes / base_bytes)) if base_bytes else 0
+
+
 def rank_step_work(
     sim: Simulation,
     model: Any,
@@ -133,6 +138,11 @@ def rank_step_work(
         disk_read_bytes=moved.get("nvme->cpu", 0),
         disk_write_bytes=moved.get("cpu->nvme", 0),
         grads_loose=False,
+        # the single rank's host memory work, in the proportion of its link bytes the share moves
+        pageable_h2d_bytes=_scaled(base.pageable_h2d_bytes, h2d_bytes(moved), base.h2d_bytes),
+        pageable_d2h_bytes=_scaled(base.pageable_d2h_bytes, d2h_bytes(moved), base.d2h_bytes),
+        arena_grown_bytes=_scaled(base.arena_grown_bytes, h2d_bytes(moved), base.h2d_bytes),
+        arena_released_bytes=_scaled(base.arena_released_bytes, d2h_bytes(moved), base.d2h_bytes),
         owned_params=owned_params,
         node_gather_bytes=comm.node_gather_bytes,
         node_reduce_bytes=comm.node_reduce_bytes,

@@ -91,6 +91,17 @@ class MachineRates:
     #: the same between nodes (the slowest link a ring crossing nodes takes); one node cannot
     #: measure it: ``hybridps plan --network-gbps`` gives it
     network_gbps: float | None = None
+    #: copies between the GPU and pageable host memory (a chunk on the CPU outside the arena's
+    #: page-locked slots: beyond its cap, an optimizer row the forward pushes down), each way;
+    #: such a copy runs on the calling thread. None: not measured (the move's bytes then count
+    #: at the pinned rates, with the others)
+    pageable_h2d_gbps: float | None = None
+    pageable_d2h_gbps: float | None = None
+    #: seconds a GiB of host arena segment takes to map and page-lock (``mmap``, first touch,
+    #: ``cudaHostRegister``), and to unpin and let go (``cudaHostUnregister``, ``munmap``), on
+    #: the calling thread; None: not measured (nothing counted)
+    arena_grow_s_per_gib: float | None = None
+    arena_release_s_per_gib: float | None = None
     #: torch's intra-op threads when measured: on a simulated GPU the compute, the copies and
     #: the CPU step all ran on them (None: not recorded, as in the shipped GPU profiles)
     host_threads: int | None = None
@@ -122,7 +133,17 @@ class MachineRates:
             value = getattr(self, f)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"rates {self.name!r}: {f}={value!r} must be seconds >= 0")
-        for f in ("disk_read_gbps", "disk_write_gbps", "node_gather_gbps", "node_reduce_gbps", "network_gbps"):
+        for f in (
+            "disk_read_gbps",
+            "disk_write_gbps",
+            "node_gather_gbps",
+            "node_reduce_gbps",
+            "network_gbps",
+            "pageable_h2d_gbps",
+            "pageable_d2h_gbps",
+            "arena_grow_s_per_gib",
+            "arena_release_s_per_gib",
+        ):
             if getattr(self, f) is not None:
                 _check_positive(self.name, f, getattr(self, f))
 

@@ -150,6 +150,16 @@ class Simulation:
     #: the params have an fp32 master row apart from their own (16-bit training, or grads in
     #: the params' slots): the step writes the master back into the param row
     master_apart: bool = True
+    #: the last iteration's host memory work that a real GPU does on the calling thread: the
+    #: bytes of chunk moves between the CPU and the GPU through pageable buffers, each way,
+    #: and the host arena's segments mapped and pinned, and unpinned and let go, with their
+    #: bytes (memory/arena.py; the speed model's ``host_memory`` part)
+    pageable_h2d_bytes_per_step: int = 0
+    pageable_d2h_bytes_per_step: int = 0
+    arena_grown_per_step: int = 0
+    arena_grown_bytes_per_step: int = 0
+    arena_released_per_step: int = 0
+    arena_released_bytes_per_step: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("n_layer", self.n_layer)
@@ -228,11 +238,13 @@ def simulate(
         done = 0
         before: dict[str, int] = {}
         after: dict[str, int] = {}
+        host_before: dict[str, int] = {}
         try:
             engine = initialize(module, torch_optimizer, config)
             with meta_attention_as_flash(), _family_context(model), _step_context(optimizer):
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
+                    host_before = _host_memory_counts(engine)
                     inputs = model.inputs(device)  # positional arguments, or keyword ones (a Hugging Face model's)
                     out = engine(**inputs) if isinstance(inputs, Mapping) else engine(*inputs)
                     engine.backward(model.loss(out))
@@ -251,7 +263,11 @@ def simulate(
         sim = _read_simulation(
             engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start, optimizer, states
         )
-        return dataclasses.replace(sim, **_step_counts(engine)) if sim.completed else sim
+        if not sim.completed:
+            return sim
+        host_after = _host_memory_counts(engine)
+        host = {f"{k}_per_step": v - host_before.get(k, 0) for k, v in host_after.items()}
+        return dataclasses.replace(sim, **_step_counts(engine), **host)
     finally:
         if engine is not None:
             engine.client.close(restore=False)
@@ -389,6 +405,22 @@ def _state_bytes_per_param(engine, rows: ChunkRows, states: PlannedStates) -> fl
     elements = sum(c.capacity for c in client.rows[ChunkKind.PARAM] if c.slots)
     booked = sum(c.nbytes for kind in states.kinds for c in client.rows[kind] if c.slots)
     return booked / elements if elements else 0.0
+
+
+def _host_memory_counts(engine) -> dict[str, int]:
+    """The mover's pageable bytes each way between the CPU and the GPU, and the host arena's
+    segments grown and released with their bytes, since the start."""
+    mover = engine.client.mover
+    pageable = mover.counts.pageable_bytes
+    arena = mover.arena.stats() if mover.arena is not None else {}
+    return {
+        "pageable_h2d_bytes": sum(v for k, v in pageable.items() if k.startswith("cpu->")),
+        "pageable_d2h_bytes": sum(v for k, v in pageable.items() if k.endswith("->cpu")),
+        "arena_grown": arena.get("grown", 0),
+        "arena_grown_bytes": arena.get("grown_bytes", 0),
+        "arena_released": arena.get("released", 0),
+        "arena_released_bytes": arena.get("released_bytes", 0),
+    }
 
 
 def _step_counts(engine) -> dict[str, int | bool]:

@@ -23,6 +23,10 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
   rates; one copy engine per direction, so the two directions overlap (max of the two);
   repeated per micro-batch (the param chunks cross again each forward: an upper bound);
+- ``host_memory`` ([Note: host memory on the calling thread]): the copies of the link's bytes
+  whose host side is a pageable buffer, at the rates' pageable GB/s (instead of in ``link``),
+  and the host arena's segments mapped and pinned, and unpinned and let go, at the rates'
+  seconds a GiB; where the rates measured neither, nothing (and every byte in ``link``);
 - ``cpu_adam``: the params whose optimizer row stepped on the CPU in the steady iteration
   (rows not on the GPU), at the fused AdamW rate (exact moments) or ``compact_adam_``'s
   (int8 moments), plus in 16-bit training the two dtype copies per param, plus Python per
@@ -46,7 +50,7 @@ that phase takes ``max(compute, host, link, collectives)``, written ``max(comput
 link)`` below. The optimizer step follows backward (chunks stepped on
 the CPU one after the other, the GPU's rows beside them), and the disk's traffic is counted
 whole (its reads ahead wait on the same CPU room the step uses):
-``step = max(compute, host, link) + cpu_adam + gpu_adam + disk``. With steps beside the
+``step = max(compute, host, link) + host_memory + cpu_adam + gpu_adam + disk``. With steps beside the
 next forward (``Config.overlap_step`` "auto": on for a real GPU with grad reuse, so not
 under accumulation) the CPU step runs on a worker while the next forward runs, whose share
 of ``max(compute, host, link)`` is taken as a third (forward against forward + backward):
@@ -55,6 +59,22 @@ the host's cores (its copies are memcpys, its compute the CPU's), so the parts a
 ``step = compute + host + h2d + d2h + collectives + cpu_adam + gpu_adam + disk +
 device_copies`` (the shared-memory link's copies, too, take the cores the ranks compute on). ``bound_by`` names the
 part that contributes most to the step.
+
+[Note: host memory on the calling thread]
+A copy between a GPU and pageable host memory cannot run on a copy stream beside compute:
+the runtime stages it through a pinned buffer of its own, on the calling thread, at 6.5-8.2
+GB/s on the H200 node against 41-55 GB/s from pinned memory. Mapping and page-locking a host
+arena segment (``cudaHostRegister``) and letting it go also run there, between two chunk
+moves: 9.3 ms a 32 MiB segment made and dropped on that node. The largest GPT planned for it
+(17.23 B, 340 layers) did both every step in the planner's simulation: 483 segments grown and
+released, 16.5 GB of optimizer rows through pageable buffers each way, about 9 s of its 51.7
+s step (docs/benchmarks/2026-11-27-largest-model-h200.md, "Where the largest step's time
+goes"), which a model of pinned copies beside compute counted as under a second. So the
+simulation counts them (``Simulation.pageable_*``, ``arena_*``: the mover's and the arena's
+own counters over the last iteration), and a step adds their seconds to the overlapped phase
+instead of hiding them in it. The shipped H200 profile carries the rates measured on that
+node; a profile without them (the H100's, a simulated GPU's, where pageable and pinned
+memory copy alike) counts nothing here.
 
 [Note: the head apart]
 The rates' TFLOPS are a block's (a one-block GPT with a 256-entry vocabulary). What a
@@ -86,7 +106,7 @@ from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
 
 #: the parts of a step, in the order the report lists them
-PARTS = ("compute", "host", "link", "collectives", "cpu_adam", "gpu_adam", "disk", "device_copies")
+PARTS = ("compute", "host", "link", "host_memory", "collectives", "cpu_adam", "gpu_adam", "disk", "device_copies")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +126,12 @@ class StepWork:
     tensors: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    #: of those, the bytes whose host side was a pageable buffer (no arena slot), each way
+    pageable_h2d_bytes: int = 0
+    pageable_d2h_bytes: int = 0
+    #: host arena segments' bytes mapped and pinned, and unpinned and let go, per micro-batch
+    arena_grown_bytes: int = 0
+    arena_released_bytes: int = 0
     cpu_step_params: int = 0
     cpu_step_chunks: int = 0
     gpu_step_params: int = 0
@@ -246,6 +272,10 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         tensors=len(sim.param_numels),
         h2d_bytes=h2d_bytes(moved),
         d2h_bytes=d2h_bytes(moved),
+        pageable_h2d_bytes=sim.pageable_h2d_bytes_per_step,
+        pageable_d2h_bytes=sim.pageable_d2h_bytes_per_step,
+        arena_grown_bytes=sim.arena_grown_bytes_per_step,
+        arena_released_bytes=sim.arena_released_bytes_per_step,
         cpu_step_params=sim.step_params_cpu,
         cpu_step_chunks=sim.step_chunks_cpu,
         gpu_step_params=sim.step_params_gpu,
@@ -286,8 +316,10 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         compute = flops / rate
     else:  # [Note: the head apart]
         compute = (flops - work.head_flops) / rate + head
-    h2d = work.h2d_bytes * m / (rates.h2d_gbps * 1e9)
-    d2h = work.d2h_bytes * m / (rates.d2h_gbps * 1e9)
+    pageable_h2d = work.pageable_h2d_bytes if rates.pageable_h2d_gbps else 0
+    pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
+    h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
+    d2h = (work.d2h_bytes - pageable_d2h) * m / (rates.d2h_gbps * 1e9)
     adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s
     cpu = work.cpu_step_params / adam + work.cpu_step_chunks * rates.cpu_step_s_per_chunk
     if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back
@@ -305,6 +337,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         "host": work.tensors * m * rates.host_s_per_tensor,
         # one copy engine per direction: the directions overlap on a real GPU; memcpys add up
         "link": h2d + d2h if rates.simulated_gpu else max(h2d, d2h),
+        "host_memory": host_memory_seconds(work, rates),
         "collectives": collective_seconds(work, rates),
         "cpu_adam": cpu,
         "gpu_adam": work.gpu_step_params / rates.gpu_adam_params_per_s,
@@ -312,6 +345,20 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         # a real GPU's own copies run at its memory's bandwidth: nothing here (the Note)
         "device_copies": work.device_copy_bytes / (rates.h2d_gbps * 1e9) if rates.simulated_gpu else 0.0,
     }
+
+
+def host_memory_seconds(work: StepWork, rates: MachineRates) -> float:
+    """Seconds a step of the host memory work that runs on the calling thread ([Note: host
+    memory on the calling thread]): copies through pageable buffers at the rates' pageable
+    GB/s, and the arena's segments mapped and pinned, unpinned and let go; nothing the rates
+    did not measure."""
+    parts = (
+        (work.pageable_h2d_bytes, rates.pageable_h2d_gbps and 1 / (rates.pageable_h2d_gbps * 1e9)),
+        (work.pageable_d2h_bytes, rates.pageable_d2h_gbps and 1 / (rates.pageable_d2h_gbps * 1e9)),
+        (work.arena_grown_bytes, rates.arena_grow_s_per_gib and rates.arena_grow_s_per_gib / 2**30),
+        (work.arena_released_bytes, rates.arena_release_s_per_gib and rates.arena_release_s_per_gib / 2**30),
+    )
+    return sum(nbytes * (per_byte or 0.0) for nbytes, per_byte in parts) * work.micro_batches
 
 
 def collective_seconds(work: StepWork, rates: MachineRates) -> float:
@@ -343,19 +390,20 @@ def compose(parts: Mapping[str, float], *, simulated_gpu: bool, overlap_step: bo
     ``overlap_step``: the CPU step beside the next forward (a real GPU only)."""
     if simulated_gpu:
         rule = (
-            "compute + host + link + collectives + cpu_adam + gpu_adam + disk + device_copies "
+            "compute + host + link + host_memory + collectives + cpu_adam + gpu_adam + disk + device_copies "
             "(a simulated GPU: every part on the host's cores)"
         )
         contributions = dict(parts)
     else:
-        rule = "max(compute, host, link, collectives) + cpu_adam + gpu_adam + disk"
+        rule = "max(compute, host, link, collectives) + host_memory + cpu_adam + gpu_adam + disk"
         overlapped = max(("compute", "host", "link", "collectives"), key=lambda k: parts.get(k, 0.0))
         # device_copies: nothing on a real GPU (``part_seconds``)
-        contributions = {overlapped: parts.get(overlapped, 0.0), **{k: parts[k] for k in ("cpu_adam", "gpu_adam", "disk")}}
+        serial = ("host_memory", "cpu_adam", "gpu_adam", "disk")
+        contributions = {overlapped: parts.get(overlapped, 0.0), **{k: parts.get(k, 0.0) for k in serial}}
         if overlap_step:
             rule = (
-                "max(compute, host, link, collectives) + max(0, cpu_adam - max(compute, host, link, collectives) / 3) "
-                "+ gpu_adam + disk"
+                "max(compute, host, link, collectives) + host_memory "
+                "+ max(0, cpu_adam - max(compute, host, link, collectives) / 3) + gpu_adam + disk"
             )
             contributions["cpu_adam"] = max(0.0, parts["cpu_adam"] - contributions[overlapped] / 3)
     step = sum(contributions.values())

@@ -213,6 +213,8 @@ class HostArena:
         self.pinned_bytes = 0
         self.grown = 0  # segments added
         self.released = 0  # segments let go
+        self.grown_bytes = 0  # their bytes, mapped (and pinned) and let go, since the start
+        self.released_bytes = 0
         self.lends = 0  # slots lent
         #: bytes of the segments whose slots are all free (what ``release_idle`` may let go),
         #: kept as slots move: the mover asks for it at every chunk operation that needs room
@@ -357,6 +359,7 @@ class HostArena:
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             self.pinned_bytes += nbytes if pinned else 0
             self.grown += 1
+            self.grown_bytes += nbytes
         logger.debug(
             "host arena: +%s segment of %s slots%s", format_bytes(nbytes), format_bytes(slot_bytes), " (pinned)" if pinned else ""
         )
@@ -408,6 +411,7 @@ class HostArena:
         self._empty_bytes -= segment.nbytes  # only an empty segment goes
         self.pinned_bytes -= segment.nbytes if segment.pinned else 0
         self.released += 1
+        self.released_bytes += segment.nbytes
 
     def close(self) -> None:
         """Release every idle segment now and the others as their last slot comes back."""
@@ -434,6 +438,8 @@ class HostArena:
                 "segments": len(self._segments),
                 "grown": self.grown,
                 "released": self.released,
+                "grown_bytes": self.grown_bytes,
+                "released_bytes": self.released_bytes,
                 "lends": self.lends,
             }
 

@@ -48,6 +48,10 @@ class MoveCounts:
     out_of_memory_retries: int = 0
     #: bytes copied between devices, by "src->dst": chunk moves and copies outside them
     moved_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: of the chunk moves between host memory and a GPU, the bytes whose host side was a
+    #: pageable buffer, not a page-locked arena slot, by "src->dst": such a copy runs on the
+    #: calling thread at the pageable rate (the planner's speed model, planner/speed.py)
+    pageable_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 class Tally(Protocol):
@@ -176,6 +180,7 @@ class ChunkFigures:
             "prefetch_hits": counts.prefetch_hits,
             "prefetch_evictions": counts.prefetch_evictions,
             "out_of_memory_retries": counts.out_of_memory_retries,
+            "pageable_bytes": dict(counts.pageable_bytes),
             **({"pool": pool.stats()} if pool is not None else {}),
             **({"link": link.stats()} if link is not None else {}),
             "pinned_bytes": arena.pinned_bytes if arena is not None else 0,

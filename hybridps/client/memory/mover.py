@@ -679,6 +679,7 @@ class ChunkMover:
             self.host.request(chunk.nbytes, src=device, dst=src)
             raise
         self._account(device, chunk, +1)
+        self._count_pageable(src, device, old, buf, chunk.nbytes)
         self.host.let_go(old, plan, read_until=chunk.ready_event if running else None)
         counts.moves += 1
         counts.moved_bytes[f"{src}->{device}"] += chunk.nbytes
@@ -686,6 +687,20 @@ class ChunkMover:
         for listener in self.activity.listeners:  # each heard by its own switch (memory/activity.py)
             if listener.hears_moves:
                 listener.moved(chunk, src, device, seconds, evicted)
+
+    def _count_pageable(self, src: str, dst: str, old: torch.Tensor, buf: torch.Tensor, nbytes: int) -> None:
+        """Count a move between host memory and a GPU (real or simulated) whose host side,
+        ``old`` leaving the CPU or ``buf`` arriving there, is no arena slot (``pageable_bytes``)."""
+        specs = self._specs
+        if src == CPU and specs[dst].is_gpu:
+            host_side = old
+        elif dst == CPU and specs[src].is_gpu:
+            host_side = buf
+        else:
+            return
+        arena = self.host.arena
+        if arena is None or not arena.owns(host_side):
+            self.tally.counts.pageable_bytes[f"{src}->{dst}"] += nbytes
 
     def _account(self, device: str, chunk: Chunk, sign: int) -> None:
         """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on
