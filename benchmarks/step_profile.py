@@ -225,7 +225,10 @@ def run(args) -> dict:
     cfg = shape.gpt_config
     on_gpu = torch.cuda.is_available() and not args.simulate and not args.meta
     torch.manual_seed(0)
-    with torch.device("meta") if args.meta else contextlib.nullcontext():
+    # on a GPU the model is built on meta and its init replayed into the chunks there, as a
+    # large model must be (a 17 B model's fp32 copy would not fit the host beside its chunks)
+    build = torch.device("meta") if args.meta else hybridps.meta_init(device="cuda:0") if on_gpu else contextlib.nullcontext()
+    with build:
         model = shape.build()
     model_bytes = cfg.n_params * 16
     gpu_bytes = int(args.gpu_bytes) if args.gpu_bytes else int(model_bytes * args.gpu_fraction)

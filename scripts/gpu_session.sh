@@ -10,6 +10,9 @@
 #   bash scripts/gpu_session.sh register what a host arena segment costs (map, pin, unpin, unmap)
 #   bash scripts/gpu_session.sh peers    DeepSpeed's offload modes and HybridPS at 97 layers
 #   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step, fitting and at half
+#   bash scripts/gpu_session.sh profile  the plan's largest, its steady step in columns (arena, copies,
+#                                        waits, victims, optimizer, allocator, torch's kernels and
+#                                        copies by kind): benchmarks/step_profile.py
 #   bash scripts/gpu_session.sh tokens   1.31 B fitting against the GPU at half its model data,
 #                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024
 #                                        is noise-bound around 0.7x: 0.52-0.74x on an H200)
@@ -51,6 +54,22 @@ largest)
     timeout 150 $w --layers $low --checkpoint --steps 1 --cpu-bytes $cpu > $OUT/w_low.txt 2>> $OUT/log.txt; echo "rc $? largest $low"
     show $OUT/w_low.txt
   fi
+  ;;
+profile)
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
+    *H200*) n=340; gpu=137590000000; cpu=119300000000 ;;
+    *) n=260; gpu=77700000000; cpu=120240000000 ;;
+  esac
+  timeout 560 python3 -m benchmarks step_profile --layers $n --d-model 2048 --heads 16 --seq 1024 --batch 8 --vocab 50304 \
+    --precision bf16 --gpu-bytes $gpu --cpu-bytes $cpu --steps 2 --warmup 1 --torch-profiler > $OUT/step_profile.json 2>> $OUT/log.txt
+  echo "rc $? profile $n"
+  python3 -c "
+import json; d=json.load(open('$OUT/step_profile.json'))
+print('step_s', d['step_s'], 'columns', d['columns_s_per_step'])
+for p, v in d['phases'].items(): print(p, v['wall_s'], v['columns_s'])
+for k in ('worker_s_per_step', 'moved_bytes_per_step', 'down_into_pinned_slots_bytes_per_step', 'arena_per_step', 'out_of_memory_retries_per_step', 'allocator_per_step', 'torch_profiler'):
+    print(k, d.get(k))
+"
   ;;
 peers)
   timeout 580 python3 scripts/gpu_validate.py --phases env,peers --ds-layers 97 --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 570 --run-timeout-s 170 > $OUT/peers.json 2>> $OUT/log.txt
