@@ -146,8 +146,11 @@ def _instrument(clock: ColumnClock, engine) -> None:
     for name in ("drain", "wait_computed", "finish_through"):
         clock.patch(StepWorker, name, "waits")
     clock.patch(mover, "evictable", "eviction_choice")
-    for name in ("eviction_order", "prefetch_victims", "victim"):
-        clock.patch(mover.placement, name, "eviction_choice")
+    for name in ("eviction_order", "prefetch_victims", "victim", "prefetch_order", "prefetch_victims_of"):
+        if hasattr(mover.placement, name):  # a policy of another version may lack the index's orders
+            clock.patch(mover.placement, name, "eviction_choice")
+    if getattr(mover, "victims", None) is not None:  # the index's catching up (its pops run inside the evictions' loop)
+        clock.patch(mover.victims, "_catch_up", "eviction_choice")
     clock.patch(mover.host, "request", "manager")
     for name in ("access", "access_all", "release", "release_all"):
         clock.patch(client.values, name, "param_access")
@@ -279,6 +282,8 @@ def run(args) -> dict:
         before_arena = arena.stats() if arena is not None else {}
         before_moved = dict(mover.counts.moved_bytes)
         before_retries = mover.counts.out_of_memory_retries
+        index = getattr(mover, "victims", None)
+        index_before = (index.rebuilds, index.pushes) if index is not None else (0, 0)
         before_allocator = _allocator_counts() if on_gpu else {}
         pinned_down.clear()
         stack.callback(clock.restore)
@@ -319,6 +324,16 @@ def run(args) -> dict:
         "worker_s_per_step": {k: round(v / steps, 4) for k, v in sorted(clock.elsewhere.items())},
         "moved_bytes_per_step": moved,
         "down_into_pinned_slots_bytes_per_step": {k: v / steps for k, v in sorted(pinned_down.items())},
+        **(
+            {
+                "victim_index_per_step": {
+                    "rebuilds": (mover.victims.rebuilds - index_before[0]) / steps,
+                    "pushes": (mover.victims.pushes - index_before[1]) / steps,
+                }
+            }
+            if getattr(mover, "victims", None) is not None
+            else {}
+        ),
         "out_of_memory_retries_per_step": (mover.counts.out_of_memory_retries - before_retries) / steps,
         **(
             {"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in _allocator_counts().items()}}

@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -60,7 +60,7 @@ from hybridps.client.memory.cpu_spill import CpuSpill
 from hybridps.client.memory.disk_moves import DiskMoves
 from hybridps.client.memory.figures import ChunkFigures, MoveCounts
 from hybridps.client.memory.host_buffers import HostBuffers, page_aligned_empty
-from hybridps.client.memory.placement import PlacementPolicy
+from hybridps.client.memory.placement import CHANGED_KEPT, PlacementPolicy, VictimIndex
 from hybridps.client.memory.pool import PayloadPool, PoolPlan
 from hybridps.client.memory.scratch_file import ScratchFile
 from hybridps.client.memory.sim_link import D2H, H2D, SimulatedLink
@@ -294,6 +294,9 @@ class ChunkMover:
         self.activity = activity if activity is not None else ChunkActivity()
         #: where every chunk lies, the bytes, and what the moves counted
         self.tally = ChunkTally(inventory)
+        #: the compute device's chunks by next use while the trace is replayed, for victims
+        #: without a scan of every chunk (placement.py); None where victims go by LRU
+        self.victims = VictimIndex(self.tally, self.trace, self.compute.name) if self.placement.follows_trace else None
         #: the disk tier's moves (disk_moves.py; ``scratch``: its file, None under simulate="meta"),
         #: None without a disk tier; see [Note: the disk tier's moves]
         disk = inventory.disk
@@ -429,6 +432,8 @@ class ChunkMover:
         activity = self.activity
         activity.clock += 1
         chunk.last_use = activity.clock
+        if self.victims is not None:  # its key changed ([Note: the victim index])
+            self._note_changed(chunk)
         for listener in activity.listeners:  # each heard by its own switch (memory/activity.py)
             if listener.hears_accesses:
                 listener.accessed(chunk, device)
@@ -495,7 +500,14 @@ class ChunkMover:
         need = self.tally.used_bytes[device] + chunk.nbytes - self.budget(device)
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)
-            victims = self.placement.prefetch_victims(self.evictable(device, protect=(chunk,)), chunk, need)
+            if self._indexed(device):
+                walk = self.victims.furthest_first(self.placement.prefetch_order, self._may_go((chunk,)))
+                try:
+                    victims = self.placement.prefetch_victims_of(walk, chunk, need)
+                finally:
+                    walk.close()  # its popped entries go back before anything moves
+            else:
+                victims = self.placement.prefetch_victims(self.evictable(device, protect=(chunk,)), chunk, need)
             if not victims:
                 return False
             try:
@@ -550,6 +562,18 @@ class ChunkMover:
         if device == CPU and self.spill is not None:
             self.spill.make_room(size, protect=protect, who=who, coming=coming)  # to the disk
             return
+        if self._indexed(device):
+            limit = budget - size
+            walk = self.victims.furthest_first(self.placement.eviction_order, self._may_go(protect))
+            try:
+                for victim in walk:
+                    if self.tally.used_bytes[device] <= limit:
+                        break
+                    self.evict(victim)
+            finally:
+                walk.close()  # its popped entries go back now, not when the walk is collected
+            if self.tally.used_bytes[device] <= limit:
+                return  # else the scan below: collectives in flight land first, or the error
         need = self.tally.used_bytes[device] + size - budget
         victims = self.evictable(device, protect, need_bytes=need)
         if sum(c.nbytes for c in victims) < need:
@@ -557,6 +581,18 @@ class ChunkMover:
                 self.figures.no_room_message(device, size_bytes=size, budget_bytes=budget, who=who, protect=protect)
             )
         self.shrink(device, budget - size, victims)
+
+    def _indexed(self, device: str) -> bool:
+        """Whether victims on ``device`` come from the victim index (the compute device, while
+        the trace is replayed: [Note: the victim index] in placement.py)."""
+        return self.victims is not None and device == self.compute.name and self.placement.replaying()
+
+    @staticmethod
+    def _may_go(protect: Collection[Chunk]) -> Callable[[Chunk], bool]:
+        """Whether a chunk may leave now: not in ``protect``, not in COMPUTE, not under a
+        collective (``ChunkTally.free_to_go``'s test)."""
+        compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
+        return lambda c: not c.counts[compute] and c.payload_state is not in_collective and c not in protect
 
     def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
         """Chunks on ``device`` that may leave now (``ChunkTally.evictable``)."""
@@ -702,6 +738,15 @@ class ChunkMover:
         if arena is None or not arena.owns(host_side):
             self.tally.counts.pageable_bytes[f"{src}->{dst}"] += nbytes
 
+    def _note_changed(self, chunk: Chunk) -> None:
+        """Log ``chunk`` for the victim index: brought, or arrived on the compute device (up
+        to ``CHANGED_KEPT`` between two of its catch-ups; beyond, it builds its heap again)."""
+        victims = self.victims
+        if len(victims.changed) < CHANGED_KEPT:
+            victims.changed.append(chunk)
+        else:
+            victims.changes_lost = True
+
     def _account(self, device: str, chunk: Chunk, sign: int) -> None:
         """Book (+1, after the payload exists) or unbook (-1, before it goes) ``chunk`` on
         ``device``: in the tally and the host buffers' count of arena payloads; the trace is
@@ -714,6 +759,8 @@ class ChunkMover:
         self.tally.add(device, chunk)
         if device == self.compute.name:
             self.trace.chunks_grew(self.tally.used_bytes[device])
+            if self.victims is not None:  # a new entry ([Note: the victim index])
+                self._note_changed(chunk)
 
     def release_all(self, chunks: Iterable[Chunk]) -> None:
         """Free every payload, the pool and the arena (client shutdown)."""
