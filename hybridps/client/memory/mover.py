@@ -74,6 +74,13 @@ logger = logging.getLogger(__name__)
 CPU = "cpu"
 
 
+def may_go(protect: Collection[Chunk]) -> Callable[[Chunk], bool]:
+    """Whether a chunk may leave its device now: not in ``protect``, not in COMPUTE
+    (``Chunk.state``), not under a collective (``Chunk.in_flight``); read from the chunks' fields."""
+    compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
+    return lambda c: not c.counts[compute] and c.payload_state is not in_collective and c not in protect
+
+
 class ChunkTally:
     """Where each chunk of one client lies, and the chunk bytes on each device now and at their peak."""
 
@@ -145,16 +152,12 @@ class ChunkTally:
         return self.free_to_go(device, protect)
 
     def free_to_go(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
-        """The chunks on ``device`` that are not in ``protect``, not in COMPUTE (``Chunk.state``)
-        and not under a collective (``Chunk.in_flight``), read from the chunks' fields: this
-        scans every chunk on the device for each eviction (docs/benchmarks/2026-11-27-largest-model-h200.md,
-        "The eviction scan at the largest model")."""
-        compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
-        return [
-            c
-            for c in self.resident[device].values()
-            if not c.counts[compute] and c.payload_state is not in_collective and c not in protect
-        ]
+        """The chunks on ``device`` that ``may_go`` (not in ``protect``, not in COMPUTE, not under
+        a collective): a scan of every chunk there, for the victims the victim index does not
+        give (the CPU's toward the disk, LRU, a walk inside a walk; [Note: the victim index] in
+        memory/placement.py)."""
+        go = may_go(protect)
+        return [c for c in self.resident[device].values() if go(c)]
 
     def not_computing(self, device: str, protect: Collection[Chunk]) -> list[Chunk]:
         """The chunks on ``device`` that are not in ``protect`` and not in COMPUTE."""
@@ -501,7 +504,7 @@ class ChunkMover:
         if need > 0:
             # room only by pushing out chunks the trace uses after this one (the policy's call)
             if self._indexed(device):
-                walk = self.victims.furthest_first(self.placement.prefetch_order, self._may_go((chunk,)))
+                walk = self.victims.furthest_first(self.placement.prefetch_order, may_go((chunk,)))
                 try:
                     victims = self.placement.prefetch_victims_of(walk, chunk, need)
                 finally:
@@ -564,7 +567,7 @@ class ChunkMover:
             return
         if self._indexed(device):
             limit = budget - size
-            walk = self.victims.furthest_first(self.placement.eviction_order, self._may_go(protect))
+            walk = self.victims.furthest_first(self.placement.eviction_order, may_go(protect))
             try:
                 for victim in walk:
                     if self.tally.used_bytes[device] <= limit:
@@ -586,13 +589,6 @@ class ChunkMover:
         """Whether victims on ``device`` come from the victim index (the compute device, while
         the trace is replayed: [Note: the victim index] in placement.py)."""
         return self.victims is not None and device == self.compute.name and self.placement.replaying()
-
-    @staticmethod
-    def _may_go(protect: Collection[Chunk]) -> Callable[[Chunk], bool]:
-        """Whether a chunk may leave now: not in ``protect``, not in COMPUTE, not under a
-        collective (``ChunkTally.free_to_go``'s test)."""
-        compute, in_collective = TensorState.COMPUTE, PayloadState.IN_COLLECTIVE
-        return lambda c: not c.counts[compute] and c.payload_state is not in_collective and c not in protect
 
     def evictable(self, device: str, protect: Collection[Chunk] = (), *, need_bytes: int = 0) -> list[Chunk]:
         """Chunks on ``device`` that may leave now (``ChunkTally.evictable``)."""
