@@ -299,7 +299,8 @@ class ChunkMover:
         self.tally = ChunkTally(inventory)
         #: the compute device's chunks by next use while the trace is replayed, for victims
         #: without a scan of every chunk (placement.py); None where victims go by LRU
-        self.victims = VictimIndex(self.tally, self.trace, self.compute.name) if self.placement.follows_trace else None
+        follows = self.placement.trace is not None and self.placement.trace is self.trace
+        self.victims = VictimIndex(self.tally, self.trace, self.compute.name) if follows else None
         #: the disk tier's moves (disk_moves.py; ``scratch``: its file, None under simulate="meta"),
         #: None without a disk tier; see [Note: the disk tier's moves]
         disk = inventory.disk

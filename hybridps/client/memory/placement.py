@@ -125,6 +125,8 @@ class PlacementPolicy:
         #: trace is being replayed; None without a trace (LRU)
         self._next_use: Callable[[Chunk], float] | None = None if trace is None else trace.next_use
         self._replaying: Callable[[], bool] = (lambda: False) if trace is None else trace.replaying
+        #: the trace itself (the mover's victim index follows it where it is the mover's too)
+        self.trace = trace
 
     # -- where new chunks live -------------------------------------------------------------
 
@@ -191,11 +193,6 @@ class PlacementPolicy:
             next_use = self._next_use
             return sorted(candidates, key=lambda c: (next_use(c), -c.last_use, c.chunk_id), reverse=True)
         return sorted(candidates, key=lambda c: (c.last_use, c.chunk_id))
-
-    @property
-    def follows_trace(self) -> bool:
-        """Whether victims go by the trace's next uses while it is replayed (else LRU)."""
-        return self._next_use is not None
 
     def replaying(self) -> bool:
         """Whether the trace is being replayed now."""
