@@ -111,10 +111,14 @@ class ColumnClock:
 
     def patch(self, owner: object, attr: str, column: str | Callable[..., str]) -> None:
         """Replace ``owner.attr`` (an instance's or a class's) by its timed version until ``restore``."""
+        self.replace(owner, attr, self.wrap(getattr(owner, attr), column))
+
+    def replace(self, owner: object, attr: str, value: object) -> None:
+        """Set ``owner.attr`` to ``value`` until ``restore``."""
         if isinstance(owner, type) and attr not in owner.__dict__:
             raise AttributeError(f"{owner.__name__}.{attr} is inherited: patch the class that defines it")
         original = owner.__dict__.get(attr) if isinstance(owner, type) else None
-        setattr(owner, attr, self.wrap(getattr(owner, attr), column))
+        setattr(owner, attr, value)
         if isinstance(owner, type):
             self._restore.append(lambda: setattr(owner, attr, original))
         else:
@@ -155,15 +159,13 @@ def _instrument(clock: ColumnClock, engine) -> None:
     for name in ("access", "access_all", "release", "release_all"):
         clock.patch(client.values, name, "param_access")
 
-    arithmetic = chunk_step_module.ChunkArithmetic
-    original_compute = arithmetic.compute
+    original_compute = chunk_step_module.ChunkArithmetic.compute
 
-    def compute(self, rows, *args, **kwargs):
+    def compute(self, rows, *args, **kwargs):  # the closure it returns runs the arithmetic, timed
         run = original_compute(self, rows, *args, **kwargs)
         return clock.wrap(run, f"optimizer_compute[{rows.master.device}]")
 
-    arithmetic.compute = compute
-    clock._restore.append(lambda: setattr(arithmetic, "compute", original_compute))
+    clock.replace(chunk_step_module.ChunkArithmetic, "compute", compute)
 
     def resident_column(self, prepared, clip_coef) -> str:
         return f"optimizer_compute[{prepared[0].rows.master.device}]" if prepared else "optimizer_compute"
@@ -282,7 +284,7 @@ def run(args) -> dict:
         before_arena = arena.stats() if arena is not None else {}
         before_moved = dict(mover.counts.moved_bytes)
         before_retries = mover.counts.out_of_memory_retries
-        index = getattr(mover, "victims", None)
+        index = getattr(mover, "victims", None)  # None where victims go by LRU (or in a version before the index)
         index_before = (index.rebuilds, index.pushes) if index is not None else (0, 0)
         before_allocator = _allocator_counts() if on_gpu else {}
         pinned_down.clear()

@@ -10,25 +10,11 @@ import pytest
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.model import GPTShape
-from hybridps.planner.rates import PROFILE_NAMES, MachineRates, load_rates, profile, read_rates_file, threads_mismatch
+from hybridps.planner.rates import PROFILE_NAMES, load_rates, profile, read_rates_file, threads_mismatch
 from hybridps.planner.speed import PARTS, StepWork, compose, predict_work
+from tests.synthetic_rates import synthetic_rates
 
-
-def _rates(**kw) -> MachineRates:
-    base = dict(
-        name="test",
-        device="synthetic",
-        simulated_gpu=False,
-        compute_tflops=((1024, 100.0), (4096, 400.0)),
-        h2d_gbps=10.0,
-        d2h_gbps=20.0,
-        cpu_adam_params_per_s=1e9,
-        cpu_compact_adam_params_per_s=5e8,
-        cpu_cast_params_per_s=2e9,
-        gpu_adam_params_per_s=1e10,
-        host_s_per_tensor=1e-3,
-    )
-    return MachineRates(**{**base, **kw})
+_rates = synthetic_rates
 
 
 WORK = StepWork(

@@ -16,18 +16,12 @@ from hybridps.planner.model import GPTShape
 from hybridps.planner.rates import MachineRates, profile
 from hybridps.planner.simulation import simulate
 from hybridps.planner.speed import PARTS, StepWork, compose, host_memory_seconds, predict_work
+from tests.synthetic_rates import synthetic_rates
 
 GIB = 2**30
 
 
-def _rates(**kw) -> MachineRates:
-    base = dict(
-        name="test", device="synthetic", simulated_gpu=False, compute_tflops=((1024, 100.0), (4096, 400.0)),
-        h2d_gbps=10.0, d2h_gbps=20.0, cpu_adam_params_per_s=1e9, cpu_compact_adam_params_per_s=5e8,
-        cpu_cast_params_per_s=2e9, gpu_adam_params_per_s=1e10, host_s_per_tensor=1e-3,
-    )  # fmt: skip
-    return MachineRates(**{**base, **kw})
-
+_rates = synthetic_rates
 
 HOST_RATES = dict(pageable_h2d_gbps=2.0, pageable_d2h_gbps=4.0, arena_grow_s_per_gib=0.5, arena_release_s_per_gib=0.25)
 

@@ -289,12 +289,7 @@ class PlacementPolicy:
             if c is not incoming and (use := next_use(c)) > mine:
                 later.append((-use, c.last_use, c.chunk_id, c))  # chunk ids are unique: no tie reaches c
         heapq.heapify(later)
-        chosen, freed = [], 0
-        while later and freed < need_bytes:
-            chunk = heapq.heappop(later)[3]
-            chosen.append(chunk)
-            freed += chunk.nbytes
-        return chosen if freed >= need_bytes else []
+        return self.prefetch_victims_of((heapq.heappop(later)[3] for _ in range(len(later))), incoming, need_bytes)
 
     def prefetch_gathers(
         self,
