@@ -68,6 +68,7 @@ def run(args) -> dict:
         simulate="meta",
         precision=args.precision,
         margin=int(args.margin_bytes),
+        casts_on_gpu={"on": True, "off": False}.get(args.casts_on_gpu, "auto"),
     )
     with torch.device("meta"):
         module = shape.build()
@@ -95,6 +96,7 @@ def run(args) -> dict:
         with meta_attention_as_flash():
             for it in range(args.iterations):
                 before, moved_before = arena.stats(), dict(mover.counts.moved_bytes)
+                pageable_before = dict(mover.counts.pageable_bytes)
                 moves.clear()
                 into_arena.clear()
                 evictions.clear()
@@ -123,6 +125,9 @@ def run(args) -> dict:
                         "moves": dict(sorted(moves.items())),
                         "evictions": evictions[True],
                         "moved_bytes": {k: v - moved_before.get(k, 0) for k, v in sorted(mover.counts.moved_bytes.items())},
+                        "pageable_bytes": {
+                            k: v - pageable_before.get(k, 0) for k, v in sorted(mover.counts.pageable_bytes.items())
+                        },
                         "resident_after": _resident(engine.client.store),
                     }
                 )
@@ -137,6 +142,7 @@ def run(args) -> dict:
         "margin_bytes": int(args.margin_bytes),
         "chunk_size": stats["chunk_size"],
         "optimizer_rows": engine.client.optimizer_rows.record,
+        "casts_on_gpu": args.casts_on_gpu,
         "iterations": iterations,
     }
 
@@ -156,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--margin-bytes", type=float, default=1648361472, help="the plan's transient allowance for a real GPU at this shape"
     )
     ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument(
+        "--casts-on-gpu",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Config.casts_on_gpu (auto: on, as for a real GPU): the params of the chunks stepped on the CPU stay on the GPU",
+    )
     ap.add_argument(
         "--time-calls", action="store_true", help="time the Python of choosing victims (evictable, victim, prefetch_victims)"
     )

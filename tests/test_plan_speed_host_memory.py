@@ -69,10 +69,11 @@ def test_the_h200_profile_carries_the_node_figures_and_says_where_they_come_from
 
 def test_a_simulation_at_full_memories_counts_pageable_moves_and_segments_made_and_dropped():
     shape = GPTShape(n_layer=4, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2, checkpoint=True)
-    roomy = simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="bf16")
+    # the casts on the CPU: their param chunks come down for the step (tests/test_casts_at_full_host.py: on the GPU)
+    roomy = simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="bf16", casts_on_gpu=False)
     gpu = int(roomy.model_data_bytes * 0.3) + roomy.non_model_peak_bytes
-    spare_cpu = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="bf16")
-    full_cpu = simulate(shape, gpu_bytes=gpu, cpu_bytes=int(roomy.model_data_bytes * 0.8), precision="bf16")
+    spare_cpu = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="bf16", casts_on_gpu=False)
+    full_cpu = simulate(shape, gpu_bytes=gpu, cpu_bytes=int(roomy.model_data_bytes * 0.8), precision="bf16", casts_on_gpu=False)
     assert spare_cpu.completed and full_cpu.completed
     # a CPU with room keeps every crossing chunk in its arena: nothing pageable, no churn
     assert spare_cpu.pageable_h2d_bytes_per_step == spare_cpu.pageable_d2h_bytes_per_step == 0

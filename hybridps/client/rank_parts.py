@@ -51,7 +51,7 @@ from hybridps.client.memory.trace import MomentTrace
 from hybridps.client.optim import registration
 from hybridps.client.optim.adam import ChunkedAdam
 from hybridps.client.optim.chunk_step import ChunkArithmetic, ChunkStep, StepPlans
-from hybridps.client.optim.device_casts import DeviceCasts
+from hybridps.client.optim.device_casts import DeviceCasts, casts_may_apply, casts_on_gpu_on
 from hybridps.client.optim.early_step import EarlySteps
 from hybridps.client.optim.iteration_step import IterationStep
 from hybridps.client.optim.resident_step import ResidentStep
@@ -219,11 +219,15 @@ def _memory_side(
         trace=trace if config.eviction in ("opt", "auto") else None,
     )
     # the host memory the mover borrows payloads from, and the booking of each chunk operation
+    # with casts on the GPU the masters on the CPU go up every step: arena slots too (device_casts.py)
+    masters_cross = casts_may_apply(config, compute, world_size=world_size)
     host = HostBuffers(
         connection,
         inventory,
-        arena=host_arena(config.pinned_bytes, cpu=inventory.cpu, compute=compute, registrar=host_registrar),
-        arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if config.casts_on_gpu else ())),
+        arena=host_arena(
+            config.pinned_bytes, cpu=inventory.cpu, compute=compute, registrar=host_registrar, masters_cross=masters_cross
+        ),
+        arena_kinds=(ChunkKind.PARAM, ChunkKind.GRAD, *((ChunkKind.MASTER,) if masters_cross else ())),
     )
     mover = ChunkMover(
         inventory,
@@ -371,7 +375,8 @@ def build_optimizer(
     worker = StepWorker()
     arithmetic = ChunkArithmetic(store, handed.parts_by_param, handed.param_groups, StepPlans(handed.group_of), steps)
     # casts on the GPU never apply under a loss scale or with several ranks (device_casts.py)
-    casts = DeviceCasts(store, mover, enabled=store.config.casts_on_gpu and scaler is None and groups is None)
+    on = casts_on_gpu_on(store.config, store.compute)
+    casts = DeviceCasts(store, mover, enabled=on and scaler is None and groups is None)
     # loose grads: one rank only (several reduce their grads in chunk groups)
     loose = parts.grads.loose if groups is None else None
     chunk_step = ChunkStep(store, mover, parts.placement, arithmetic, worker, casts, loose=loose, step_listeners=step_listeners)

@@ -102,6 +102,11 @@ def _seconds(text: str) -> float:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_model_arguments(p)
+    _add_training_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (a GPT-style shape, --factory, or a Hugging Face config: --model-config / --model)")
     m.add_argument(
         "--layers", type=_positive_int, help="transformer blocks (n_layer; with a Hugging Face config: num_hidden_layers)"
@@ -134,6 +139,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FOLDER",
         help="a local Hugging Face model folder: its config.json is read (no weights, nothing downloaded)",
     )
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--precision", choices=list(PRECISION_NAMES), default="fp16")
     t.add_argument(
@@ -141,6 +149,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="grads in the params' slots (14 B/param in 16-bit; 8.03 with --optimizer-states int8)",
+    )
+    t.add_argument(
+        "--casts-on-gpu",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Config.casts_on_gpu: bf16 with grad reuse, one rank: the CPU steps' dtype casts on the GPU, whose "
+        "param chunks then stay there (default auto: on for a real node, off with --simulated-gpus)",
     )
     t.add_argument(
         "--optimizer",
@@ -380,6 +395,7 @@ def run_command(args: argparse.Namespace) -> int:
             optimizer_states=args.optimizer_states,
             optimizer=args.optimizer,
             chunk_size=args.chunk_size,
+            casts_on_gpu={"on": True, "off": False}.get(args.casts_on_gpu, "auto"),
             simulated_gpus=args.simulated_gpus,
             iterations=args.iterations,
             search_largest=args.search,

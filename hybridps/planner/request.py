@@ -51,6 +51,8 @@ class PlanRequest:
     optimizer: str = DEFAULT_OPTIMIZER
     margin_bytes: int = 0
     chunk_size: int | None = None
+    #: ``Config.casts_on_gpu``: "auto" (as a run resolves it), True or False
+    casts_on_gpu: bool | str = "auto"
     #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
     #: real-GPU transients) instead of a real node
     simulated_gpus: bool = False
@@ -96,6 +98,8 @@ class PlanRequest:
             object.__setattr__(self, "optimizer_states", parse_optimizer_states(self.optimizer_states).value)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not (isinstance(self.casts_on_gpu, bool) or self.casts_on_gpu == "auto"):
+            raise ConfigError(f"casts_on_gpu={self.casts_on_gpu!r}; use 'auto', True or False")
         check_optimizer_name(self.optimizer)
         check_optimizer_states(self.optimizer, self.optimizer_states)
         object.__setattr__(self, "margin_bytes", parse_bytes(self.margin_bytes, what="margin"))

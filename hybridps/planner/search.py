@@ -68,6 +68,7 @@ def plan(
     optimizer: str = DEFAULT_OPTIMIZER,
     margin: int | str = 0,
     chunk_size: int | None = None,
+    casts_on_gpu: bool | str = "auto",
     simulated_gpus: bool = False,
     iterations: int | None = None,
     search_largest: bool = True,
@@ -88,7 +89,8 @@ def plan(
     of ranks dividing the world; see ``Config.shard_group_size``), trained with the optimizer
     named ``optimizer`` ("adamw", "sgd", ...: ``optimizers.OPTIMIZER_NAMES``; its states' rows
     are the model data's), Adam's moments stored as ``optimizer_states`` ("fp32", or "int8":
-    ``Config.optimizer_states``, Adam and AdamW only). With ``rates`` (a
+    ``Config.optimizer_states``, Adam and AdamW only), ``casts_on_gpu`` as
+    ``Config.casts_on_gpu`` says ("auto": as a run on the node resolves it). With ``rates`` (a
     ``MachineRates``: ``rates.load_rates``) the report predicts the steady step's seconds,
     ``micro_batches`` accumulated per optimizer step (``speed``).
 
@@ -109,6 +111,7 @@ def plan(
         optimizer=optimizer,
         margin_bytes=margin,
         chunk_size=chunk_size,
+        casts_on_gpu=casts_on_gpu,
         simulated_gpus=simulated_gpus,
         iterations=iterations,
         search_largest=search_largest,
@@ -200,6 +203,8 @@ class Planner(LargestModelSearch):
             key += (req.optimizer_states,)
         if req.optimizer != DEFAULT_OPTIMIZER:  # and with AdamW
             key += (req.optimizer,)
+        if req.casts_on_gpu != "auto":  # and with the casts as a run decides them
+            key += (req.casts_on_gpu,)
         if key in self.simulations:
             return self.simulations[key]
         sim = simulate(
@@ -214,6 +219,8 @@ class Planner(LargestModelSearch):
             nvme_bytes=nvme_bytes,
             optimizer_states=req.optimizer_states,
             optimizer=req.optimizer,
+            # "auto" as a run on such GPUs resolves it: on for a real node, off on simulated GPUs
+            casts_on_gpu=False if req.simulated_gpus and req.casts_on_gpu == "auto" else req.casts_on_gpu,
         )
         self.sim_seconds += sim.seconds
         self.simulations[key] = sim

@@ -28,6 +28,7 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.store import MOMENT_KINDS
+from hybridps.client.optim.device_casts import casts_on_gpu_on
 from hybridps.common.config import Config
 from hybridps.common.devices import NVME
 from hybridps.common.errors import CapacityError, ConfigError
@@ -144,6 +145,11 @@ class Simulation:
     step_params_gpu: int = 0
     step_chunks_cpu: int = 0
     step_chunks_gpu: int = 0
+    #: of ``step_params_cpu``, those whose grads and master the GPU casts (``Config.casts_on_gpu``,
+    #: optim/device_casts.py): the CPU runs their Adam alone
+    step_params_cpu_cast_on_gpu: int = 0
+    #: the run's ``Config.casts_on_gpu``
+    casts_on_gpu: bool = False
     #: the steady iteration kept its grads loose until the step (optim/loose_grads.py): none
     #: was copied into a chunk
     grads_loose: bool = False
@@ -210,6 +216,7 @@ def simulate(
     nvme_bytes: int = 0,
     optimizer_states: str = "fp32",
     optimizer: str = DEFAULT_OPTIMIZER,
+    casts_on_gpu: bool | str = "auto",
 ) -> Simulation:
     """Train ``model`` for ``iterations`` on one simulated GPU of ``gpu_bytes`` beside
     ``cpu_bytes`` of CPU (and ``nvme_bytes`` of disk tier, none when 0) with the optimizer
@@ -223,6 +230,7 @@ def simulate(
     """
     start = time.perf_counter()
     config = _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_bytes, chunk_size, optimizer_states)
+    config = dataclasses.replace(config, casts_on_gpu=casts_on_gpu)
     # each distinct op call runs its meta kernel once ([Note: why remember meta kernels] in meta_kernels.py)
     with remembered_meta_kernels():
         with torch.device("meta"):
@@ -331,6 +339,7 @@ def _read_simulation(
         state_rows=states.rows,
         side_states=states.side,
         state_bytes_per_param=_state_bytes_per_param(engine, rows, states),
+        casts_on_gpu=engine is not None and casts_on_gpu_on(config, engine.client.compute),
     )
     compute_per_elem = config.param_dtype.itemsize * (1 if config.grad_reuse else 2)
     if engine is None:
@@ -429,15 +438,21 @@ def _step_counts(engine) -> dict[str, int | bool]:
     iteration after warm-up leaves as every later one finds it; whether its grads stayed
     loose and whether the params keep a master apart (the speed model's device copies)."""
     client = engine.client
-    out: dict = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0)
+    out: dict = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0, step_params_cpu_cast_on_gpu=0)
     out["grads_loose"] = bool(client.grads.loose.enabled)
     out["master_apart"] = client.master_kind is not ChunkKind.PARAM
-    for param_chunk, master in zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True):
+    chunk_step = client.optimizer.iteration.chunk_step
+    for index, (param_chunk, master) in enumerate(
+        zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True)
+    ):
         if not (param_chunk.owned and param_chunk.slots):
             continue
         where = "cpu" if client.placement.step_device(master) == "cpu" else "gpu"
-        out[f"step_params_{where}"] += sum(slot.numel for slot in param_chunk.slots)
+        params = sum(slot.numel for slot in param_chunk.slots)
+        out[f"step_params_{where}"] += params
         out[f"step_chunks_{where}"] += 1
+        if where == "cpu" and chunk_step.casts_apply(index, "cpu", speculative=False):
+            out["step_params_cpu_cast_on_gpu"] += params
     return out
 
 

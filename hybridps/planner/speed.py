@@ -76,6 +76,20 @@ instead of hiding them in it. The shipped H200 profile carries the rates measure
 node; a profile without them (the H100's, a simulated GPU's, where pageable and pinned
 memory copy alike) counts nothing here.
 
+[Note: the casts' trips]
+Where the GPU casts a CPU step's grads and master (``Config.casts_on_gpu``, [Note: casts on
+the GPU] in optim/device_casts.py), the CPU no longer casts (``cpu_cast_params_per_s``), but
+the thread that steps waits for each chunk's fp32 grads to come down before its Adam and sends
+its master up after, through one buffer per thread: 8 B a param over the pinned link, serial
+with the Adam. So the ``cpu_adam`` part counts those trips at the link's GB/s instead of the
+casts (the bytes count in ``link`` too: the copy engines are busy then as well). On the H200
+profile the trips (0.15 ns a param) and the casts (0.16 ns) come out alike, as measured there
+with half the 1.31 B model's data on the CPU: 0.789 s a step with the casts on the GPU,
+0.779 s without (docs/BENCHMARKS.md). The path's gain is where the host is full: the param
+chunks no longer come down for the step, so the rows stay where they are (the planner's
+17.23 B on one H200: 34 GB moved each way and 500 arena segments made and dropped a step
+without it, no chunk move with it).
+
 [Note: the head apart]
 The rates' TFLOPS are a block's (a one-block GPT with a 256-entry vocabulary). What a
 language model does outside its blocks runs slower per FLOP: the projection to the
@@ -134,6 +148,9 @@ class StepWork:
     arena_released_bytes: int = 0
     cpu_step_params: int = 0
     cpu_step_chunks: int = 0
+    #: of ``cpu_step_params``, those whose casts run on the GPU (``Config.casts_on_gpu``): the
+    #: CPU runs their Adam alone ([Note: casts on the GPU] in optim/device_casts.py)
+    cpu_step_params_cast_on_gpu: int = 0
     gpu_step_params: int = 0
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
@@ -278,6 +295,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         arena_released_bytes=sim.arena_released_bytes_per_step,
         cpu_step_params=sim.step_params_cpu,
         cpu_step_chunks=sim.step_chunks_cpu,
+        cpu_step_params_cast_on_gpu=sim.step_params_cpu_cast_on_gpu,
         gpu_step_params=sim.step_params_gpu,
         disk_read_bytes=sim.nvme_read_bytes_per_step,
         disk_write_bytes=sim.nvme_write_bytes_per_step,
@@ -322,8 +340,10 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     d2h = (work.d2h_bytes - pageable_d2h) * m / (rates.d2h_gbps * 1e9)
     adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s
     cpu = work.cpu_step_params / adam + work.cpu_step_chunks * rates.cpu_step_s_per_chunk
-    if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back
-        cpu += work.cpu_step_params / rates.cpu_cast_params_per_s
+    if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back, on the CPU
+        cpu += (work.cpu_step_params - work.cpu_step_params_cast_on_gpu) / rates.cpu_cast_params_per_s
+    # cast on the GPU instead: fp32 grads down and master up, serial with the Adam ([Note: the casts' trips])
+    cpu += work.cpu_step_params_cast_on_gpu * 4 * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
     read_gbps, write_gbps = rates.disk_read_gbps, rates.disk_write_gbps
     if disk_gbps is not None:
         read_gbps, write_gbps = read_gbps or disk_gbps[0], write_gbps or disk_gbps[1]

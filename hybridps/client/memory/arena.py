@@ -333,11 +333,13 @@ class HostArena:
         """The bytes of a segment of one slot of ``slot_bytes``."""
         return segment_bytes(slot_bytes, 1)
 
-    def grow(self, slot_bytes: int, nbytes: int) -> None:
+    def grow(self, slot_bytes: int, nbytes: int, *, beyond_cap: bool = False) -> None:
         """Add a segment of ``nbytes`` (whole pages, at least one slot of ``slot_bytes``,
-        within the cap) carved into free slots, page-locked when the arena pins. Raises OSError
-        when the host has no memory for it."""
-        if nbytes < slot_bytes or nbytes % PAGE_BYTES or self.held_bytes + nbytes > self.cap_bytes:
+        within the cap unless ``beyond_cap``: a thread's scratch buffer, see ``HostBuffers.
+        pinned_scratch``) carved into free slots, page-locked when the arena pins. Raises
+        OSError when the host has no memory for it."""
+        over = not beyond_cap and self.held_bytes + nbytes > self.cap_bytes
+        if nbytes < slot_bytes or nbytes % PAGE_BYTES or over:
             raise ConfigError(
                 f"a host arena segment of {nbytes} B must be whole pages of {PAGE_BYTES} B holding a slot of "
                 f"{slot_bytes} B, within the cap ({self.held_bytes} of {self.cap_bytes} B held)"
@@ -364,11 +366,13 @@ class HostArena:
             "host arena: +%s segment of %s slots%s", format_bytes(nbytes), format_bytes(slot_bytes), " (pinned)" if pinned else ""
         )
 
-    def grow_and_take(self, dtype: torch.dtype, numel: int, nbytes: int, *, who: object) -> torch.Tensor | None:
+    def grow_and_take(
+        self, dtype: torch.dtype, numel: int, nbytes: int, *, who: object, beyond_cap: bool = False
+    ) -> torch.Tensor | None:
         """Grow by a segment of ``nbytes`` (``grow``) and lend its first slot (``take``); None
         when the host cannot map it, logged: ``who`` gets a pageable buffer instead."""
         try:
-            self.grow(numel * dtype.itemsize, nbytes)
+            self.grow(numel * dtype.itemsize, nbytes, beyond_cap=beyond_cap)
         except OSError as exc:
             logger.warning("host arena cannot grow by %s (%s): %s gets a pageable buffer", format_bytes(nbytes), exc, who)
             return None
@@ -445,13 +449,20 @@ class HostArena:
 
 
 def host_arena(
-    pinned_bytes: int | None, *, cpu: DeviceSpec, compute: DeviceSpec, registrar: HostRegistrar | None
+    pinned_bytes: int | None,
+    *,
+    cpu: DeviceSpec,
+    compute: DeviceSpec,
+    registrar: HostRegistrar | None,
+    masters_cross: bool = False,
 ) -> HostArena | None:
-    """The arena of a client's host payloads of param and grad chunks, when a GPU computes and
-    ``Config.pinned_bytes`` is not 0 (None: a quarter of the host's capacity): page-locked on a
-    real GPU; carved the same way, unpinned, on simulated GPUs and on meta (the planner), so
-    that every run books the host memory a run on a real GPU would."""
-    cap = cpu.capacity_bytes // 4 if pinned_bytes is None else pinned_bytes
+    """The arena of a client's host payloads of the chunks that cross to the GPU every
+    iteration, when a GPU computes and ``Config.pinned_bytes`` is not 0 (None: a quarter of
+    the host's capacity, half where the fp32 masters cross too, ``masters_cross``: casts on
+    the GPU, whose masters on the CPU go up every step): page-locked on a real GPU; carved the
+    same way, unpinned, on simulated GPUs and on meta (the planner), so that every run books
+    the host memory a run on a real GPU would."""
+    cap = cpu.capacity_bytes // (2 if masters_cross else 4) if pinned_bytes is None else pinned_bytes
     if not compute.is_gpu or cap == 0:
         return None
     if registrar is None and not compute.simulated and torch.cuda.is_available():

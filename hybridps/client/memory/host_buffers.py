@@ -42,6 +42,17 @@ slot of a size none is free of grows the arena by a segment, booked in the opera
 request (``PoolPlan.grow_bytes``), before the segment is mapped; refused, the request is
 retried with a segment of one slot after the idle pooled buffers and the arena's empty
 segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) buffers.
+
+[Note: a free slot serves any kind]
+The arena grows for the kinds that cross to the GPU every iteration (``arena_kinds``), but a
+slot left free is host memory this client holds and has booked already. So a chunk of any
+other kind coming to the CPU takes a free slot of its exact bytes where there is one (never
+a new segment): an fp32 momentum or variance row fits a master's slot, and where the
+masters cross (casts on the GPU) a segment of small masters would otherwise keep up to
+``SEGMENT_MAX_SLOTS`` - 1 slots idle beside rows that take pageable memory (a 4.6 MB model
+on a 2 MiB CPU failed at registration for that). Frames of another kind's size, carved
+again, were tried and not kept: slots half-lent by the narrower kind held 13.1 GB idle at the
+largest plan (docs/benchmarks/2026-11-28-step-profile-host-memory.md).
 """
 
 from __future__ import annotations
@@ -293,6 +304,9 @@ class HostBuffers:
                 plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
             if plan.slot is not None or plan.grow_bytes:
                 plan.arena_bytes = chunk.nbytes
+        elif self.arena is not None and device == "cpu":  # [Note: a free slot serves any kind]
+            plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
+            plan.arena_bytes = chunk.nbytes if plan.slot is not None else 0
         if not plan.arena_bytes and device in self.host_devices:
             plan.taken = self.pool.take(chunk.dtype, chunk.capacity)
         if old is not None and self.arena is not None and self.arena.owns(old):
@@ -306,8 +320,9 @@ class HostBuffers:
 
     def free_slot_for(self, chunk: Chunk, device: str) -> bool:
         """Whether ``chunk`` coming to ``device`` would take an arena slot that is free now:
-        bytes the CPU holds already, which it needs no new room for."""
-        return self._in_arena(chunk, device) and self.arena.has_free(chunk.nbytes)
+        bytes the CPU holds already, which it needs no new room for (any kind: [Note: a free
+        slot serves any kind])."""
+        return self.arena is not None and device == "cpu" and self.arena.has_free(chunk.nbytes)
 
     def _in_arena(self, chunk: Chunk, device: str) -> bool:
         """Whether ``chunk`` on ``device`` takes its payload from the arena: chunks of the
@@ -366,7 +381,7 @@ class HostBuffers:
     def holds_slot(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s payload is an arena slot (whose bytes leave the CPU only with a
         whole segment, see [Note: the arena's booking])."""
-        return self.arena is not None and chunk.kind in self.arena_kinds and self.arena.owns(chunk.payload)
+        return self.arena is not None and chunk.payload is not None and self.arena.owns(chunk.payload)
 
     def release_idle_segments(self) -> int:
         """Let the arena's empty segments go, and their booking; returns the bytes released."""
@@ -388,22 +403,23 @@ class HostBuffers:
 
     def pinned_scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A page-locked host buffer that is not model data, an arena slot (the arena's growth
-        booked first, as a chunk's is); None where the arena does not pin, is at its cap or
-        the CPU has no room: the caller takes a pageable one. Its bytes stay booked with the
-        arena's until the arena lets the slot's segment go."""
+        booked first, as a chunk's is, beyond the arena's cap if need be: a thread's buffer, one
+        per thread that steps, where the cap is the chunks'); None where the arena could not pin
+        (a registration failed) or the CPU has no room: the caller takes a pageable one. On
+        simulated GPUs and on meta (no registrar) the slot is taken as a real GPU's run would
+        take it, so that the planner books it and counts no pageable copy. Its bytes stay
+        booked with the arena's until the arena lets the slot's segment go."""
         arena = self.arena
-        if arena is None or not arena.pins:
+        if arena is None or not (arena.pins or arena.registrar is None):
             return None
         slot = arena.take(dtype, numel)
         if slot is None:
             grow = arena.one_slot_bytes(numel * dtype.itemsize)
-            if arena.held_bytes + grow > arena.cap_bytes:
-                return None
             try:
                 self.request(pool_bytes=self.side_bytes() + grow)
             except CapacityError:
                 return None
-            slot = arena.grow_and_take(dtype, numel, grow, who="a pinned scratch buffer")
+            slot = arena.grow_and_take(dtype, numel, grow, who="a pinned scratch buffer", beyond_cap=True)
             self.settle()  # booked as grown; a segment the host refused is unbooked
         return slot
 

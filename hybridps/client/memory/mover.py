@@ -611,10 +611,14 @@ class ChunkMover:
         refer = self.placement.eviction_refer(chunk)
         self._move(chunk, None, evicted=True, asynchronous=True, refer=refer, exclude=exclude)
 
-    def count_transfer(self, src: str, dst: str, nbytes: int) -> None:
-        """Book bytes copied between devices outside a chunk move (optimizer write-back)."""
+    def count_transfer(self, src: str, dst: str, nbytes: int, *, host_side: torch.Tensor | None = None) -> None:
+        """Book bytes copied between devices outside a chunk move (optimizer write-back, the
+        casts' trips); ``host_side``: the host memory copied from or into, counted as pageable
+        where it is no arena slot (as a move's, ``_count_pageable``)."""
         if src != dst:
             self.tally.counts.moved_bytes[f"{src}->{dst}"] += nbytes
+            if host_side is not None:
+                self._count_pageable(src, dst, host_side, host_side, nbytes)
 
     # -- mechanics -------------------------------------------------------------------------
 

@@ -390,6 +390,8 @@ class ChunkStep:
             if buffer is None and not (rows.grads.dtype == torch.float32 and inv_scale is None):
                 buffers, numel = self.grad_buffers, rows.grads.capacity
                 buffer = buffers.on_worker(numel, index) if on_worker else buffers.on_device(device, numel, index)
+            if casts is not None:
+                casts.landing = buffer
             compute = self.arithmetic.compute(
                 rows, infos, inv_scale=inv_scale, clip_coef=clip_coef, backup=backup, buffer=buffer, casts=casts, loose=loose
             )
@@ -478,8 +480,9 @@ class ChunkStep:
             return
         nbytes = rows.used * 4
         compute = self.store.compute.name
-        self.mover.count_transfer(compute, "cpu", nbytes)
-        self.mover.count_transfer("cpu", compute, nbytes)
+        # the grads come down into the casts' pinned buffer, or the step's pageable one
+        self.mover.count_transfer(compute, "cpu", nbytes, host_side=casts.landing)
+        self.mover.count_transfer("cpu", compute, nbytes, host_side=rows.master.payload)
         if casts.done is not None:
             rows.params.copy_started(casts.done)
 

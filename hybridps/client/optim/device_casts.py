@@ -41,6 +41,8 @@ from hybridps.client.chunks.chunk import ChunkKind
 if TYPE_CHECKING:
     from hybridps.client.chunks.store import ChunkStore
     from hybridps.client.memory.mover import ChunkMover
+    from hybridps.common.config import Config
+    from hybridps.common.devices import DeviceSpec
 
 
 @dataclasses.dataclass
@@ -58,6 +60,8 @@ class ChunkCasts:
     start: torch.cuda.Event | None
     #: recorded after the params' cast: the param chunk's next user waits for it
     done: torch.cuda.Event | None = None
+    #: the host buffer the grads came down into (``host``, or the step's pageable one)
+    landing: torch.Tensor | None = None
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -80,6 +84,29 @@ class ChunkCasts:
                 self.done.record(self.stream)
 
 
+def casts_on_gpu_on(config: Config, compute: DeviceSpec) -> bool:
+    """``Config.casts_on_gpu`` resolved for this client: ``"auto"`` is on where a real GPU
+    computes, or a meta one (the planner's simulation of a real GPU), and off on simulated
+    GPUs and the CPU; where it may apply at all is ``DeviceCasts``'s to say."""
+    if config.casts_on_gpu == "auto":
+        return compute.is_gpu and (compute.meta or not compute.simulated)
+    return bool(config.casts_on_gpu)
+
+
+def casts_may_apply(config: Config, compute: DeviceSpec, *, world_size: int) -> bool:
+    """Whether a client of ``config`` may take this path at all, known before its chunks are
+    made: the setting on, bf16 params (no loss scale; an fp32 master apart) with grad reuse, a
+    GPU, one rank. Where it may, the masters on the CPU cross to the GPU every step (the arena's
+    kinds, memory/host_buffers.py)."""
+    return (
+        casts_on_gpu_on(config, compute)
+        and compute.is_gpu
+        and config.param_dtype == torch.bfloat16
+        and config.grad_reuse
+        and world_size == 1
+    )
+
+
 class DeviceCasts:
     """Which chunk steps cast on the GPU, and the buffers and streams they share."""
 
@@ -96,6 +123,19 @@ class DeviceCasts:
         self._buffers: dict[bool, torch.Tensor] = {}
         self._hosts: dict[bool, torch.Tensor | None] = {}
         self._streams: dict[bool, torch.cuda.Stream] = {}
+        if self.enabled:
+            self._reserve_hosts()
+
+    def _reserve_hosts(self) -> None:
+        """Take each thread's pinned fp32 buffer now, before the optimizer's rows are made: at a
+        full host the rows would leave no room for it later, and the grads would come down
+        through pageable memory at a fraction of the link's speed (the planner's 17.23 B on
+        one H200 found room for one of the two)."""
+        layout = self.store.layout
+        largest = max((layout.capacity(i) for i in range(layout.num_chunks)), default=0)
+        if largest:
+            for on_worker in (False, True):
+                self._hosts[on_worker] = self.mover.pinned_scratch(largest, torch.float32)
 
     def applies(self, index: int, step_device: str, *, speculative: bool) -> bool:
         """Whether chunk ``index``, stepping on ``step_device``, takes this path: a step on

@@ -128,7 +128,7 @@ def test_grow_and_take_lends_the_new_segments_first_slot_or_none_when_the_host_c
     slot = arena.grow_and_take(torch.bfloat16, NUMEL, ONE, who="chunk 7")
     assert slot is not None and slot.numel() == NUMEL and arena.owns(slot) and arena.held_bytes == ONE
 
-    def no_memory(slot_bytes, nbytes):
+    def no_memory(slot_bytes, nbytes, *, beyond_cap=False):
         raise OSError("Cannot allocate memory")
 
     monkeypatch.setattr(arena, "grow", no_memory)

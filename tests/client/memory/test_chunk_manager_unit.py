@@ -306,3 +306,41 @@ def test_a_copy_in_flight_is_waited_for_once():
     a.wait_ready()
     a.wait_ready()
     assert event.waited == 1 and a.ready_event is None and a.payload_state is PayloadState.PREFETCHED
+
+
+def test_a_free_arena_slot_serves_a_chunk_of_another_kind_and_never_grows_for_it():
+    """[Note: a free slot serves any kind]: a momentum row coming to the CPU takes a free slot
+    of its bytes (booked already, no new room) and gives it back when it leaves; with no free
+    slot it takes a pageable buffer and the arena does not grow."""
+    from hybridps.client.memory.arena import HostArena
+
+    inventory = DeviceInventory.build({GPU: 8 * CHUNK_BYTES, "cpu": 64 * CHUNK_BYTES}, simulate="always")
+    connection = EmbeddedManager(inventory).connect(ClientInfo(devices=tuple(inventory.names)))
+    arena = HostArena(16 * CHUNK_BYTES)
+    host = HostBuffers(connection, inventory, arena=arena, arena_kinds=(ChunkKind.MASTER,))
+    mover = ChunkMover(inventory, host, placement=PlacementPolicy(inventory.compute_device), trace=None)
+    master = Chunk(ChunkKind.MASTER, 0, NUMEL, torch.float32, 0)
+    momentum = Chunk(ChunkKind.MOMENTUM, 1, NUMEL, torch.float32, 0)
+    variance = Chunk(ChunkKind.VARIANCE, 2, NUMEL, torch.float32, 0)
+    for c in (master, momentum, variance):
+        c.add_slot(Slot(index=c.chunk_id, chunk=0, offset=0, numel=NUMEL), TensorState.HOLD)
+    mover.place(master, "cpu")
+    assert host.holds_slot(master)
+    grown = arena.stats()["grown"]
+    lent = arena.stats()["lent_bytes"]
+    free_slots = (arena.stats()["held_bytes"] - lent) // CHUNK_BYTES
+    assert free_slots >= 1  # the master's segment carved more than its slot
+    assert host.free_slot_for(momentum, "cpu") and not host.free_slot_for(momentum, GPU)
+    mover.place(momentum, "cpu")
+    assert host.holds_slot(momentum) and arena.stats()["lent_bytes"] == lent + CHUNK_BYTES
+    extras = []  # held: a chunk that dies gives its slot back
+    for i in range(free_slots - 1):  # fill the rest, then one more: pageable, no growth
+        extras.append(Chunk(ChunkKind.MOMENTUM, 10 + i, NUMEL, torch.float32, 0))
+        extras[-1].add_slot(Slot(index=10 + i, chunk=0, offset=0, numel=NUMEL), TensorState.HOLD)
+        mover.place(extras[-1], "cpu")
+    assert all(host.holds_slot(c) for c in extras)
+    mover.place(variance, "cpu")
+    assert not host.holds_slot(variance) and arena.stats()["grown"] == grown
+    mover.bring(momentum, GPU)  # its slot is free again, for any kind
+    assert not host.holds_slot(momentum) and host.free_slot_for(variance, "cpu")
+    assert arena.stats()["lent_bytes"] == lent + (free_slots - 1) * CHUNK_BYTES

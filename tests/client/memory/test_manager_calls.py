@@ -253,11 +253,18 @@ def test_cpu_param_chunks_live_in_the_arena_and_the_manager_books_all_of_it():
             booked = manager.figures.device_stats()["cpu"]["booked_bytes"]
             assert booked == arena.held_bytes + manager.pool.held_bytes, "the CPU books the whole arena"
     assert arena.owns(chunks[0].payload) and bool((chunks[0].payload == 3.0).all())
+    # optimizer states do not cross to the GPU each iteration: the arena does not grow for
+    # them, but a slot left free serves them ([Note: a free slot serves any kind])
     master = Chunk(ChunkKind.MASTER, 5, NUMEL, torch.float32, 5)
-    manager.place(master, "cpu")  # optimizer states do not cross to the GPU each iteration: pageable
-    assert not arena.owns(master.payload) and arena.held_bytes == 4 * CHUNK_BYTES
+    manager.place(master, "cpu")
+    assert arena.owns(master.payload) and arena.held_bytes == 4 * CHUNK_BYTES
+    assert conn.take() == {"update": 1}
     assert_exact(manager, conn)
-    manager.release_all([*chunks, master])
+    momentum = Chunk(ChunkKind.MOMENTUM, 5, NUMEL, torch.float32, 6)
+    manager.place(momentum, "cpu")  # no slot free: pageable
+    assert not arena.owns(momentum.payload) and arena.held_bytes == 4 * CHUNK_BYTES
+    assert_exact(manager, conn)
+    manager.release_all([*chunks, master, momentum])
     assert arena.held_bytes == 0 and conn.status()["clients"][0]["usage"] == {}
 
 
@@ -281,7 +288,8 @@ def test_an_empty_arena_segment_gives_way_to_a_chunk_that_needs_the_room():
     manager.bring(param, "cuda:0")  # its slot is free now, still held and booked
     assert arena.held_bytes == 4 * CHUNK_BYTES
     conn.take()
-    master = Chunk(ChunkKind.MASTER, 1, NUMEL, torch.float32, 10)
+    # a master of another size than the free slots (one of a size takes a free slot instead)
+    master = Chunk(ChunkKind.MASTER, 1, NUMEL + 1024, torch.float32, 10)
     manager.place(master, "cpu")  # room only without the arena's empty segment
     assert master.device == "cpu" and arena.held_bytes == 0
     assert conn.take() == {"update": 2}, "placed on the GPU, then moved to the CPU with the segment's release"
@@ -295,14 +303,17 @@ def test_a_chunk_short_of_cpu_room_lets_only_as_many_empty_segments_go_as_it_nee
     numel = 2**18  # 1 MiB of fp32: one slot a segment
     arena = HostArena(1 << 30)
     # no pool: a simulated GPU's payloads are host buffers the pool would keep, on the CPU's room
-    manager, conn = make_manager(gpu_bytes=4 * numel * 4, cpu_bytes=6 * numel * 4, pool_chunks=0, arena=arena)
+    # masters of another size than the params' slots (one of a size would take a free slot)
+    master_bytes = (numel - 1024) * 4
+    cpu_bytes = 4 * numel * 4 + 2 * master_bytes + 4096  # two masters beside the empty segments, not three
+    manager, conn = make_manager(gpu_bytes=4 * numel * 4, cpu_bytes=cpu_bytes, pool_chunks=0, arena=arena)
     params = [Chunk(ChunkKind.PARAM, i, numel, torch.float32, i) for i in range(4)]
     for c in params:
         manager.place(c, "cpu")
     for c in params:
         manager.bring(c, "cuda:0")  # the GPU is full now; four empty segments on the CPU
     assert arena.stats()["segments"] == 4 and arena.held_bytes == 4 * numel * 4
-    masters = [Chunk(ChunkKind.MASTER, 10 + i, numel, torch.float32, 10 + i) for i in range(3)]
+    masters = [Chunk(ChunkKind.MASTER, 10 + i, numel - 1024, torch.float32, 10 + i) for i in range(3)]
     for m in masters:
         manager.place(m, "cpu")  # the third finds the CPU full of empty segments
         assert_exact(manager, conn)
