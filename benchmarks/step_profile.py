@@ -241,6 +241,7 @@ def run(args) -> dict:
         devices={"cuda:0": gpu_bytes, **({"cpu": int(args.cpu_bytes)} if args.cpu_bytes else {})},
         simulate="meta" if args.meta else not on_gpu,
         precision=args.precision,
+        casts_on_gpu={"auto": "auto", "on": True, "off": False}[args.casts_on_gpu],
         **({"margin": int(args.margin_bytes)} if args.margin_bytes is not None else {}),
     )
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True), config)
@@ -364,6 +365,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpu-bytes", type=float, default=None, help="the GPU's capacity in bytes (instead of --gpu-fraction)")
     ap.add_argument("--cpu-bytes", type=float, default=None, help="the CPU's capacity in bytes (default: the host's)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument(
+        "--casts-on-gpu", choices=("auto", "on", "off"), default="auto", help="Config.casts_on_gpu (default: the product's)"
+    )
     ap.add_argument("--no-checkpoint", action="store_true", help="keep every activation for backward")
     ap.add_argument("--simulate", action="store_true", help="a simulated GPU even where CUDA is available")
     ap.add_argument(

@@ -192,7 +192,7 @@ def _worker(args) -> dict:
             simulate=device.type != "cuda",
             overlap_step={"auto": "auto", "on": True, "off": False}[args.overlap_step] if accum == 1 else False,
             grad_reuse=accum == 1,  # micro-batches accumulate beside the params
-            casts_on_gpu=args.casts_on_gpu,
+            casts_on_gpu={"auto": "auto", "on": True, "off": False}[args.casts_on_gpu],
         )
         if args.prefetch_window is not None:
             config = dataclasses.replace(config, prefetch_window=args.prefetch_window)
@@ -525,7 +525,7 @@ def _train(
     if system == "hybridps" and args.cpu_bytes:
         cmd += ["--cpu-bytes", str(args.cpu_bytes)]  # the capacity the plan was made for
     if system == "hybridps":
-        cmd += ["--init-device", args.init_device, "--casts-on-gpu" if args.casts_on_gpu else "--no-casts-on-gpu"]
+        cmd += ["--init-device", args.init_device, "--casts-on-gpu", args.casts_on_gpu]
     if system == "zero3-twinflow":
         cmd += ["--ds-ratio", str(args.ds_ratio)]
     r = _run(cmd, min(timeout_s, clock.left_s() - 5), env)
@@ -739,9 +739,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--casts-on-gpu",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Config.casts_on_gpu of the HybridPS worker: the CPU steps' dtype casts on the GPU",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Config.casts_on_gpu of the HybridPS worker: the CPU steps' dtype casts on the GPU (default: the product's, auto)",
     )
     ap.add_argument(
         "--init-device",

@@ -87,13 +87,20 @@ def test_every_optimizer_row_lies_on_one_device_from_registration(casts_on_gpu):
     )
     engine = hybridps.initialize(module, torch.optim.AdamW(module.parameters()), config)
     try:
-        store = engine.client.store
+        store, host = engine.client.store, engine.client.mover.host
         kinds = (store.master_kind, *store.state_kinds)
         where = [{store.rows[k][i].device for k in kinds} for i in range(store.num_chunks) if store.rows[kinds[0]][i].slots]
+        masters_on_cpu = [m for m in store.rows[store.master_kind] if m.slots and m.device == "cpu"]
+        pinned = [host.holds_slot(m) for m in masters_on_cpu]
     finally:
         engine.client.close(restore=False)
     assert all(len(devices) == 1 for devices in where), where
     assert {"cpu"} in where and {"cuda:0"} in where
+    # the CPU's rows are those of the lowest indices: the masters of the rows made last left first
+    on_cpu = [devices == {"cpu"} for devices in where]
+    assert on_cpu == sorted(on_cpu, reverse=True), on_cpu
+    if casts_on_gpu:  # the masters cross every step: each of the CPU's in an arena slot
+        assert all(pinned), pinned
 
 
 def test_the_speed_model_counts_the_casts_trips_instead_of_the_cpus_casts():

@@ -87,8 +87,8 @@ profile the trips (0.15 ns a param) and the casts (0.16 ns) come out alike, as m
 with half the 1.31 B model's data on the CPU: 0.789 s a step with the casts on the GPU,
 0.779 s without (docs/BENCHMARKS.md). The path's gain is where the host is full: the param
 chunks no longer come down for the step, so the rows stay where they are (the planner's
-17.23 B on one H200: 34 GB moved each way and 500 arena segments made and dropped a step
-without it, no chunk move with it).
+17.18 B on one H200: 33 GB moved each way, 16 GB of it pageable, and 235 arena segments made
+and dropped a step without it; no chunk move with it).
 
 [Note: the head apart]
 The rates' TFLOPS are a block's (a one-block GPT with a 256-entry vocabulary). What a
