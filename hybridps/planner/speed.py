@@ -84,8 +84,8 @@ its master up after, through one buffer per thread: 8 B a param over the pinned 
 with the Adam. So the ``cpu_adam`` part counts those trips at the link's GB/s instead of the
 casts (the bytes count in ``link`` too: the copy engines are busy then as well). On the H200
 profile the trips (0.15 ns a param) and the casts (0.16 ns) come out alike, as measured there
-with half the 1.31 B model's data on the CPU: 0.789 s a step with the casts on the GPU,
-0.779 s without (docs/BENCHMARKS.md). The path's gain is where the host is full: the param
+at 1.31 B with every optimizer row on the CPU, 8 x 1024 tokens: 0.789 s an iteration with the
+casts on the GPU, 0.779 s without (docs/benchmarks/2026-11-26-h200-third-session.md). The path's gain is where the host is full: the param
 chunks no longer come down for the step, so the rows stay where they are (the planner's
 17.18 B on one H200: 33 GB moved each way, 16 GB of it pageable, and 235 arena segments made
 and dropped a step without it; no chunk move with it).
