@@ -38,6 +38,25 @@ def test_auto_is_on_for_a_real_gpu_and_a_plan_for_one_and_off_on_simulated_gpus(
         hybridps.Config(casts_on_gpu="yes")
 
 
+def test_the_masters_cross_and_the_arena_doubles_its_cap_only_where_the_casts_may_apply():
+    from hybridps.client.memory.arena import host_arena
+    from hybridps.client.optim.device_casts import casts_may_apply
+
+    gpu = DeviceSpec(name="cuda:0", capacity_bytes=1 << 30)
+    cpu = DeviceSpec(name="cpu", capacity_bytes=1 << 30)
+    bf16 = hybridps.Config(precision="bf16").for_compute(on_gpu=True, ranks=1)
+    assert casts_may_apply(bf16, gpu, world_size=1)
+    assert not casts_may_apply(bf16, gpu, world_size=2)  # several ranks: never
+    assert not casts_may_apply(bf16, cpu, world_size=1)
+    for other in (dict(precision="fp16"), dict(precision="fp32"), dict(grad_reuse=False), dict(casts_on_gpu=False)):
+        config = hybridps.Config(**{"precision": "bf16", **other}).for_compute(on_gpu=True, ranks=1)
+        assert not casts_may_apply(config, gpu, world_size=1), other
+    quarter = host_arena(None, cpu=cpu, compute=gpu, registrar=None)
+    half = host_arena(None, cpu=cpu, compute=gpu, registrar=None, masters_cross=True)
+    assert (quarter.cap_bytes, half.cap_bytes) == (cpu.capacity_bytes // 4, cpu.capacity_bytes // 2)
+    assert host_arena(123 << 20, cpu=cpu, compute=gpu, registrar=None, masters_cross=True).cap_bytes == 123 << 20
+
+
 @pytest.fixture(scope="module")
 def model_bytes() -> tuple[int, int]:
     roomy = simulate(SHAPE, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="bf16")
