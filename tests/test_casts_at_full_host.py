@@ -111,6 +111,8 @@ def test_every_optimizer_row_lies_on_one_device_from_registration(casts_on_gpu):
         where = [{store.rows[k][i].device for k in kinds} for i in range(store.num_chunks) if store.rows[kinds[0]][i].slots]
         masters_on_cpu = [m for m in store.rows[store.master_kind] if m.slots and m.device == "cpu"]
         pinned = [host.holds_slot(m) for m in masters_on_cpu]
+        # the pinned buffer of the thread that steps (on meta: the calling thread), made already
+        reserved = dict(engine.client.optimizer.iteration.chunk_step.casts._hosts)
     finally:
         engine.client.close(restore=False)
     assert all(len(devices) == 1 for devices in where), where
@@ -120,6 +122,9 @@ def test_every_optimizer_row_lies_on_one_device_from_registration(casts_on_gpu):
     assert on_cpu == sorted(on_cpu, reverse=True), on_cpu
     if casts_on_gpu:  # the masters cross every step: each of the CPU's in an arena slot
         assert all(pinned), pinned
+        assert list(reserved) == [False] and reserved[False] is not None
+    else:
+        assert reserved == {}
 
 
 def test_the_speed_model_counts_the_casts_trips_instead_of_the_cpus_casts():

@@ -386,6 +386,7 @@ def build_optimizer(
     early = EarlySteps(store, mover, chunk_step, grads, worker, steps, adam_only=adam_only, scaler=scaler)
     resident = ResidentStep(chunk_step)
     iteration = IterationStep(store, chunk_step, early, grads, worker, steps, scaler=scaler, groups=groups, resident=resident)
+    casts.reserve_host(on_worker=iteration.steps_beside_forward())  # before the rows are made
     return ChunkedAdam(
         handed,
         iteration,

@@ -318,9 +318,9 @@ class Config:
             "its grads) lies on the GPU, cast the grads to fp32 on the GPU and bring them down, and send the new fp32 "
             "master up and cast it into the params there, instead of moving the param chunk down and casting both "
             "ways on the CPU. The param chunks then never leave the GPU for the step: at a full GPU and CPU the "
-            "host keeps only optimizer rows, and the steady step moves no chunk (a 17.18 B GPT on one H200 + "
-            "119.3 GB, planned: no chunk moved, no arena segment made and nothing pageable a step, against 744 chunk "
-            "moves, 235 segments made and dropped and 16 GB through pageable memory each way). The CPU runs only "
+            "host keeps only optimizer rows, and the steady step moves no chunk (a 17.23 B GPT on one H200 + "
+            "119.3 GB, planned: no chunk moved, no arena segment made and nothing pageable a step, against about 1,500 "
+            "chunk moves, 500 segments made and dropped and 17 GB through pageable memory each way). The CPU runs only "
             "Adam; the link carries 8 B a param instead of 4 (the "
             "master chunks on the CPU are page-locked arena slots then), and the GPU holds one fp32 chunk more per "
             'thread that steps. Same results, bit for bit (the casts are exact). `"auto"`: on where a real GPU '

@@ -87,7 +87,7 @@ profile the trips (0.15 ns a param) and the casts (0.16 ns) come out alike, as m
 at 1.31 B with every optimizer row on the CPU, 8 x 1024 tokens: 0.789 s an iteration with the
 casts on the GPU, 0.779 s without (docs/benchmarks/2026-11-26-h200-third-session.md). The path's gain is where the host is full: the param
 chunks no longer come down for the step, so the rows stay where they are (the planner's
-17.18 B on one H200: 33 GB moved each way, 16 GB of it pageable, and 235 arena segments made
+17.23 B on one H200: 34 GB moved each way, 17 GB of it pageable, and 500 arena segments made
 and dropped a step without it; no chunk move with it).
 
 [Note: the head apart]

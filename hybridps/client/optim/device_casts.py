@@ -123,19 +123,18 @@ class DeviceCasts:
         self._buffers: dict[bool, torch.Tensor] = {}
         self._hosts: dict[bool, torch.Tensor | None] = {}
         self._streams: dict[bool, torch.cuda.Stream] = {}
-        if self.enabled:
-            self._reserve_hosts()
 
-    def _reserve_hosts(self) -> None:
-        """Take each thread's pinned fp32 buffer now, before the optimizer's rows are made: at a
-        full host the rows would leave no room for it later, and the grads would come down
-        through pageable memory at a fraction of the link's speed (the planner's 17.23 B on
-        one H200 found room for one of the two)."""
+    def reserve_host(self, *, on_worker: bool) -> None:
+        """Take the pinned fp32 buffer of the thread that will step the CPU's chunks (the step
+        worker's where they step beside the next forward, else the calling thread's) now,
+        before the optimizer's rows are made: at a full host the rows would leave no room for
+        it later, and the grads would come down through pageable memory at a fraction of the
+        link's speed (0.41 GB a step at the planner's 17.23 B on one H200). The other thread's,
+        should it ever step one, is taken when it does."""
         layout = self.store.layout
         largest = max((layout.capacity(i) for i in range(layout.num_chunks)), default=0)
-        if largest:
-            for on_worker in (False, True):
-                self._hosts[on_worker] = self.mover.pinned_scratch(largest, torch.float32)
+        if self.enabled and largest:
+            self._hosts[on_worker] = self.mover.pinned_scratch(largest, torch.float32)
 
     def applies(self, index: int, step_device: str, *, speculative: bool) -> bool:
         """Whether chunk ``index``, stepping on ``step_device``, takes this path: a step on
