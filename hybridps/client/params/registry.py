@@ -18,14 +18,17 @@ their masters, while the CPU has room; made kind by kind (every momentum row, th
 variance row), a full CPU left the later ones on the GPU and their masters on the CPU, so the
 first step brought them together at a full host. At the largest plan for one H200 (17.23 B,
 340 layers, 119.3 GB of CPU) the warm-up iteration moved 1,736 row chunks, and with the casts
-on the GPU it found the CPU with no room for them. So the rows are made index by index, and a
-row whose state the CPU had no room for goes whole to the GPU (its master and the states made
-so far), and so does every row after it, its master before its states are made: every row lies
-on one device from the start, the CPU's rows are those of the lowest indices, and that warm-up
-moves 9 row chunks (255 with the casts on the CPU, whose param chunks come down for the step
-and push rows up). Letting a later row take the room a row leaving for the GPU left instead
-made the last CPU rows every third one, whose masters, made after the host arena had reached
-its cap, were pageable: 2.95 GB of masters through pageable memory a step at 339 layers.
+on the GPU it found the CPU with no room for them. So the rows are made index by index. Before
+a state is made beside a master on the CPU, where this client's figures show no room for it
+there (no free arena slot of its bytes, no unbooked bytes), the masters of the rows made last
+go to the GPU, one at a time, until there is: their states are then made beside them there.
+Where the node manager still places a state on the GPU (the CPU is the node's, shared by its
+ranks), its row goes whole to the GPU (the master and the states made so far). Every row lies
+on one device from the start, the CPU's rows are those of the lowest indices, and the warm-up
+at 340 layers moves 3 chunks. Sending the row that did not fit to the GPU and letting the next
+one take the room it left instead made the last CPU rows every third one, whose masters, made
+after the host arena had reached its cap, were pageable: 2.95 GB of masters through pageable
+memory a step at 339 layers.
 """
 
 from __future__ import annotations
