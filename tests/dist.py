@@ -51,11 +51,9 @@ def _worker(rank, world, port, fn, args, outdir, timeout_s, env, threads, cwd):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("ok", result), f)
+        _write_outcome(outdir, rank, ("ok", result))
     except BaseException as exc:
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), f)
+        _write_outcome(outdir, rank, ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
     # Every rank finished: meet once more, tear the group down, and leave without the
     # interpreter's finalisers, where gloo's threads can race static destructors (an abort
@@ -64,6 +62,15 @@ def _worker(rank, world, port, fn, args, outdir, timeout_s, env, threads, cwd):
     dist.destroy_process_group()
     stacks.close()
     os._exit(0)
+
+
+def _write_outcome(outdir: str, rank: int, outcome: tuple) -> None:
+    """Write a rank's outcome whole or not at all: a rank terminated while writing (another
+    rank failed first) leaves no half file to hide that rank's error."""
+    path = os.path.join(outdir, f"{rank}.pkl")
+    with open(path + ".part", "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(path + ".part", path)
 
 
 def run_ranks(

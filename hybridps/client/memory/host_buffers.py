@@ -45,12 +45,15 @@ segments have gone. Beyond the arena's cap, host chunks are pageable (pooled) bu
 
 [Note: a free slot serves any kind]
 The arena grows for the kinds that cross to the GPU every iteration (``arena_kinds``), but a
-slot left free is host memory this client holds and has booked already. So a chunk of any
-other kind coming to the CPU takes a free slot of its exact bytes where there is one (never
-a new segment): an fp32 momentum or variance row fits a master's slot, and where the
-masters cross (casts on the GPU) a segment of small masters would otherwise keep up to
-``SEGMENT_MAX_SLOTS`` - 1 slots idle beside rows that take pageable memory (a 4.6 MB model
-on a 2 MiB CPU failed at registration for that). Frames of another kind's size, carved
+slot left free is host memory this client holds and has booked already. Where the masters
+cross too (casts on the GPU), a chunk of any other kind coming to the CPU takes a free slot of
+its exact bytes where there is one (never a new segment): an fp32 momentum or variance row
+fits a master's slot, and a segment of small masters would otherwise keep up to
+``SEGMENT_MAX_SLOTS`` - 1 slots idle beside rows that take pageable memory (a 4.6 MB model on
+a 2 MiB CPU failed at registration for that). Not otherwise: a small row in a slot of a
+segment of small param chunks keeps that segment from going when the params leave for the
+GPU, and at a host shared by two ranks with a disk tier (tests/client/memory/
+test_disk_tier.py) an optimizer step then found no room once in about twenty runs. Frames of another kind's size, carved
 again, were tried and not kept: slots half-lent by the narrower kind held 13.1 GB idle at the
 largest plan (docs/benchmarks/2026-11-28-step-profile-host-memory.md).
 """
@@ -111,6 +114,9 @@ class HostBuffers:
         #: the kinds of chunk whose CPU payloads are arena slots: those that cross to the GPU
         #: every iteration (masters too where the GPU casts them, optim/device_casts.py)
         self.arena_kinds = frozenset(arena_kinds)
+        #: a free slot serves a chunk of any kind of its bytes: where the masters cross too
+        #: ([Note: a free slot serves any kind])
+        self._any_kind = self.arena is not None and ChunkKind.MASTER in self.arena_kinds
         #: devices whose payloads are host memory (the CPU, simulated GPUs): the pool serves them
         self.host_devices = frozenset(d.name for d in inventory if d.torch_device.type == "cpu")
         #: the client's devices in the manager's order of preference after the referred one
@@ -304,7 +310,7 @@ class HostBuffers:
                 plan.grow_bytes = self.arena.growth_bytes(chunk.nbytes)
             if plan.slot is not None or plan.grow_bytes:
                 plan.arena_bytes = chunk.nbytes
-        elif self.arena is not None and device == "cpu":  # [Note: a free slot serves any kind]
+        elif self._any_kind and device == "cpu":  # [Note: a free slot serves any kind]
             plan.slot = self.arena.take(chunk.dtype, chunk.capacity)
             plan.arena_bytes = chunk.nbytes if plan.slot is not None else 0
         if not plan.arena_bytes and device in self.host_devices:
@@ -322,7 +328,9 @@ class HostBuffers:
         """Whether ``chunk`` coming to ``device`` would take an arena slot that is free now:
         bytes the CPU holds already, which it needs no new room for (any kind: [Note: a free
         slot serves any kind])."""
-        return self.arena is not None and device == "cpu" and self.arena.has_free(chunk.nbytes)
+        if self.arena is None or device != "cpu":
+            return False
+        return (self._any_kind or chunk.kind in self.arena_kinds) and self.arena.has_free(chunk.nbytes)
 
     def _in_arena(self, chunk: Chunk, device: str) -> bool:
         """Whether ``chunk`` on ``device`` takes its payload from the arena: chunks of the
