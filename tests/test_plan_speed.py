@@ -75,17 +75,22 @@ def test_prediction_reports_tokens_per_second_and_model_tflops():
     assert json.loads(json.dumps(pred.to_dict()))["bound_by"] == pred.bound_by
 
 
-def test_tflops_are_interpolated_by_hidden_size_and_flat_beyond_the_table():
+def test_tflops_are_interpolated_by_hidden_size_flat_above_the_table_and_falling_below_it():
     r = _rates()
-    assert r.tflops_at(512) == 100.0 and r.tflops_at(8192) == 400.0
-    assert r.tflops_at(2048) == pytest.approx(250.0)
+    assert r.tflops_at(8192) == 400.0 and r.tflops_at(2048) == pytest.approx(250.0)
+    assert r.tflops_at(512) == 50.0  # the first segment's slope, no lower than half the first rate
+    gentle = _rates(compute_tflops=((1024, 100.0), (4096, 120.0)))
+    assert gentle.tflops_at(512) == pytest.approx(90.0)  # along the first segment in log(hidden)
+    assert _rates(compute_tflops=((1024, 100.0), (4096, 90.0))).tflops_at(512) == 100.0  # a table that falls: flat
+    assert _rates(compute_tflops=((1024, 100.0),)).tflops_at(512) == 100.0  # one size timed: flat
     assert r.tflops_at(2048, tokens=64) == r.tflops_at(2048)  # no counts measured: any count alike
 
 
 def test_tflops_follow_the_tokens_a_micro_batch_where_several_were_measured():
     grid = ((1024, 128, 50.0), (1024, 1024, 100.0), (4096, 128, 200.0), (4096, 1024, 400.0))
     r = _rates(compute_tflops_by_tokens=grid)
-    assert r.tflops_at(1024, tokens=128) == 50.0 and r.tflops_at(1024, tokens=64) == 50.0  # flat below
+    assert r.tflops_at(1024, tokens=128) == 50.0
+    assert r.tflops_at(1024, tokens=64) == pytest.approx(50.0 - 50.0 / 3)  # falling below, as the hidden size
     assert r.tflops_at(4096, tokens=1 << 20) == 400.0  # flat above
     assert r.tflops_at(1024, tokens=362) == pytest.approx(75.0, rel=1e-3)  # halfway in log(tokens)
     assert r.tflops_at(2048, tokens=128) == pytest.approx(125.0)  # then halfway in log(hidden)
@@ -94,6 +99,39 @@ def test_tflops_follow_the_tokens_a_micro_batch_where_several_were_measured():
     assert predict_work(few, r).compute_tflops_used == predict_work(step, r).compute_tflops_used == pytest.approx(125.0)
     with pytest.raises(ConfigError, match="compute_tflops_by_tokens"):
         _rates(compute_tflops_by_tokens=((1024, 0, 1.0),))
+
+
+def test_compute_runs_at_the_rates_of_its_precision(tmp_path):
+    grid = ((1024, 128, 50.0), (1024, 1024, 100.0))
+    r = _rates(
+        simulated_gpu=True,
+        compute_tflops=((1024, 100.0),),
+        compute_tflops_by_tokens=grid,
+        head_s_per_logit=((1024, 8192, 3e-9),),
+        precision_speed={"bf16": ((1024, 128, 1.2), (1024, 1024, 2.0)), "fp32": ((1024, 1024, 9.0),)},
+        precision_head_speed={"bf16": ((1024, 1.5),)},
+    )
+    assert r.compute_precision == "fp32"  # rates of a simulated GPU that do not say: fp32, as calibrate timed them
+    assert "fp32" not in r.precision_speed  # the precision timed needs no speed: its own is dropped
+    assert _rates().compute_precision == "bf16"  # a real GPU's
+    assert r.tflops_at(1024, 1024, "bf16") == pytest.approx(200.0) and r.tflops_at(1024, 128, "bf16") == pytest.approx(60.0)
+    assert r.tflops_at(1024, 1024, "fp32") == r.tflops_at(1024, 1024) == 100.0
+    assert r.head_s_at(1024, 8192, "bf16") == pytest.approx(2e-9) and r.head_s_at(1024, 8192, "fp32") == 3e-9
+    assert r.measured_in("bf16") and r.measured_in("fp32") and not r.measured_in("fp16")
+    assert r.tflops_at(1024, 1024, "fp16") == 100.0  # not timed: the rates' own precision
+    lm = dataclasses.replace(WORK, d_model=1024, seq_len=128, vocab_size=8192)
+    fp32 = predict_work(dataclasses.replace(lm, precision="fp32"), r)
+    bf16 = predict_work(lm, r)
+    assert bf16.compute_tflops_used == pytest.approx(2 * fp32.compute_tflops_used)
+    assert bf16.head_seconds == pytest.approx(fp32.head_seconds / 1.5) and not bf16.caveats and not fp32.caveats
+    fp16 = predict_work(dataclasses.replace(lm, precision="fp16"), r)
+    assert fp16.caveats and "calibrate" in fp16.caveats[0] and "fp16" in fp16.describe()
+    assert read_rates_file(r.save(tmp_path / "r.json")) == r  # the speeds round-trip
+    for bad in ({"int8": ((1024, 1024, 2.0),)}, {"bf16": ((1024, 1024, 0.0),)}, {"bf16": ((1024, 2.0),)}):
+        with pytest.raises(ConfigError, match="precision_speed"):
+            _rates(precision_speed=bad)
+    with pytest.raises(ConfigError, match="compute_precision"):
+        _rates(compute_precision="fp64")
 
 
 def test_the_head_is_timed_apart_where_the_rates_measured_it():
@@ -148,6 +186,8 @@ def test_shipped_profiles_load_and_say_where_each_rate_comes_from(name):
     r = profile(name)
     assert r.name == name and not r.simulated_gpu
     assert r.tflops_at(2048) > 100 and r.h2d_gbps > 10
+    assert r.compute_precision == "bf16" and r.tflops_at(2048, precision="fp16") == r.tflops_at(2048)
+    assert r.tflops_at(2048, precision="fp32") == pytest.approx(0.068 * r.tflops_at(2048))  # the datasheet's ratio
     for field in ("compute_tflops", "h2d_gbps", "cpu_adam_params_per_s", "host_s_per_tensor"):
         assert r.sources.get(field)
     assert load_rates(name.upper()) == r
@@ -181,6 +221,10 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert all(s > 0 for _, _, s in r.head_s_per_logit)
     counts = {(h, n) for h, n, _ in r.compute_tflops_by_tokens}
     assert counts == {(h, n) for h, _ in r.compute_tflops for n in (64, 512)}  # --quick: 512 tokens and an eighth
+    assert r.compute_precision == "fp32" and set(r.precision_speed) == {"bf16", "fp16"}  # every precision timed
+    for precision, speeds in r.precision_speed.items():
+        assert {(h, n) for h, n, _ in speeds} == counts and all(s > 0 for *_, s in speeds)
+        assert {h for h, _ in r.precision_head_speed[precision]} == {h for h, _ in r.compute_tflops}
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
     import torch

@@ -30,8 +30,9 @@ from typing import Any
 
 from hybridps.planner.calibrate_collectives import measured_or_why
 
-#: hidden sizes timed (``--quick``: the first two)
-HIDDEN_SIZES = (256, 512, 1024)
+#: hidden sizes timed (``--quick``: the first two); a block's rate falls fast below 256 on a
+#: CPU (VM, fp32, one thread: 124 GFLOPS at 256, 116 at 128, 75 at 64)
+HIDDEN_SIZES = (128, 256, 512, 1024)
 #: the vocabularies the head is timed at (``head_s_per_logit``): a CPU's caches hold the
 #: smaller one's projection and not the larger's, 10-30% a logit apart on the VM
 HEAD_VOCABS = (8192, 32768)
@@ -80,12 +81,26 @@ def _gpt(d_model: int, n_layer: int, seq: int, vocab: int = 256):
     return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model))
 
 
-def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 3) -> float:
-    """A GPT's forward and backward at ``hidden`` (one block, a small vocabulary), FLOPs
-    counted as the speed model counts them: 6 N T + 12 L d S T."""
+def base_precision(device) -> str:
+    """The precision the compute tables are timed in: bf16 on a CUDA GPU, fp32 on the CPU."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def _dtype(device, precision: str | None):
+    from hybridps.common.config import PRECISIONS
+
+    return PRECISIONS[precision or base_precision(device)]
+
+
+def compute_tflops(
+    device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 3, precision: str | None = None
+) -> float:
+    """A GPT's forward and backward at ``hidden`` (one block, a small vocabulary) in
+    ``precision`` (None: ``base_precision``), FLOPs counted as the speed model counts them:
+    6 N T + 12 L d S T."""
     import torch
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device, precision)
     model = _gpt(hidden, 1, seq).to(device=device, dtype=dtype)
     x = torch.randint(0, 256, (max(1, tokens // seq), seq), device=device)
     n = sum(p.numel() for p in model.parameters())
@@ -98,14 +113,16 @@ def compute_tflops(device, hidden: int, *, tokens: int = 1024, seq: int = 256, r
     return flops / seconds / 1e12
 
 
-def head_s_per_logit(device, hidden: int, *, tokens: int = 1024, vocab: int = HEAD_VOCABS[0], repeats: int = 3) -> float:
+def head_s_per_logit(
+    device, hidden: int, *, tokens: int = 1024, vocab: int = HEAD_VOCABS[0], repeats: int = 3, precision: str | None = None
+) -> float:
     """A GPT of no blocks at ``hidden``: what a language model does outside its blocks (the
     embedding's lookup and its dense grad, the final norm, the tied projection to ``vocab``
     entries, the cross-entropy in fp32), forward and backward, per logit: seconds / (tokens x
-    vocab)."""
+    vocab), in ``precision`` (None: ``base_precision``)."""
     import torch
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device, precision)
     seq = min(tokens, 256)
     model = _gpt(hidden, 0, seq, vocab=vocab).to(device=device, dtype=dtype)
     x = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=device)
@@ -114,6 +131,29 @@ def head_s_per_logit(device, hidden: int, *, tokens: int = 1024, vocab: int = HE
         model(x, x)[1].backward()
 
     return _median_s(step, repeats, sync=_sync(device)) / (x.numel() * vocab)
+
+
+def precision_speeds(
+    device, by_tokens: tuple[tuple[int, int, float], ...], head: dict[int, float], *, head_tokens: int
+) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, float], ...]]]:
+    """For each precision but ``base_precision``: the one-block step's speed against it at each
+    (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
+    hidden size of ``head`` (its base seconds a logit at ``head_tokens`` and the first
+    vocabulary) ([Note: compute by precision] in speed.py)."""
+    from hybridps.planner.rates import COMPUTE_PRECISIONS
+
+    blocks, heads = {}, {}
+    for precision in COMPUTE_PRECISIONS:
+        if precision == base_precision(device):
+            continue
+        blocks[precision] = tuple(
+            (h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256), precision=precision) / tflops)
+            for h, n, tflops in by_tokens
+        )
+        heads[precision] = tuple(
+            (h, seconds / head_s_per_logit(device, h, tokens=head_tokens, precision=precision)) for h, seconds in head.items()
+        )
+    return blocks, heads
 
 
 def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
@@ -286,6 +326,8 @@ def calibrate(
     table = tuple((h, t) for h, n, t in by_tokens if n == tokens)
     head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
     head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
+    head_base = {h: s for h, v, s in head if v == HEAD_VOCABS[0]}
+    speeds, head_speeds = precision_speeds(device, by_tokens, head_base, head_tokens=head_tokens)
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
@@ -297,13 +339,16 @@ def calibrate(
     node, node_how = measured_or_why(device.type) if collectives and not quick else (None, "")
     if node is None and node_how:
         print(f"hybridps calibrate: collectives between ranks {node_how}", file=sys.stderr)
-    kind = "bf16 on the GPU" if device.type == "cuda" else "fp32 on the CPU"
+    kind = f"{base_precision(device)} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",
+        "precision_speed": f"the same one-block steps in each other precision, over the {base_precision(device)} ones",
+        "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, over the "
+        f"{base_precision(device)} one",
         "h2d_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy (a simulated GPU's chunk moves)",
         "d2h_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy",
         "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
@@ -323,6 +368,9 @@ def calibrate(
         simulated_gpu=device.type != "cuda",
         compute_tflops=table,
         compute_tflops_by_tokens=by_tokens,
+        compute_precision=base_precision(device),
+        precision_speed=speeds,
+        precision_head_speed=head_speeds,
         head_s_per_logit=head,
         h2d_gbps=h2d,
         d2h_gbps=d2h,
@@ -384,6 +432,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"{rates.device}\n  compute GFLOPS by hidden size: {table}")
         head = ", ".join(f"{h} x {v}: {t * 1e9:.1f}" for h, v, t in rates.head_s_per_logit)
         print(f"  head ns a logit by hidden size x vocabulary: {head}")
+        for precision, grid in rates.precision_speed.items():
+            speeds = ", ".join(f"{h} x {n}: {b:.2f}" for h, n, b in grid)
+            heads = ", ".join(f"{h}: {b:.2f}" for h, b in rates.precision_head_speed.get(precision, ()))
+            print(f"  {precision} over {rates.compute_precision}, blocks by hidden size x tokens: {speeds}; head: {heads}")
         print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
         print(
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "

@@ -31,6 +31,8 @@ PROFILE_NAMES = ("h100", "h200")
 THIS_MACHINE = "this-machine"
 #: the version of the JSON layout
 RATES_FORMAT = 1
+#: the precisions a training step computes in (``Config.precision``)
+COMPUTE_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,17 @@ class MachineRates:
     #: (a small micro-batch gives every matmul few rows and runs slower a FLOP); () where
     #: not measured (the shipped profiles): ``compute_tflops`` at any token count
     compute_tflops_by_tokens: tuple[tuple[int, int, float], ...] = ()
+    #: the precision ``compute_tflops``, ``compute_tflops_by_tokens`` and ``head_s_per_logit``
+    #: were timed in; "" (rates stored before it was recorded): what ``hybridps calibrate``
+    #: timed then, bf16 on a real GPU and fp32 on a simulated one
+    compute_precision: str = ""
+    #: precision -> ((hidden size, tokens a micro-batch, speed), ...): how much faster the same
+    #: one-block step computes in that precision than in ``compute_precision`` ([Note: compute
+    #: by precision] in speed.py); a precision not here was not timed, and computes at
+    #: ``compute_precision``'s rates
+    precision_speed: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
+    #: precision -> ((hidden size, speed), ...): the same for the head (``head_s_per_logit``)
+    precision_head_speed: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
     #: host -> GPU and GPU -> host over pinned memory (simulated GPU: a host memcpy)
     h2d_gbps: float
     d2h_gbps: float
@@ -120,6 +133,7 @@ class MachineRates:
             if any(h < 1 or n < 1 or not (t > 0 and math.isfinite(t)) for h, n, t in grid):
                 raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {grid!r}")
             object.__setattr__(self, f, grid)
+        self._check_precisions()
         for f in (
             "h2d_gbps",
             "d2h_gbps",
@@ -147,36 +161,82 @@ class MachineRates:
             if getattr(self, f) is not None:
                 _check_positive(self.name, f, getattr(self, f))
 
-    def tflops_at(self, hidden: int, tokens: int | None = None) -> float:
+    def _check_precisions(self) -> None:
+        base = self.compute_precision or ("fp32" if self.simulated_gpu else "bf16")
+        if base not in COMPUTE_PRECISIONS:
+            raise ConfigError(f"rates {self.name!r}: compute_precision={base!r}; use one of {', '.join(COMPUTE_PRECISIONS)}")
+        object.__setattr__(self, "compute_precision", base)
+        for f, what in (
+            ("precision_speed", "(hidden size, tokens, speed > 0)"),
+            ("precision_head_speed", "(hidden size, speed > 0)"),
+        ):
+            speeds = {}
+            for precision, rows in dict(getattr(self, f)).items():
+                grid = tuple(sorted(tuple(int(k) for k in row[:-1]) + (float(row[-1]),) for row in rows))
+                bad = any(min(row[:-1]) < 1 or not (row[-1] > 0 and math.isfinite(row[-1])) for row in grid)
+                if precision not in COMPUTE_PRECISIONS or not grid or bad or {len(r) for r in grid} != {what.count(",") + 1}:
+                    raise ConfigError(
+                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(COMPUTE_PRECISIONS)} and "
+                        f"{what} rows, got {grid!r}"
+                    )
+                if precision != base:
+                    speeds[precision] = grid
+            object.__setattr__(self, f, speeds)
+
+    def measured_in(self, precision: str) -> bool:
+        """Whether the rates timed compute in ``precision`` (or relate it to the one they timed)."""
+        return precision == self.compute_precision or precision in self.precision_speed
+
+    def speed_in(self, precision: str | None, hidden: int, tokens: int | None = None) -> tuple[float, float]:
+        """(the blocks', the head's) compute speed in ``precision`` over ``compute_precision``'s
+        at ``hidden`` and ``tokens`` a micro-batch (None: the most timed): linear in the
+        logarithms between the sizes timed, flat beyond; (1, 1) for the precision timed, for
+        None and for a precision not timed."""
+        grid = self.precision_speed.get(precision or self.compute_precision)
+        blocks = head = 1.0
+        if grid:
+            at = tokens if tokens is not None else max(n for _, n, _ in grid)
+            blocks = _log_interpolate(_by_hidden_at(grid, at), hidden, below="flat")
+        rows = self.precision_head_speed.get(precision or self.compute_precision)
+        if rows:
+            head = _log_interpolate(rows, hidden, below="flat")
+        return blocks, head
+
+    def tflops_at(self, hidden: int, tokens: int | None = None, precision: str | None = None) -> float:
         """The compute rate at ``hidden`` (and ``tokens`` a micro-batch, where the rates were
-        measured at several): linear in the logarithms between entries, flat beyond the ends."""
+        measured at several) in ``precision`` (None: ``compute_precision``): linear in the
+        logarithms between entries, flat above the ends and falling below them (``_log_interpolate``)."""
         table = self.compute_tflops
         if tokens is not None and self.compute_tflops_by_tokens:
-            table = _by_hidden_at(self.compute_tflops_by_tokens, tokens)
-        return _log_interpolate(table, hidden)
+            table = _by_hidden_at(self.compute_tflops_by_tokens, tokens, below="fall")
+        return _log_interpolate(table, hidden) * self.speed_in(precision, hidden, tokens)[0]
 
-    def head_s_at(self, hidden: int, vocab: int) -> float | None:
+    def head_s_at(self, hidden: int, vocab: int, precision: str | None = None) -> float | None:
         """Seconds per logit of the head at ``hidden`` and ``vocab``: linear in log(vocab)
         between the vocabularies timed (flat beyond), then linear in the hidden size between
         the table's entries and along its end segments beyond them (the projection's work
         grows with it, the cross-entropy's does not); one hidden size timed scales in
-        proportion. None where the head was not measured."""
+        proportion; in ``precision`` at its head's speed (``speed_in``). None where the head
+        was not measured."""
         if not self.head_s_per_logit:
             return None
         table = _by_hidden_at(self.head_s_per_logit, vocab)
+        speed = self.speed_in(precision, hidden)[1]
         if len(table) == 1:
-            return table[0][1] * hidden / table[0][0]
+            return table[0][1] * hidden / table[0][0] / speed
         segment = next((pair for pair in zip(table, table[1:], strict=False) if hidden <= pair[1][0]), table[-2:])
         (h0, s0), (h1, s1) = segment
         value = s0 + (hidden - h0) * (s1 - s0) / (h1 - h0)
         # a table whose ends fall (noise) must not extrapolate to nothing
-        return max(value, min(s for _, s in table) * min(1.0, hidden / table[0][0]))
+        return max(value, min(s for _, s in table) * min(1.0, hidden / table[0][0])) / speed
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
+        for f in ("precision_speed", "precision_head_speed"):
+            out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
 
@@ -190,6 +250,11 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
+        for f in ("precision_speed", "precision_head_speed"):
+            speeds = fields.get(f, {})
+            if not isinstance(speeds, Mapping):
+                raise ConfigError(f"{where}: {f} must map a precision to its rows")
+            fields[f] = {k: tuple(tuple(p) for p in rows) for k, rows in speeds.items()}
         return cls(**fields)
 
     def save(self, path: Path) -> Path:
@@ -201,9 +266,21 @@ class MachineRates:
         return path
 
 
-def _log_interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
+#: below the smallest size a table timed, a rate falls along its first segment's slope in
+#: log(size) to at most this factor of the smallest's
+FALL_BELOW_FLOOR = 0.5
+
+
+def _log_interpolate(table: tuple[tuple[int, float], ...], x: int, *, below: str = "fall") -> float:
     """``table``'s value at ``x`` (its keys ascending): linear in log(x) between entries,
-    flat beyond the ends."""
+    flat above the last; below the first, ``below="fall"`` follows the first segment's
+    slope where it rises (a smaller matmul fills fewer of the cores' lanes: on the VM, fp32,
+    one thread, a block ran 116 GFLOPS at hidden size 128 and 75 at 64 against 124 at 256),
+    no lower than ``FALL_BELOW_FLOOR`` of the first value; ``"flat"``: the first value."""
+    if x < table[0][0] and below == "fall" and len(table) > 1:
+        (x0, y0), (x1, y1) = table[0], table[1]
+        slope = max(0.0, (y1 - y0) / math.log(x1 / x0))
+        return max(y0 - slope * math.log(x0 / x), FALL_BELOW_FLOOR * y0)
     if x <= table[0][0]:
         return table[0][1]
     if x >= table[-1][0]:
@@ -214,13 +291,13 @@ def _log_interpolate(table: tuple[tuple[int, float], ...], x: int) -> float:
     raise AssertionError("unreachable: the table is sorted")
 
 
-def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int) -> tuple[tuple[int, float], ...]:
+def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int, *, below: str = "flat") -> tuple[tuple[int, float], ...]:
     """A (hidden size, key, value) grid, sorted, read at key ``x``: each hidden size's value
-    there (``_log_interpolate`` over its keys)."""
+    there (``_log_interpolate`` over its keys, ``below`` its first as it says)."""
     rows: dict[int, list[tuple[int, float]]] = {}
     for h, key, value in grid:
         rows.setdefault(h, []).append((key, value))
-    return tuple((h, _log_interpolate(tuple(row), x)) for h, row in rows.items())
+    return tuple((h, _log_interpolate(tuple(row), x, below=below)) for h, row in rows.items())
 
 
 def _required(f: dataclasses.Field) -> bool:

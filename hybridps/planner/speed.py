@@ -17,7 +17,8 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   several counts: at 128 tokens the VM's blocks ran 10-25% slower a FLOP than at 1024, the
   third shape of the plan_speed bench predicted at 0.76x until they did), less the
   ``6 V d T`` that ``6 N T`` counts for an untied input embedding (a lookup multiplies
-  nothing), with the head apart where the rates measured it (see [Note: the head apart]);
+  nothing), with the head apart where the rates measured it (see [Note: the head apart]), in
+  the precision the model computes in ([Note: compute by precision]);
 - ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
   op launches) times the tensors and micro-batches;
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
@@ -104,6 +105,25 @@ vocabularies: a CPU's caches hold 8192 entries' projection and not 32768's, 10-3
 apart) the head's ``6 V d T`` leaves the FLOPs and its ``T x V`` logits cost that time each
 instead. The shipped GPU profiles carry none: their TFLOPS were read from whole-model runs,
 the head inside them.
+
+[Note: compute by precision]
+A model computes in its params' precision (``Config.precision``), and a machine's rate
+depends on it: on the 2-vCPU VM (AMX, one thread) a one-block step in bf16 ran 1.2-2.8x its
+fp32 rate (1.16x at hidden size 128 and 128 tokens, 2.79x at 1024 and 1024 tokens) and its
+head 1.4-2.9x, while fp16 ran 0.86-1.0x (no fp16 matmul units); on Hopper fp16 and bf16
+share the tensor cores' rate and fp32 (TF32 off, torch's default) runs on the CUDA cores at
+about a fifteenth. Rates timed in one precision (``compute_precision``: bf16 on a GPU, fp32 on
+a CPU) predicted a bf16 GPT on the VM's simulated GPU at 1.25x and 1.79x its measured step.
+So ``hybridps calibrate`` times the same one-block steps and heads in the other precisions
+too, kept as speeds over the timed ones (``precision_speed`` by hidden size and tokens,
+``precision_head_speed`` by hidden size), and ``compute`` reads the rates at the work's
+precision: the same two shapes then came to 0.73x and 0.95-0.97x. The shipped profiles
+carry the datasheet's ratios (not measured, their sources say so). A precision the rates never
+timed computes at their own precision's rates and the prediction says so (``caveats``).
+What the speeds do not hold: on the CPU bf16's speed moves with the sequence as well (blocks
+at sequence 128 ran 20-30% slower a FLOP than at 256, the same tokens) and the head's time a
+logit with the tokens (hidden size 256: 8-10 ns at 512 tokens, 12-13 at 1024), so a bf16
+GPT of 8 x 128 tokens came to 0.69-0.73x; fp32 moves with neither.
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -247,6 +267,9 @@ class SpeedPrediction:
     #: (0 at one rank)
     node_collective_bytes_per_step: int = 0
     network_bytes_per_step: int = 0
+    #: what the prediction could not measure and took instead (a precision the rates never
+    #: timed: computed at the one they did)
+    caveats: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -260,6 +283,7 @@ class SpeedPrediction:
         return (
             f"{_s(self.predicted_step_seconds)} a step, {self.tokens_per_second:,.0f} tokens/s, "
             f"{self.model_tflops:.1f} model TFLOPS, bound by {self.bound_by} (rates {self.rates}; parts alone: {parts})"
+            + "".join(f"; {c}" for c in self.caveats)
         )
 
 
@@ -319,7 +343,7 @@ def d2h_bytes(moved: Mapping[str, int]) -> int:
 def head_seconds(work: StepWork, rates: MachineRates) -> float | None:
     """The head's seconds a step at the rates' time per logit; None where the rates did not
     measure it or the vocabulary is unknown (the head then counts at the blocks' rate)."""
-    per_logit = rates.head_s_at(work.d_model, work.vocab_size) if work.vocab_size else None
+    per_logit = rates.head_s_at(work.d_model, work.vocab_size, work.precision) if work.vocab_size else None
     return None if per_logit is None else work.tokens * work.vocab_size * per_logit
 
 
@@ -327,7 +351,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
     that measured no disk."""
     m = work.micro_batches
-    rate = rates.tflops_at(work.d_model, work.micro_batch_tokens) * 1e12
+    rate = rates.tflops_at(work.d_model, work.micro_batch_tokens, work.precision) * 1e12
     head = head_seconds(work, rates)
     flops = work.step_flops - work.lookup_flops
     if head is None:  # the head at the blocks' rate
@@ -471,7 +495,7 @@ def predict_work(
         micro_batches=work.micro_batches,
         model_flops_per_step=work.model_flops,
         flops_per_step=work.step_flops,
-        compute_tflops_used=rates.tflops_at(work.d_model, work.micro_batch_tokens),
+        compute_tflops_used=rates.tflops_at(work.d_model, work.micro_batch_tokens, work.precision),
         head_seconds=head_seconds(work, rates),
         h2d_bytes_per_step=work.h2d_bytes * work.micro_batches,
         d2h_bytes_per_step=work.d2h_bytes * work.micro_batches,
@@ -479,4 +503,16 @@ def predict_work(
         gpu_step_params=work.gpu_step_params,
         node_collective_bytes_per_step=(work.node_gather_bytes + work.node_reduce_bytes) * work.micro_batches,
         network_bytes_per_step=work.network_bytes * work.micro_batches,
+        caveats=precision_caveats(work, rates),
+    )
+
+
+def precision_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
+    """Why the compute part may be off: ``work``'s precision is one ``rates`` never timed
+    ([Note: compute by precision])."""
+    if rates.measured_in(work.precision):
+        return ()
+    return (
+        f"compute in {work.precision} at the {rates.compute_precision} rates of {rates.name!r}, which timed no "
+        f"{work.precision} (run `hybridps calibrate` again on the machine)",
     )
