@@ -16,11 +16,20 @@ slowest rank's median; each simulated GPU holds ``frac`` of the model data over 
 
     OMP_NUM_THREADS=1 python -m benchmarks plan_speed --rates this-machine --steps 6
     OMP_NUM_THREADS=1 python -m benchmarks plan_speed --rates this-machine --ranks 2
+
+One rank also trains as a script would beyond the defaults, each shape planned the same way
+(``hybridps.planner.plan``): ``--precision bf16`` (the rates' speed in that precision),
+``--micro-batches 4`` (gradient accumulation, so no grad reuse), ``--optimizer-states int8``
+(the compact step) and ``--cpu-fraction 0.6 --disk-bytes 1G`` (a CPU of 60% of the model data
+and a disk tier beside it, in a temp directory).
+
+    OMP_NUM_THREADS=1 python -m benchmarks plan_speed --micro-batches 4 --optimizer-states int8
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +46,6 @@ from hybridps.planner.model import GPTShape
 from hybridps.planner.rates import load_rates, threads_mismatch
 from hybridps.planner.search import plan
 from hybridps.planner.simulation import simulate
-from hybridps.planner.speed import predict_speed
 
 NAME = "plan_speed"
 #: (layers, d_model, heads, seq, batch, GPU capacity as a fraction of the model data, its
@@ -51,24 +59,70 @@ SHAPES = (
 CPU_BYTES = 8 << 30
 
 
-def measure(shape: GPTShape, gpu_bytes: int, steps: int, warmup: int, precision: str) -> list[float]:
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """How one rank trains each shape, beyond its GPU: what ``Config`` and the loop take."""
+
+    precision: str = "fp32"
+    micro_batches: int = 1
+    optimizer_states: str = "fp32"
+    #: the CPU's capacity as a fraction of the model data (None: ``CPU_BYTES``)
+    cpu_fraction: float | None = None
+    #: a disk tier of this many bytes (0: none)
+    disk_bytes: int = 0
+
+    @property
+    def grad_reuse(self) -> bool:
+        return self.micro_batches == 1  # accumulation keeps grads apart (Config.grad_reuse)
+
+
+def measure(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
     torch.manual_seed(0)
     model = shape.build()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
-    config = hybridps.Config(devices={"cuda:0": gpu_bytes, "cpu": CPU_BYTES}, precision=precision)
-    engine = hybridps.initialize(model, opt, config)
-    x = torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len))
-    times = []
-    try:
-        for _ in range(warmup + steps):
-            t0 = time.perf_counter()
-            engine.backward(engine(x, x)[1])
-            engine.step()
-            engine.zero_grad()
-            times.append(time.perf_counter() - t0)
-    finally:
-        engine.close()
+    with tempfile.TemporaryDirectory() as disk:
+        devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes, **({"nvme": training.disk_bytes} if training.disk_bytes else {})}
+        config = hybridps.Config(
+            devices=devices,
+            precision=training.precision,
+            grad_reuse=training.grad_reuse,
+            optimizer_states=training.optimizer_states,
+            nvme_path=disk if training.disk_bytes else None,
+        )
+        engine = hybridps.initialize(model, opt, config)
+        x = torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len))
+        times = []
+        try:
+            for _ in range(warmup + steps):
+                t0 = time.perf_counter()
+                for _ in range(training.micro_batches):
+                    engine.backward(engine(x, x)[1])
+                engine.step()
+                engine.zero_grad()
+                times.append(time.perf_counter() - t0)
+        finally:
+            engine.close()
     return times[warmup:]
+
+
+def predict_one(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, training: Training, rates):
+    """The plan's prediction for one rank on a simulated GPU of ``gpu_bytes``, trained as ``training`` says."""
+    report = plan(
+        shape,
+        gpus=f"1x{gpu_bytes}B",
+        cpu=cpu_bytes,
+        nvme=f"{training.disk_bytes}B" if training.disk_bytes else None,
+        simulated_gpus=True,
+        precision=training.precision,
+        grad_reuse=training.grad_reuse,
+        optimizer_states=training.optimizer_states,
+        rates=rates,
+        search_largest=False,
+        micro_batches=training.micro_batches,
+    )
+    if report.speed is None:
+        raise SystemExit(f"no prediction for {shape.describe()}: {report.speed_note}")
+    return report
 
 
 def _rank_worker(rank, world, port, shape, gpu_bytes, steps, warmup, precision, threads, outdir):
@@ -147,7 +201,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="which shapes, comma-separated indices into " + "; ".join(f"{i}: {s[0]} x {s[1]}" for i, s in enumerate(SHAPES)),
     )
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this host (several: the derived multi-rank prediction)")
+    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated a step (one rank)")
+    ap.add_argument("--optimizer-states", default="fp32", choices=("fp32", "int8"), help="Adam's moments (one rank)")
+    ap.add_argument("--cpu-fraction", type=float, default=None, help="the CPU as a fraction of the model data (one rank)")
+    ap.add_argument("--disk-bytes", type=harness.parse_count, default=0, help="a disk tier of this size, e.g. 1G (one rank)")
     args = ap.parse_args(argv)
+    training = Training(args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes)
+    if args.ranks > 1 and training != Training(args.precision):
+        raise SystemExit("--micro-batches, --optimizer-states, --cpu-fraction and --disk-bytes are for one rank")
     rates = load_rates(args.rates)
     warning = threads_mismatch(rates, torch.get_num_threads())
     if warning is not None:
@@ -156,7 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
     for layers, d, heads, seq, batch, frac, vocab in (SHAPES[int(i)] for i in args.shapes.split(",")):
         vocab = vocab or args.vocab
         shape = GPTShape(n_layer=layers, d_model=d, n_head=heads, seq_len=seq, batch_size=batch, vocab_size=vocab)
-        full = simulate(shape, gpu_bytes=CPU_BYTES, cpu_bytes=CPU_BYTES, precision=args.precision)
+        full = simulate(
+            shape,
+            gpu_bytes=CPU_BYTES,
+            cpu_bytes=CPU_BYTES,
+            precision=args.precision,
+            grad_reuse=training.grad_reuse,
+            optimizer_states=training.optimizer_states,
+        )
         extra = {}
         if args.ranks > 1:
             gpu_bytes = int(full.model_data_bytes * frac / args.ranks + full.non_model_peak_bytes)
@@ -173,16 +241,17 @@ def main(argv: list[str] | None = None) -> dict:
             }
         else:
             gpu_bytes = int(full.model_data_bytes * frac + full.non_model_peak_bytes)
-            sim = simulate(shape, gpu_bytes=gpu_bytes, cpu_bytes=CPU_BYTES, precision=args.precision)
-            pred, n_params, model_data = predict_speed(sim, shape, rates), sim.n_params, sim.model_data_bytes
-            times = measure(shape, gpu_bytes, args.steps, args.warmup, args.precision)
+            cpu_bytes = CPU_BYTES if training.cpu_fraction is None else int(full.model_data_bytes * training.cpu_fraction)
+            report = predict_one(shape, gpu_bytes, cpu_bytes, training, rates)
+            pred, n_params, model_data = report.speed, report.n_params, full.model_data_bytes
+            times = measure(shape, gpu_bytes, cpu_bytes, args.steps, args.warmup, training)
         measured = statistics.median(times)
         rows.append(
             {
                 "shape": f"{layers} x {d}, {heads} heads, {batch} x {seq}, vocabulary {vocab}",
                 **extra,
                 "n_params": n_params,
-                "tokens_per_step": batch * seq,
+                "tokens_per_step": batch * seq * training.micro_batches,
                 "gpu_bytes": gpu_bytes,
                 "model_data_bytes": model_data,
                 "predicted_s": round(pred.predicted_step_seconds, 4),
@@ -190,10 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "steps_s": [round(t, 4) for t in times],
                 "predicted_over_measured": round(pred.predicted_step_seconds / measured, 3),
                 "bound_by": pred.bound_by,
+                "caveats": list(pred.caveats),
                 "parts": {k: round(v, 4) for k, v in pred.parts.items()},
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     out = harness.header(NAME, argv)
-    out.update(rates=rates.to_dict(), threads=torch.get_num_threads(), rows=rows)
+    out.update(rates=rates.to_dict(), threads=torch.get_num_threads(), training=dataclasses.asdict(training), rows=rows)
     return harness.emit(out)

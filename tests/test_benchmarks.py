@@ -299,3 +299,21 @@ def test_overhead_ported_loop_matches_plain(capsys, tmp_path, restore_process_st
     for case in ("fits", "tight", "cpu"):
         assert "error" not in out[case], (case, out[case])
         assert out[case]["max_loss_diff"] == 0.0, (case, out[case])
+
+
+def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, restore_process_state):
+    """Accumulation, the compact states and a disk tier reach both the plan and the run."""
+    from benchmarks import plan_speed
+
+    os.chdir(tmp_path)
+    args = ["--rates", "h100", "--shapes", "0", "--steps", "1", "--warmup", "1", "--vocab", "256", "--micro-batches", "2"]
+    out = plan_speed.main([*args, "--optimizer-states", "int8", "--cpu-fraction", "0.6", "--disk-bytes", "64M"])
+    capsys.readouterr()
+    assert out["training"] == {
+        "precision": "fp32", "micro_batches": 2, "optimizer_states": "int8", "cpu_fraction": 0.6, "disk_bytes": 64 << 20,
+    }  # fmt: skip
+    (row,) = out["rows"]
+    assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["tokens_per_step"] == 2 * 8 * 128
+    assert row["caveats"] == []  # the profile relates fp32 to its bf16 rates
+    with pytest.raises(SystemExit, match="one rank"):
+        plan_speed.main([*args, "--ranks", "2"])
