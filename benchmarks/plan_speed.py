@@ -120,9 +120,7 @@ def predict_one(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, training: Train
         search_largest=False,
         micro_batches=training.micro_batches,
     )
-    if report.speed is None:
-        raise SystemExit(f"no prediction for {shape.describe()}: {report.speed_note}")
-    return report
+    return report  # without a speed where the plan refuses the shape (its note says why)
 
 
 def _rank_worker(rank, world, port, shape, gpu_bytes, steps, warmup, precision, threads, outdir):
@@ -243,6 +241,15 @@ def main(argv: list[str] | None = None) -> dict:
             gpu_bytes = int(full.model_data_bytes * frac + full.non_model_peak_bytes)
             cpu_bytes = CPU_BYTES if training.cpu_fraction is None else int(full.model_data_bytes * training.cpu_fraction)
             report = predict_one(shape, gpu_bytes, cpu_bytes, training, rates)
+            if report.speed is None:  # refused (a chunk's step needs more CPU than it has): so would the engine
+                rows.append(
+                    {
+                        "shape": f"{layers} x {d}, {heads} heads, {batch} x {seq}, vocabulary {vocab}",
+                        "skipped": report.hybridps.reason or report.speed_note,
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                continue
             pred, n_params, model_data = report.speed, report.n_params, full.model_data_bytes
             times = measure(shape, gpu_bytes, cpu_bytes, args.steps, args.warmup, training)
         measured = statistics.median(times)

@@ -26,9 +26,9 @@ Beside them, per step: the bytes each direction of the link moved, the bytes tha
 into page-locked arena slots (the rest came down pageable), the arena's segments grown and
 released, the mover's out-of-memory retries (each evicts every idle chunk from the GPU) and,
 on a GPU, the caching allocator's device allocations, frees and retries. ``--torch-profiler``
-adds torch's profiler over the measured steps: on a GPU the kernels' time and the copies'
-time by kind (pinned or pageable, from the runtime's own names), on the CPU the ops that took
-the most time. With ``--meta`` (the planner's simulation) nothing computes: the columns are
+adds torch's profiler over the measured steps: on a GPU the kernels' time, the copies'
+time by kind (pinned or pageable, from the runtime's own names) and the runtime calls where the
+host waits for the GPU (count and time), on the CPU the ops that took the most time. With ``--meta`` (the planner's simulation) nothing computes: the columns are
 the engine's Python at sizes this machine cannot hold, and ``rest`` is mostly torch's meta
 kernels, written in Python, which say nothing of a GPU's launches.
 
@@ -193,6 +193,7 @@ def _torch_profile(prof, on_gpu: bool, steps: int) -> dict:
     kernels = copies = 0.0
     by_copy: dict[str, float] = collections.Counter()
     host_calls: dict[str, float] = collections.Counter()
+    host_call_counts: dict[str, int] = collections.Counter()
     for e in events:
         device_s = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e6
         if e.key.startswith("Memcpy") or e.key.startswith("Memset"):
@@ -207,13 +208,19 @@ def _torch_profile(prof, on_gpu: bool, steps: int) -> dict:
             "cudaFree",
             "cudaStreamSynchronize",
             "cudaEventSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaMemcpy",
         ):
+            # a sync, or a copy that waits, each time the host waits for the GPU: a count that
+            # grows with the tensors or chunks keeps the host from queueing work ahead
             host_calls[e.key] += e.self_cpu_time_total / 1e6
+            host_call_counts[e.key] += e.count
     return {
         "gpu_kernels_s_per_step": round(kernels / steps, 4),
         "gpu_copies_s_per_step": round(copies / steps, 4),
         "gpu_copies_by_kind_s_per_step": {k: round(v / steps, 4) for k, v in sorted(by_copy.items())},
         "runtime_calls_s_per_step": {k: round(v / steps, 4) for k, v in sorted(host_calls.items())},
+        "runtime_calls_per_step": {k: v / steps for k, v in sorted(host_call_counts.items())},
     }
 
 
