@@ -127,7 +127,15 @@ def test_compute_runs_at_the_rates_of_its_precision(tmp_path):
     fp16 = predict_work(dataclasses.replace(lm, precision="fp16"), r)
     assert fp16.caveats and "calibrate" in fp16.caveats[0] and "fp16" in fp16.describe()
     assert read_rates_file(r.save(tmp_path / "r.json")) == r  # the speeds round-trip
-    for bad in ({"int8": ((1024, 1024, 2.0),)}, {"bf16": ((1024, 1024, 0.0),)}, {"bf16": ((1024, 2.0),)}):
+    bad_speeds = (
+        {"int8": ((1024, 1024, 2.0),)},
+        {"fp16": ((1024, 1024, 0.0),)},
+        {"fp16": ((1024, 2.0),)},  # no token count
+        {"fp16": ((1024,),)},
+        {"fp16": (("wide", 1024, 2.0),)},
+        {"fp16": ()},
+    )
+    for bad in bad_speeds:
         with pytest.raises(ConfigError, match="precision_speed"):
             _rates(precision_speed=bad)
     with pytest.raises(ConfigError, match="compute_precision"):

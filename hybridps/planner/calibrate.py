@@ -307,6 +307,39 @@ def _device_name(device) -> str:
     return f"simulated GPU (compute and copies on the CPU: {cpu})"
 
 
+def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The compute fields of ``MachineRates`` measured on ``device`` (the one-block steps by
+    hidden size and tokens, the heads, the other precisions' speeds) and their sources."""
+    sizes = HIDDEN_SIZES[:2] if quick else HIDDEN_SIZES
+    tokens = 512 if quick else 1024
+    counts = token_counts(device, tokens)
+    by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
+    head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
+    head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
+    head_base = {h: s for h, v, s in head if v == HEAD_VOCABS[0]}
+    speeds, head_speeds = precision_speeds(device, by_tokens, head_base, head_tokens=head_tokens)
+    base = base_precision(device)
+    kind = f"{base} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
+    fields = {
+        "compute_tflops": tuple((h, t) for h, n, t in by_tokens if n == tokens),
+        "compute_tflops_by_tokens": by_tokens,
+        "compute_precision": base,
+        "precision_speed": speeds,
+        "precision_head_speed": head_speeds,
+        "head_s_per_logit": head,
+    }
+    sources = {
+        "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
+        "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
+        "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
+        f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
+        "token and entry (calibrate.head_s_per_logit)",
+        "precision_speed": f"the same one-block steps in each other precision, over the {base} ones",
+        "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, over the {base} one",
+    }
+    return fields, sources
+
+
 def calibrate(
     *, quick: bool = False, disk: bool = True, disk_dir: str | None = None, collectives: bool = True, name: str = "this-machine"
 ):
@@ -319,15 +352,7 @@ def calibrate(
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    sizes = HIDDEN_SIZES[:2] if quick else HIDDEN_SIZES
-    tokens = 512 if quick else 1024
-    counts = token_counts(device, tokens)
-    by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
-    table = tuple((h, t) for h, n, t in by_tokens if n == tokens)
-    head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
-    head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
-    head_base = {h: s for h, v, s in head if v == HEAD_VOCABS[0]}
-    speeds, head_speeds = precision_speeds(device, by_tokens, head_base, head_tokens=head_tokens)
+    compute, sources = compute_rates(device, quick=quick)
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
@@ -339,25 +364,20 @@ def calibrate(
     node, node_how = measured_or_why(device.type) if collectives and not quick else (None, "")
     if node is None and node_how:
         print(f"hybridps calibrate: collectives between ranks {node_how}", file=sys.stderr)
-    kind = f"{base_precision(device)} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
-    sources = {
-        "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
-        "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
-        "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
-        f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
-        "token and entry (calibrate.head_s_per_logit)",
-        "precision_speed": f"the same one-block steps in each other precision, over the {base_precision(device)} ones",
-        "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, over the "
-        f"{base_precision(device)} one",
-        "h2d_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy (a simulated GPU's chunk moves)",
-        "d2h_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy",
-        "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
-        "cpu_compact_adam_params_per_s": f"compact_adam_ over {elements} params",
-        "cpu_cast_params_per_s": "bf16 -> fp32 and fp32 -> bf16 copies",
-        "gpu_adam_params_per_s": "fused AdamW on the GPU" if device.type == "cuda" else "the CPU's (a simulated GPU steps on it)",
-        "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
-        + ("" if device.type == "cuda" else ", less its plain step"),
-    }
+    sources.update(
+        {
+            "h2d_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy (a simulated GPU's chunk moves)",
+            "d2h_gbps": "pinned 64 MiB copies" if device.type == "cuda" else "a host memcpy",
+            "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
+            "cpu_compact_adam_params_per_s": f"compact_adam_ over {elements} params",
+            "cpu_cast_params_per_s": "bf16 -> fp32 and fp32 -> bf16 copies",
+            "gpu_adam_params_per_s": "fused AdamW on the GPU"
+            if device.type == "cuda"
+            else "the CPU's (a simulated GPU steps on it)",
+            "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
+            + ("" if device.type == "cuda" else ", less its plain step"),
+        }
+    )
     if node_how:
         sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node_how
     if read:
@@ -366,12 +386,7 @@ def calibrate(
         name=name,
         device=_device_name(device),
         simulated_gpu=device.type != "cuda",
-        compute_tflops=table,
-        compute_tflops_by_tokens=by_tokens,
-        compute_precision=base_precision(device),
-        precision_speed=speeds,
-        precision_head_speed=head_speeds,
-        head_s_per_logit=head,
+        **compute,
         h2d_gbps=h2d,
         d2h_gbps=d2h,
         gpu_adam_params_per_s=gpu_adam,

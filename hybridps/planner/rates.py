@@ -171,13 +171,13 @@ class MachineRates:
             ("precision_head_speed", "(hidden size, speed > 0)"),
         ):
             speeds = {}
+            width = what.count(",") + 1
             for precision, rows in dict(getattr(self, f)).items():
-                grid = tuple(sorted(tuple(int(k) for k in row[:-1]) + (float(row[-1]),) for row in rows))
-                bad = any(min(row[:-1]) < 1 or not (row[-1] > 0 and math.isfinite(row[-1])) for row in grid)
-                if precision not in COMPUTE_PRECISIONS or not grid or bad or {len(r) for r in grid} != {what.count(",") + 1}:
+                grid = _speed_grid(rows, width)
+                if precision not in COMPUTE_PRECISIONS or grid is None:
                     raise ConfigError(
                         f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(COMPUTE_PRECISIONS)} and "
-                        f"{what} rows, got {grid!r}"
+                        f"{what} rows, got {rows!r}"
                     )
                 if precision != base:
                     speeds[precision] = grid
@@ -298,6 +298,20 @@ def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int, *, below: st
     for h, key, value in grid:
         rows.setdefault(h, []).append((key, value))
     return tuple((h, _log_interpolate(tuple(row), x, below=below)) for h, row in rows.items())
+
+
+def _speed_grid(rows: Any, width: int) -> tuple[tuple, ...] | None:
+    """``rows`` as a sorted grid of ``width``-long rows of sizes >= 1 and a last value > 0;
+    None where they are not that."""
+    try:
+        grid = tuple(sorted(tuple(int(k) for k in row[:-1]) + (float(row[-1]),) for row in rows if len(row) == width))
+        if not grid or len(grid) != len(rows):
+            return None
+    except (TypeError, ValueError):
+        return None
+    if any(min(row[:-1]) < 1 or not (row[-1] > 0 and math.isfinite(row[-1])) for row in grid):
+        return None
+    return grid
 
 
 def _required(f: dataclasses.Field) -> bool:
