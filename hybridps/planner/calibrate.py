@@ -140,10 +140,10 @@ def precision_speeds(
     (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
     hidden size of ``head`` (its base seconds a logit at ``head_tokens`` and the first
     vocabulary) ([Note: compute by precision] in speed.py)."""
-    from hybridps.planner.rates import COMPUTE_PRECISIONS
+    from hybridps.planner.defaults import PRECISION_NAMES
 
     blocks, heads = {}, {}
-    for precision in COMPUTE_PRECISIONS:
+    for precision in PRECISION_NAMES:
         if precision == base_precision(device):
             continue
         blocks[precision] = tuple(

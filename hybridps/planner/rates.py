@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.planner.defaults import PRECISION_NAMES
 
 #: the environment variable naming the stored calibration's file
 RATES_ENV = "HYBRIDPS_RATES"
@@ -31,8 +32,6 @@ PROFILE_NAMES = ("h100", "h200")
 THIS_MACHINE = "this-machine"
 #: the version of the JSON layout
 RATES_FORMAT = 1
-#: the precisions a training step computes in (``Config.precision``)
-COMPUTE_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,9 +128,10 @@ class MachineRates:
             raise ConfigError(f"rates {self.name!r}: compute_tflops needs (hidden size, TFLOPS > 0) pairs, got {table!r}")
         object.__setattr__(self, "compute_tflops", table)
         for f, what in (("compute_tflops_by_tokens", "tokens, TFLOPS"), ("head_s_per_logit", "vocabulary, seconds")):
-            grid = tuple(sorted((int(h), int(n), float(t)) for h, n, t in getattr(self, f)))
-            if any(h < 1 or n < 1 or not (t > 0 and math.isfinite(t)) for h, n, t in grid):
-                raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {grid!r}")
+            rows = getattr(self, f)
+            grid = _grid(rows, 3) if rows else ()
+            if grid is None:
+                raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {rows!r}")
             object.__setattr__(self, f, grid)
         self._check_precisions()
         for f in (
@@ -163,20 +163,19 @@ class MachineRates:
 
     def _check_precisions(self) -> None:
         base = self.compute_precision or ("fp32" if self.simulated_gpu else "bf16")
-        if base not in COMPUTE_PRECISIONS:
-            raise ConfigError(f"rates {self.name!r}: compute_precision={base!r}; use one of {', '.join(COMPUTE_PRECISIONS)}")
+        if base not in PRECISION_NAMES:
+            raise ConfigError(f"rates {self.name!r}: compute_precision={base!r}; use one of {', '.join(PRECISION_NAMES)}")
         object.__setattr__(self, "compute_precision", base)
-        for f, what in (
-            ("precision_speed", "(hidden size, tokens, speed > 0)"),
-            ("precision_head_speed", "(hidden size, speed > 0)"),
+        for f, width, what in (
+            ("precision_speed", 3, "(hidden size, tokens, speed > 0)"),
+            ("precision_head_speed", 2, "(hidden size, speed > 0)"),
         ):
             speeds = {}
-            width = what.count(",") + 1
             for precision, rows in dict(getattr(self, f)).items():
-                grid = _speed_grid(rows, width)
-                if precision not in COMPUTE_PRECISIONS or grid is None:
+                grid = _grid(rows, width)
+                if precision not in PRECISION_NAMES or grid is None:
                     raise ConfigError(
-                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(COMPUTE_PRECISIONS)} and "
+                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(PRECISION_NAMES)} and "
                         f"{what} rows, got {rows!r}"
                     )
                 if precision != base:
@@ -254,7 +253,6 @@ class MachineRates:
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")
-            fields[f] = {k: tuple(tuple(p) for p in rows) for k, rows in speeds.items()}
         return cls(**fields)
 
     def save(self, path: Path) -> Path:
@@ -300,9 +298,9 @@ def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int, *, below: st
     return tuple((h, _log_interpolate(tuple(row), x, below=below)) for h, row in rows.items())
 
 
-def _speed_grid(rows: Any, width: int) -> tuple[tuple, ...] | None:
-    """``rows`` as a sorted grid of ``width``-long rows of sizes >= 1 and a last value > 0;
-    None where they are not that."""
+def _grid(rows: Any, width: int) -> tuple[tuple, ...] | None:
+    """``rows`` as a sorted grid of ``width``-long rows of sizes >= 1 and a last value > 0
+    (finite); None where they are not that, or none."""
     try:
         grid = tuple(sorted(tuple(int(k) for k in row[:-1]) + (float(row[-1]),) for row in rows if len(row) == width))
         if not grid or len(grid) != len(rows):
