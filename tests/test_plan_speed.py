@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.model import GPTShape
 from hybridps.planner.rates import PROFILE_NAMES, load_rates, profile, read_rates_file, threads_mismatch
-from hybridps.planner.speed import PARTS, StepWork, compose, predict_work
+from hybridps.planner.speed import PARTS, StepWork, attention_seconds, compose, predict_work
 from tests.synthetic_rates import synthetic_rates
 
 _rates = synthetic_rates
@@ -165,6 +166,40 @@ def test_the_head_is_timed_apart_where_the_rates_measured_it():
         _rates(head_s_per_logit=((1024, 8192, -1.0),))
 
 
+def test_attention_timed_apart_computes_at_its_rate_for_the_sequence_and_head_size(tmp_path):
+    attention = {
+        "bf16": ((64, 128, 10.0), (64, 512, 40.0), (128, 128, 20.0), (128, 512, 80.0)),
+        "fp32": ((64, 512, 5.0),),
+    }
+    r = _rates(attention_tflops=attention)
+    assert r.attention_apart and not _rates().attention_apart  # the profiles: the block's rate includes it
+    assert r.attention_tflops_at(64, 256, "bf16") == pytest.approx(25.0)  # halfway in log(sequence)
+    assert r.attention_tflops_at(96, 512) == pytest.approx(40 + math.log(1.5) / math.log(2) * 40)
+    assert r.attention_tflops_at(256, 4096, "bf16") == 80.0  # flat beyond the sizes timed
+    assert r.attention_tflops_at(64, 64, "bf16") == pytest.approx(5.0)  # falls below the shortest sequence
+    assert r.attention_tflops_at(64, 8, "bf16") == pytest.approx(5.0)  # to half its rate at most
+    assert r.attention_tflops_at(32, 512, "bf16") == pytest.approx(20.0)  # a smaller head: along the first slope
+    assert r.attention_tflops_at(0, 512, "bf16") == 40.0  # head size unknown: the smallest timed
+    assert r.attention_tflops_at(64, 512, "fp32") == 5.0 and r.attention_tflops_at(64, 512, "fp16") == 40.0  # not timed: own
+    for seq, head_dim in ((128, 64), (512, 128), (256, 32)):
+        work = dataclasses.replace(WORK, seq_len=seq, head_dim=head_dim, checkpoint=True)
+        attn = work.attention_flops / (r.attention_tflops_at(head_dim, seq, "bf16") * 1e12)
+        dense = (work.step_flops - work.attention_flops) / (r.tflops_at(2048) * 1e12)
+        assert work.attention_flops == pytest.approx(16.0 * 24 * 2048 * seq * work.tokens)  # 12 + 4 recomputed
+        assert predict_work(work, r).parts["compute"] == pytest.approx(dense + attn)
+        assert predict_work(work, _rates()).parts["compute"] == pytest.approx(work.step_flops / (r.tflops_at(2048) * 1e12))
+    # the same tokens at a quarter of the sequence: a quarter of the FLOPs, at a quarter of the rate here
+    short, long = (dataclasses.replace(WORK, seq_len=s, batch_size=8192 // s, head_dim=64) for s in (128, 512))
+    assert short.attention_flops == pytest.approx(long.attention_flops / 4)
+    assert attention_seconds(short, r) == pytest.approx(attention_seconds(long, r))
+    assert attention_seconds(short, _rates()) is None
+    assert read_rates_file(r.save(tmp_path / "r.json")) == r  # round trip
+    assert GPTShape(n_layer=2, d_model=512, n_head=4).head_dim == 128
+    for bad in ({"int8": ((64, 128, 1.0),)}, {"bf16": ((64, 128, 0.0),)}, {"bf16": ((64, 1.0),)}, {"bf16": ()}):
+        with pytest.raises(ConfigError, match="attention_tflops"):
+            _rates(attention_tflops=bad)
+
+
 def test_an_untied_embedding_multiplies_nothing_and_checkpointing_recomputes_only_the_blocks():
     tied = dataclasses.replace(WORK, vocab_size=50304)
     untied = dataclasses.replace(tied, tied_embeddings=False)
@@ -233,6 +268,9 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     for precision, speeds in r.precision_speed.items():
         assert {(h, n) for h, n, _ in speeds} == counts and all(s > 0 for *_, s in speeds)
         assert {h for h, _ in r.precision_head_speed[precision]} == {h for h, _ in r.compute_tflops}
+    assert r.attention_apart and set(r.attention_tflops) == {"fp32", "bf16", "fp16"}
+    for rows in r.attention_tflops.values():  # --quick: head size 64, three sequences
+        assert {(d, s) for d, s, _ in rows} == {(64, 64), (64, 128), (64, 256)} and all(t > 0 for *_, t in rows)
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
     import torch

@@ -20,15 +20,16 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hybridps.planner.calibrate_attention import attention_step, attention_table, dense_tflops
+from hybridps.planner.calibrate_attention import sources as attention_sources
 from hybridps.planner.calibrate_collectives import measured_or_why
+from hybridps.planner.timing import device_sync, interleaved_seconds, median_seconds, precision_dtype
 
 #: hidden sizes timed (``--quick``: the first two); a block's rate falls fast below 256 on a
 #: CPU (VM, fp32, one thread: 124 GFLOPS at 256, 116 at 128, 75 at 64)
@@ -56,25 +57,6 @@ def token_counts(device, reference: int) -> tuple[int, ...]:
 _MiB = 1 << 20
 
 
-def _median_s(fn: Callable[[], Any], repeats: int, warmup: int = 1, sync: Callable[[], None] = lambda: None) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _sync(device) -> Callable[[], None]:
-    import torch
-
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
 def _gpt(d_model: int, n_layer: int, seq: int, vocab: int = 256):
     from hybridps.models.gpt import GPT, GPTConfig
 
@@ -87,17 +69,16 @@ def base_precision(device) -> str:
 
 
 def _dtype(device, precision: str | None):
-    from hybridps.common.config import PRECISIONS
-
-    return PRECISIONS[precision or base_precision(device)]
+    return precision_dtype(precision or base_precision(device))
 
 
 def compute_tflops(
     device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 3, precision: str | None = None
 ) -> float:
     """A GPT's forward and backward at ``hidden`` (one block, a small vocabulary) in
-    ``precision`` (None: ``base_precision``), FLOPs counted as the speed model counts them:
-    6 N T + 12 L d S T."""
+    ``precision`` (None: ``base_precision``) less its attention, timed apart at the block's
+    shape ([Note: attention apart] in calibrate_attention.py): the rate of ``6 N T`` FLOPs
+    over the rest of the block's time."""
     import torch
 
     dtype = _dtype(device, precision)
@@ -108,9 +89,18 @@ def compute_tflops(
     def step():
         model(x, x)[1].backward()
 
-    seconds = _median_s(step, repeats, sync=_sync(device))
-    flops = 6.0 * n * x.numel() + 12.0 * 1 * hidden * seq * x.numel()
-    return flops / seconds / 1e12
+    heads = model.blocks[0].attn.n_head
+    attention = attention_step(
+        device,
+        head_dim=hidden // heads,
+        heads=heads,
+        seq=seq,
+        batch=x.shape[0],
+        precision=precision or base_precision(device),
+    )
+    # in turns, so that the machine's drift falls on both ([Note: attention apart])
+    rounds = interleaved_seconds((step, attention), repeats, sync=device_sync(device))
+    return dense_tflops(rounds, 6.0 * n * x.numel())
 
 
 def head_s_per_logit(
@@ -130,7 +120,7 @@ def head_s_per_logit(
     def step():
         model(x, x)[1].backward()
 
-    return _median_s(step, repeats, sync=_sync(device)) / (x.numel() * vocab)
+    return median_seconds(step, repeats, sync=device_sync(device)) / (x.numel() * vocab)
 
 
 def precision_speeds(
@@ -164,13 +154,13 @@ def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]
     if device.type != "cuda":
         a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
         a.fill_(1)
-        s = _median_s(lambda: b.copy_(a), repeats)
+        s = median_seconds(lambda: b.copy_(a), repeats)
         return n / s / 1e9, n / s / 1e9
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
-    sync = _sync(device)
-    up = _median_s(lambda: dev.copy_(host, non_blocking=True), repeats, sync=sync)
-    down = _median_s(lambda: host.copy_(dev, non_blocking=True), repeats, sync=sync)
+    sync = device_sync(device)
+    up = median_seconds(lambda: dev.copy_(host, non_blocking=True), repeats, sync=sync)
+    down = median_seconds(lambda: host.copy_(dev, non_blocking=True), repeats, sync=sync)
     return n / up / 1e9, n / down / 1e9
 
 
@@ -185,19 +175,19 @@ def adam_rates(elements: int, *, repeats: int = 3) -> dict[str, float]:
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     p, g, m, v = torch.randn(elements), torch.randn(elements) * 1e-3, torch.zeros(elements), torch.zeros(elements)
     step_t = torch.tensor(1.0)
-    fused = _median_s(
+    fused = median_seconds(
         lambda: torch._fused_adamw_([p], [g], [m], [v], [], [step_t], amsgrad=False, maximize=False, **hyper), repeats
     )
     mom = MomentRow(torch.zeros(row_bytes(elements), dtype=torch.uint8), elements, True)
     var = MomentRow(torch.zeros(row_bytes(elements), dtype=torch.uint8), elements, False)
     counter = iter(range(1, 1 << 30))
     path = "native" if native_kernel_available() else "torch"
-    compact = _median_s(
+    compact = median_seconds(
         lambda: compact_adam_(p, g, mom, var, 0, elements, step=next(counter), decoupled_weight_decay=True, path=path, **hyper),
         repeats,
     )
     half = torch.empty(elements, dtype=torch.bfloat16)
-    casts = _median_s(lambda: (g.copy_(half), half.copy_(p)), repeats)
+    casts = median_seconds(lambda: (g.copy_(half), half.copy_(p)), repeats)
     return {
         "cpu_adam_params_per_s": elements / fused,
         "cpu_compact_adam_params_per_s": elements / compact,
@@ -211,7 +201,7 @@ def gpu_adam_params_per_s(device, elements: int, *, repeats: int = 3) -> float:
 
     p, g, m, v = (torch.zeros(elements, device=device) for _ in range(4))
     step_t = torch.tensor(1.0, device=device)
-    s = _median_s(
+    s = median_seconds(
         lambda: torch._fused_adamw_(
             [p],
             [g],
@@ -228,7 +218,7 @@ def gpu_adam_params_per_s(device, elements: int, *, repeats: int = 3) -> float:
             eps=1e-8,
         ),  # fmt: skip
         repeats,
-        sync=_sync(device),
+        sync=device_sync(device),
     )
     return elements / s
 
@@ -252,7 +242,7 @@ def host_s_per_tensor(device, *, steps: int = 6) -> float:
         opt.step()
         opt.zero_grad()
 
-    plain_s = 0.0 if device.type == "cuda" else _median_s(plain_step, steps, warmup=2)
+    plain_s = 0.0 if device.type == "cuda" else median_seconds(plain_step, steps, warmup=2)
     model = _gpt(64, layers, seq)
     tensors = sum(1 for _ in model.parameters())
     config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32")
@@ -265,7 +255,7 @@ def host_s_per_tensor(device, *, steps: int = 6) -> float:
         engine.zero_grad()
 
     try:
-        engine_s = _median_s(engine_step, steps, warmup=2, sync=_sync(device))
+        engine_s = median_seconds(engine_step, steps, warmup=2, sync=device_sync(device))
     finally:
         engine.close()
     return max(0.0, engine_s - plain_s) / tensors
@@ -319,6 +309,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     head_base = {h: s for h, v, s in head if v == HEAD_VOCABS[0]}
     speeds, head_speeds = precision_speeds(device, by_tokens, head_base, head_tokens=head_tokens)
     base = base_precision(device)
+    attention = attention_table(device, (base, *speeds), quick=quick)
     kind = f"{base} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
     fields = {
         "compute_tflops": tuple((h, t) for h, n, t in by_tokens if n == tokens),
@@ -327,9 +318,12 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "precision_speed": speeds,
         "precision_head_speed": head_speeds,
         "head_s_per_logit": head,
+        "attention_tflops": attention,
     }
     sources = {
-        "compute_tflops": f"a one-block GPT's forward and backward, {kind}, 6 N T + 12 L d S T FLOPs (calibrate.compute_tflops)",
+        "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
+        "(calibrate.compute_tflops; [Note: attention apart] in calibrate_attention.py)",
+        "attention_tflops": attention_sources(device, attention),
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
@@ -444,13 +438,16 @@ def run_command(args: argparse.Namespace) -> int:
         print(json.dumps(rates.to_dict(), indent=2))
     else:
         table = ", ".join(f"{h}: {t * 1e3:.1f}" for h, t in rates.compute_tflops)
-        print(f"{rates.device}\n  compute GFLOPS by hidden size: {table}")
+        print(f"{rates.device}\n  compute GFLOPS by hidden size (blocks less their attention): {table}")
         head = ", ".join(f"{h} x {v}: {t * 1e9:.1f}" for h, v, t in rates.head_s_per_logit)
         print(f"  head ns a logit by hidden size x vocabulary: {head}")
         for precision, grid in rates.precision_speed.items():
             speeds = ", ".join(f"{h} x {n}: {b:.2f}" for h, n, b in grid)
             heads = ", ".join(f"{h}: {b:.2f}" for h, b in rates.precision_head_speed.get(precision, ()))
             print(f"  {precision} over {rates.compute_precision}, blocks by hidden size x tokens: {speeds}; head: {heads}")
+        for precision, grid in rates.attention_tflops.items():
+            rows = ", ".join(f"{d} x {n}: {t * 1e3:.1f}" for d, n, t in grid)
+            print(f"  {precision} attention GFLOPS by head size x sequence: {rows}")
         print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
         print(
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "

@@ -114,6 +114,13 @@ class HFCausalLMFamily:
         return int(getattr(self.config, "vocab_size", 0) or 0)
 
     @property
+    def head_dim(self) -> int:
+        """An attention head's size (the config's ``head_dim``, else hidden size over heads)."""
+        explicit = getattr(self.config, "head_dim", None)
+        heads = int(getattr(self.config, "num_attention_heads", 0) or 0)
+        return int(explicit) if explicit else (self.d_model // heads if heads else 0)
+
+    @property
     def tied_embeddings(self) -> bool:
         """Whether the head's weight is the input embedding's (the config's ``tie_word_embeddings``)."""
         return bool(getattr(self.config, "tie_word_embeddings", True))

@@ -85,6 +85,11 @@ class GPTShape:
         """The head's weight is the token embedding's (``hybridps.models.GPT`` ties them)."""
         return True
 
+    @property
+    def head_dim(self) -> int:
+        """An attention head's size (the speed model's attention rate)."""
+        return self.d_model // self.n_head
+
     def with_layers(self, n_layer: int) -> GPTShape:
         return dataclasses.replace(self, n_layer=n_layer)
 

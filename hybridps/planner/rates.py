@@ -64,6 +64,13 @@ class MachineRates:
     precision_speed: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
     #: precision -> ((hidden size, speed), ...): the same for the head (``head_s_per_logit``)
     precision_head_speed: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
+    #: precision -> ((head size, sequence, TFLOPS), ...): causal attention's forward and
+    #: backward, timed apart ([Note: attention apart] in calibrate_attention.py). Where the
+    #: rates' own precision is here, the compute tables above are the blocks' rates *without*
+    #: their attention (``6 N T`` FLOPs), and the speed model adds the attention at these
+    #: rates; empty (the shipped profiles, rates stored before it was timed): the compute
+    #: tables include it, at the sequence they were timed at
+    attention_tflops: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
     #: host -> GPU and GPU -> host over pinned memory (simulated GPU: a host memcpy)
     h2d_gbps: float
     d2h_gbps: float
@@ -181,6 +188,16 @@ class MachineRates:
                 if precision != base:
                     speeds[precision] = grid
             object.__setattr__(self, f, speeds)
+        attention = {}
+        for precision, rows in dict(self.attention_tflops).items():
+            grid = _grid(rows, 3)
+            if precision not in PRECISION_NAMES or grid is None:
+                raise ConfigError(
+                    f"rates {self.name!r}: attention_tflops[{precision!r}] needs a precision of "
+                    f"{', '.join(PRECISION_NAMES)} and (head size, sequence, TFLOPS > 0) rows, got {rows!r}"
+                )
+            attention[precision] = grid
+        object.__setattr__(self, "attention_tflops", attention)
 
     def measured_in(self, precision: str) -> bool:
         """Whether the rates timed compute in ``precision`` (or relate it to the one they timed)."""
@@ -210,6 +227,23 @@ class MachineRates:
             table = _by_hidden_at(self.compute_tflops_by_tokens, tokens, below="fall")
         return _log_interpolate(table, hidden) * self.speed_in(precision, hidden, tokens)[0]
 
+    @property
+    def attention_apart(self) -> bool:
+        """Whether the compute tables exclude the attention, timed apart (``attention_tflops``)."""
+        return self.compute_precision in self.attention_tflops
+
+    def attention_tflops_at(self, head_dim: int, seq: int, precision: str | None = None) -> float | None:
+        """The attention's rate at ``head_dim`` (0: unknown, the smallest timed) and ``seq`` in
+        ``precision`` (one not timed: the rates' own): linear in the logarithms between the
+        sizes timed, flat above them and falling below them (``_log_interpolate``: a shorter sequence or a smaller head gives the
+        matmuls less to fill the lanes with); None where the rates did not time it apart
+        (``attention_apart``)."""
+        if not self.attention_apart:
+            return None
+        grid = self.attention_tflops.get(precision or self.compute_precision) or self.attention_tflops[self.compute_precision]
+        head_dim = head_dim or grid[0][0]  # unknown: the smallest timed
+        return _log_interpolate(_by_hidden_at(grid, seq, below="fall"), head_dim, below="fall")
+
     def head_s_at(self, hidden: int, vocab: int, precision: str | None = None) -> float | None:
         """Seconds per logit of the head at ``hidden`` and ``vocab``: linear in log(vocab)
         between the vocabularies timed (flat beyond), then linear in the hidden size between
@@ -234,7 +268,7 @@ class MachineRates:
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
-        for f in ("precision_speed", "precision_head_speed"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops"):
             out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
@@ -249,7 +283,7 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
-        for f in ("precision_speed", "precision_head_speed"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops"):
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")

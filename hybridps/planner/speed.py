@@ -17,8 +17,11 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   several counts: at 128 tokens the VM's blocks ran 10-25% slower a FLOP than at 1024, the
   third shape of the plan_speed bench predicted at 0.76x until they did), less the
   ``6 V d T`` that ``6 N T`` counts for an untied input embedding (a lookup multiplies
-  nothing), with the head apart where the rates measured it (see [Note: the head apart]), in
-  the precision the model computes in ([Note: compute by precision]);
+  nothing), with the head apart where the rates measured it (see [Note: the head apart]) and
+  the attention's ``12 L d S T`` (``4 L d S T`` more recomputed) at its own rate for the
+  sequence and head size where the rates timed it apart ([Note: attention apart] in
+  calibrate_attention.py), in the precision the model computes in ([Note: compute by
+  precision]);
 - ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
   op launches) times the tensors and micro-batches;
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
@@ -120,10 +123,12 @@ too, kept as speeds over the timed ones (``precision_speed`` by hidden size and 
 precision: the same two shapes then came to 0.73x and 0.95-0.97x. The shipped profiles
 carry the datasheet's ratios (not measured, their sources say so). A precision the rates never
 timed computes at their own precision's rates and the prediction says so (``caveats``).
-What the speeds do not hold: on the CPU bf16's speed moves with the sequence as well (blocks
-at sequence 128 ran 20-30% slower a FLOP than at 256, the same tokens) and the head's time a
-logit with the tokens (hidden size 256: 8-10 ns at 512 tokens, 12-13 at 1024), so a bf16
-GPT of 8 x 128 tokens came to 0.69-0.73x; fp32 moves with neither.
+On the CPU bf16's blocks moved with the sequence as well (20-30% slower a FLOP at sequence
+128 than at 256, the same tokens), so a bf16 GPT of 8 x 128 tokens came to 0.69-0.73x: its
+attention, timed apart since ([Note: attention apart]), took 13-14 ms at sequences 64-128
+against 10 at 256. What the speeds still do not hold: the head's time a logit in bf16 moves
+with the tokens on the CPU (hidden size 256: 8-10 ns at 512 tokens, 12-13 at 1024); fp32's
+does not.
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -152,6 +157,8 @@ class StepWork:
     d_model: int
     seq_len: int
     batch_size: int
+    #: the attention's head size (0: unknown, read at the smallest timed)
+    head_dim: int = 0
     micro_batches: int = 1
     checkpoint: bool = False
     precision: str = "fp16"
@@ -233,6 +240,12 @@ class StepWork:
         return 0.0 if self.tied_embeddings else self.head_flops
 
     @property
+    def attention_flops(self) -> float:
+        """The attention's FLOPs a step (inside ``step_flops``): ``12 L d S T``, and ``4 L d S T``
+        more recomputed under activation checkpointing."""
+        return (12.0 + (4.0 if self.checkpoint else 0.0)) * self.n_layer * self.d_model * self.seq_len * self.tokens
+
+    @property
     def step_flops(self) -> float:
         """The model FLOPs, plus the blocks' recomputed forward under activation checkpointing."""
         t = self.tokens
@@ -306,6 +319,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         d_model=model.d_model,
         seq_len=model.seq_len,
         batch_size=model.batch_size,
+        head_dim=int(getattr(model, "head_dim", 0) or 0),
         micro_batches=micro_batches,
         checkpoint=bool(getattr(model, "checkpoint", False)),
         precision=sim.precision,
@@ -347,17 +361,27 @@ def head_seconds(work: StepWork, rates: MachineRates) -> float | None:
     return None if per_logit is None else work.tokens * work.vocab_size * per_logit
 
 
+def attention_seconds(work: StepWork, rates: MachineRates) -> float | None:
+    """The attention's seconds a step at its own rate for the work's sequence and head size;
+    None where the rates did not time it apart ([Note: attention apart] in
+    calibrate_attention.py: their compute rate then includes it)."""
+    tflops = rates.attention_tflops_at(work.head_dim, work.seq_len, work.precision)
+    return None if tflops is None else work.attention_flops / (tflops * 1e12)
+
+
 def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
     """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
     that measured no disk."""
     m = work.micro_batches
     rate = rates.tflops_at(work.d_model, work.micro_batch_tokens, work.precision) * 1e12
     head = head_seconds(work, rates)
-    flops = work.step_flops - work.lookup_flops
+    compute = attention_seconds(work, rates)
+    flops = work.step_flops - work.lookup_flops - (work.attention_flops if compute is not None else 0.0)
+    compute = compute or 0.0
     if head is None:  # the head at the blocks' rate
-        compute = flops / rate
+        compute += flops / rate
     else:  # [Note: the head apart]
-        compute = (flops - work.head_flops) / rate + head
+        compute += (flops - work.head_flops) / rate + head
     pageable_h2d = work.pageable_h2d_bytes if rates.pageable_h2d_gbps else 0
     pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
     h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
