@@ -110,21 +110,25 @@ def test_compute_runs_at_the_rates_of_its_precision(tmp_path):
         compute_tflops_by_tokens=grid,
         head_s_per_logit=((1024, 8192, 3e-9),),
         precision_speed={"bf16": ((1024, 128, 1.2), (1024, 1024, 2.0)), "fp32": ((1024, 1024, 9.0),)},
-        precision_head_speed={"bf16": ((1024, 1.5),)},
+        precision_head_speed={"bf16": ((1024, 512, 1.5), (1024, 2048, 1.2))},
     )
     assert r.compute_precision == "fp32"  # rates of a simulated GPU that do not say: fp32, as calibrate timed them
     assert "fp32" not in r.precision_speed  # the precision timed needs no speed: its own is dropped
     assert _rates().compute_precision == "bf16"  # a real GPU's
     assert r.tflops_at(1024, 1024, "bf16") == pytest.approx(200.0) and r.tflops_at(1024, 128, "bf16") == pytest.approx(60.0)
     assert r.tflops_at(1024, 1024, "fp32") == r.tflops_at(1024, 1024) == 100.0
-    assert r.head_s_at(1024, 8192, "bf16") == pytest.approx(2e-9) and r.head_s_at(1024, 8192, "fp32") == 3e-9
+    assert r.head_s_at(1024, 8192, "bf16", 512) == pytest.approx(2e-9) and r.head_s_at(1024, 8192, "fp32") == 3e-9
+    assert r.head_s_at(1024, 8192, "bf16", 4096) == pytest.approx(2.5e-9)  # more tokens: flat beyond the counts
+    assert r.head_s_at(1024, 8192, "bf16", 1024) == pytest.approx(3e-9 / 1.35)  # halfway in log(tokens)
+    legacy = dataclasses.replace(r, precision_head_speed={"bf16": ((1024, 1.5),)})  # stored before the tokens
+    assert legacy.head_s_at(1024, 8192, "bf16", 64) == legacy.head_s_at(1024, 8192, "bf16", 8192) == pytest.approx(2e-9)
     assert r.measured_in("bf16") and r.measured_in("fp32") and not r.measured_in("fp16")
     assert r.tflops_at(1024, 1024, "fp16") == 100.0  # not timed: the rates' own precision
     lm = dataclasses.replace(WORK, d_model=1024, seq_len=128, vocab_size=8192)
     fp32 = predict_work(dataclasses.replace(lm, precision="fp32"), r)
     bf16 = predict_work(lm, r)
     assert bf16.compute_tflops_used == pytest.approx(2 * fp32.compute_tflops_used)
-    assert bf16.head_seconds == pytest.approx(fp32.head_seconds / 1.5) and not bf16.caveats and not fp32.caveats
+    assert bf16.head_seconds == pytest.approx(fp32.head_seconds / 1.35) and not bf16.caveats and not fp32.caveats
     fp16 = predict_work(dataclasses.replace(lm, precision="fp16"), r)
     assert fp16.caveats and "calibrate" in fp16.caveats[0] and "fp16" in fp16.describe()
     assert read_rates_file(r.save(tmp_path / "r.json")) == r  # the speeds round-trip
@@ -183,11 +187,21 @@ def test_attention_timed_apart_computes_at_its_rate_for_the_sequence_and_head_si
     assert r.attention_tflops_at(64, 512, "fp32") == 5.0 and r.attention_tflops_at(64, 512, "fp16") == 40.0  # not timed: own
     for seq, head_dim in ((128, 64), (512, 128), (256, 32)):
         work = dataclasses.replace(WORK, seq_len=seq, head_dim=head_dim, checkpoint=True)
+        # checkpointing recomputes the forward: a third of the attention's time where its share was not timed
         attn = work.attention_flops / (r.attention_tflops_at(head_dim, seq, "bf16") * 1e12)
         dense = (work.step_flops - work.attention_flops) / (r.tflops_at(2048) * 1e12)
         assert work.attention_flops == pytest.approx(16.0 * 24 * 2048 * seq * work.tokens)  # 12 + 4 recomputed
         assert predict_work(work, r).parts["compute"] == pytest.approx(dense + attn)
         assert predict_work(work, _rates()).parts["compute"] == pytest.approx(work.step_flops / (r.tflops_at(2048) * 1e12))
+    shares = dataclasses.replace(r, attention_forward_share={"bf16": ((64, 128, 0.05), (64, 512, 0.15))})
+    assert shares.attention_forward_share_at(64, 256, "bf16") == pytest.approx(0.1)
+    assert shares.attention_forward_share_at(128, 8192, "fp32") == 0.15  # the rates' own, flat beyond
+    assert r.attention_forward_share_at(64, 256) == pytest.approx(1 / 3)  # not timed: the FLOPs' third
+    plain, ckpt = (dataclasses.replace(WORK, seq_len=256, head_dim=64, checkpoint=c) for c in (False, True))
+    assert attention_seconds(ckpt, shares) == pytest.approx(attention_seconds(plain, shares) * 1.1)
+    assert attention_seconds(ckpt, r) == pytest.approx(attention_seconds(plain, r) * 4 / 3)
+    with pytest.raises(ConfigError, match="attention_forward_share"):
+        _rates(attention_forward_share={"bf16": ((64, 128, 1.5),)})
     # the same tokens at a quarter of the sequence: a quarter of the FLOPs, at a quarter of the rate here
     short, long = (dataclasses.replace(WORK, seq_len=s, batch_size=8192 // s, head_dim=64) for s in (128, 512))
     assert short.attention_flops == pytest.approx(long.attention_flops / 4)
@@ -267,10 +281,14 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert r.compute_precision == "fp32" and set(r.precision_speed) == {"bf16", "fp16"}  # every precision timed
     for precision, speeds in r.precision_speed.items():
         assert {(h, n) for h, n, _ in speeds} == counts and all(s > 0 for *_, s in speeds)
-        assert {h for h, _ in r.precision_head_speed[precision]} == {h for h, _ in r.compute_tflops}
+        heads = {(h, n) for h, n, _ in r.precision_head_speed[precision]}  # --quick: 128 tokens and twice
+        assert heads == {(h, n) for h, _ in r.compute_tflops for n in (128, 256)}
     assert r.attention_apart and set(r.attention_tflops) == {"fp32", "bf16", "fp16"}
-    for rows in r.attention_tflops.values():  # --quick: head size 64, three sequences
+    assert set(r.attention_forward_share) == set(r.attention_tflops)
+    for p, rows in r.attention_tflops.items():  # --quick: head size 64, three sequences
         assert {(d, s) for d, s, _ in rows} == {(64, 64), (64, 128), (64, 256)} and all(t > 0 for *_, t in rows)
+        assert {(d, s) for d, s, _ in r.attention_forward_share[p]} == {(d, s) for d, s, _ in rows}
+        assert all(0 < f <= 1 for *_, f in r.attention_forward_share[p])
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
     import torch

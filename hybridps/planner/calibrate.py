@@ -41,6 +41,8 @@ HEAD_VOCABS = (8192, 32768)
 #: 256 tokens against 25-29 at 1024, hidden 256, vocabulary 8192), so half the blocks' keep
 #: the calibration short; a GPU's kernels fill only with many
 CPU_HEAD_TOKENS, GPU_HEAD_TOKENS = 512, 8192
+#: the other precisions' heads are timed at ``HEAD_TOKEN_FACTOR`` times the head's tokens as well
+HEAD_TOKEN_FACTOR = 2
 #: tokens a micro-batch the compute rate is also timed at, as multiples of the reference
 #: count (on the CPU; a GPU's matmuls fill only with more rows, so it goes up as well)
 CPU_TOKEN_FACTORS = (0.125, 1)
@@ -124,11 +126,11 @@ def head_s_per_logit(
 
 
 def precision_speeds(
-    device, by_tokens: tuple[tuple[int, int, float], ...], head: dict[int, float], *, head_tokens: int
-) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, float], ...]]]:
+    device, by_tokens: tuple[tuple[int, int, float], ...], head: dict[tuple[int, int], float]
+) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
     """For each precision but ``base_precision``: the one-block step's speed against it at each
     (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
-    hidden size of ``head`` (its base seconds a logit at ``head_tokens`` and the first
+    (hidden size, tokens) of ``head`` (its base seconds a logit there, at the first
     vocabulary) ([Note: compute by precision] in speed.py)."""
     from hybridps.planner.defaults import PRECISION_NAMES
 
@@ -141,7 +143,7 @@ def precision_speeds(
             for h, n, tflops in by_tokens
         )
         heads[precision] = tuple(
-            (h, seconds / head_s_per_logit(device, h, tokens=head_tokens, precision=precision)) for h, seconds in head.items()
+            (h, n, seconds / head_s_per_logit(device, h, tokens=n, precision=precision)) for (h, n), seconds in head.items()
         )
     return blocks, heads
 
@@ -306,10 +308,15 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
     head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
     head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
-    head_base = {h: s for h, v, s in head if v == HEAD_VOCABS[0]}
-    speeds, head_speeds = precision_speeds(device, by_tokens, head_base, head_tokens=head_tokens)
+    # the other precisions' heads at a second, larger count: bf16's time a logit grows with the
+    # tokens on a CPU (hidden size 256: 9.5 ns at 512 tokens, 10.7 at 1024, 12 at 2048) while
+    # fp32's does not
+    more = head_tokens * HEAD_TOKEN_FACTOR
+    head_base = {(h, head_tokens): s for h, v, s in head if v == HEAD_VOCABS[0]}
+    head_base.update({(h, more): head_s_per_logit(device, h, tokens=more) for h in sizes})
+    speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())))
     base = base_precision(device)
-    attention = attention_table(device, (base, *speeds), quick=quick)
+    attention, forward_share = attention_table(device, (base, *speeds), quick=quick)
     kind = f"{base} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
     fields = {
         "compute_tflops": tuple((h, t) for h, n, t in by_tokens if n == tokens),
@@ -319,17 +326,20 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "precision_head_speed": head_speeds,
         "head_s_per_logit": head,
         "attention_tflops": attention,
+        "attention_forward_share": forward_share,
     }
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
         "(calibrate.compute_tflops; [Note: attention apart] in calibrate_attention.py)",
         "attention_tflops": attention_sources(device, attention),
+        "attention_forward_share": "the same attention's forward alone, timed in turns with it, over its seconds",
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",
         "precision_speed": f"the same one-block steps in each other precision, over the {base} ones",
-        "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, over the {base} one",
+        "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, at {head_tokens} and "
+        f"{more} tokens, over the {base} one",
     }
     return fields, sources
 
@@ -443,7 +453,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"  head ns a logit by hidden size x vocabulary: {head}")
         for precision, grid in rates.precision_speed.items():
             speeds = ", ".join(f"{h} x {n}: {b:.2f}" for h, n, b in grid)
-            heads = ", ".join(f"{h}: {b:.2f}" for h, b in rates.precision_head_speed.get(precision, ()))
+            heads = ", ".join(f"{h} x {n}: {b:.2f}" for h, n, b in rates.precision_head_speed.get(precision, ()))
             print(f"  {precision} over {rates.compute_precision}, blocks by hidden size x tokens: {speeds}; head: {heads}")
         for precision, grid in rates.attention_tflops.items():
             rows = ", ".join(f"{d} x {n}: {t * 1e3:.1f}" for d, n, t in grid)

@@ -1,8 +1,9 @@
 """The attention's rate, timed apart from the rest of a block (``hybridps calibrate``).
 
 Owns timing causal scaled-dot-product attention, forward and backward, as a block computes it
-(``attention_step``, ``attention_tflops``), the table of its rate by head size and sequence
-in each precision (``attention_table``), and a block's rate without it (``dense_tflops``).
+(``attention_step``, ``attention_rates``), the table of its rate and its forward's share by
+head size and sequence in each precision (``attention_table``), and a block's rate without it
+(``dense_tflops``).
 
 [Note: attention apart]
 A block's time splits into the matmuls and element-wise work of its tokens, which grows with
@@ -17,7 +18,11 @@ attention apart, by head size and sequence, and keeps the blocks' rates without 
 model adds the attention's ``12 L d S T`` FLOPs (``4 L d S T`` more recomputed under
 checkpointing) at the attention's own rate for the plan's sequence and head size
 ([Note: the speed model] in speed.py). FLOPs are counted as the model's formula counts them
-(the whole square, not the causal half), here as in the prediction.
+(the whole square, not the causal half), here as in the prediction. The recomputed forward is
+not a third of the attention's time, as its FLOPs would say: in bf16 on the VM the forward
+took 4-12% of the forward and backward's seconds (sequences 64-512), in fp32 20-29%, so a
+checkpointed GPT of 8 x 256 at 4 x 128 tokens was predicted at 1.16-1.33x its step until the
+forward was timed alone as well (``attention_forward_share``).
 
 Does not own the block's timing (``calibrate.compute_tflops``), the rates' record (``rates``)
 or the prediction (``speed``).
@@ -29,7 +34,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from hybridps.planner.timing import device_sync, median_seconds, precision_dtype
+from hybridps.planner.timing import device_sync, interleaved_seconds, precision_dtype
 
 #: head sizes the attention is timed at (the GPTs of ``hybridps calibrate`` use 64; Llama-style
 #: and the planner's default GPT heads are 128)
@@ -48,9 +53,12 @@ def attention_flops(width: int, seq: int, tokens: int) -> float:
     return 12.0 * width * seq * tokens
 
 
-def attention_step(device, *, head_dim: int, heads: int, seq: int, batch: int, precision: str) -> Callable[[], None]:
-    """One causal ``scaled_dot_product_attention`` forward and backward over ``batch``
-    sequences of ``seq`` tokens and ``heads`` heads of ``head_dim``, in ``precision``."""
+def attention_step(
+    device, *, head_dim: int, heads: int, seq: int, batch: int, precision: str, backward: bool = True
+) -> Callable[[], None]:
+    """One causal ``scaled_dot_product_attention`` forward and backward (``backward`` False:
+    the forward alone, as checkpointing recomputes it) over ``batch`` sequences of ``seq``
+    tokens and ``heads`` heads of ``head_dim``, in ``precision``."""
     import torch
     import torch.nn.functional as F
 
@@ -59,30 +67,42 @@ def attention_step(device, *, head_dim: int, heads: int, seq: int, batch: int, p
     out_grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
 
     def step():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(out_grad)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            out.backward(out_grad)
 
     return step
 
 
-def attention_tflops(device, *, head_dim: int, seq: int, precision: str, repeats: int = 3) -> float:
-    """The attention's rate at ``head_dim`` and ``seq`` in ``precision`` (FLOPs: ``12 d S T``)."""
+def attention_rates(device, *, head_dim: int, seq: int, precision: str, repeats: int = 3) -> tuple[float, float]:
+    """(the attention's rate, its forward's share of its seconds) at ``head_dim`` and ``seq`` in
+    ``precision`` (FLOPs: ``12 d S T``), the forward alone timed in turns with the whole."""
     cuda = device.type == "cuda"
     width, least = (GPU_WIDTH, GPU_TOKENS) if cuda else (CPU_WIDTH, CPU_TOKENS)
     batch, heads = max(1, least // seq), max(1, width // head_dim)
-    step = attention_step(device, head_dim=head_dim, heads=heads, seq=seq, batch=batch, precision=precision)
-    seconds = median_seconds(step, repeats, sync=device_sync(device))
-    return attention_flops(heads * head_dim, seq, batch * seq) / seconds / 1e12
+    shape = dict(head_dim=head_dim, heads=heads, seq=seq, batch=batch, precision=precision)
+    steps = (attention_step(device, **shape), attention_step(device, **shape, backward=False))
+    rounds = interleaved_seconds(steps, repeats, sync=device_sync(device))
+    whole = statistics.median(r[0] for r in rounds)
+    share = statistics.median(min(1.0, r[1] / r[0]) for r in rounds)
+    return attention_flops(heads * head_dim, seq, batch * seq) / whole / 1e12, share
 
 
-def attention_table(device, precisions: tuple[str, ...], *, quick: bool) -> dict[str, tuple[tuple[int, int, float], ...]]:
-    """precision -> ((head size, sequence, TFLOPS), ...) for ``MachineRates.attention_tflops``
-    (``quick``: the first head size and three sequences)."""
+def attention_table(
+    device, precisions: tuple[str, ...], *, quick: bool
+) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
+    """precision -> ((head size, sequence, TFLOPS), ...) for ``MachineRates.attention_tflops``,
+    and the same of the forward's share for ``attention_forward_share`` (``quick``: the first
+    head size and three sequences)."""
     seqs = GPU_SEQS if device.type == "cuda" else CPU_SEQS
     seqs = seqs[:3] if quick else seqs
     dims = HEAD_DIMS[:1] if quick else HEAD_DIMS
-    return {
-        p: tuple((d, s, attention_tflops(device, head_dim=d, seq=s, precision=p)) for d in dims for s in seqs) for p in precisions
-    }
+    rates, shares = {}, {}
+    for p in precisions:
+        rows = [(d, s, *attention_rates(device, head_dim=d, seq=s, precision=p)) for d in dims for s in seqs]
+        rates[p] = tuple((d, s, t) for d, s, t, _ in rows)
+        shares[p] = tuple((d, s, f) for d, s, _, f in rows)
+    return rates, shares
 
 
 def dense_tflops(rounds: list[tuple[float, float]], dense_flops: float) -> float:

@@ -23,6 +23,7 @@ from typing import Any
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.defaults import PRECISION_NAMES
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, OPTIMIZER_NAMES
 
 #: the environment variable naming the stored calibration's file
 RATES_ENV = "HYBRIDPS_RATES"
@@ -30,6 +31,10 @@ RATES_ENV = "HYBRIDPS_RATES"
 PROFILE_NAMES = ("h100", "h200")
 #: ``--rates`` name of the stored calibration
 THIS_MACHINE = "this-machine"
+#: the side of the square matrices Muon's speed is timed over (``optimizer_speed["muon"]``):
+#: its time an element grows with a matrix's smaller side ([Note: every optimizer's step] in
+#: calibrate_optimizers.py)
+MUON_SIDE = 256
 #: the version of the JSON layout
 RATES_FORMAT = 1
 
@@ -62,8 +67,10 @@ class MachineRates:
     #: by precision] in speed.py); a precision not here was not timed, and computes at
     #: ``compute_precision``'s rates
     precision_speed: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
-    #: precision -> ((hidden size, speed), ...): the same for the head (``head_s_per_logit``)
-    precision_head_speed: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
+    #: precision -> ((hidden size, tokens a micro-batch, speed), ...): the same for the head
+    #: (``head_s_per_logit``); rows of (hidden size, speed), stored before the tokens were
+    #: timed, hold at any token count
+    precision_head_speed: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
     #: precision -> ((head size, sequence, TFLOPS), ...): causal attention's forward and
     #: backward, timed apart ([Note: attention apart] in calibrate_attention.py). Where the
     #: rates' own precision is here, the compute tables above are the blocks' rates *without*
@@ -71,6 +78,10 @@ class MachineRates:
     #: rates; empty (the shipped profiles, rates stored before it was timed): the compute
     #: tables include it, at the sequence they were timed at
     attention_tflops: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
+    #: precision -> ((head size, sequence, share), ...): the attention's forward alone over its
+    #: forward and backward, in seconds (what checkpointing recomputes); not here: a third (its
+    #: FLOPs' share)
+    attention_forward_share: Mapping[str, tuple[tuple[int, int, float], ...]] = dataclasses.field(default_factory=dict)
     #: host -> GPU and GPU -> host over pinned memory (simulated GPU: a host memcpy)
     h2d_gbps: float
     d2h_gbps: float
@@ -82,6 +93,11 @@ class MachineRates:
     cpu_cast_params_per_s: float
     #: a chunk's optimizer step on the GPU (fused AdamW, its casts included)
     gpu_adam_params_per_s: float
+    #: optimizer name (``optimizers.OPTIMIZER_NAMES``, not the chunked Adam's) -> its CPU step's
+    #: speed over ``cpu_adam_params_per_s`` ([Note: every optimizer's step] in
+    #: calibrate_optimizers.py; ``muon``'s at ``MUON_SIDE``, read by ``optimizer_speed_at``);
+    #: an optimizer not here steps at fused AdamW's rate and the prediction says so
+    optimizer_speed: Mapping[str, float] = dataclasses.field(default_factory=dict)
     #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
     #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
     host_s_per_tensor: float
@@ -175,10 +191,12 @@ class MachineRates:
         object.__setattr__(self, "compute_precision", base)
         for f, width, what in (
             ("precision_speed", 3, "(hidden size, tokens, speed > 0)"),
-            ("precision_head_speed", 2, "(hidden size, speed > 0)"),
+            ("precision_head_speed", 3, "(hidden size, tokens, speed > 0)"),
         ):
             speeds = {}
             for precision, rows in dict(getattr(self, f)).items():
+                if f == "precision_head_speed" and rows and all(len(row) == 2 for row in rows):
+                    rows = [(row[0], 1, row[1]) for row in rows]  # stored before the tokens were timed: any
                 grid = _grid(rows, width)
                 if precision not in PRECISION_NAMES or grid is None:
                     raise ConfigError(
@@ -188,16 +206,38 @@ class MachineRates:
                 if precision != base:
                     speeds[precision] = grid
             object.__setattr__(self, f, speeds)
-        attention = {}
-        for precision, rows in dict(self.attention_tflops).items():
-            grid = _grid(rows, 3)
-            if precision not in PRECISION_NAMES or grid is None:
-                raise ConfigError(
-                    f"rates {self.name!r}: attention_tflops[{precision!r}] needs a precision of "
-                    f"{', '.join(PRECISION_NAMES)} and (head size, sequence, TFLOPS > 0) rows, got {rows!r}"
-                )
-            attention[precision] = grid
-        object.__setattr__(self, "attention_tflops", attention)
+        self._check_optimizer_speeds()
+        for f, what in (("attention_tflops", "TFLOPS > 0"), ("attention_forward_share", "share in (0, 1]")):
+            tables = {}
+            for precision, rows in dict(getattr(self, f)).items():
+                grid = _grid(rows, 3)
+                if precision not in PRECISION_NAMES or grid is None or (f.endswith("share") and max(r[-1] for r in grid) > 1):
+                    raise ConfigError(
+                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(PRECISION_NAMES)} "
+                        f"and (head size, sequence, {what}) rows, got {rows!r}"
+                    )
+                tables[precision] = grid
+            object.__setattr__(self, f, tables)
+
+    def _check_optimizer_speeds(self) -> None:
+        speeds = dict(self.optimizer_speed)
+        for name, speed in speeds.items():
+            if name not in OPTIMIZER_NAMES or name in ADAM_KERNEL_OPTIMIZERS:
+                others = [n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS]
+                raise ConfigError(f"rates {self.name!r}: optimizer_speed[{name!r}]; the optimizers timed are {', '.join(others)}")
+            _check_positive(self.name, f"optimizer_speed[{name!r}]", speed)
+        object.__setattr__(self, "optimizer_speed", {k: float(v) for k, v in speeds.items()})
+
+    def optimizer_speed_at(self, optimizer: str, hidden: int) -> float | None:
+        """``optimizer``'s CPU step speed over fused AdamW's for a model of ``hidden``: 1 for the
+        chunked Adam's, the timed speed for another (muon's falling in proportion to ``hidden``
+        beyond ``MUON_SIDE``), None where the rates did not time it."""
+        if optimizer in ADAM_KERNEL_OPTIMIZERS:
+            return 1.0
+        speed = self.optimizer_speed.get(optimizer)
+        if speed is None or optimizer != "muon":
+            return speed
+        return speed * MUON_SIDE / max(hidden, MUON_SIDE)
 
     def measured_in(self, precision: str) -> bool:
         """Whether the rates timed compute in ``precision`` (or relate it to the one they timed)."""
@@ -215,7 +255,8 @@ class MachineRates:
             blocks = _log_interpolate(_by_hidden_at(grid, at), hidden, below="flat")
         rows = self.precision_head_speed.get(precision or self.compute_precision)
         if rows:
-            head = _log_interpolate(rows, hidden, below="flat")
+            at = tokens if tokens is not None else max(n for _, n, _ in rows)
+            head = _log_interpolate(_by_hidden_at(rows, at), hidden, below="flat")
         return blocks, head
 
     def tflops_at(self, hidden: int, tokens: int | None = None, precision: str | None = None) -> float:
@@ -244,17 +285,29 @@ class MachineRates:
         head_dim = head_dim or grid[0][0]  # unknown: the smallest timed
         return _log_interpolate(_by_hidden_at(grid, seq, below="fall"), head_dim, below="fall")
 
-    def head_s_at(self, hidden: int, vocab: int, precision: str | None = None) -> float | None:
+    def attention_forward_share_at(self, head_dim: int, seq: int, precision: str | None = None) -> float:
+        """The attention's forward's share of its seconds at ``head_dim`` and ``seq`` in
+        ``precision``, read as ``attention_tflops_at`` reads the rate (flat beyond the sizes
+        timed); a third (its FLOPs' share) where not timed."""
+        grid = self.attention_forward_share.get(precision or self.compute_precision) or self.attention_forward_share.get(
+            self.compute_precision
+        )
+        if not grid:
+            return 1 / 3
+        head_dim = head_dim or grid[0][0]
+        return _log_interpolate(_by_hidden_at(grid, seq), head_dim, below="flat")
+
+    def head_s_at(self, hidden: int, vocab: int, precision: str | None = None, tokens: int | None = None) -> float | None:
         """Seconds per logit of the head at ``hidden`` and ``vocab``: linear in log(vocab)
         between the vocabularies timed (flat beyond), then linear in the hidden size between
         the table's entries and along its end segments beyond them (the projection's work
         grows with it, the cross-entropy's does not); one hidden size timed scales in
-        proportion; in ``precision`` at its head's speed (``speed_in``). None where the head
-        was not measured."""
+        proportion; in ``precision`` at its head's speed (``speed_in``, at ``tokens`` a
+        micro-batch). None where the head was not measured."""
         if not self.head_s_per_logit:
             return None
         table = _by_hidden_at(self.head_s_per_logit, vocab)
-        speed = self.speed_in(precision, hidden)[1]
+        speed = self.speed_in(precision, hidden, tokens)[1]
         if len(table) == 1:
             return table[0][1] * hidden / table[0][0] / speed
         segment = next((pair for pair in zip(table, table[1:], strict=False) if hidden <= pair[1][0]), table[-2:])
@@ -268,8 +321,9 @@ class MachineRates:
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share"):
             out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
+        out["optimizer_speed"] = dict(self.optimizer_speed)
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
 
@@ -283,7 +337,7 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share"):
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")

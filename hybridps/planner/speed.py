@@ -119,16 +119,16 @@ about a fifteenth. Rates timed in one precision (``compute_precision``: bf16 on 
 a CPU) predicted a bf16 GPT on the VM's simulated GPU at 1.25x and 1.79x its measured step.
 So ``hybridps calibrate`` times the same one-block steps and heads in the other precisions
 too, kept as speeds over the timed ones (``precision_speed`` by hidden size and tokens,
-``precision_head_speed`` by hidden size), and ``compute`` reads the rates at the work's
+``precision_head_speed`` by hidden size and tokens), and ``compute`` reads the rates at the work's
 precision: the same two shapes then came to 0.73x and 0.95-0.97x. The shipped profiles
 carry the datasheet's ratios (not measured, their sources say so). A precision the rates never
 timed computes at their own precision's rates and the prediction says so (``caveats``).
 On the CPU bf16's blocks moved with the sequence as well (20-30% slower a FLOP at sequence
 128 than at 256, the same tokens), so a bf16 GPT of 8 x 128 tokens came to 0.69-0.73x: its
 attention, timed apart since ([Note: attention apart]), took 13-14 ms at sequences 64-128
-against 10 at 256. What the speeds still do not hold: the head's time a logit in bf16 moves
-with the tokens on the CPU (hidden size 256: 8-10 ns at 512 tokens, 12-13 at 1024); fp32's
-does not.
+against 10 at 256. And bf16's head moved with the tokens (hidden size 256: 9.5 ns a logit
+at 512 tokens, 12 at 2048 and beyond) while fp32's did not, so the heads of the other
+precisions are timed at two token counts (the head's and four times it).
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -357,16 +357,23 @@ def d2h_bytes(moved: Mapping[str, int]) -> int:
 def head_seconds(work: StepWork, rates: MachineRates) -> float | None:
     """The head's seconds a step at the rates' time per logit; None where the rates did not
     measure it or the vocabulary is unknown (the head then counts at the blocks' rate)."""
-    per_logit = rates.head_s_at(work.d_model, work.vocab_size, work.precision) if work.vocab_size else None
+    per_logit = (
+        rates.head_s_at(work.d_model, work.vocab_size, work.precision, work.micro_batch_tokens) if work.vocab_size else None
+    )
     return None if per_logit is None else work.tokens * work.vocab_size * per_logit
 
 
 def attention_seconds(work: StepWork, rates: MachineRates) -> float | None:
-    """The attention's seconds a step at its own rate for the work's sequence and head size;
-    None where the rates did not time it apart ([Note: attention apart] in
-    calibrate_attention.py: their compute rate then includes it)."""
-    tflops = rates.attention_tflops_at(work.head_dim, work.seq_len, work.precision)
-    return None if tflops is None else work.attention_flops / (tflops * 1e12)
+    """The attention's seconds a step at its own rate for the work's sequence and head size,
+    and under checkpointing its forward again at the forward's timed share; None where the
+    rates did not time it apart ([Note: attention apart] in calibrate_attention.py: their
+    compute rate then includes it)."""
+    at = (work.head_dim, work.seq_len, work.precision)
+    tflops = rates.attention_tflops_at(*at)
+    if tflops is None:
+        return None
+    once = 12.0 * work.n_layer * work.d_model * work.seq_len * work.tokens / (tflops * 1e12)
+    return once * (1.0 + (rates.attention_forward_share_at(*at) if work.checkpoint else 0.0))
 
 
 def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
