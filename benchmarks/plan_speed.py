@@ -20,8 +20,9 @@ slowest rank's median; each simulated GPU holds ``frac`` of the model data over 
 One rank also trains as a script would beyond the defaults, each shape planned the same way
 (``hybridps.planner.plan``): ``--precision bf16`` (the rates' speed in that precision),
 ``--micro-batches 4`` (gradient accumulation, so no grad reuse), ``--optimizer-states int8``
-(the compact step) and ``--cpu-fraction 0.6 --disk-bytes 1G`` (a CPU of 60% of the model data
-and a disk tier beside it, in a temp directory).
+(the compact step), ``--optimizer NAME`` (another optimizer than AdamW, as ``hybridps plan
+--optimizer`` names it) and ``--cpu-fraction 0.6 --disk-bytes 1G`` (a CPU of 60% of the model
+data and a disk tier beside it, in a temp directory).
 
     OMP_NUM_THREADS=1 python -m benchmarks plan_speed --micro-batches 4 --optimizer-states int8
 """
@@ -43,6 +44,7 @@ import torch.multiprocessing as mp
 import hybridps
 from benchmarks import harness
 from hybridps.planner.model import GPTShape
+from hybridps.planner.optimizers import OPTIMIZER_NAMES, build_optimizer
 from hybridps.planner.rates import load_rates, threads_mismatch
 from hybridps.planner.search import plan
 from hybridps.planner.simulation import simulate
@@ -70,6 +72,8 @@ class Training:
     cpu_fraction: float | None = None
     #: a disk tier of this many bytes (0: none)
     disk_bytes: int = 0
+    #: the optimizer, by its plan's name (``hybridps.planner.optimizers``)
+    optimizer: str = "adamw"
 
     @property
     def grad_reuse(self) -> bool:
@@ -79,7 +83,10 @@ class Training:
 def measure(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
     torch.manual_seed(0)
     model = shape.build()
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    if training.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+    else:  # as the plan builds it (muon: Muon for the matrices, AdamW for the rest)
+        opt = build_optimizer(training.optimizer, model)
     with tempfile.TemporaryDirectory() as disk:
         devices = {"cuda:0": gpu_bytes, "cpu": cpu_bytes, **({"nvme": training.disk_bytes} if training.disk_bytes else {})}
         config = hybridps.Config(
@@ -116,6 +123,7 @@ def predict_one(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, training: Train
         precision=training.precision,
         grad_reuse=training.grad_reuse,
         optimizer_states=training.optimizer_states,
+        optimizer=training.optimizer,
         rates=rates,
         search_largest=False,
         micro_batches=training.micro_batches,
@@ -201,12 +209,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this host (several: the derived multi-rank prediction)")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated a step (one rank)")
     ap.add_argument("--optimizer-states", default="fp32", choices=("fp32", "int8"), help="Adam's moments (one rank)")
+    ap.add_argument(
+        "--optimizer", default="adamw", choices=OPTIMIZER_NAMES, help="the optimizer, as the plan names it (one rank)"
+    )
     ap.add_argument("--cpu-fraction", type=float, default=None, help="the CPU as a fraction of the model data (one rank)")
     ap.add_argument("--disk-bytes", type=harness.parse_count, default=0, help="a disk tier of this size, e.g. 1G (one rank)")
     args = ap.parse_args(argv)
-    training = Training(args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes)
+    training = Training(
+        args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes, args.optimizer
+    )
     if args.ranks > 1 and training != Training(args.precision):
-        raise SystemExit("--micro-batches, --optimizer-states, --cpu-fraction and --disk-bytes are for one rank")
+        raise SystemExit("--micro-batches, --optimizer-states, --optimizer, --cpu-fraction and --disk-bytes are for one rank")
     rates = load_rates(args.rates)
     warning = threads_mismatch(rates, torch.get_num_threads())
     if warning is not None:
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
             precision=args.precision,
             grad_reuse=training.grad_reuse,
             optimizer_states=training.optimizer_states,
+            optimizer=training.optimizer,
         )
         extra = {}
         if args.ranks > 1:

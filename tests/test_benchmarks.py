@@ -311,9 +311,16 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     capsys.readouterr()
     assert out["training"] == {
         "precision": "fp32", "micro_batches": 2, "optimizer_states": "int8", "cpu_fraction": 0.6, "disk_bytes": 64 << 20,
+        "optimizer": "adamw",
     }  # fmt: skip
     (row,) = out["rows"]
     assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["tokens_per_step"] == 2 * 8 * 128
     assert row["caveats"] == []  # the profile relates fp32 to its bf16 rates
+    # another optimizer: trained and planned with it; the profile timed none, so the row says so
+    out = plan_speed.main([*args[:-2], "--optimizer", "adagrad"])
+    capsys.readouterr()
+    assert out["training"]["optimizer"] == "adagrad"
+    (row,) = out["rows"]
+    assert row["predicted_s"] > 0 and row["measured_s"] > 0 and any("adagrad" in c for c in row["caveats"])
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main([*args, "--ranks", "2"])

@@ -214,6 +214,36 @@ def test_attention_timed_apart_computes_at_its_rate_for_the_sequence_and_head_si
             _rates(attention_tflops=bad)
 
 
+def test_another_optimizer_steps_at_its_timed_speed_over_fused_adamw(tmp_path):
+    speeds = {"sgd": ((1024, 2.0),), "rprop": ((1024, 0.1),), "muon": ((256, 0.03), (1024, 0.06))}
+    r = _rates(optimizer_speed=speeds)
+    assert r.optimizer_speed_at("adamw", 4096) == r.optimizer_speed_at("adam", 64) == 1.0  # the chunked Adam's own
+    assert r.optimizer_speed_at("sgd", 4096) == r.optimizer_speed_at("sgd", 64) == 2.0  # one side timed: any
+    assert r.optimizer_speed_at("adagrad", 1024) is None
+    assert r.optimizer_speed_at("muon", 128) == 0.03  # flat below the sides timed
+    assert r.optimizer_speed_at("muon", 512) == pytest.approx(0.045)  # halfway in log(side)
+    assert r.optimizer_speed_at("muon", 4096) == pytest.approx(0.06 / 4)  # in proportion beyond the largest
+    adamw = predict_work(WORK, r)
+    for name, speed in (("sgd", 2.0), ("rprop", 0.1)):
+        pred = predict_work(dataclasses.replace(WORK, optimizer=name), r)
+        casts = WORK.cpu_step_params / r.cpu_cast_params_per_s
+        assert pred.parts["cpu_adam"] == pytest.approx(WORK.cpu_step_params / (1e9 * speed) + casts)
+        assert pred.parts["gpu_adam"] == adamw.parts["gpu_adam"]  # a real GPU's step: fused AdamW's rate, said
+        assert pred.caveats and "GPU" in pred.caveats[0]
+    sim = _rates(optimizer_speed=speeds, simulated_gpu=True)
+    pred = predict_work(dataclasses.replace(WORK, optimizer="rprop"), sim)
+    assert pred.parts["gpu_adam"] == pytest.approx(WORK.gpu_step_params / (1e10 * 0.1))
+    assert not [c for c in pred.caveats if "rprop" in c]  # a simulated GPU steps on the CPU: timed
+    untimed = predict_work(dataclasses.replace(WORK, optimizer="adagrad"), r)  # at fused AdamW's rate, and said
+    assert untimed.parts["cpu_adam"] == adamw.parts["cpu_adam"]
+    assert "adagrad" in untimed.caveats[0] and "calibrate" in untimed.caveats[0]
+    assert not adamw.caveats
+    assert read_rates_file(r.save(tmp_path / "r.json")) == r
+    for bad in ({"adamw": ((1024, 1.0),)}, {"lbfgs": ((1024, 1.0),)}, {"sgd": ((1024, 0.0),)}, {"sgd": 2.0}, {"sgd": ()}):
+        with pytest.raises(ConfigError, match="optimizer_speed"):
+            _rates(optimizer_speed=bad)
+
+
 def test_an_untied_embedding_multiplies_nothing_and_checkpointing_recomputes_only_the_blocks():
     tied = dataclasses.replace(WORK, vocab_size=50304)
     untied = dataclasses.replace(tied, tied_embeddings=False)
@@ -269,6 +299,7 @@ def test_rates_refuse_a_bad_value():
 
 def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     from hybridps.planner.calibrate import main
+    from hybridps.planner.calibrate_optimizers import timed_optimizers
 
     out = tmp_path / "r.json"
     assert main(["--quick", "--out", str(out)]) == 0
@@ -289,6 +320,8 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
         assert {(d, s) for d, s, _ in rows} == {(64, 64), (64, 128), (64, 256)} and all(t > 0 for *_, t in rows)
         assert {(d, s) for d, s, _ in r.attention_forward_share[p]} == {(d, s) for d, s, _ in rows}
         assert all(0 < f <= 1 for *_, f in r.attention_forward_share[p])
+    assert set(r.optimizer_speed) == set(timed_optimizers())
+    assert all(len(rows) == 1 and rows[0][1] > 0 for rows in r.optimizer_speed.values())  # --quick: one side each
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
     import torch
@@ -325,6 +358,17 @@ def test_plan_json_carries_the_predicted_step_and_tflops(capsys, tmp_path):
     assert speed["predicted"] and speed["predicted_step_seconds"] > 0 and speed["model_tflops"] > 0
     assert speed["bound_by"] in PARTS and set(speed["parts"]) == set(PARTS) and speed["tokens_per_second"] > 0
     assert speed["cpu_step_params"] + speed["gpu_step_params"] > 0
+    # another optimizer: predicted at its timed speed, or at fused AdamW's with a caveat
+    _rates(simulated_gpu=True, optimizer_speed={"rprop": ((1024, 0.1),)}).save(rates)
+    by_name = {}
+    for name in ("adamw", "rprop", "adagrad"):
+        assert main([*args, "--rates", str(rates), "--optimizer", name]) == 0
+        by_name[name] = json.loads(capsys.readouterr().out)["speed"]
+    assert all(v["predicted"] for v in by_name.values())
+    adam_parts = by_name["adamw"]["parts"]["cpu_adam"] + by_name["adamw"]["parts"]["gpu_adam"]
+    assert by_name["rprop"]["parts"]["cpu_adam"] + by_name["rprop"]["parts"]["gpu_adam"] > 5 * adam_parts
+    assert not [c for c in by_name["rprop"]["caveats"] if "rprop" in c]
+    assert [c for c in by_name["adagrad"]["caveats"] if "adagrad" in c and "calibrate" in c]
 
 
 def test_plan_without_rates_says_there_is_no_prediction(capsys, tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ Owns the measurements (``calibrate``) and the ``calibrate`` subcommand
 GPU, else fp32 on the CPU: a simulated GPU computes on the CPU) and the language-model
 head's time per logit at the same sizes, the copy rates (pinned
 host <-> GPU with a GPU, else a host memcpy: a simulated GPU's chunk moves), torch's fused
-AdamW and the compact step (``compact_adam_``) on the CPU, the dtype copies of a 16-bit
+AdamW and the compact step (``compact_adam_``) on the CPU, every other optimizer's step
+against it (calibrate_optimizers.py), the dtype copies of a 16-bit
 step, the optimizer step on the GPU (on a simulated GPU: the CPU's), HybridPS's host time per
 param tensor (a tiny GPT trained by the engine, less the same model's plain step), and the
 disk's sequential rates on a temp file. Stores a ``MachineRates`` as JSON
@@ -29,6 +30,8 @@ from typing import Any
 from hybridps.planner.calibrate_attention import attention_step, attention_table, dense_tflops
 from hybridps.planner.calibrate_attention import sources as attention_sources
 from hybridps.planner.calibrate_collectives import measured_or_why
+from hybridps.planner.calibrate_optimizers import optimizer_speeds
+from hybridps.planner.calibrate_optimizers import sources as optimizer_sources
 from hybridps.planner.timing import device_sync, interleaved_seconds, median_seconds, precision_dtype
 
 #: hidden sizes timed (``--quick``: the first two); a block's rate falls fast below 256 on a
@@ -360,6 +363,7 @@ def calibrate(
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
+    others = optimizer_speeds(elements=(1 if quick else 4) * _MiB, quick=quick)
     gpu_adam = gpu_adam_params_per_s(device, elements) if device.type == "cuda" else adam["cpu_adam_params_per_s"]
     host = host_s_per_tensor(device, steps=3 if quick else 6)
     read = write = None
@@ -375,6 +379,7 @@ def calibrate(
             "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
             "cpu_compact_adam_params_per_s": f"compact_adam_ over {elements} params",
             "cpu_cast_params_per_s": "bf16 -> fp32 and fp32 -> bf16 copies",
+            "optimizer_speed": optimizer_sources((1 if quick else 4) * _MiB),
             "gpu_adam_params_per_s": "fused AdamW on the GPU"
             if device.type == "cuda"
             else "the CPU's (a simulated GPU steps on it)",
@@ -394,6 +399,7 @@ def calibrate(
         h2d_gbps=h2d,
         d2h_gbps=d2h,
         gpu_adam_params_per_s=gpu_adam,
+        optimizer_speed=others,
         host_s_per_tensor=host,
         host_threads=torch.get_num_threads(),
         disk_read_gbps=read,
@@ -463,6 +469,8 @@ def run_command(args: argparse.Namespace) -> int:
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "
             f"casts {rates.cpu_cast_params_per_s / 1e9:.2f}, GPU Adam {rates.gpu_adam_params_per_s / 1e9:.2f}"
         )
+        speeds = ", ".join(f"{k} {' / '.join(f'{v:.3f}' for _, v in rows)}" for k, rows in rates.optimizer_speed.items())
+        print(f"  other optimizers' CPU step over fused AdamW's: {speeds}")
         print(f"  host {rates.host_s_per_tensor * 1e3:.3f} ms a tensor a step")
         if rates.node_gather_gbps:
             print(

@@ -31,10 +31,6 @@ RATES_ENV = "HYBRIDPS_RATES"
 PROFILE_NAMES = ("h100", "h200")
 #: ``--rates`` name of the stored calibration
 THIS_MACHINE = "this-machine"
-#: the side of the square matrices Muon's speed is timed over (``optimizer_speed["muon"]``):
-#: its time an element grows with a matrix's smaller side ([Note: every optimizer's step] in
-#: calibrate_optimizers.py)
-MUON_SIDE = 256
 #: the version of the JSON layout
 RATES_FORMAT = 1
 
@@ -93,11 +89,12 @@ class MachineRates:
     cpu_cast_params_per_s: float
     #: a chunk's optimizer step on the GPU (fused AdamW, its casts included)
     gpu_adam_params_per_s: float
-    #: optimizer name (``optimizers.OPTIMIZER_NAMES``, not the chunked Adam's) -> its CPU step's
-    #: speed over ``cpu_adam_params_per_s`` ([Note: every optimizer's step] in
-    #: calibrate_optimizers.py; ``muon``'s at ``MUON_SIDE``, read by ``optimizer_speed_at``);
-    #: an optimizer not here steps at fused AdamW's rate and the prediction says so
-    optimizer_speed: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: optimizer name (``optimizers.OPTIMIZER_NAMES``, not the chunked Adam's) -> ((side of the
+    #: square matrices timed, its CPU step's speed over ``cpu_adam_params_per_s``), ...)
+    #: ([Note: every optimizer's step] in calibrate_optimizers.py; read by
+    #: ``optimizer_speed_at``); an optimizer not here steps at fused AdamW's rate and the
+    #: prediction says so
+    optimizer_speed: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
     #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
     #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
     host_s_per_tensor: float
@@ -220,24 +217,32 @@ class MachineRates:
             object.__setattr__(self, f, tables)
 
     def _check_optimizer_speeds(self) -> None:
-        speeds = dict(self.optimizer_speed)
-        for name, speed in speeds.items():
-            if name not in OPTIMIZER_NAMES or name in ADAM_KERNEL_OPTIMIZERS:
-                others = [n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS]
-                raise ConfigError(f"rates {self.name!r}: optimizer_speed[{name!r}]; the optimizers timed are {', '.join(others)}")
-            _check_positive(self.name, f"optimizer_speed[{name!r}]", speed)
-        object.__setattr__(self, "optimizer_speed", {k: float(v) for k, v in speeds.items()})
+        others = [n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS]
+        speeds = {}
+        for name, rows in dict(self.optimizer_speed).items():
+            grid = _grid(rows, 2)
+            if name not in others or grid is None:
+                raise ConfigError(
+                    f"rates {self.name!r}: optimizer_speed[{name!r}] needs one of {', '.join(others)} and (matrix "
+                    f"side, speed > 0) rows, got {rows!r}"
+                )
+            speeds[name] = grid
+        object.__setattr__(self, "optimizer_speed", speeds)
 
     def optimizer_speed_at(self, optimizer: str, hidden: int) -> float | None:
         """``optimizer``'s CPU step speed over fused AdamW's for a model of ``hidden``: 1 for the
-        chunked Adam's, the timed speed for another (muon's falling in proportion to ``hidden``
-        beyond ``MUON_SIDE``), None where the rates did not time it."""
+        chunked Adam's; another's timed speed, linear in log(side) between the sides timed,
+        flat below them and falling in proportion to ``hidden`` beyond the largest where
+        several were timed (Muon: its FLOPs an element grow with the side, its matmuls' rate no
+        more); None where the rates did not time it."""
         if optimizer in ADAM_KERNEL_OPTIMIZERS:
             return 1.0
-        speed = self.optimizer_speed.get(optimizer)
-        if speed is None or optimizer != "muon":
-            return speed
-        return speed * MUON_SIDE / max(hidden, MUON_SIDE)
+        rows = self.optimizer_speed.get(optimizer)
+        if rows is None:
+            return None
+        if len(rows) > 1 and hidden > rows[-1][0]:
+            return rows[-1][1] * rows[-1][0] / hidden
+        return _log_interpolate(rows, hidden, below="flat")
 
     def measured_in(self, precision: str) -> bool:
         """Whether the rates timed compute in ``precision`` (or relate it to the one they timed)."""
@@ -321,9 +326,8 @@ class MachineRates:
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share", "optimizer_speed"):
             out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
-        out["optimizer_speed"] = dict(self.optimizer_speed)
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
 
@@ -337,7 +341,7 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share"):
+        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share", "optimizer_speed"):
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")

@@ -452,8 +452,6 @@ class Planner(LargestModelSearch):
         req, node = self.request, self.node
         if req.rates is None:
             return None, "no rates: run `hybridps calibrate`, or give --rates h100, h200 or a file"
-        if req.optimizer not in ADAM_KERNEL_OPTIMIZERS:
-            return None, f"the speed model times Adam's step at the fused AdamW's rate, not {req.optimizer}'s"
         if not ev.sim.completed:
             return None, "the simulation did not finish: no steady step to time"
         if not hasattr(req.model, "d_model"):

@@ -33,8 +33,10 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   seconds a GiB; where the rates measured neither, nothing (and every byte in ``link``);
 - ``cpu_adam``: the params whose optimizer row stepped on the CPU in the steady iteration
   (rows not on the GPU), at the fused AdamW rate (exact moments) or ``compact_adam_``'s
-  (int8 moments), plus in 16-bit training the two dtype copies per param, plus Python per
-  chunk; ``gpu_adam``: the rows stepped on the GPU at its rate;
+  (int8 moments), another optimizer's at its timed speed over fused AdamW's ([Note: every
+  optimizer's step] in calibrate_optimizers.py), plus in 16-bit training the two dtype copies
+  per param, plus Python per chunk; ``gpu_adam``: the rows stepped on the GPU at its rate (a
+  simulated GPU's at the CPU's, the optimizer's speed included);
 - ``disk``: the disk tier's bytes read and written in the steady iteration at its rates;
 - ``collectives``: several ranks' all-gathers and reductions, the bytes a rank sends in each
   ring at the rates' GB/s among a node's ranks and between nodes (rank_speed.py,
@@ -141,6 +143,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS
 from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
 
@@ -163,6 +166,8 @@ class StepWork:
     checkpoint: bool = False
     precision: str = "fp16"
     optimizer_states: str = "fp32"
+    #: the optimizer trained with (``optimizers.OPTIMIZER_NAMES``)
+    optimizer: str = "adamw"
     #: param tensors (hooks and accesses per micro-batch)
     tensors: int = 0
     h2d_bytes: int = 0
@@ -324,6 +329,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         checkpoint=bool(getattr(model, "checkpoint", False)),
         precision=sim.precision,
         optimizer_states=sim.optimizer_states,
+        optimizer=sim.optimizer,
         tensors=len(sim.param_numels),
         h2d_bytes=h2d_bytes(moved),
         d2h_bytes=d2h_bytes(moved),
@@ -393,7 +399,9 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
     h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
     d2h = (work.d2h_bytes - pageable_d2h) * m / (rates.d2h_gbps * 1e9)
-    adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s
+    # another optimizer than Adam at its timed speed over fused AdamW's ([Note: every optimizer's step])
+    speed = rates.optimizer_speed_at(work.optimizer, work.d_model) or 1.0
+    adam = rates.cpu_compact_adam_params_per_s if work.optimizer_states == "int8" else rates.cpu_adam_params_per_s * speed
     cpu = work.cpu_step_params / adam + work.cpu_step_chunks * rates.cpu_step_s_per_chunk
     if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back, on the CPU
         cpu += (work.cpu_step_params - work.cpu_step_params_cast_on_gpu) / rates.cpu_cast_params_per_s
@@ -415,7 +423,8 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         "host_memory": host_memory_seconds(work, rates),
         "collectives": collective_seconds(work, rates),
         "cpu_adam": cpu,
-        "gpu_adam": work.gpu_step_params / rates.gpu_adam_params_per_s,
+        # a simulated GPU steps on the CPU; a real GPU's other optimizers at its fused AdamW's rate
+        "gpu_adam": work.gpu_step_params / (rates.gpu_adam_params_per_s * (speed if rates.simulated_gpu else 1.0)),
         "disk": disk,
         # a real GPU's own copies run at its memory's bandwidth: nothing here (the Note)
         "device_copies": work.device_copy_bytes / (rates.h2d_gbps * 1e9) if rates.simulated_gpu else 0.0,
@@ -534,7 +543,7 @@ def predict_work(
         gpu_step_params=work.gpu_step_params,
         node_collective_bytes_per_step=(work.node_gather_bytes + work.node_reduce_bytes) * work.micro_batches,
         network_bytes_per_step=work.network_bytes * work.micro_batches,
-        caveats=precision_caveats(work, rates),
+        caveats=precision_caveats(work, rates) + optimizer_caveats(work, rates),
     )
 
 
@@ -547,3 +556,19 @@ def precision_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
         f"compute in {work.precision} at the {rates.compute_precision} rates of {rates.name!r}, which timed no "
         f"{work.precision} (run `hybridps calibrate` again on the machine)",
     )
+
+
+def optimizer_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
+    """Why the optimizer's parts may be off: ``work``'s optimizer is one the rates never timed,
+    or its rows step on a real GPU, whose rate is fused AdamW's ([Note: every optimizer's step]
+    in calibrate_optimizers.py)."""
+    if work.optimizer in ADAM_KERNEL_OPTIMIZERS:
+        return ()
+    if rates.optimizer_speed_at(work.optimizer, work.d_model) is None:
+        return (
+            f"the {work.optimizer} step at fused AdamW's rate: rates {rates.name!r} timed no {work.optimizer} (run "
+            f"`hybridps calibrate` again on the machine)",
+        )
+    if work.gpu_step_params and not rates.simulated_gpu:
+        return (f"the GPU's {work.optimizer} step at its fused AdamW's rate (no optimizer but Adam is timed on a GPU)",)
+    return ()

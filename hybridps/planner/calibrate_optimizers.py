@@ -1,0 +1,115 @@
+"""The CPU step's speed of every optimizer a plan takes beside AdamW (``hybridps calibrate``).
+
+Owns timing each optimizer of ``optimizers.OPTIMIZERS`` that the chunked Adam's kernels do not
+step, as the engine steps it on the CPU (``optimizer_speeds``), as a speed over torch's fused
+AdamW on the same elements.
+
+[Note: every optimizer's step]
+The engine steps an optimizer other than Adam and AdamW with torch's own ``step`` over views
+of a chunk's rows (client/optim/torch_step.py): on CPU tensors torch picks its single-tensor
+form, one element-wise pass per state per param. Their cost a param then differs from the fused
+AdamW's by the passes they make: on the 2-vCPU VM (one thread, fp32) SGD stepped at 3-4x fused
+AdamW's params/s and NAdam or RAdam at a third. So ``hybridps calibrate`` times each one's
+step over fp32 matrices (``MATRIX_SIDE`` square, ``elements`` in all), and the speed
+model steps a plan's CPU rows at ``cpu_adam_params_per_s`` times that speed
+([Note: the speed model] in speed.py). Muon orthogonalizes each matrix's update with five
+Newton-Schulz iterations, about ``30 m`` FLOPs an element of an ``m x n`` matrix (m <= n),
+while its matmuls run faster a FLOP on larger matrices, and a thin matrix costs less an
+element than a square one (``4 m + 2 m^2 / n``: a block's 4h x h MLP matrices 4.5 h, its
+h x h projection 6 h). So Muon is timed over one transformer block's matrices at two hidden
+sizes and read at a model's hidden size between them, falling in proportion beyond the
+larger (``MachineRates.optimizer_speed_at``); timed over squares it predicted a 6 x 512 GPT's
+step at 1.38x. Each timed step gets other grads than the last: Rprop zeroes the grads whose
+sign flipped, and timing the same grads twice (no sign flips) put it at 0.09x fused AdamW
+against the 0.04x it stepped at in the engine (a 6 x 512 GPT's step predicted at 0.68x).
+What the timing leaves out: the per-param Python of torch's loop over a chunk's views (one call
+per chunk, ``cpu_step_s_per_chunk``, is timed with Adam's step instead).
+
+Does not own the optimizers' names (``optimizers``), their step (client/optim), the rates'
+record (``rates``) or the prediction (``speed``).
+"""
+
+from __future__ import annotations
+
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, OPTIMIZERS
+from hybridps.planner.timing import median_seconds
+
+#: the side of the square fp32 matrices the element-wise optimizers are timed over
+MATRIX_SIDE = 1024
+#: the hidden sizes Muon is timed at, over one transformer block's matrices: its time an
+#: element grows with a matrix's smaller side, while its matmuls run faster a FLOP on larger
+#: ones (the VM: 0.037x fused AdamW at 256-square matrices, 0.028x at 1024)
+MUON_SIDES = (256, 512)
+
+
+def timed_optimizers() -> tuple[str, ...]:
+    """The plan's optimizers whose step the engine hands to torch (not the chunked Adam's)."""
+    return tuple(name for name in OPTIMIZERS if name not in ADAM_KERNEL_OPTIMIZERS)
+
+
+def matrix_shapes(name: str, side: int, elements: int) -> list[tuple[int, int]]:
+    """The matrices ``name`` is timed over: for muon one transformer block's at hidden size
+    ``side`` (attention's 3h x h and h x h, the MLP's 4h x h and h x 4h: Muon's work an element
+    depends on each matrix's sides), else ``side``-square ones of about ``elements`` in all."""
+    if name == "muon":
+        return [(3 * side, side), (side, side), (4 * side, side), (side, 4 * side)]
+    return [(side, side)] * max(1, elements // (side * side))
+
+
+def step_seconds(name: str, *, side: int, elements: int, repeats: int = 3) -> float:
+    """Seconds a param of one step of the optimizer ``name`` (muon: torch's Muon alone) over
+    fp32 matrices (``matrix_shapes``), on the CPU, its state made by a first step. Each step
+    gets other grads than the last (two sets in turns, handed over without a copy): a step
+    whose work depends on the grads (Rprop zeroes the grads whose sign flipped) would otherwise
+    time the same grads twice, every sign agreeing."""
+    import torch
+
+    spec = OPTIMIZERS[name]
+    shapes = matrix_shapes(name, side, elements)
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
+    grads = [[torch.randn(shape) * 1e-3 for shape in shapes] for _ in range(2)]
+    turn = iter(range(1 << 30))
+
+    def step():
+        for p, g in zip(params, grads[next(turn) % 2], strict=True):
+            p.grad = g
+        optimizer.step()
+
+    optimizer = getattr(torch.optim, spec.cls)(params, **spec.kwargs)
+    step()  # the states, as after the first step
+    return median_seconds(step, repeats) / sum(p.numel() for p in params)
+
+
+def fused_adamw_seconds(*, elements: int, repeats: int = 3) -> float:
+    """Seconds of torch's fused AdamW over ``elements`` fp32 params in one tensor."""
+    import torch
+
+    p, g, m, v = torch.randn(elements), torch.randn(elements) * 1e-3, torch.zeros(elements), torch.zeros(elements)
+    step_t = torch.tensor(1.0)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    return median_seconds(
+        lambda: torch._fused_adamw_([p], [g], [m], [v], [], [step_t], amsgrad=False, maximize=False, **hyper), repeats
+    )
+
+
+def optimizer_speeds(*, elements: int, quick: bool = False) -> dict[str, tuple[tuple[int, float], ...]]:
+    """name -> ((matrix side, the optimizer's CPU step speed over fused AdamW's), ...), for
+    ``MachineRates.optimizer_speed``: the element-wise optimizers over ``elements`` params at
+    ``MATRIX_SIDE``, muon over a block's matrices at each hidden size of ``MUON_SIDES``
+    (``quick``: the first)."""
+    adamw = fused_adamw_seconds(elements=elements) / elements
+    out = {}
+    for name in timed_optimizers():
+        sides = (MUON_SIDES[:1] if quick else MUON_SIDES) if name == "muon" else (MATRIX_SIDE,)
+        out[name] = tuple((side, adamw / step_seconds(name, side=side, elements=elements)) for side in sides)
+    return out
+
+
+def sources(elements: int) -> str:
+    """Where ``optimizer_speed`` comes from, in words."""
+    return (
+        f"each optimizer's torch step over {elements} fp32 params in {MATRIX_SIDE}-square matrices (Muon: "
+        f"one GPT block's matrices at hidden {' and '.join(map(str, MUON_SIDES))}) on the CPU, fresh grads each step, "
+        "over torch._fused_adamw_'s a param "
+        "(calibrate_optimizers.optimizer_speeds)"
+    )
