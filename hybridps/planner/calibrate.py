@@ -363,7 +363,8 @@ def calibrate(
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
-    others = optimizer_speeds(elements=(1 if quick else 4) * _MiB, quick=quick)
+    others = optimizer_speeds(elements=(1 if quick else 4) * _MiB, adam_params_per_s=adam["cpu_adam_params_per_s"], quick=quick)
+
     gpu_adam = gpu_adam_params_per_s(device, elements) if device.type == "cuda" else adam["cpu_adam_params_per_s"]
     host = host_s_per_tensor(device, steps=3 if quick else 6)
     read = write = None
