@@ -58,6 +58,21 @@ SHAPES = (
     (6, 512, 8, 64, 2, 0.3, None),
     (2, 256, 4, 128, 4, 0.5, 32768),
 )
+#: ``--wide``: (layers, d_model, heads, seq, batch, GPU fraction, vocabulary, precision,
+#: activation checkpointing): precisions, checkpointing, GPU shares from 0.2 to fitting, thin
+#: and wide hidden sizes, short and long sequences
+WIDE_SHAPES = (
+    (4, 256, 4, 128, 8, 0.5, 8192, "bf16", False),
+    (6, 384, 6, 128, 8, 0.2, 8192, "fp32", False),
+    (4, 384, 6, 128, 8, 0.5, 8192, "fp32", True),
+    (4, 256, 4, 128, 8, 1.5, 8192, "fp32", False),
+    (8, 256, 4, 128, 4, 0.3, 8192, "bf16", True),
+    (4, 512, 8, 64, 4, 0.5, 8192, "fp16", False),
+    (3, 768, 12, 128, 4, 0.4, 8192, "fp32", False),
+    (12, 128, 4, 256, 4, 0.5, 4096, "fp32", False),
+    (4, 512, 4, 512, 2, 0.5, 8192, "bf16", False),
+    (6, 256, 2, 64, 16, 0.5, 8192, "bf16", False),
+)
 CPU_BYTES = 8 << 30
 #: the lr every optimizer but AdamW trains at: at torch's defaults (RMSprop's 1e-2) the GPT
 #: diverged, its softmax underflowed to denormal floats, and the CPU's matmuls in backward ran
@@ -204,6 +219,34 @@ def predict_ranks(shape: GPTShape, ranks: int, gpu_bytes: int, precision: str, r
     return report
 
 
+def _cases(args, training: Training) -> list[tuple[GPTShape, float, Training]]:
+    """(shape, GPU fraction, how it trains) of each shape the flags select: ``--shapes`` of
+    ``SHAPES`` as ``training`` says, or ``--wide``'s each in its own precision and
+    checkpointing."""
+    if args.wide:
+        return [
+            (
+                GPTShape(n_layer=L, d_model=d, n_head=h, seq_len=s, batch_size=b, vocab_size=v, checkpoint=ckpt),
+                frac,
+                dataclasses.replace(training, precision=precision),
+            )
+            for L, d, h, s, b, frac, v, precision, ckpt in WIDE_SHAPES
+        ]
+    return [
+        (GPTShape(n_layer=L, d_model=d, n_head=h, seq_len=s, batch_size=b, vocab_size=v or args.vocab), frac, training)
+        for L, d, h, s, b, frac, v in (SHAPES[int(i)] for i in args.shapes.split(","))
+    ]
+
+
+def _describe(shape: GPTShape, training: Training) -> str:
+    return (
+        f"{shape.n_layer} x {shape.d_model}, {shape.n_head} heads, {shape.batch_size} x {shape.seq_len}, vocabulary "
+        f"{shape.vocab_size}"
+        + (f", {training.precision}" if training.precision != "fp32" else "")
+        + (", checkpointed" if shape.checkpoint else "")
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(NAME, __doc__)
     ap.add_argument("--rates", default="this-machine", help="a rates file, a profile (h100, h200) or this-machine")
@@ -213,6 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--shapes",
         default=",".join(str(i) for i in range(len(SHAPES))),
         help="which shapes, comma-separated indices into " + "; ".join(f"{i}: {s[0]} x {s[1]}" for i, s in enumerate(SHAPES)),
+    )
+    ap.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"the {len(WIDE_SHAPES)} shapes of WIDE_SHAPES instead, each in its own precision and checkpointing (one rank)",
     )
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this host (several: the derived multi-rank prediction)")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated a step (one rank)")
@@ -226,24 +274,24 @@ def main(argv: list[str] | None = None) -> dict:
     training = Training(
         args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes, args.optimizer
     )
-    if args.ranks > 1 and training != Training(args.precision):
-        raise SystemExit("--micro-batches, --optimizer-states, --optimizer, --cpu-fraction and --disk-bytes are for one rank")
+    if args.ranks > 1 and (training != Training(args.precision) or args.wide):
+        raise SystemExit(
+            "--micro-batches, --optimizer-states, --optimizer, --cpu-fraction, --disk-bytes and --wide are for one rank"
+        )
     rates = load_rates(args.rates)
     warning = threads_mismatch(rates, torch.get_num_threads())
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     rows = []
-    for layers, d, heads, seq, batch, frac, vocab in (SHAPES[int(i)] for i in args.shapes.split(",")):
-        vocab = vocab or args.vocab
-        shape = GPTShape(n_layer=layers, d_model=d, n_head=heads, seq_len=seq, batch_size=batch, vocab_size=vocab)
+    for shape, frac, case in _cases(args, training):
         full = simulate(
             shape,
             gpu_bytes=CPU_BYTES,
             cpu_bytes=CPU_BYTES,
-            precision=args.precision,
-            grad_reuse=training.grad_reuse,
-            optimizer_states=training.optimizer_states,
-            optimizer=training.optimizer,
+            precision=case.precision,
+            grad_reuse=case.grad_reuse,
+            optimizer_states=case.optimizer_states,
+            optimizer=case.optimizer,
         )
         extra = {}
         if args.ranks > 1:
@@ -261,26 +309,26 @@ def main(argv: list[str] | None = None) -> dict:
             }
         else:
             gpu_bytes = int(full.model_data_bytes * frac + full.non_model_peak_bytes)
-            cpu_bytes = CPU_BYTES if training.cpu_fraction is None else int(full.model_data_bytes * training.cpu_fraction)
-            report = predict_one(shape, gpu_bytes, cpu_bytes, training, rates)
+            cpu_bytes = CPU_BYTES if case.cpu_fraction is None else int(full.model_data_bytes * case.cpu_fraction)
+            report = predict_one(shape, gpu_bytes, cpu_bytes, case, rates)
             if report.speed is None:  # refused (a chunk's step needs more CPU than it has): so would the engine
                 rows.append(
                     {
-                        "shape": f"{layers} x {d}, {heads} heads, {batch} x {seq}, vocabulary {vocab}",
+                        "shape": _describe(shape, case),
                         "skipped": report.hybridps.reason or report.speed_note,
                     }
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 continue
             pred, n_params, model_data = report.speed, report.n_params, full.model_data_bytes
-            times = measure(shape, gpu_bytes, cpu_bytes, args.steps, args.warmup, training)
+            times = measure(shape, gpu_bytes, cpu_bytes, args.steps, args.warmup, case)
         measured = statistics.median(times)
         rows.append(
             {
-                "shape": f"{layers} x {d}, {heads} heads, {batch} x {seq}, vocabulary {vocab}",
+                "shape": _describe(shape, case),
                 **extra,
                 "n_params": n_params,
-                "tokens_per_step": batch * seq * training.micro_batches,
+                "tokens_per_step": shape.batch_size * shape.seq_len * case.micro_batches,
                 "gpu_bytes": gpu_bytes,
                 "model_data_bytes": model_data,
                 "predicted_s": round(pred.predicted_step_seconds, 4),

@@ -5,6 +5,7 @@ never times. Where a benchmark had a test of its own, its checks are here (``CHE
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -324,3 +325,13 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     assert row["predicted_s"] > 0 and row["measured_s"] > 0 and any("adagrad" in c for c in row["caveats"])
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main([*args, "--ranks", "2"])
+    with pytest.raises(SystemExit, match="one rank"):
+        plan_speed.main(["--rates", "h100", "--wide", "--ranks", "2"])
+    # --wide: each shape in its own precision and checkpointing, the rest of the training as given
+    wide = plan_speed._cases(argparse.Namespace(wide=True), plan_speed.Training(optimizer="adagrad"))
+    assert len(wide) == len(plan_speed.WIDE_SHAPES)
+    assert {c.precision for _, _, c in wide} == {"fp32", "bf16", "fp16"} and {c.optimizer for _, _, c in wide} == {"adagrad"}
+    assert any(s.checkpoint for s, _, _ in wide) and not all(s.checkpoint for s, _, _ in wide)
+    assert "bf16, checkpointed" in plan_speed._describe(
+        *[(s, c) for s, _, c in wide if s.checkpoint and c.precision == "bf16"][0]
+    )

@@ -8,8 +8,8 @@ rate the speed model steps Adam at.
 The engine steps an optimizer other than Adam and AdamW with torch's own ``step`` over views
 of a chunk's rows (client/optim/torch_step.py): on CPU tensors torch picks its single-tensor
 form, one element-wise pass per state per param. Their cost a param then differs from the fused
-AdamW's by the passes they make: on the 2-vCPU VM (one thread, fp32) SGD stepped at 3-4x fused
-AdamW's params/s and NAdam or RAdam at a third. So ``hybridps calibrate`` times each one's
+AdamW's by the passes they make: on the 2-vCPU VM (one thread, fp32) SGD stepped at 2.2x fused
+AdamW's params/s, NAdam at 0.32x, Rprop at 0.07x. So ``hybridps calibrate`` times each one's
 step over fp32 matrices (``MATRIX_SIDE`` square, ``elements`` in all), and the speed
 model steps a plan's CPU rows at ``cpu_adam_params_per_s`` times that speed
 ([Note: the speed model] in speed.py). Muon orthogonalizes each matrix's update with five
