@@ -153,7 +153,7 @@ class MachineRates:
             if grid is None:
                 raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {rows!r}")
             object.__setattr__(self, f, grid)
-        self._check_precisions()
+        self._check_tables()
         for f in (
             "h2d_gbps",
             "d2h_gbps",
@@ -181,53 +181,42 @@ class MachineRates:
             if getattr(self, f) is not None:
                 _check_positive(self.name, f, getattr(self, f))
 
-    def _check_precisions(self) -> None:
+    def _check_tables(self) -> None:
+        """The rates' own precision, and every table keyed by a precision or an optimizer."""
         base = self.compute_precision or ("fp32" if self.simulated_gpu else "bf16")
         if base not in PRECISION_NAMES:
             raise ConfigError(f"rates {self.name!r}: compute_precision={base!r}; use one of {', '.join(PRECISION_NAMES)}")
         object.__setattr__(self, "compute_precision", base)
-        for f, width, what in (
-            ("precision_speed", 3, "(hidden size, tokens, speed > 0)"),
-            ("precision_head_speed", 3, "(hidden size, tokens, speed > 0)"),
+        legacy = {  # head rows stored before the tokens were timed, (hidden size, speed): at any count
+            k: [(row[0], 1, row[1]) for row in rows] if rows and all(len(row) == 2 for row in rows) else rows
+            for k, rows in dict(self.precision_head_speed).items()
+        }
+        object.__setattr__(self, "precision_head_speed", legacy)
+        others = tuple(n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS)
+        for f, keys, width, what, top in (
+            ("precision_speed", PRECISION_NAMES, 3, "(hidden size, tokens, speed > 0)", math.inf),
+            ("precision_head_speed", PRECISION_NAMES, 3, "(hidden size, tokens, speed > 0)", math.inf),
+            ("attention_tflops", PRECISION_NAMES, 3, "(head size, sequence, TFLOPS > 0)", math.inf),
+            ("attention_forward_share", PRECISION_NAMES, 3, "(head size, sequence, share in (0, 1])", 1.0),
+            ("optimizer_speed", others, 2, "(matrix side, speed > 0)", math.inf),
         ):
-            speeds = {}
-            for precision, rows in dict(getattr(self, f)).items():
-                if f == "precision_head_speed" and rows and all(len(row) == 2 for row in rows):
-                    rows = [(row[0], 1, row[1]) for row in rows]  # stored before the tokens were timed: any
-                grid = _grid(rows, width)
-                if precision not in PRECISION_NAMES or grid is None:
-                    raise ConfigError(
-                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(PRECISION_NAMES)} and "
-                        f"{what} rows, got {rows!r}"
-                    )
-                if precision != base:
-                    speeds[precision] = grid
-            object.__setattr__(self, f, speeds)
-        self._check_optimizer_speeds()
-        for f, what in (("attention_tflops", "TFLOPS > 0"), ("attention_forward_share", "share in (0, 1]")):
-            tables = {}
-            for precision, rows in dict(getattr(self, f)).items():
-                grid = _grid(rows, 3)
-                if precision not in PRECISION_NAMES or grid is None or (f.endswith("share") and max(r[-1] for r in grid) > 1):
-                    raise ConfigError(
-                        f"rates {self.name!r}: {f}[{precision!r}] needs a precision of {', '.join(PRECISION_NAMES)} "
-                        f"and (head size, sequence, {what}) rows, got {rows!r}"
-                    )
-                tables[precision] = grid
-            object.__setattr__(self, f, tables)
+            grids = self._keyed_grids(f, keys, width, what, top)
+            if f.startswith("precision_"):  # the precision timed needs no speed over itself
+                grids.pop(base, None)
+            object.__setattr__(self, f, grids)
 
-    def _check_optimizer_speeds(self) -> None:
-        others = [n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS]
-        speeds = {}
-        for name, rows in dict(self.optimizer_speed).items():
-            grid = _grid(rows, 2)
-            if name not in others or grid is None:
+    def _keyed_grids(self, field: str, keys: tuple[str, ...], width: int, what: str, top: float) -> dict[str, tuple]:
+        """``field``'s mapping of a key of ``keys`` to its rows, each as a ``_grid`` of
+        ``width`` whose values are at most ``top``; a ``ConfigError`` naming the field otherwise."""
+        grids = {}
+        for key, rows in dict(getattr(self, field)).items():
+            grid = _grid(rows, width)
+            if key not in keys or grid is None or max(row[-1] for row in grid) > top:
                 raise ConfigError(
-                    f"rates {self.name!r}: optimizer_speed[{name!r}] needs one of {', '.join(others)} and (matrix "
-                    f"side, speed > 0) rows, got {rows!r}"
+                    f"rates {self.name!r}: {field}[{key!r}] needs one of {', '.join(keys)} and {what} rows, got {rows!r}"
                 )
-            speeds[name] = grid
-        object.__setattr__(self, "optimizer_speed", speeds)
+            grids[key] = grid
+        return grids
 
     def optimizer_speed_at(self, optimizer: str, hidden: int) -> float | None:
         """``optimizer``'s CPU step speed over fused AdamW's for a model of ``hidden``: 1 for the
@@ -281,12 +270,12 @@ class MachineRates:
     def attention_tflops_at(self, head_dim: int, seq: int, precision: str | None = None) -> float | None:
         """The attention's rate at ``head_dim`` (0: unknown, the smallest timed) and ``seq`` in
         ``precision`` (one not timed: the rates' own): linear in the logarithms between the
-        sizes timed, flat above them and falling below them (``_log_interpolate``: a shorter sequence or a smaller head gives the
-        matmuls less to fill the lanes with); None where the rates did not time it apart
-        (``attention_apart``)."""
+        sizes timed, flat above them and falling below them (``_log_interpolate``: a shorter
+        sequence or a smaller head gives the matmuls less to fill the lanes with); None where
+        the rates did not time it apart (``attention_apart``)."""
         if not self.attention_apart:
             return None
-        grid = self.attention_tflops.get(precision or self.compute_precision) or self.attention_tflops[self.compute_precision]
+        grid = self._in_precision(self.attention_tflops, precision)
         head_dim = head_dim or grid[0][0]  # unknown: the smallest timed
         return _log_interpolate(_by_hidden_at(grid, seq, below="fall"), head_dim, below="fall")
 
@@ -294,13 +283,16 @@ class MachineRates:
         """The attention's forward's share of its seconds at ``head_dim`` and ``seq`` in
         ``precision``, read as ``attention_tflops_at`` reads the rate (flat beyond the sizes
         timed); a third (its FLOPs' share) where not timed."""
-        grid = self.attention_forward_share.get(precision or self.compute_precision) or self.attention_forward_share.get(
-            self.compute_precision
-        )
+        grid = self._in_precision(self.attention_forward_share, precision)
         if not grid:
             return 1 / 3
-        head_dim = head_dim or grid[0][0]
+        head_dim = head_dim or grid[0][0]  # unknown: the smallest timed
         return _log_interpolate(_by_hidden_at(grid, seq), head_dim, below="flat")
+
+    def _in_precision(self, tables: Mapping[str, tuple], precision: str | None) -> tuple:
+        """``tables``' rows for ``precision`` (None, or one not timed: the rates' own; () where
+        neither is there)."""
+        return tables.get(precision or self.compute_precision) or tables.get(self.compute_precision, ())
 
     def head_s_at(self, hidden: int, vocab: int, precision: str | None = None, tokens: int | None = None) -> float | None:
         """Seconds per logit of the head at ``hidden`` and ``vocab``: linear in log(vocab)

@@ -130,7 +130,7 @@ On the CPU bf16's blocks moved with the sequence as well (20-30% slower a FLOP a
 attention, timed apart since ([Note: attention apart]), took 13-14 ms at sequences 64-128
 against 10 at 256. And bf16's head moved with the tokens (hidden size 256: 9.5 ns a logit
 at 512 tokens, 12 at 2048 and beyond) while fp32's did not, so the heads of the other
-precisions are timed at two token counts (the head's and four times it).
+precisions are timed at two token counts (the head's and twice it).
 
 Does not own the rates (``rates``, ``calibrate``), the simulation (``simulation``) or how
 the prediction prints (``report``).
@@ -245,10 +245,15 @@ class StepWork:
         return 0.0 if self.tied_embeddings else self.head_flops
 
     @property
+    def attention_pass_flops(self) -> float:
+        """The attention's FLOPs of one forward and backward a step: ``12 L d S T``."""
+        return 12.0 * self.n_layer * self.d_model * self.seq_len * self.tokens
+
+    @property
     def attention_flops(self) -> float:
-        """The attention's FLOPs a step (inside ``step_flops``): ``12 L d S T``, and ``4 L d S T``
-        more recomputed under activation checkpointing."""
-        return (12.0 + (4.0 if self.checkpoint else 0.0)) * self.n_layer * self.d_model * self.seq_len * self.tokens
+        """The attention's FLOPs a step (inside ``step_flops``): its pass, and ``4 L d S T`` more
+        recomputed under activation checkpointing (a third of the pass)."""
+        return self.attention_pass_flops * (4 / 3 if self.checkpoint else 1.0)
 
     @property
     def step_flops(self) -> float:
@@ -378,7 +383,7 @@ def attention_seconds(work: StepWork, rates: MachineRates) -> float | None:
     tflops = rates.attention_tflops_at(*at)
     if tflops is None:
         return None
-    once = 12.0 * work.n_layer * work.d_model * work.seq_len * work.tokens / (tflops * 1e12)
+    once = work.attention_pass_flops / (tflops * 1e12)
     return once * (1.0 + (rates.attention_forward_share_at(*at) if work.checkpoint else 0.0))
 
 
@@ -388,13 +393,13 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     m = work.micro_batches
     rate = rates.tflops_at(work.d_model, work.micro_batch_tokens, work.precision) * 1e12
     head = head_seconds(work, rates)
-    compute = attention_seconds(work, rates)
-    flops = work.step_flops - work.lookup_flops - (work.attention_flops if compute is not None else 0.0)
-    compute = compute or 0.0
+    attention = attention_seconds(work, rates)  # None: inside the blocks' rate
+    flops = work.step_flops - work.lookup_flops - (0.0 if attention is None else work.attention_flops)
     if head is None:  # the head at the blocks' rate
-        compute += flops / rate
+        compute = flops / rate
     else:  # [Note: the head apart]
-        compute += (flops - work.head_flops) / rate + head
+        compute = (flops - work.head_flops) / rate + head
+    compute += attention or 0.0
     pageable_h2d = work.pageable_h2d_bytes if rates.pageable_h2d_gbps else 0
     pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
     h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
