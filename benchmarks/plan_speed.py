@@ -25,6 +25,11 @@ One rank also trains as a script would beyond the defaults, each shape planned t
 data and a disk tier beside it, in a temp directory).
 
     OMP_NUM_THREADS=1 python -m benchmarks plan_speed --micro-batches 4 --optimizer-states int8
+
+``--hf`` plans and trains transformers' own families (``HF_SHAPES``: Llama, GPT-2, Qwen2 of a few
+layers, built from their configs as ``hybridps plan --model-config`` builds them), after the
+GPT of the first one's shape: the speed model counts their work outside the matmuls against
+that GPT's ([Note: the work outside the matmuls] in hybridps/planner/op_tally.py).
 """
 
 from __future__ import annotations
@@ -73,6 +78,38 @@ WIDE_SHAPES = (
     (4, 512, 4, 512, 2, 0.5, 8192, "bf16", False),
     (6, 256, 2, 64, 16, 0.5, 8192, "bf16", False),
 )
+#: ``--hf``: (transformers model type, its config's fields, seq, batch, GPU fraction,
+#: precision): transformers' own decoder families (RMSNorm and rotary embeddings, a gated MLP,
+#: grouped-query heads, an untied or tied head; GPT-2's tanh GELU and dropout), each after the
+#: GPT of the first one's shape, whose work outside the matmuls the rates' block holds
+HF_SHAPES = (
+    (
+        "llama",
+        dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        128,
+        8,
+        0.5,
+        "fp32",
+    ),
+    ("gpt2", dict(n_embd=256, n_head=4, n_positions=1024), 128, 8, 0.5, "fp32"),
+    (
+        "qwen2",
+        dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
+        128,
+        8,
+        0.5,
+        "fp32",
+    ),
+    (
+        "llama",
+        dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        256,
+        4,
+        0.3,
+        "bf16",
+    ),
+)
+HF_LAYERS, HF_VOCAB = 4, 8192
 CPU_BYTES = 8 << 30
 #: the lr every optimizer but AdamW trains at: at torch's defaults (RMSprop's 1e-2) the GPT
 #: diverged, its softmax underflowed to denormal floats, and the CPU's matmuls in backward ran
@@ -100,7 +137,26 @@ class Training:
         return self.micro_batches == 1  # accumulation keeps grads apart (Config.grad_reuse)
 
 
-def measure(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
+def hf_family(model_type: str, fields: dict, seq: int, batch: int):
+    """The ``HFCausalLMFamily`` of a transformers config of ``model_type`` with ``fields``, at
+    ``HF_LAYERS`` layers and ``HF_VOCAB`` entries, trained on ``batch`` x ``seq`` tokens."""
+    import transformers
+
+    from hybridps.planner.hf_model import HFCausalLMFamily
+
+    layers = {"n_layer": HF_LAYERS} if model_type == "gpt2" else {"num_hidden_layers": HF_LAYERS}
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=HF_VOCAB, max_position_embeddings=max(seq, 1024), **layers, **fields
+    )
+    return HFCausalLMFamily(config=config, n_layer=HF_LAYERS, seq_len=seq, batch_size=batch, source=f"{model_type} (bench)")
+
+
+def _loss(shape, model, x: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss of ``model`` (the engine or a module) on tokens ``x``, as ``shape``'s family is fed."""
+    return model(x, x)[1] if isinstance(shape, GPTShape) else model(input_ids=x, labels=x).loss
+
+
+def measure(shape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
     torch.manual_seed(0)
     model = shape.build()
     if training.optimizer == "adamw":
@@ -126,7 +182,7 @@ def measure(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup:
             for _ in range(warmup + steps):
                 t0 = time.perf_counter()
                 for _ in range(training.micro_batches):
-                    engine.backward(engine(x, x)[1])
+                    engine.backward(_loss(shape, engine, x))
                 engine.step()
                 engine.zero_grad()
                 times.append(time.perf_counter() - t0)
@@ -135,7 +191,7 @@ def measure(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup:
     return times[warmup:]
 
 
-def predict_one(shape: GPTShape, gpu_bytes: int, cpu_bytes: int, training: Training, rates):
+def predict_one(shape, gpu_bytes: int, cpu_bytes: int, training: Training, rates):
     """The plan's prediction for one rank on a simulated GPU of ``gpu_bytes``, trained as ``training`` says."""
     report = plan(
         shape,
@@ -221,8 +277,16 @@ def predict_ranks(shape: GPTShape, ranks: int, gpu_bytes: int, precision: str, r
 
 def _cases(args, training: Training) -> list[tuple[GPTShape, float, Training]]:
     """(shape, GPU fraction, how it trains) of each shape the flags select: ``--shapes`` of
-    ``SHAPES`` as ``training`` says, or ``--wide``'s each in its own precision and
-    checkpointing."""
+    ``SHAPES`` as ``training`` says, ``--wide``'s each in its own precision and checkpointing,
+    or ``--hf``'s transformers families after a GPT."""
+    if args.hf:
+        first = HF_SHAPES[0]
+        gpt = (
+            GPTShape(n_layer=HF_LAYERS, d_model=256, n_head=4, seq_len=first[2], batch_size=first[3], vocab_size=HF_VOCAB),
+            first[4],
+            Training(first[5]),
+        )
+        return [gpt] + [(hf_family(t, f, s, b), frac, Training(p)) for t, f, s, b, frac, p in HF_SHAPES]
     if args.wide:
         return [
             (
@@ -238,7 +302,13 @@ def _cases(args, training: Training) -> list[tuple[GPTShape, float, Training]]:
     ]
 
 
-def _describe(shape: GPTShape, training: Training) -> str:
+def _describe(shape, training: Training) -> str:
+    if not isinstance(shape, GPTShape):
+        d = shape.describe()
+        return (
+            f"{d['family']} {shape.n_layer} x {shape.d_model}, {shape.batch_size} x {shape.seq_len}, vocabulary "
+            f"{shape.vocab_size}" + (f", {training.precision}" if training.precision != "fp32" else "")
+        )
     return (
         f"{shape.n_layer} x {shape.d_model}, {shape.n_head} heads, {shape.batch_size} x {shape.seq_len}, vocabulary "
         f"{shape.vocab_size}"
@@ -262,6 +332,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help=f"the {len(WIDE_SHAPES)} shapes of WIDE_SHAPES instead, each in its own precision and checkpointing (one rank)",
     )
+    ap.add_argument(
+        "--hf",
+        action="store_true",
+        help=f"transformers' families of HF_SHAPES instead ({len(HF_SHAPES)}, after a GPT of the first's shape; one rank)",
+    )
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this host (several: the derived multi-rank prediction)")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated a step (one rank)")
     ap.add_argument("--optimizer-states", default="fp32", choices=("fp32", "int8"), help="Adam's moments (one rank)")
@@ -274,9 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
     training = Training(
         args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes, args.optimizer
     )
-    if args.ranks > 1 and (training != Training(args.precision) or args.wide):
+    if args.ranks > 1 and (training != Training(args.precision) or args.wide or args.hf):
         raise SystemExit(
-            "--micro-batches, --optimizer-states, --optimizer, --cpu-fraction, --disk-bytes and --wide are for one rank"
+            "--micro-batches, --optimizer-states, --optimizer, --cpu-fraction, --disk-bytes, --wide and --hf are for one rank"
         )
     rates = load_rates(args.rates)
     warning = threads_mismatch(rates, torch.get_num_threads())

@@ -324,6 +324,10 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert all(len(rows) == 1 and rows[0][1] > 0 for rows in r.optimizer_speed.values())  # --quick: one side each
     assert r.h2d_gbps > 0 and r.cpu_adam_params_per_s > 0 and r.cpu_compact_adam_params_per_s > 0
     assert r.host_s_per_tensor >= 0
+    # the kernels outside the matmuls, in every precision (--quick: five ops)
+    assert set(r.elementwise_s_per_byte) == {"fp32", "bf16", "fp16"}
+    assert all(len(rows) == 5 and all(s > 0 for _, s in rows) for rows in r.elementwise_s_per_byte.values())
+    assert r.elementwise_s_per_call > 0 and r.elementwise_new_s_per_byte >= 0
     import torch
 
     assert r.host_threads == torch.get_num_threads()

@@ -30,6 +30,12 @@ from typing import Any
 from hybridps.planner.calibrate_attention import attention_step, attention_table, dense_tflops
 from hybridps.planner.calibrate_attention import sources as attention_sources
 from hybridps.planner.calibrate_collectives import measured_or_why
+from hybridps.planner.calibrate_elementwise import (
+    elementwise_s_per_call,
+    elementwise_sources,
+    elementwise_table,
+    new_s_per_byte,
+)
 from hybridps.planner.calibrate_optimizers import optimizer_speeds
 from hybridps.planner.calibrate_optimizers import sources as optimizer_sources
 from hybridps.planner.timing import device_sync, interleaved_seconds, median_seconds, precision_dtype
@@ -320,6 +326,8 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())))
     base = base_precision(device)
     attention, forward_share = attention_table(device, (base, *speeds), quick=quick)
+    per_call = elementwise_s_per_call(device)
+    elementwise = elementwise_table(device, (base, *speeds), s_per_call=per_call, quick=quick)
     kind = f"{base} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
     fields = {
         "compute_tflops": tuple((h, t) for h, n, t in by_tokens if n == tokens),
@@ -330,12 +338,18 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "head_s_per_logit": head,
         "attention_tflops": attention,
         "attention_forward_share": forward_share,
+        "elementwise_s_per_byte": elementwise,
+        "elementwise_s_per_call": per_call,
+        "elementwise_new_s_per_byte": new_s_per_byte(device),
     }
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
         "(calibrate.compute_tflops; [Note: attention apart] in calibrate_attention.py)",
         "attention_tflops": attention_sources(device, attention),
         "attention_forward_share": "the same attention's forward alone, timed in turns with it, over its seconds",
+        "elementwise_s_per_byte": elementwise_sources(device, tuple(elementwise)),
+        "elementwise_s_per_call": "an addition of eight elements, launched and finished",
+        "elementwise_new_s_per_byte": "a 64 MiB tensor filled just allocated against one held (calibrate_elementwise.py)",
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
@@ -465,6 +479,12 @@ def run_command(args: argparse.Namespace) -> int:
         for precision, grid in rates.attention_tflops.items():
             rows = ", ".join(f"{d} x {n}: {t * 1e3:.1f}" for d, n, t in grid)
             print(f"  {precision} attention GFLOPS by head size x sequence: {rows}")
+        for precision, rows in rates.elementwise_s_per_byte.items():
+            ops = dict(rows)
+            shown = ", ".join(f"{op} {ops[op] * 1e9:.3f}" for op in ("mul", "add", "silu", "native_layer_norm") if op in ops)
+            print(f"  {precision} kernels outside the matmuls, ns a byte: {shown} ({len(ops)} ops timed)")
+        if rates.elementwise_s_per_byte:
+            print(f"  a new tensor's memory {rates.elementwise_new_s_per_byte * 1e9:.3f} ns a byte")
         print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
         print(
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "

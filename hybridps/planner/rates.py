@@ -31,6 +31,8 @@ RATES_ENV = "HYBRIDPS_RATES"
 PROFILE_NAMES = ("h100", "h200")
 #: ``--rates`` name of the stored calibration
 THIS_MACHINE = "this-machine"
+#: the op an op the rates did not time costs as (a copy: ``calibrate_elementwise.FALLBACK_OP``)
+FALLBACK_OP = "clone"
 #: the version of the JSON layout
 RATES_FORMAT = 1
 
@@ -95,6 +97,17 @@ class MachineRates:
     #: ``optimizer_speed_at``); an optimizer not here steps at fused AdamW's rate and the
     #: prediction says so
     optimizer_speed: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
+    #: precision -> ((op, seconds a byte it reads and writes), ...): the kernels outside the
+    #: matmuls, each timed alone ([Note: the work outside the matmuls] in op_tally.py); read
+    #: for what a family other than the GPT does there beyond the GPT of its shape
+    #: (``elementwise_seconds``); empty (the shipped profiles, rates stored before): not counted
+    elementwise_s_per_byte: Mapping[str, tuple[tuple[str, float], ...]] = dataclasses.field(default_factory=dict)
+    #: a kernel's fixed seconds beyond its bytes (launch and dispatch)
+    elementwise_s_per_call: float = 0.0
+    #: seconds a byte of a new tensor costs beyond the op's own: memory the allocator maps
+    #: afresh, each page faulted in and zeroed on its first write (a CPU's; a GPU's caching
+    #: allocator hands out memory it holds: nothing)
+    elementwise_new_s_per_byte: float = 0.0
     #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
     #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
     host_s_per_tensor: float
@@ -163,7 +176,13 @@ class MachineRates:
             "gpu_adam_params_per_s",
         ):
             _check_positive(self.name, f, getattr(self, f))
-        for f in ("host_s_per_tensor", "cpu_step_s_per_chunk", "node_collective_s"):
+        for f in (
+            "host_s_per_tensor",
+            "cpu_step_s_per_chunk",
+            "node_collective_s",
+            "elementwise_s_per_call",
+            "elementwise_new_s_per_byte",
+        ):
             value = getattr(self, f)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"rates {self.name!r}: {f}={value!r} must be seconds >= 0")
@@ -204,6 +223,19 @@ class MachineRates:
             if f.startswith("precision_"):  # the precision timed needs no speed over itself
                 grids.pop(base, None)
             object.__setattr__(self, f, grids)
+        ops = {}
+        for key, rows in dict(self.elementwise_s_per_byte).items():
+            try:
+                table = tuple(sorted((str(op), float(v)) for op, v in rows))
+            except (TypeError, ValueError):
+                table = None
+            if key not in PRECISION_NAMES or not table or any(not (v >= 0 and math.isfinite(v)) for _, v in table):
+                raise ConfigError(
+                    f"rates {self.name!r}: elementwise_s_per_byte[{key!r}] needs one of {', '.join(PRECISION_NAMES)} and "
+                    f"(op, seconds a byte >= 0) rows, got {rows!r}"
+                )
+            ops[key] = table
+        object.__setattr__(self, "elementwise_s_per_byte", ops)
 
     def _keyed_grids(self, field: str, keys: tuple[str, ...], width: int, what: str, top: float) -> dict[str, tuple]:
         """``field``'s mapping of a key of ``keys`` to its rows, each as a ``_grid`` of
@@ -232,6 +264,22 @@ class MachineRates:
         if len(rows) > 1 and hidden > rows[-1][0]:
             return rows[-1][1] * rows[-1][0] / hidden
         return _log_interpolate(rows, hidden, below="flat")
+
+    def elementwise_seconds(self, rows: tuple[tuple[str, str, int, int, int], ...]) -> float | None:
+        """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes)
+        (``op_tally.beyond_gpt``): each op's bytes at its timed seconds a byte in that precision
+        (a precision not timed: the rates' own; an op not timed: a copy's, ``FALLBACK_OP``), its
+        new tensors' bytes at ``elementwise_new_s_per_byte``, each call at
+        ``elementwise_s_per_call``; None where the rates timed no op."""
+        if not self.elementwise_s_per_byte:
+            return None
+        total = 0.0
+        for op, precision, calls, nbytes, new_bytes in rows:
+            own = self._in_precision(self.elementwise_s_per_byte, precision)
+            table = dict(own or next(iter(self.elementwise_s_per_byte.values())))
+            per_byte = table.get(op, table.get(FALLBACK_OP, max(table.values())))
+            total += calls * self.elementwise_s_per_call + nbytes * per_byte + new_bytes * self.elementwise_new_s_per_byte
+        return total
 
     def measured_in(self, precision: str) -> bool:
         """Whether the rates timed compute in ``precision`` (or relate it to the one they timed)."""
@@ -318,7 +366,14 @@ class MachineRates:
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share", "optimizer_speed"):
+        for f in (
+            "precision_speed",
+            "precision_head_speed",
+            "attention_tflops",
+            "attention_forward_share",
+            "optimizer_speed",
+            "elementwise_s_per_byte",
+        ):
             out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
@@ -333,7 +388,14 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
-        for f in ("precision_speed", "precision_head_speed", "attention_tflops", "attention_forward_share", "optimizer_speed"):
+        for f in (
+            "precision_speed",
+            "precision_head_speed",
+            "attention_tflops",
+            "attention_forward_share",
+            "optimizer_speed",
+            "elementwise_s_per_byte",
+        ):
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")

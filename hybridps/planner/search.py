@@ -458,11 +458,14 @@ class Planner(LargestModelSearch):
             return None, "the speed model needs a GPT shape (its hidden size, sequence and batch)"
         disk = (node.nvme_read_gbps, node.nvme_write_gbps) if node.has_disk else None
         if ev.share is None:
-            speed = predict_speed(ev.sim, req.model, req.rates, micro_batches=req.micro_batches, disk_gbps=disk)
+            try:
+                speed = predict_speed(ev.sim, req.model, req.rates, micro_batches=req.micro_batches, disk_gbps=disk)
+            except ConfigError as exc:
+                return None, str(exc)
             return speed, f"rates {req.rates.name} ({req.rates.device}; {req.rates.measured}); {speed.composition}"
         # [Note: a rank's step] (rank_speed.py): steps beside the next forward are for one rank
-        work = rank_step_work(ev.sim, req.model, ev.share, gpu_bytes=node.gpu_bytes, micro_batches=req.micro_batches)
         try:
+            work = rank_step_work(ev.sim, req.model, ev.share, gpu_bytes=node.gpu_bytes, micro_batches=req.micro_batches)
             speed = predict_work(work, req.rates, disk_gbps=disk, overlap_step=False)
         except ConfigError as exc:
             return None, str(exc)

@@ -143,6 +143,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.planner.op_tally import beyond_gpt
 from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS
 from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
@@ -203,6 +204,14 @@ class StepWork:
     network_bytes: int = 0
     #: collectives among the node's ranks per micro-batch (each takes ``node_collective_s``)
     node_collectives: int = 0
+    #: (op, precision, calls, bytes, new bytes) a micro-batch's forward and backward runs
+    #: outside its matmuls beyond the GPT of its shape (``op_tally.beyond_gpt``; () for a GPT)
+    beyond_gpt: tuple[tuple[str, str, int, int, int], ...] = ()
+
+    @property
+    def beyond_gpt_bytes(self) -> int:
+        """The net bytes of ``beyond_gpt`` a micro-batch."""
+        return sum(row[3] for row in self.beyond_gpt)
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -352,6 +361,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         master_apart=sim.master_apart,
         vocab_size=int(getattr(model, "vocab_size", 0) or 0),
         tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
+        beyond_gpt=beyond_gpt(model, sim.precision),
     )
 
 
@@ -400,6 +410,10 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     else:  # [Note: the head apart]
         compute = (flops - work.head_flops) / rate + head
     compute += attention or 0.0
+    # [Note: the work outside the matmuls] (op_tally.py): a family's beyond the GPT's
+    beyond = rates.elementwise_seconds(work.beyond_gpt) if work.beyond_gpt else None
+    if beyond is not None:
+        compute = max(compute + beyond * m, compute / 2)  # less work than the GPT's, never none
     pageable_h2d = work.pageable_h2d_bytes if rates.pageable_h2d_gbps else 0
     pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
     h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
@@ -548,7 +562,7 @@ def predict_work(
         gpu_step_params=work.gpu_step_params,
         node_collective_bytes_per_step=(work.node_gather_bytes + work.node_reduce_bytes) * work.micro_batches,
         network_bytes_per_step=work.network_bytes * work.micro_batches,
-        caveats=precision_caveats(work, rates) + optimizer_caveats(work, rates),
+        caveats=precision_caveats(work, rates) + optimizer_caveats(work, rates) + beyond_gpt_caveats(work, rates),
     )
 
 
@@ -577,3 +591,16 @@ def optimizer_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
     if work.gpu_step_params and not rates.simulated_gpu:
         return (f"the GPU's {work.optimizer} step at its fused AdamW's rate (no optimizer but Adam is timed on a GPU)",)
     return ()
+
+
+def beyond_gpt_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
+    """Why the compute part may be off: ``work``'s family runs work outside its matmuls the GPT
+    of its shape does not, and the rates timed no such op ([Note: the work outside the
+    matmuls] in op_tally.py)."""
+    if not work.beyond_gpt or rates.elementwise_s_per_byte:
+        return ()
+    gb = work.beyond_gpt_bytes * work.micro_batches / 1e9
+    return (
+        f"the model's kernels outside its matmuls ({gb:+.2f} GB a step read and written against the GPT of its shape) "
+        f"not counted: rates {rates.name!r} timed no such op (run `hybridps calibrate` on the machine)",
+    )

@@ -1,0 +1,189 @@
+"""The work a model does outside its matmuls and attention, counted by op and dtype.
+
+Owns counting the element-wise, normalisation, softmax, dropout and copy kernels of one
+forward and backward (``OpTally``, a torch dispatch mode: calls and bytes each op reads and
+writes, by op and dtype), one planned model's count on the meta device (``tally_model``), and
+what a family does there beyond the GPT of its shape (``beyond_gpt``).
+
+[Note: the work outside the matmuls]
+The speed model's compute rate is a GPT block's ([Note: the speed model] in speed.py): its
+matmuls, and the element-wise work of a GPT (LayerNorm, GELU, residual adds) inside the same
+seconds. Other families do more of the latter a FLOP. On the 2-vCPU VM (one thread, fp32, four
+layers, hidden size 256, 8 x 128 tokens), plain PyTorch's forward and backward took 0.33-0.35
+s for the GPT, 0.34 s for transformers' Llama (RMSNorm and rotary embeddings in Python ops, a
+SiLU-gated MLP: 448 kernels outside the matmuls against the GPT's 153, 1.15 GB read and
+written against 0.71 GB, and 4% fewer matmul FLOPs) and 0.45 s for transformers' GPT-2 (its
+tanh GELU in five ops, dropout of 0.1 on three paths a layer: 1.62 GB), while the model
+predicted them at the GPT's rate, within 3%. With the engine on a simulated GPU the Llama
+read 0.77-0.79x its measured step and the GPT-2 0.66-0.73x, against the GPT's 0.77-0.84 on
+the same rates that hour.
+
+So a family other than ``GPTShape`` is counted against the GPT of its shape (its layers,
+hidden size, heads, vocabulary and batch: ``gpt_of``): both run one forward and backward on
+the meta device under ``OpTally``, each at one and two layers (a layer's count is the
+difference; the family's count at L layers is the one-layer count and L - 1 layers more),
+and the speed model adds the family's count less the GPT's at the machine's timed seconds a
+byte of each op and a call (``calibrate_elementwise``). The difference is the point: what the
+GPT does is inside the block rate already. On meta, scaled-dot-product attention runs its math
+decomposition (a softmax, the mask's ``where``), which both counts hold alike and cancel; matmuls
+(``torch.utils.flop_counter``'s ops) and the attention kernels are not counted, nor are views
+and allocations that write nothing.
+
+Does not own the seconds of an op (``rates.MachineRates.elementwise_seconds``, timed by
+``calibrate_elementwise``), the model families (``model``, ``hf_model``) or the prediction
+(``speed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from hybridps.common.errors import ConfigError
+from hybridps.planner.timing import precision_dtype
+from hybridps.planner.validation import divisor_near
+
+#: ops that allocate or alias without reading or writing the bytes they return
+_NO_WORK = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh", "detach"}
+)
+#: the precision each floating dtype counts in; any other dtype's bytes count in fp32's rates
+_DTYPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+#: (op, precision) -> (calls, bytes read and written, bytes of the new tensors it returned); an
+#: op by its name less a trailing ``_`` (in place alike)
+Tally = dict[tuple[str, str], tuple[int, int, int]]
+#: (op, precision, calls, bytes, new bytes): a row of ``beyond_gpt``
+Row = tuple[str, str, int, int, int]
+
+
+def op_name(func: Any) -> str:
+    """The name an op counts under: its overload packet's, an in-place variant as the op."""
+    name = func.overloadpacket.__name__
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def _counted(func: Any) -> bool:
+    if func.overloadpacket in flop_registry or "attention" in func.overloadpacket.__name__:
+        return False  # matmuls and attention: the speed model's FLOPs
+    if func.overloadpacket.__name__ in _NO_WORK:
+        return False
+    # a view returns an alias it does not write
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class OpTally(TorchDispatchMode):
+    """Calls and bytes of every counted op run under it (``counts``): the tensors an op reads
+    and those it returns (an in-place op's written self once more), and of those the new
+    tensors it returned (memory it takes from the allocator), by op and by the precision of its
+    largest tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls: Counter = Counter()
+        self._bytes: Counter = Counter()
+        self._new: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _counted(func):
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            tensors = ins + outs
+            if tensors:
+                largest = max(tensors, key=lambda t: t.numel())
+                key = (op_name(func), _DTYPE_PRECISION.get(largest.dtype, "fp32"))
+                self._calls[key] += 1
+                self._bytes[key] += sum(_nbytes(t) for t in tensors)
+                if not any(r.alias_info is not None for r in func._schema.returns):  # not in place
+                    self._new[key] += sum(_nbytes(t) for t in outs)
+        return out
+
+    @property
+    def counts(self) -> Tally:
+        return {k: (self._calls[k], self._bytes[k], self._new[k]) for k in self._calls}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def tally_model(model: Any, precision: str) -> Tally:
+    """The count of one forward and backward of ``model`` (a ``PlannedModel``) built on the
+    meta device, its params in ``precision``, fed its planned batch."""
+    with torch.device("meta"):
+        module = model.build()
+    dtype = precision_dtype(precision)
+    if dtype != torch.float32:
+        module = module.to(dtype)
+    inputs = model.inputs(torch.device("meta"))
+    simulating = getattr(model, "simulating", None)
+    with simulating() if simulating is not None else contextlib.nullcontext(), OpTally() as tally:
+        out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+        model.loss(out).backward()
+    return tally.counts
+
+
+def _at_layers(model: Any, precision: str) -> Tally:
+    """``model``'s count at its own layer count, from its members of one and two layers."""
+    one, two = (tally_model(model.with_layers(n), precision) for n in (1, 2))
+    more = model.n_layer - 1
+    out: Tally = {}
+    for key in one.keys() | two.keys():
+        a, b = one.get(key, (0, 0, 0)), two.get(key, (0, 0, 0))
+        out[key] = tuple(x + more * (y - x) for x, y in zip(a, b, strict=True))
+    return out
+
+
+def gpt_of(model: Any):
+    """The ``GPTShape`` of ``model``'s shape: its layers, hidden size, heads (of its head size,
+    as near as divides the hidden size), vocabulary, batch and checkpointing."""
+    from hybridps.planner.model import GPTShape
+
+    d = int(model.d_model)
+    head_dim = int(getattr(model, "head_dim", 0) or 0) or 64
+    return GPTShape(
+        n_layer=model.n_layer,
+        d_model=d,
+        n_head=divisor_near(d, max(1, d // head_dim)),
+        vocab_size=int(getattr(model, "vocab_size", 0) or 50304),
+        seq_len=model.seq_len,
+        batch_size=model.batch_size,
+        checkpoint=bool(getattr(model, "checkpoint", False)),
+    )
+
+
+_CACHE: dict[tuple[str, str], tuple[Row, ...]] = {}
+
+
+def beyond_gpt(model: Any, precision: str) -> tuple[Row, ...]:
+    """(op, precision, calls, bytes, new bytes) of one forward and backward of ``model`` less those of the
+    GPT of its shape ([Note: the work outside the matmuls]); () for a ``GPTShape``, whose work
+    the block rates hold. Rows may be negative (work the GPT does and the family does not)."""
+    from hybridps.planner.model import GPTShape
+
+    if isinstance(model, GPTShape):
+        return ()
+    key = (json.dumps(model.describe(), sort_keys=True, default=str), precision)
+    if key not in _CACHE:
+        try:
+            family, gpt = _at_layers(model, precision), _at_layers(gpt_of(model), precision)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot count the {model.describe().get('family', 'model')}'s work outside its matmuls on the meta "
+                f"device ({type(exc).__name__}: {exc})"
+            ) from None
+        rows = []
+        for k in sorted(family.keys() | gpt.keys()):
+            ours, its = family.get(k, (0, 0, 0)), gpt.get(k, (0, 0, 0))
+            if ours != its:
+                rows.append((*k, *(x - y for x, y in zip(ours, its, strict=True))))
+        _CACHE[key] = tuple(rows)
+    return _CACHE[key]
