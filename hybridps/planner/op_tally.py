@@ -16,7 +16,8 @@ written against 0.71 GB, and 4% fewer matmul FLOPs) and 0.45 s for transformers'
 tanh GELU in five ops, dropout of 0.1 on three paths a layer: 1.62 GB), while the model
 predicted them at the GPT's rate, within 3%. With the engine on a simulated GPU the Llama
 read 0.77-0.79x its measured step and the GPT-2 0.66-0.73x, against the GPT's 0.77-0.84 on
-the same rates that hour.
+the same rates that hour. Counted as below, they read 0.97-0.99x and 0.97-1.03x in three runs
+(docs/benchmarks/2026-11-29-transformers-families.md).
 
 So a family other than ``GPTShape`` is counted against the GPT of its shape (its layers,
 hidden size, heads, vocabulary and batch: ``gpt_of``): both run one forward and backward on
