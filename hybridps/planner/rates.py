@@ -33,6 +33,15 @@ PROFILE_NAMES = ("h100", "h200")
 THIS_MACHINE = "this-machine"
 #: the op an op the rates did not time costs as (a copy: ``calibrate_elementwise.FALLBACK_OP``)
 FALLBACK_OP = "clone"
+#: the fields that map a precision or an optimizer to its rows (a JSON object of lists)
+KEYED_TABLES = (
+    "precision_speed",
+    "precision_head_speed",
+    "attention_tflops",
+    "attention_forward_share",
+    "optimizer_speed",
+    "elementwise_s_per_byte",
+)
 #: the version of the JSON layout
 RATES_FORMAT = 1
 
@@ -366,14 +375,7 @@ class MachineRates:
         out["compute_tflops"] = [list(p) for p in self.compute_tflops]
         out["compute_tflops_by_tokens"] = [list(p) for p in self.compute_tflops_by_tokens]
         out["head_s_per_logit"] = [list(p) for p in self.head_s_per_logit]
-        for f in (
-            "precision_speed",
-            "precision_head_speed",
-            "attention_tflops",
-            "attention_forward_share",
-            "optimizer_speed",
-            "elementwise_s_per_byte",
-        ):
+        for f in KEYED_TABLES:
             out[f] = {k: [list(p) for p in rows] for k, rows in getattr(self, f).items()}
         out["sources"] = dict(self.sources)
         return {"format": RATES_FORMAT, **out}
@@ -388,14 +390,7 @@ class MachineRates:
         fields["compute_tflops"] = tuple(tuple(p) for p in fields["compute_tflops"])
         fields["head_s_per_logit"] = tuple(tuple(p) for p in fields.get("head_s_per_logit", ()))
         fields["compute_tflops_by_tokens"] = tuple(tuple(p) for p in fields.get("compute_tflops_by_tokens", ()))
-        for f in (
-            "precision_speed",
-            "precision_head_speed",
-            "attention_tflops",
-            "attention_forward_share",
-            "optimizer_speed",
-            "elementwise_s_per_byte",
-        ):
+        for f in KEYED_TABLES:
             speeds = fields.get(f, {})
             if not isinstance(speeds, Mapping):
                 raise ConfigError(f"{where}: {f} must map a precision to its rows")
