@@ -275,7 +275,7 @@ def predict_ranks(shape: GPTShape, ranks: int, gpu_bytes: int, precision: str, r
     return report
 
 
-def _cases(args, training: Training) -> list[tuple[GPTShape, float, Training]]:
+def _cases(args, training: Training) -> list[tuple]:
     """(shape, GPU fraction, how it trains) of each shape the flags select: ``--shapes`` of
     ``SHAPES`` as ``training`` says, ``--wide``'s each in its own precision and checkpointing,
     or ``--hf``'s transformers families after a GPT."""

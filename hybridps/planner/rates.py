@@ -31,7 +31,8 @@ RATES_ENV = "HYBRIDPS_RATES"
 PROFILE_NAMES = ("h100", "h200")
 #: ``--rates`` name of the stored calibration
 THIS_MACHINE = "this-machine"
-#: the op an op the rates did not time costs as (a copy: ``calibrate_elementwise.FALLBACK_OP``)
+#: the op whose seconds a byte an op the rates did not time costs (a copy); ``hybridps
+#: calibrate`` always times it (calibrate_elementwise.py)
 FALLBACK_OP = "clone"
 #: the fields that map a precision or an optimizer to its rows (a JSON object of lists)
 KEYED_TABLES = (
@@ -221,43 +222,31 @@ class MachineRates:
         }
         object.__setattr__(self, "precision_head_speed", legacy)
         others = tuple(n for n in OPTIMIZER_NAMES if n not in ADAM_KERNEL_OPTIMIZERS)
-        for f, keys, width, what, top in (
-            ("precision_speed", PRECISION_NAMES, 3, "(hidden size, tokens, speed > 0)", math.inf),
-            ("precision_head_speed", PRECISION_NAMES, 3, "(hidden size, tokens, speed > 0)", math.inf),
-            ("attention_tflops", PRECISION_NAMES, 3, "(head size, sequence, TFLOPS > 0)", math.inf),
-            ("attention_forward_share", PRECISION_NAMES, 3, "(head size, sequence, share in (0, 1])", 1.0),
-            ("optimizer_speed", others, 2, "(matrix side, speed > 0)", math.inf),
+        for f, keys, what, parse in (
+            ("precision_speed", PRECISION_NAMES, "(hidden size, tokens, speed > 0)", lambda rows: _grid(rows, 3)),
+            ("precision_head_speed", PRECISION_NAMES, "(hidden size, tokens, speed > 0)", lambda rows: _grid(rows, 3)),
+            ("attention_tflops", PRECISION_NAMES, "(head size, sequence, TFLOPS > 0)", lambda rows: _grid(rows, 3)),
+            ("attention_forward_share", PRECISION_NAMES, "(head size, sequence, share in (0, 1])", _share_grid),
+            ("optimizer_speed", others, "(matrix side, speed > 0)", lambda rows: _grid(rows, 2)),
+            ("elementwise_s_per_byte", PRECISION_NAMES, "(op, seconds a byte >= 0)", _op_table),
         ):
-            grids = self._keyed_grids(f, keys, width, what, top)
+            tables = self._keyed_tables(f, keys, what, parse)
             if f.startswith("precision_"):  # the precision timed needs no speed over itself
-                grids.pop(base, None)
-            object.__setattr__(self, f, grids)
-        ops = {}
-        for key, rows in dict(self.elementwise_s_per_byte).items():
-            try:
-                table = tuple(sorted((str(op), float(v)) for op, v in rows))
-            except (TypeError, ValueError):
-                table = None
-            if key not in PRECISION_NAMES or not table or any(not (v >= 0 and math.isfinite(v)) for _, v in table):
-                raise ConfigError(
-                    f"rates {self.name!r}: elementwise_s_per_byte[{key!r}] needs one of {', '.join(PRECISION_NAMES)} and "
-                    f"(op, seconds a byte >= 0) rows, got {rows!r}"
-                )
-            ops[key] = table
-        object.__setattr__(self, "elementwise_s_per_byte", ops)
+                tables.pop(base, None)
+            object.__setattr__(self, f, tables)
 
-    def _keyed_grids(self, field: str, keys: tuple[str, ...], width: int, what: str, top: float) -> dict[str, tuple]:
-        """``field``'s mapping of a key of ``keys`` to its rows, each as a ``_grid`` of
-        ``width`` whose values are at most ``top``; a ``ConfigError`` naming the field otherwise."""
-        grids = {}
+    def _keyed_tables(self, field: str, keys: tuple[str, ...], what: str, parse: Any) -> dict[str, tuple]:
+        """``field``'s mapping of a key of ``keys`` to its rows as ``parse`` reads them (None:
+        not ``what`` rows); a ``ConfigError`` naming the field otherwise."""
+        tables = {}
         for key, rows in dict(getattr(self, field)).items():
-            grid = _grid(rows, width)
-            if key not in keys or grid is None or max(row[-1] for row in grid) > top:
+            table = parse(rows)
+            if key not in keys or table is None:
                 raise ConfigError(
                     f"rates {self.name!r}: {field}[{key!r}] needs one of {', '.join(keys)} and {what} rows, got {rows!r}"
                 )
-            grids[key] = grid
-        return grids
+            tables[key] = table
+        return tables
 
     def optimizer_speed_at(self, optimizer: str, hidden: int) -> float | None:
         """``optimizer``'s CPU step speed over fused AdamW's for a model of ``hidden``: 1 for the
@@ -451,6 +440,21 @@ def _grid(rows: Any, width: int) -> tuple[tuple, ...] | None:
     if any(min(row[:-1]) < 1 or not (row[-1] > 0 and math.isfinite(row[-1])) for row in grid):
         return None
     return grid
+
+
+def _share_grid(rows: Any) -> tuple[tuple, ...] | None:
+    """``rows`` as a ``_grid`` of three whose shares are at most 1; None otherwise."""
+    grid = _grid(rows, 3)
+    return grid if grid is not None and max(row[-1] for row in grid) <= 1.0 else None
+
+
+def _op_table(rows: Any) -> tuple[tuple[str, float], ...] | None:
+    """``rows`` as sorted (op, seconds >= 0) pairs (finite); None where they are not that, or none."""
+    try:
+        table = tuple(sorted((str(op), float(v)) for op, v in rows))
+    except (TypeError, ValueError):
+        return None
+    return table if table and all(v >= 0 and math.isfinite(v) for _, v in table) else None
 
 
 def _required(f: dataclasses.Field) -> bool:

@@ -1,7 +1,6 @@
 """Timing a callable on a device, for ``hybridps calibrate``'s measurements.
 
-Owns the median of repeated runs after a warm-up (``median_seconds``), of calls that keep
-their results (``kept_seconds``), waiting for a device's
+Owns the median of repeated runs after a warm-up (``median_seconds``), waiting for a device's
 queued work (``device_sync``) and a precision's torch dtype (``precision_dtype``). Does not own
 what is timed (``calibrate``, ``calibrate_attention``, ``calibrate_collectives``).
 """
@@ -49,25 +48,6 @@ def interleaved_seconds(
             times.append(time.perf_counter() - t0)
         rounds.append(tuple(times))
     return rounds
-
-
-def kept_seconds(fn: Callable[[], Any], calls: int, rounds: int, sync: Callable[[], None] = lambda: None) -> float:
-    """The median over ``rounds`` (after one more, untimed) of a call's seconds among ``calls``
-    in a row that each keep their result until the round ends, as a forward keeps its
-    activations: each result then takes memory the allocator has not just freed (on a CPU,
-    pages touched for the first time), as in a model's step."""
-    per_call = []
-    for round_ in range(rounds + 1):
-        kept = []
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            kept.append(fn())
-        sync()
-        if round_:
-            per_call.append((time.perf_counter() - t0) / calls)
-        del kept
-    return statistics.median(per_call)
 
 
 def device_sync(device) -> Callable[[], None]:
