@@ -256,6 +256,28 @@ def test_an_untied_embedding_multiplies_nothing_and_checkpointing_recomputes_onl
     assert ckpt.step_flops - ckpt.model_flops == pytest.approx(2.0 * blocks * WORK.tokens + 4.0 * 24 * 2048 * 1024 * WORK.tokens)
 
 
+def test_the_lookups_a_simulation_counts_multiply_nothing():
+    """Position embeddings and an untied input embedding are lookups: no FLOPs, in the plan
+    as in the calibrated block's rate; a tied token embedding is the head's matmul."""
+    import torch
+
+    from hybridps.planner.model import lookup_params
+    from hybridps.planner.simulation import simulate
+
+    shape = GPTShape(n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=32, batch_size=2)
+    with torch.device("meta"):
+        assert lookup_params(shape.build()) == 32 * 64  # wpe; wte is the head's weight
+        untied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10)})
+        assert lookup_params(untied) == 40
+    sim = simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="fp32")
+    assert sim.lookup_params == 32 * 64
+    work = dataclasses.replace(WORK, vocab_size=50304, lookup_params=4096 * 2048)
+    assert work.lookup_flops == pytest.approx(6.0 * 4096 * 2048 * WORK.tokens)
+    assert work.vocab_params == 50304 * 2048 + 4096 * 2048  # no block holds either
+    base = dataclasses.replace(work, lookup_params=None)
+    assert base.lookup_flops == 0 and base.vocab_params == 50304 * 2048  # unknown: the tied head alone
+
+
 def test_a_simulated_gpus_own_copies_are_memcpys_and_a_real_gpus_are_not_counted():
     sim = _rates(simulated_gpu=True)
     fp32 = dataclasses.replace(WORK, precision="fp32", master_apart=True)

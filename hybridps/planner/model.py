@@ -41,6 +41,16 @@ class PlannedModel(Protocol):
     def describe(self) -> dict: ...
 
 
+def lookup_params(module: nn.Module) -> int:
+    """Params only an embedding lookup reads: the weights of ``nn.Embedding`` modules that no
+    other module holds (an untied input embedding, position embeddings; a token embedding tied
+    to the output head is the head's matmul). A lookup multiplies nothing, so the speed model
+    counts no FLOPs for them ([Note: the speed model] in speed.py)."""
+    embedding = {id(m.weight): m.weight.numel() for m in module.modules() if isinstance(m, nn.Embedding)}
+    held = {id(p) for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    return sum(n for i, n in embedding.items() if i not in held)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTShape:
     """A GPT-style decoder (``hybridps.models.GPT``) and the batch it trains on."""

@@ -37,7 +37,7 @@ from hybridps.planner.attention import meta_attention_as_flash
 from hybridps.planner.chunk_rows import ChunkRows, chunk_rows
 from hybridps.planner.meta_kernels import remembered_meta_kernels
 from hybridps.planner.meta_values import stand_in_meta_values
-from hybridps.planner.model import PlannedModel
+from hybridps.planner.model import PlannedModel, lookup_params
 from hybridps.planner.optimizers import (
     ADAM_KERNEL_OPTIMIZERS,
     DEFAULT_OPTIMIZER,
@@ -113,6 +113,8 @@ class Simulation:
     seconds: float
     #: the largest single storage autograd saved (the real-GPU transient allowance's measure)
     largest_saved_bytes: int = 0
+    #: params only an embedding lookup reads (``model.lookup_params``)
+    lookup_params: int = 0
     #: the training precision simulated (``Config.precision``)
     precision: str = "fp16"
     #: the chunk size asked for (``Config.chunk_size``); None: chosen as the client would
@@ -236,6 +238,7 @@ def simulate(
         with torch.device("meta"):
             module = model.build()
         n_params, largest_layer = deepspeed_param_counts(module)
+        lookups = lookup_params(module)
         owners = _module_params(module)
         torch_optimizer = build_optimizer(optimizer, module)  # as a script builds it
         # its rows as the client lays them out (the same probe registration runs)
@@ -271,6 +274,7 @@ def simulate(
         sim = _read_simulation(
             engine, model, config, owners, n_params, largest_layer, failure, done, before, after, start, optimizer, states
         )
+        sim = dataclasses.replace(sim, lookup_params=lookups)
         if not sim.completed:
             return sim
         host_after = _host_memory_counts(engine)

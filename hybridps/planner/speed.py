@@ -15,9 +15,10 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   without the vocabulary's matrices, which no block holds); ``compute`` is those FLOPs at the
   rates' TFLOPS for the model's hidden size and tokens a micro-batch (where the rates timed
   several counts: at 128 tokens the VM's blocks ran 10-25% slower a FLOP than at 1024, the
-  third shape of the plan_speed bench predicted at 0.76x until they did), less the
-  ``6 V d T`` that ``6 N T`` counts for an untied input embedding (a lookup multiplies
-  nothing), with the head apart where the rates measured it (see [Note: the head apart]) and
+  third shape of the plan_speed bench predicted at 0.76x until they did), less the ``6 P T``
+  that ``6 N T`` counts for the P params only an embedding lookup reads (an untied input
+  embedding, position embeddings: a lookup multiplies nothing; ``model.lookup_params``, and
+  ``hybridps calibrate`` counts its block's FLOPs the same way), with the head apart where the rates measured it (see [Note: the head apart]) and
   the attention's ``12 L d S T`` (``4 L d S T`` more recomputed) at its own rate for the
   sequence and head size where the rates timed it apart ([Note: attention apart] in
   calibrate_attention.py), in the precision the model computes in ([Note: compute by
@@ -195,6 +196,9 @@ class StepWork:
     vocab_size: int = 0
     #: the head's weight is the input embedding's (one matrix of the vocabulary, not two)
     tied_embeddings: bool = True
+    #: params only an embedding lookup reads (``Simulation.lookup_params``: an untied input
+    #: embedding, position embeddings); None: unknown, an untied input embedding's ``V d``
+    lookup_params: int | None = None
     #: the optimizer rows this rank steps, in params (None: every param, one rank)
     owned_params: int | None = None
     #: bytes this rank's collectives move per micro-batch: all-gathers and reductions among
@@ -239,9 +243,18 @@ class StepWork:
         return grads + write_back
 
     @property
+    def lookups(self) -> int:
+        """Params only an embedding lookup reads: ``lookup_params`` where the simulation counted
+        them, else an untied input embedding's ``V d``."""
+        if self.lookup_params is not None:
+            return self.lookup_params
+        return 0 if self.tied_embeddings else self.vocab_size * self.d_model
+
+    @property
     def vocab_params(self) -> int:
-        """Params of the vocabulary's matrices: the head's, and an untied input embedding's."""
-        return self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
+        """Params no block holds: the head's matrix and the lookups' (an untied input
+        embedding, position embeddings)."""
+        return self.vocab_size * self.d_model + self.lookups
 
     @property
     def head_flops(self) -> float:
@@ -250,8 +263,8 @@ class StepWork:
 
     @property
     def lookup_flops(self) -> float:
-        """What ``6 N T`` counts for an untied input embedding, whose lookup multiplies nothing."""
-        return 0.0 if self.tied_embeddings else self.head_flops
+        """What ``6 N T`` counts for the lookups, which multiply nothing."""
+        return 6.0 * self.lookups * self.tokens
 
     @property
     def attention_pass_flops(self) -> float:
@@ -361,6 +374,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         master_apart=sim.master_apart,
         vocab_size=int(getattr(model, "vocab_size", 0) or 0),
         tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
+        lookup_params=sim.lookup_params,
         beyond_gpt=beyond_gpt(model, sim.precision),
     )
 
