@@ -38,7 +38,6 @@ from hybridps.planner.calibrate_elementwise import (
 )
 from hybridps.planner.calibrate_optimizers import optimizer_speeds
 from hybridps.planner.calibrate_optimizers import sources as optimizer_sources
-from hybridps.planner.model import lookup_params
 from hybridps.planner.timing import device_sync, interleaved_seconds, median_seconds, precision_dtype
 
 #: hidden sizes timed (``--quick``: the first two); a block's rate falls fast below 256 on a
@@ -93,6 +92,8 @@ def compute_tflops(
     (N less the lookups' params, as the speed model counts them) over the rest of the block's
     time."""
     import torch
+
+    from hybridps.planner.model import lookup_params  # torch: not at import (the parsers load this module)
 
     dtype = _dtype(device, precision)
     model = _gpt(hidden, 1, seq).to(device=device, dtype=dtype)
