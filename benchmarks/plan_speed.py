@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 
 import hybridps
 from benchmarks import harness
-from hybridps.planner.model import GPTShape
+from hybridps.planner.model import GPTShape, ModelFactory
 from hybridps.planner.optimizers import OPTIMIZER_NAMES, build_optimizer
 from hybridps.planner.rates import load_rates, threads_mismatch
 from hybridps.planner.search import plan
@@ -110,6 +110,69 @@ HF_SHAPES = (
     ),
 )
 HF_LAYERS, HF_VOCAB = 4, 8192
+
+
+def _gpt_factory() -> ModelFactory:
+    """The GPT of ``HF_SHAPES``' first shape, given as a ``ModelFactory``: the count against the formula."""
+    shape = GPTShape(n_layer=HF_LAYERS, d_model=256, n_head=4, seq_len=128, batch_size=8, vocab_size=HF_VOCAB)
+    return shape_factory(shape)
+
+
+def shape_factory(shape: GPTShape) -> ModelFactory:
+    """``shape``'s GPT given as a ``ModelFactory``: no GPT shape for the speed model to read."""
+    return ModelFactory(
+        build_fn=lambda n: shape.with_layers(n).build(),
+        inputs_fn=shape.inputs,
+        n_layer=shape.n_layer,
+        loss_fn=shape.loss,
+        name="gpt (factory)",
+    )
+
+
+def _encoder_factory() -> ModelFactory:
+    """torch's own ``nn.TransformerEncoder``: pre-norm layers of four heads, a ReLU MLP, 8 x 128 tokens."""
+
+    def build(n: int) -> torch.nn.Module:
+        layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True)
+        return torch.nn.TransformerEncoder(layer, n, enable_nested_tensor=False)
+
+    return ModelFactory(
+        build_fn=build,
+        inputs_fn=lambda device: (torch.randn(8, 128, 256, device=device),),
+        n_layer=4,
+        name="nn.TransformerEncoder",
+    )
+
+
+def _mlp_factory() -> ModelFactory:
+    """No attention: six residual-free MLP layers of width 512 (4x wide inside, GELU, LayerNorm) on 1024 rows."""
+
+    def build(n: int) -> torch.nn.Module:
+        layers = (
+            (torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512), torch.nn.LayerNorm(512)) for _ in range(n)
+        )
+        return torch.nn.Sequential(*(m for layer in layers for m in layer))
+
+    return ModelFactory(build_fn=build, inputs_fn=lambda device: (torch.randn(1024, 512, device=device),), n_layer=6, name="mlp")
+
+
+def _conv_factory() -> ModelFactory:
+    """Convolutions, no matmul: 3 x 3 layers of 64 channels with BatchNorm and ReLU on 16 images of 32 x 32."""
+
+    def build(n: int) -> torch.nn.Module:
+        stem = [torch.nn.Conv2d(3, 64, 3, padding=1)]
+        body = [m for _ in range(n) for m in (torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU())]
+        return torch.nn.Sequential(*stem, *body)
+
+    return ModelFactory(
+        build_fn=build, inputs_fn=lambda device: (torch.randn(16, 3, 32, 32, device=device),), n_layer=6, name="convnet"
+    )
+
+
+#: ``--factory``: models given as ``hybridps.planner.ModelFactory`` (no GPT shape: the speed
+#: model counts their work on meta, [Note: a model's own shape] in hybridps/planner/counted_work.py),
+#: each on a simulated GPU of half its model data, fp32
+FACTORIES = (_gpt_factory, _encoder_factory, _mlp_factory, _conv_factory)
 CPU_BYTES = 8 << 30
 #: the lr every optimizer but AdamW trains at: at torch's defaults (RMSprop's 1e-2) the GPT
 #: diverged, its softmax underflowed to denormal floats, and the CPU's matmuls in backward ran
@@ -151,8 +214,18 @@ def hf_family(model_type: str, fields: dict, seq: int, batch: int):
     return HFCausalLMFamily(config=config, n_layer=HF_LAYERS, seq_len=seq, batch_size=batch, source=f"{model_type} (bench)")
 
 
-def _loss(shape, model, x: torch.Tensor) -> torch.Tensor:
-    """One micro-batch's loss of ``model`` (the engine or a module) on tokens ``x``, as ``shape``'s family is fed."""
+def _batch(shape) -> tuple:
+    """One micro-batch for ``shape``: its tokens, or a factory's own inputs."""
+    if isinstance(shape, ModelFactory):
+        return shape.inputs(torch.device("cpu"))
+    return (torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len)),)
+
+
+def _loss(shape, model, batch: tuple) -> torch.Tensor:
+    """One micro-batch's loss of ``model`` (the engine or a module) on ``batch``, as ``shape``'s family is fed."""
+    if isinstance(shape, ModelFactory):
+        return shape.loss(model(*batch))
+    (x,) = batch
     return model(x, x)[1] if isinstance(shape, GPTShape) else model(input_ids=x, labels=x).loss
 
 
@@ -176,13 +249,13 @@ def measure(shape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, trai
             nvme_path=disk if training.disk_bytes else None,
         )
         engine = hybridps.initialize(model, opt, config)
-        x = torch.randint(0, shape.vocab_size, (shape.batch_size, shape.seq_len))
+        batch = _batch(shape)
         times = []
         try:
             for _ in range(warmup + steps):
                 t0 = time.perf_counter()
                 for _ in range(training.micro_batches):
-                    engine.backward(_loss(shape, engine, x))
+                    engine.backward(_loss(shape, engine, batch))
                 engine.step()
                 engine.zero_grad()
                 times.append(time.perf_counter() - t0)
@@ -279,6 +352,9 @@ def _cases(args, training: Training) -> list[tuple]:
     """(shape, GPU fraction, how it trains) of each shape the flags select: ``--shapes`` of
     ``SHAPES`` as ``training`` says, ``--wide``'s each in its own precision and checkpointing,
     or ``--hf``'s transformers families after a GPT."""
+    if args.factory:  # after the GPT by its shape, which the first factory gives as a factory
+        gpt = GPTShape(n_layer=HF_LAYERS, d_model=256, n_head=4, seq_len=128, batch_size=8, vocab_size=HF_VOCAB)
+        return [(gpt, 0.5, training)] + [(factory(), 0.5, training) for factory in FACTORIES]
     if args.hf:
         first = HF_SHAPES[0]
         gpt = (
@@ -303,6 +379,8 @@ def _cases(args, training: Training) -> list[tuple]:
 
 
 def _describe(shape, training: Training) -> str:
+    if isinstance(shape, ModelFactory):
+        return f"{shape.name}, {shape.n_layer} layers" + (f", {training.precision}" if training.precision != "fp32" else "")
     if not isinstance(shape, GPTShape):
         d = shape.describe()
         return (
@@ -337,6 +415,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help=f"transformers' families of HF_SHAPES instead ({len(HF_SHAPES)}, after a GPT of the first's shape; one rank)",
     )
+    ap.add_argument(
+        "--factory",
+        action="store_true",
+        help=f"the {len(FACTORIES)} models of FACTORIES instead, given as ModelFactory (no GPT shape; one rank)",
+    )
     ap.add_argument("--ranks", type=int, default=1, help="ranks on this host (several: the derived multi-rank prediction)")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated a step (one rank)")
     ap.add_argument("--optimizer-states", default="fp32", choices=("fp32", "int8"), help="Adam's moments (one rank)")
@@ -349,9 +432,9 @@ def main(argv: list[str] | None = None) -> dict:
     training = Training(
         args.precision, args.micro_batches, args.optimizer_states, args.cpu_fraction, args.disk_bytes, args.optimizer
     )
-    if args.ranks > 1 and (training != Training(args.precision) or args.wide or args.hf):
+    if args.ranks > 1 and (training != Training(args.precision) or args.wide or args.hf or args.factory):
         raise SystemExit(
-            "--micro-batches, --optimizer-states, --optimizer, --cpu-fraction, --disk-bytes, --wide and --hf are for one rank"
+            "--micro-batches, --optimizer-states, --optimizer, --cpu-fraction, --disk-bytes, --wide, --hf and --factory are for one rank"
         )
     rates = load_rates(args.rates)
     warning = threads_mismatch(rates, torch.get_num_threads())
@@ -403,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "shape": _describe(shape, case),
                 **extra,
                 "n_params": n_params,
-                "tokens_per_step": shape.batch_size * shape.seq_len * case.micro_batches,
+                "tokens_per_step": pred.tokens_per_step,
                 "gpu_bytes": gpu_bytes,
                 "model_data_bytes": model_data,
                 "predicted_s": round(pred.predicted_step_seconds, 4),

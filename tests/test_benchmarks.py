@@ -19,6 +19,7 @@ import torch
 import benchmarks
 from benchmarks import harness
 from hybridps.planner.model import GPTShape
+from hybridps.planner.rates import load_rates
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -329,7 +330,7 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main(["--rates", "h100", "--wide", "--ranks", "2"])
     # --wide: each shape in its own precision and checkpointing, the rest of the training as given
-    wide = plan_speed._cases(argparse.Namespace(wide=True, hf=False), plan_speed.Training(optimizer="adagrad"))
+    wide = plan_speed._cases(argparse.Namespace(wide=True, hf=False, factory=False), plan_speed.Training(optimizer="adagrad"))
     assert len(wide) == len(plan_speed.WIDE_SHAPES)
     assert {c.precision for _, _, c in wide} == {"fp32", "bf16", "fp16"} and {c.optimizer for _, _, c in wide} == {"adagrad"}
     assert any(s.checkpoint for s, _, _ in wide) and not all(s.checkpoint for s, _, _ in wide)
@@ -337,7 +338,7 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
         *[(s, c) for s, _, c in wide if s.checkpoint and c.precision == "bf16"][0]
     )
     # --hf: transformers' families after the GPT of the first one's shape, one rank only
-    hf = plan_speed._cases(argparse.Namespace(wide=False, hf=True), plan_speed.Training())
+    hf = plan_speed._cases(argparse.Namespace(wide=False, hf=True, factory=False), plan_speed.Training())
     assert len(hf) == len(plan_speed.HF_SHAPES) + 1 and isinstance(hf[0][0], GPTShape)
     assert [plan_speed._describe(s, c).split()[0] for s, _, c in hf[1:]] == ["hf:llama", "hf:gpt2", "hf:qwen2", "hf:llama"]
     with pytest.raises(SystemExit, match="one rank"):
@@ -345,4 +346,18 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     # a family trains as its own forward is fed (input_ids and labels)
     tiny = plan_speed.hf_family("llama", dict(hidden_size=32, intermediate_size=64, num_attention_heads=2), 16, 2)
     times = plan_speed.measure(tiny, 1 << 30, 1 << 30, 1, 1, plan_speed.Training())
+    assert len(times) == 1 and times[0] > 0
+    # --factory: models of no GPT shape after the GPT, each planned with a speed from its count
+    factories = plan_speed._cases(argparse.Namespace(wide=False, hf=False, factory=True), plan_speed.Training())
+    assert len(factories) == len(plan_speed.FACTORIES) + 1 and isinstance(factories[0][0], GPTShape)
+    for factory, _frac, case in factories[1:]:
+        report = plan_speed.predict_one(factory, 1 << 30, 1 << 30, case, load_rates("h100"))
+        assert report.speed is not None and report.speed.tokens_per_step > 0, (factory.name, report.speed_note)
+        assert any("no GPT shape" in c for c in report.speed.caveats)
+    assert plan_speed._describe(factories[-1][0], plan_speed.Training()) == "convnet, 6 layers"
+    with pytest.raises(SystemExit, match="one rank"):
+        plan_speed.main(["--rates", "h100", "--factory", "--ranks", "2"])
+    # a factory trains as its own inputs and loss say
+    small = plan_speed.shape_factory(GPTShape(n_layer=1, d_model=32, n_head=2, seq_len=16, batch_size=2, vocab_size=64))
+    times = plan_speed.measure(small, 1 << 30, 1 << 30, 1, 1, plan_speed.Training())
     assert len(times) == 1 and times[0] > 0

@@ -38,8 +38,10 @@ Does not own the seconds of an op (``rates.MachineRates.elementwise_seconds``, t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +65,10 @@ _DTYPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16
 Tally = dict[tuple[str, str], tuple[int, int, int]]
 #: (op, precision, calls, bytes, new bytes): a row of ``beyond_gpt``
 Row = tuple[str, str, int, int, int]
+#: (phase, kind, width, rows) of a matmul (``OpTally.matmuls``; in the backward "", 0, 0)
+MatmulKey = tuple[str, str, int, int]
+#: MatmulKey -> (calls, FLOPs)
+MatmulTally = dict[MatmulKey, tuple[int, int]]
 
 
 def op_name(func: Any) -> str:
@@ -84,17 +90,26 @@ class OpTally(TorchDispatchMode):
     """Calls and bytes of every counted op run under it (``counts``): the tensors an op reads
     and those it returns (an in-place op's written self once more), and of those the new
     tensors it returned (memory it takes from the allocator), by op and by the precision of its
-    largest tensor."""
+    largest tensor. And the matmuls' FLOPs (``matmuls``, by ``torch.utils.flop_counter``'s
+    registry) by phase: in the forward (``phase`` "forward" until the caller sets "backward"),
+    by kind ("dense": an operand is one of ``params`` or a view of one; "conv": a convolution's
+    weight is; "activation": none is, as attention's), width and rows ([Note: a model's own shape] in counted_work.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: Any = ()) -> None:
         super().__init__()
         self._calls: Counter = Counter()
         self._bytes: Counter = Counter()
         self._new: Counter = Counter()
+        self._params = {id(p) for p in params}
+        self._matmul_calls: Counter = Counter()
+        self._matmul_flops: Counter = Counter()
+        self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _counted(func):
+        if func.overloadpacket in flop_registry:
+            self._count_matmul(func, args, kwargs or {}, out)
+        elif _counted(func):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             tensors = ins + outs
@@ -107,16 +122,60 @@ class OpTally(TorchDispatchMode):
                     self._new[key] += sum(_nbytes(t) for t in outs)
         return out
 
+    def _is_param(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (id(t) in self._params or id(getattr(t, "_base", None)) in self._params)
+
+    def _count_matmul(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        key: MatmulKey = (self.phase, "", 0, 0)
+        if self.phase == "forward":
+            key = ("forward", *_matmul_shape(op_name(func), args, flops, self._is_param))
+        self._matmul_calls[key] += 1
+        self._matmul_flops[key] += flops
+
     @property
     def counts(self) -> Tally:
         return {k: (self._calls[k], self._bytes[k], self._new[k]) for k in self._calls}
+
+    @property
+    def matmuls(self) -> MatmulTally:
+        return {k: (self._matmul_calls[k], self._matmul_flops[k]) for k in self._matmul_calls}
+
+
+def _matmul_shape(name: str, args: tuple, flops: int, is_param: Callable[[Any], bool]) -> tuple[str, int, int]:
+    """(kind, width, rows) of a forward matmul: "dense" with a param operand ("conv" a
+    convolution's: its matrix's narrower side, and the rows it multiplies: FLOPs over twice its
+    elements), else
+    "activation" (the narrower of the product's inner and outer sides, as attention's head size,
+    and the rows of the left operand, as its sequence)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]  # not a bias
+    weight = next((t for t in tensors if is_param(t)), None)
+    if weight is not None:
+        if name == "convolution":  # (out channels, in channels x kernel)
+            matrix = (weight.shape[0], weight.numel() // max(1, weight.shape[0]))
+            return "conv", int(min(matrix)), flops // max(1, 2 * weight.numel())
+        return "dense", int(min(weight.shape[-2:])), flops // max(1, 2 * weight.numel())
+    if "attention" in name:  # a fused kernel's (batch, heads, sequence, head size) query
+        q = tensors[0]
+        return "activation", int(q.shape[-1]), int(q.shape[-2])
+    a, b = tensors[-2:]
+    return "activation", int(min(a.shape[-1], b.shape[-1])), int(a.shape[-2] if a.dim() >= 2 else 1)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def tally_model(model: Any, precision: str) -> Tally:
+@dataclasses.dataclass(frozen=True)
+class ModelCount:
+    """One forward and backward of a planned model on the meta device: the ops outside its
+    matmuls (``ops``) and its matmuls' FLOPs (``matmuls``), as ``OpTally`` counts them."""
+
+    ops: Tally
+    matmuls: MatmulTally
+
+
+def count_model(model: Any, precision: str) -> ModelCount:
     """The count of one forward and backward of ``model`` (a ``PlannedModel``) built on the
     meta device, its params in ``precision``, fed its planned batch."""
     with torch.device("meta"):
@@ -126,21 +185,38 @@ def tally_model(model: Any, precision: str) -> Tally:
         module = module.to(dtype)
     inputs = model.inputs(torch.device("meta"))
     simulating = getattr(model, "simulating", None)
-    with simulating() if simulating is not None else contextlib.nullcontext(), OpTally() as tally:
+    with simulating() if simulating is not None else contextlib.nullcontext(), OpTally(module.parameters()) as tally:
         out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+        tally.phase = "backward"
         model.loss(out).backward()
-    return tally.counts
+    return ModelCount(tally.counts, tally.matmuls)
+
+
+def tally_model(model: Any, precision: str) -> Tally:
+    """The ops outside the matmuls of ``count_model``."""
+    return count_model(model, precision).ops
+
+
+def _extrapolated(one: dict, two: dict, more: int) -> dict:
+    """A count at one layer and ``more`` layers more, from the counts at one and two layers."""
+    out = {}
+    for key in one.keys() | two.keys():
+        a, b = one.get(key), two.get(key)
+        width = len(a if a is not None else b)
+        a, b = a or (0,) * width, b or (0,) * width
+        out[key] = tuple(x + more * (y - x) for x, y in zip(a, b, strict=True))
+    return out
+
+
+def count_at_layers(model: Any, precision: str) -> ModelCount:
+    """``model``'s count at its own layer count, from its members of one and two layers."""
+    one, two = (count_model(model.with_layers(n), precision) for n in (1, 2))
+    more = model.n_layer - 1
+    return ModelCount(_extrapolated(one.ops, two.ops, more), _extrapolated(one.matmuls, two.matmuls, more))
 
 
 def _at_layers(model: Any, precision: str) -> Tally:
-    """``model``'s count at its own layer count, from its members of one and two layers."""
-    one, two = (tally_model(model.with_layers(n), precision) for n in (1, 2))
-    more = model.n_layer - 1
-    out: Tally = {}
-    for key in one.keys() | two.keys():
-        a, b = one.get(key, (0, 0, 0)), two.get(key, (0, 0, 0))
-        out[key] = tuple(x + more * (y - x) for x, y in zip(a, b, strict=True))
-    return out
+    return count_at_layers(model, precision).ops
 
 
 def gpt_of(model: Any):

@@ -454,8 +454,6 @@ class Planner(LargestModelSearch):
             return None, "no rates: run `hybridps calibrate`, or give --rates h100, h200 or a file"
         if not ev.sim.completed:
             return None, "the simulation did not finish: no steady step to time"
-        if not hasattr(req.model, "d_model"):
-            return None, "the speed model needs a GPT shape (its hidden size, sequence and batch)"
         disk = (node.nvme_read_gbps, node.nvme_write_gbps) if node.has_disk else None
         if ev.share is None:
             try:

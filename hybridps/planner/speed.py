@@ -144,6 +144,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridps.common.errors import ConfigError
+from hybridps.planner.counted_work import CountedShape, counted_shape
 from hybridps.planner.op_tally import beyond_gpt
 from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS
 from hybridps.planner.rates import MachineRates
@@ -211,6 +212,9 @@ class StepWork:
     #: (op, precision, calls, bytes, new bytes) a micro-batch's forward and backward runs
     #: outside its matmuls beyond the GPT of its shape (``op_tally.beyond_gpt``; () for a GPT)
     beyond_gpt: tuple[tuple[str, str, int, int, int], ...] = ()
+    #: a model of no GPT shape: its micro-batch's work counted on meta ([Note: a model's own
+    #: shape] in counted_work.py), whose FLOPs stand in for the formulas
+    counted: CountedShape | None = None
 
     @property
     def beyond_gpt_bytes(self) -> int:
@@ -219,7 +223,8 @@ class StepWork:
 
     @property
     def micro_batch_tokens(self) -> int:
-        return self.batch_size * self.seq_len
+        """Tokens a micro-batch (a counted model: the rows of its dense matmuls)."""
+        return self.counted.rows if self.counted is not None else self.batch_size * self.seq_len
 
     @property
     def tokens(self) -> int:
@@ -227,7 +232,10 @@ class StepWork:
 
     @property
     def model_flops(self) -> float:
-        """6 N T + 12 L d S T: what docs/BENCHMARKS.md's model TFLOPS count."""
+        """6 N T + 12 L d S T: what docs/BENCHMARKS.md's model TFLOPS count (a counted model:
+        three times its forward's)."""
+        if self.counted is not None:
+            return self.counted.model_flops * self.micro_batches
         t = self.tokens
         return 6.0 * self.n_params * t + 12.0 * self.n_layer * self.d_model * self.seq_len * t
 
@@ -268,18 +276,26 @@ class StepWork:
 
     @property
     def attention_pass_flops(self) -> float:
-        """The attention's FLOPs of one forward and backward a step: ``12 L d S T``."""
+        """The attention's FLOPs of one forward and backward a step: ``12 L d S T`` (a counted
+        model: three times its forward's activation matmuls)."""
+        if self.counted is not None:
+            return 3.0 * self.counted.forward_activation_flops * self.micro_batches
         return 12.0 * self.n_layer * self.d_model * self.seq_len * self.tokens
 
     @property
     def attention_flops(self) -> float:
         """The attention's FLOPs a step (inside ``step_flops``): its pass, and ``4 L d S T`` more
         recomputed under activation checkpointing (a third of the pass)."""
+        if self.counted is not None:
+            return self.counted.activation_step_flops * self.micro_batches
         return self.attention_pass_flops * (4 / 3 if self.checkpoint else 1.0)
 
     @property
     def step_flops(self) -> float:
-        """The model FLOPs, plus the blocks' recomputed forward under activation checkpointing."""
+        """The model FLOPs, plus the blocks' recomputed forward under activation checkpointing
+        (a counted model: its forward's and backward's, recomputation inside)."""
+        if self.counted is not None:
+            return self.counted.step_flops * self.micro_batches
         t = self.tokens
         recompute = 2.0 * (self.n_params - self.vocab_params) * t + 4.0 * self.n_layer * self.d_model * self.seq_len * t
         return self.model_flops + (recompute if self.checkpoint else 0.0)
@@ -337,23 +353,41 @@ def _s(seconds: float) -> str:
 
 
 def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWork:
-    """The work of ``sim``'s steady step for ``model`` (a ``GPTShape``: its hidden size,
-    sequence and batch give the FLOPs). Raises ``ConfigError`` for a model without them."""
-    missing = [a for a in ("d_model", "seq_len", "batch_size") if not hasattr(model, a)]
-    if missing:
-        raise ConfigError(f"the speed model needs the model's {', '.join(missing)} (a GPTShape); {model!r} has none")
+    """The work of ``sim``'s steady step for ``model``: a ``GPTShape`` or a transformers family
+    by their hidden size, sequence and batch, any other model by its count on the meta device
+    ([Note: a model's own shape] in counted_work.py). Raises ``ConfigError`` where the
+    simulation did not finish or the model cannot be counted."""
     if not sim.completed:
         raise ConfigError(f"no steady step to time: the simulation did not finish ({sim.failure})")
+    if all(hasattr(model, a) for a in ("d_model", "seq_len", "batch_size")):
+        shape = dict(
+            d_model=model.d_model,
+            seq_len=model.seq_len,
+            batch_size=model.batch_size,
+            head_dim=int(getattr(model, "head_dim", 0) or 0),
+            checkpoint=bool(getattr(model, "checkpoint", False)),
+            vocab_size=int(getattr(model, "vocab_size", 0) or 0),
+            tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
+            lookup_params=sim.lookup_params,
+            beyond_gpt=beyond_gpt(model, sim.precision),
+        )
+    else:
+        counted = counted_shape(model, sim.precision)
+        seq = counted.seq_len or counted.rows
+        shape = dict(
+            d_model=counted.width,
+            seq_len=seq,
+            batch_size=max(1, counted.rows // seq),
+            head_dim=counted.head_dim,
+            lookup_params=0,  # a lookup multiplies nothing: none in the counted FLOPs
+            beyond_gpt=counted.beyond_block,
+            counted=counted,
+        )
     moved = sim.moved_bytes_per_step
     return StepWork(
         n_params=sim.n_params,
         n_layer=sim.n_layer,
-        d_model=model.d_model,
-        seq_len=model.seq_len,
-        batch_size=model.batch_size,
-        head_dim=int(getattr(model, "head_dim", 0) or 0),
         micro_batches=micro_batches,
-        checkpoint=bool(getattr(model, "checkpoint", False)),
         precision=sim.precision,
         optimizer_states=sim.optimizer_states,
         optimizer=sim.optimizer,
@@ -372,10 +406,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         disk_write_bytes=sim.nvme_write_bytes_per_step,
         grads_loose=sim.grads_loose,
         master_apart=sim.master_apart,
-        vocab_size=int(getattr(model, "vocab_size", 0) or 0),
-        tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
-        lookup_params=sim.lookup_params,
-        beyond_gpt=beyond_gpt(model, sim.precision),
+        **shape,
     )
 
 
@@ -576,7 +607,10 @@ def predict_work(
         gpu_step_params=work.gpu_step_params,
         node_collective_bytes_per_step=(work.node_gather_bytes + work.node_reduce_bytes) * work.micro_batches,
         network_bytes_per_step=work.network_bytes * work.micro_batches,
-        caveats=precision_caveats(work, rates) + optimizer_caveats(work, rates) + beyond_gpt_caveats(work, rates),
+        caveats=precision_caveats(work, rates)
+        + optimizer_caveats(work, rates)
+        + beyond_gpt_caveats(work, rates)
+        + counted_caveats(work),
     )
 
 
@@ -618,3 +652,27 @@ def beyond_gpt_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
         f"the model's kernels outside its matmuls ({gb:+.2f} GB a step read and written against the GPT of its shape) "
         f"not counted: rates {rates.name!r} timed no such op (run `hybridps calibrate` on the machine)",
     )
+
+
+def counted_caveats(work: StepWork) -> tuple[str, ...]:
+    """How a model of no GPT shape was timed ([Note: a model's own shape] in counted_work.py)."""
+    c = work.counted
+    if c is None:
+        return ()
+    attention = (
+        f", its {c.forward_activation_flops / 1e9:.3g} GFLOPs of activation products at the attention's rate of head size "
+        f"{c.head_dim} and sequence {c.seq_len}"
+        if c.forward_activation_flops
+        else ""
+    )
+    out = (
+        f"no GPT shape: the model's forward counted on meta ({c.forward_dense_flops / 1e9:.3g} GFLOPs a micro-batch in "
+        f"matmuls with a param) at the block rate of width {c.width} and {c.rows} rows{attention}; tokens are those rows",
+    )
+    if c.forward_conv_flops:
+        out += (
+            f"its convolutions ({c.forward_conv_flops / c.forward_dense_flops:.0%} of those FLOPs) at a matmul's rate: "
+            "their kernels run at rates of their own, not timed (a CPU's 3 x 3 convolution of 64 channels ran 1.5x a "
+            "matmul of its shape)",
+        )
+    return out

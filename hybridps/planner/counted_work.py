@@ -1,0 +1,232 @@
+"""The work of a model of no known shape, counted: its FLOPs, the shape its matmuls run at, and
+what it does beyond the block the rates timed.
+
+Owns ``CountedShape`` (what the speed model needs of any ``PlannedModel``: FLOPs by phase and
+kind, the width and rows its dense matmuls run at, its attention's head size and sequence, and
+its kernels outside the matmuls beyond what the rates' block holds) and ``counted_shape``, the
+count on the meta device.
+
+[Note: a model's own shape]
+The speed model prices a GPT's work by formula (``6 N T + 12 L d S T``) at the rate of a GPT
+block of its hidden size and tokens a micro-batch, and a transformers family by the same
+formula plus its kernels outside the matmuls beyond the GPT of its shape ([Note: the work
+outside the matmuls] in op_tally.py). A ``ModelFactory`` (``hybridps plan --factory``) names
+no hidden size, sequence or batch, so nothing gave its step a speed. It has a forward and
+backward on the meta device, as the simulation runs it, and they say all three:
+
+- **FLOPs**, by ``torch.utils.flop_counter``'s registry, as ``OpTally`` runs them: in the
+  forward by kind (``dense``: one operand is a param or a view of one, as a linear layer's or a
+  convolution's; ``activation``: none is, as attention's two products), and the backward's
+  whole (under activation checkpointing its recomputed forward inside it, as torch's
+  non-reentrant checkpoint really runs it: it stops once the saved tensors are back). The
+  model's FLOPs are three times the forward's, the step's the forward's and the backward's.
+- **The shape**: the dense matmuls' width (the narrower side of the param's matrix: a GPT's
+  hidden size) and rows (the tokens, for a convolution the output's positions), each the
+  median over the forward's dense FLOPs; the activation matmuls' head size (the narrower of
+  the product's inner and outer sides) and sequence (the left operand's rows) alike.
+- **The rest**: the block rate's seconds hold a one-block GPT's kernels outside its matmuls
+  (the block calibrate.compute_tflops times at that width and rows), less its attention's,
+  which the attention's rate holds. So the model's own kernels count at the timed seconds of
+  each, less that GPT's per dense FLOP times the model's dense FLOPs, less the attention's per
+  attention FLOP (a causal attention's at the model's head size and sequence) times the
+  model's activation FLOPs. A model of the GPT's kernels comes to nothing beyond it.
+
+The FLOPs are counted at one and two layers and extrapolated to the model's layer count, as
+``op_tally.count_at_layers`` does; the medians are taken over the extrapolated counts.
+
+Does not own the count (``op_tally``), the seconds of an op or a FLOP (``rates``) or the
+prediction (``speed``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from hybridps.common.errors import ConfigError
+from hybridps.planner.op_tally import MatmulTally, Row, Tally, count_at_layers, count_model
+
+#: the calibrated block's sequence at most (calibrate.compute_tflops: ``seq=min(tokens, 256)``)
+BLOCK_SEQ = 256
+#: its head size (calibrate._gpt: ``n_head = d_model // 64``)
+BLOCK_HEAD = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedShape:
+    """What one micro-batch of a model of no known shape does ([Note: a model's own shape])."""
+
+    #: the forward's FLOPs in matmuls with a param operand, and in those without one
+    forward_dense_flops: float
+    forward_activation_flops: float
+    #: the backward's FLOPs, with any forward it recomputes
+    backward_flops: float
+    #: the dense matmuls' median width and rows over their FLOPs
+    width: int
+    rows: int
+    #: the activation matmuls' median head size and sequence (0: none)
+    head_dim: int
+    seq_len: int
+    #: (op, precision, calls, bytes, new bytes) its kernels outside the matmuls do beyond the
+    #: rates' block's and attention's (rows may be negative)
+    beyond_block: tuple[Row, ...] = ()
+    #: of ``forward_dense_flops``, those of convolutions (at the block rate as well)
+    forward_conv_flops: float = 0.0
+
+    @property
+    def forward_flops(self) -> float:
+        return self.forward_dense_flops + self.forward_activation_flops
+
+    @property
+    def model_flops(self) -> float:
+        """Three times the forward's: what the model TFLOPS count (no recomputation)."""
+        return 3.0 * self.forward_flops
+
+    @property
+    def step_flops(self) -> float:
+        return self.forward_flops + self.backward_flops
+
+    @property
+    def recompute_share(self) -> float:
+        """The forward recomputed in backward, as a share of the forward (0 to 1)."""
+        if not self.forward_flops:
+            return 0.0
+        return min(1.0, max(0.0, (self.backward_flops - 2.0 * self.forward_flops) / self.forward_flops))
+
+    @property
+    def activation_step_flops(self) -> float:
+        """The activation matmuls' FLOPs a step: forward, backward (twice) and their share recomputed."""
+        return self.forward_activation_flops * (3.0 + self.recompute_share)
+
+
+def _median(weights: dict[int, float]) -> int:
+    """The value at half the total weight of ``weights`` (value -> weight)."""
+    total, seen = sum(weights.values()), 0.0
+    for value in sorted(weights):
+        seen += weights[value]
+        if seen >= total / 2:
+            return value
+    return 0
+
+
+#: the kinds with a param operand, which run at the block rate
+DENSE = ("dense", "conv")
+
+
+def _by(matmuls: MatmulTally, kinds: tuple[str, ...], field: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, (_, flops) in matmuls.items():
+        if key[0] == "forward" and key[1] in kinds and flops > 0:
+            out[key[field]] = out.get(key[field], 0.0) + flops
+    return out
+
+
+def _flops(matmuls: MatmulTally, phase: str, kinds: tuple[str, ...] | None = None) -> float:
+    return float(sum(f for k, (_, f) in matmuls.items() if k[0] == phase and (kinds is None or k[1] in kinds)))
+
+
+def _calls(matmuls: MatmulTally, phase: str, kinds: tuple[str, ...]) -> int:
+    return sum(c for k, (c, _) in matmuls.items() if k[0] == phase and k[1] in kinds)
+
+
+def _less(ops: Tally, *less: tuple[Tally, float]) -> Tally:
+    """``ops`` less each tally times its factor."""
+    out = {}
+    for key in ops.keys() | {k for tally, _ in less for k in tally}:
+        values = list(ops.get(key, (0, 0, 0)))
+        for tally, factor in less:
+            values = [v - factor * w for v, w in zip(values, tally.get(key, (0, 0, 0)), strict=True)]
+        out[key] = tuple(int(round(v)) for v in values)
+    return out
+
+
+def _rows(ops: Tally) -> tuple[Row, ...]:
+    return tuple((*key, *ops[key]) for key in sorted(ops) if any(ops[key]))
+
+
+def _attention_count(head_dim: int, seq: int, batch_heads: int, precision: str) -> tuple[Tally, float]:
+    """A causal attention's kernels outside its matmuls over ``batch_heads`` sequences of
+    ``seq`` tokens and heads of ``head_dim``, forward and backward on meta, and its forward
+    FLOPs."""
+    import torch.nn.functional as F
+
+    from hybridps.planner.op_tally import OpTally
+    from hybridps.planner.timing import precision_dtype
+
+    dtype = precision_dtype(precision)
+    with torch.device("meta"):
+        q, k, v = (torch.empty(1, batch_heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    with OpTally() as tally:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        tally.phase = "backward"
+        out.backward(torch.empty_like(out))
+    return tally.counts, _flops(tally.matmuls, "forward")
+
+
+def _block_count(width: int, rows: int, precision: str) -> tuple[Tally, float]:
+    """A block's kernels outside the matmuls, less its attention's, of the GPT the rates' block
+    rate timed at ``width`` and ``rows`` (calibrate.compute_tflops; a layer's count: the
+    two-layer GPT's less the one-layer GPT's), and its forward dense FLOPs."""
+    from hybridps.planner.model import GPTShape
+
+    seq = max(1, min(rows, BLOCK_SEQ))
+    heads, batch = max(1, width // BLOCK_HEAD), max(1, rows // seq)
+    one, two = (
+        count_model(GPTShape(n_layer=n, d_model=width, n_head=heads, vocab_size=256, seq_len=seq, batch_size=batch), precision)
+        for n in (1, 2)
+    )
+    attention, _ = _attention_count(width // heads, seq, batch * heads, precision)
+    layer = _less(two.ops, (one.ops, 1.0), (attention, 1.0))
+    return layer, _flops(two.matmuls, "forward", DENSE) - _flops(one.matmuls, "forward", DENSE)
+
+
+_CACHE: dict[tuple, CountedShape] = {}
+
+
+def counted_shape(model: Any, precision: str) -> CountedShape:
+    """The ``CountedShape`` of one micro-batch of ``model`` (a ``PlannedModel`` with
+    ``with_layers``) in ``precision``; ``ConfigError`` where it cannot run on the meta device or
+    multiplies nothing by a param."""
+    try:  # a ModelFactory by its callables and layers: two factories may share a name
+        key = (hash(model), model, precision)
+    except TypeError:
+        key = (json.dumps(model.describe(), sort_keys=True, default=str), precision)
+    if key in _CACHE:
+        return _CACHE[key]
+    what = model.describe().get("family", "model")
+    try:
+        count = count_at_layers(model, precision)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(
+            f"cannot count the {what}'s work on the meta device for its speed ({type(exc).__name__}: {exc})"
+        ) from None
+    dense = _flops(count.matmuls, "forward", DENSE)
+    if dense <= 0:
+        raise ConfigError(f"the {what} multiplies no param in a matmul on the meta device: no FLOPs to time its step by")
+    width, rows = _median(_by(count.matmuls, DENSE, 2)), _median(_by(count.matmuls, DENSE, 3))
+    head_dim, seq = _median(_by(count.matmuls, ("activation",), 2)), _median(_by(count.matmuls, ("activation",), 3))
+    activation = _flops(count.matmuls, "forward", ("activation",))
+    block_ops, block_dense = _block_count(width, rows, precision)
+    less = [(block_ops, dense / block_dense)]
+    if activation > 0 and head_dim and seq:
+        # two products a forward (scores, and their weights on the values) an attention
+        invocations = _calls(count.matmuls, "forward", ("activation",)) / 2
+        batch_heads = max(1, round(activation / (invocations * 4 * seq * seq * head_dim)))
+        attention, attention_flops = _attention_count(head_dim, seq, batch_heads, precision)
+        less.append((attention, activation / attention_flops))
+    shape = CountedShape(
+        forward_dense_flops=dense,
+        forward_activation_flops=activation,
+        forward_conv_flops=_flops(count.matmuls, "forward", ("conv",)),
+        backward_flops=_flops(count.matmuls, "backward"),
+        width=width,
+        rows=rows,
+        head_dim=head_dim,
+        seq_len=seq,
+        beyond_block=_rows(_less(count.ops, *less)),
+    )
+    _CACHE[key] = shape
+    return shape

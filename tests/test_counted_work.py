@@ -1,0 +1,157 @@
+"""A model of no GPT shape (``ModelFactory``) gets a speed from its own count on the meta device
+([Note: a model's own shape] in hybridps/planner/counted_work.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import hybridps
+from hybridps.common.errors import ConfigError
+from hybridps.models.gpt import GPT, Block, GPTConfig
+from hybridps.planner.counted_work import CountedShape, counted_shape
+from hybridps.planner.model import GPTShape, ModelFactory
+from hybridps.planner.op_tally import OpTally
+from hybridps.planner.speed import StepWork, part_seconds, predict_work
+from tests.synthetic_rates import synthetic_rates
+
+CPU = 1 << 30
+
+
+def _gpt_factory(shape: GPTShape, name: str = "my-gpt") -> ModelFactory:
+    return ModelFactory(
+        build_fn=lambda n: GPT(shape.with_layers(n).gpt_config),
+        inputs_fn=shape.inputs,
+        loss_fn=shape.loss,
+        n_layer=shape.n_layer,
+        name=name,
+    )
+
+
+def _blocks_factory(n_layer: int, d: int, heads: int, seq: int, batch: int, **config) -> ModelFactory:
+    cfg = GPTConfig(d_model=d, n_head=heads, seq_len=seq, **config)
+    return ModelFactory(
+        build_fn=lambda n: nn.Sequential(*(Block(cfg) for _ in range(n))),
+        # as a GPT's first block is fed: an embedding's output, which takes a grad
+        inputs_fn=lambda device: (torch.randn(batch, seq, d, device=device, requires_grad=True),),
+        n_layer=n_layer,
+        name=f"blocks-{d}-{seq}-{batch}",
+    )
+
+
+def test_the_tally_keys_forward_matmuls_by_kind_width_and_rows_and_the_backward_whole():
+    linear = nn.Linear(64, 192)
+    conv = nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(10, 64, requires_grad=True)
+    with OpTally([*linear.parameters(), *conv.parameters()]) as tally:
+        y = linear(x)  # addmm(bias, x, weight.t()): the bias is no matrix; the weight's view is a param's
+        scores = torch.bmm(torch.randn(4, 32, 16), torch.randn(4, 16, 32))  # no param: attention's kind
+        c = conv(torch.randn(2, 8, 5, 5))
+        tally.phase = "backward"
+        y.sum().backward()
+    m = tally.matmuls
+    assert m[("forward", "dense", 64, 10)] == (1, 2 * 10 * 64 * 192)
+    assert m[("forward", "activation", 16, 32)] == (1, 2 * 4 * 32 * 16 * 32)
+    # a convolution: its matrix is (out channels, in channels x kernel), its rows the output's positions
+    assert m[("forward", "conv", 16, 2 * 5 * 5)] == (1, 2 * 2 * 5 * 5 * 16 * 8 * 9)
+    assert m[("backward", "", 0, 0)][1] == 2 * 2 * 10 * 64 * 192  # the grads of the input and the weight
+    assert scores.shape == (4, 32, 32) and c.shape == (2, 16, 5, 5)
+
+
+def test_a_gpt_given_as_a_factory_counts_its_formula_flops_and_shape():
+    shape = GPTShape(n_layer=3, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2)
+    c = counted_shape(_gpt_factory(shape), "fp32")
+    t, d, s, L = 128, 128, 64, 3
+    # the blocks' and the tied head's matmuls (the lookups multiply nothing), at three layers
+    # from counts at one and two
+    assert c.forward_dense_flops == 2 * t * (12 * d * d * L + 512 * d)
+    assert c.forward_activation_flops == 4 * L * d * s * t  # scores and their weights on the values
+    assert c.model_flops == 3 * c.forward_flops and c.backward_flops == 2 * c.forward_flops
+    assert (c.width, c.rows, c.head_dim, c.seq_len) == (128, 128, 64, 64)
+    assert c.recompute_share == 0.0
+    # checkpointed: the backward recomputes the blocks' forward (torch stops once the saved
+    # tensors are back: not all of it)
+    ckpt = counted_shape(_gpt_factory(dataclasses.replace(shape, checkpoint=True), "my-gpt-ckpt"), "fp32")
+    assert ckpt.model_flops == c.model_flops and 0.3 < ckpt.recompute_share < 1.0
+    assert ckpt.step_flops > c.step_flops
+
+
+def test_the_blocks_the_rate_timed_come_to_nothing_beyond_it():
+    rows = dict((op, nbytes) for op, _, _, nbytes, _ in counted_shape(_blocks_factory(3, 128, 2, 64, 2), "fp32").beyond_block)
+    # the block's LayerNorms, GELU, residual adds and its attention's softmax: inside the rates
+    for op in ("gelu", "gelu_backward", "native_layer_norm", "native_layer_norm_backward", "add", "_safe_softmax"):
+        assert abs(rows.get(op, 0)) <= 64, (op, rows.get(op))
+    # another block's own kernels are its own: a ReLU MLP has no GELU and does a ReLU
+    relu = ModelFactory(
+        build_fn=lambda n: nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128)))),
+        inputs_fn=lambda device: (torch.randn(256, 128, device=device),),
+        n_layer=2,
+        name="relu-mlp",
+    )
+    ops = {op: nbytes for op, _, _, nbytes, _ in counted_shape(relu, "fp32").beyond_block}
+    assert ops["relu"] > 0 and ops["gelu"] < 0
+
+
+def test_a_model_that_multiplies_no_param_or_fails_on_meta_says_so():
+    lookup = ModelFactory(
+        build_fn=lambda n: nn.Embedding(100, 8),
+        inputs_fn=lambda device: (torch.zeros(4, dtype=torch.long, device=device),),
+        n_layer=1,
+    )
+    with pytest.raises(ConfigError, match="multiplies no param"):
+        counted_shape(lookup, "fp32")
+
+    class Real(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).item() * torch.ones(1, requires_grad=True)  # data on meta: none
+
+    failing = ModelFactory(
+        build_fn=lambda n: Real(), inputs_fn=lambda device: (torch.ones(2, 4, device=device),), n_layer=1, name="failing-model"
+    )
+    with pytest.raises(ConfigError, match="cannot count the failing-model's work on the meta device"):
+        counted_shape(failing, "fp32")
+
+
+def test_a_factory_plan_gets_a_speed_from_its_count_near_its_gpt_shapes():
+    shape = GPTShape(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=4)
+    rates = synthetic_rates(compute_tflops=((128, 1.0), (1024, 4.0)), simulated_gpu=True)
+    by_shape = hybridps.plan(shape, gpus="1x64MiB", cpu=CPU, rates=rates, simulated_gpus=True, search_largest=False)
+    counted = hybridps.plan(_gpt_factory(shape), gpus="1x64MiB", cpu=CPU, rates=rates, simulated_gpus=True, search_largest=False)
+    a, b = by_shape.speed, counted.speed
+    assert b is not None, counted.speed_note
+    # the formula's 6 N T counts every param; the count, the ones a matmul multiplies: not the
+    # position embedding's 64 x 128, the norms' 5 x 2 x 128 or the biases' 2 x 9 x 128
+    not_multiplied = 64 * 128 + 5 * 2 * 128 + 2 * 9 * 128
+    assert b.tokens_per_step == 256
+    assert b.model_flops_per_step == pytest.approx(a.model_flops_per_step - 6 * not_multiplied * 256, rel=1e-9)
+    assert b.predicted_step_seconds == pytest.approx(a.predicted_step_seconds, rel=0.05)
+    assert any("no GPT shape" in c for c in b.caveats) and not any("no GPT shape" in c for c in a.caveats)
+
+
+def test_counted_work_stands_in_for_the_formulas():
+    c = CountedShape(
+        forward_dense_flops=4e12,
+        forward_activation_flops=1e12,
+        backward_flops=11e12,  # twice the forward and a fifth of it recomputed
+        width=1024,
+        rows=4096,
+        head_dim=128,
+        seq_len=2048,
+    )
+    work = StepWork(n_params=10**9, n_layer=8, d_model=1024, seq_len=2048, batch_size=2, micro_batches=2, counted=c)
+    assert work.micro_batch_tokens == 4096 and work.tokens == 8192
+    assert work.model_flops == 2 * 15e12 and work.step_flops == 2 * 16e12
+    assert c.recompute_share == pytest.approx(0.2)
+    assert work.attention_pass_flops == 2 * 3e12 and work.attention_flops == pytest.approx(2 * 3.2e12)
+    assert work.lookup_flops == 0 and work.head_flops == 0
+    rates = synthetic_rates(compute_tflops=((1024, 100.0),))
+    # the dense FLOPs and the attention's at the block rate where no attention was timed apart
+    assert part_seconds(work, rates)["compute"] == pytest.approx(2 * 16e12 / 100e12)
+    assert predict_work(work, rates).tokens_per_second == pytest.approx(8192 / predict_work(work, rates).predicted_step_seconds)
