@@ -30,6 +30,12 @@ data and a disk tier beside it, in a temp directory).
 layers, built from their configs as ``hybridps plan --model-config`` builds them), after the
 GPT of the first one's shape: the speed model counts their work outside the matmuls against
 that GPT's ([Note: the work outside the matmuls] in hybridps/planner/op_tally.py).
+
+``--factory`` plans and trains models given as ``hybridps.planner.ModelFactory`` (``FACTORIES``:
+the same GPT, torch's ``nn.TransformerEncoder``, an MLP with no attention, a convolutional
+net), after the GPT by its shape: no hidden size, sequence or batch for the speed model to
+read, their FLOPs, shape and other kernels counted on the meta device ([Note: a model's own
+shape] in hybridps/planner/counted_work.py).
 """
 
 from __future__ import annotations

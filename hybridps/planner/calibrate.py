@@ -15,18 +15,20 @@ disk's sequential rates on a temp file. Stores a ``MachineRates`` as JSON
 [Note: a block's rate]
 The compute rate is a block's: the speed model multiplies it by the blocks' FLOPs and prices
 what lies outside them apart (the head and the embeddings at the head's time a logit, the
-attention at its own rate, a family's or a factory's other kernels by op). A one-block GPT's
-step also runs the embedding's lookup and its dense grad, the final norm, a projection to its
-256 entries and the cross-entropy, a fixed part its ``6 N T`` never counted, and it was
-charged to every block. On the 2-vCPU VM (fp32, one thread, 1024 tokens, hidden size 256) the
-one-block GPT took 50 ms, the block alone 45 and its attention 6-8; the rate read 105 GFLOPS,
-and torch's ``nn.TransformerEncoder`` (four pre-norm layers of that width, given as a
+attention at its own rate, a family's or a factory's other kernels by op). It was timed on a
+one-block GPT, whose step also runs the embedding's lookup and its dense grad, the final norm,
+a projection to its 256 entries and the cross-entropy: a fixed part its ``6 N T`` never
+counted, charged to every block. On the 2-vCPU VM (fp32, one thread, 1024 tokens, hidden size
+256) the one-block GPT took 50 ms, the block alone 45 and its attention 6-8; the rate read 105
+GFLOPS, and torch's ``nn.TransformerEncoder`` (four pre-norm layers of that width, given as a
 ``ModelFactory``) was predicted at 1.25x its measured step, four of the GPT's blocks alone at
-1.24x. So ``compute_tflops`` times, in turns, the one-block GPT, the same GPT of no blocks and
-the block's attention, and keeps the block's ``6 N T`` (N its own params) over the first less
-the other two. The rate rose 5-70% a point, most where the block is small (hidden size 128: 61
-to 103 GFLOPS at 128 tokens; 1024: 164 to 172 at 1024 tokens), and the encoder read 1.05x
-(docs/benchmarks/2026-11-29-factory-speed.md).
+1.24x. So ``compute_tflops`` times the block alone, fed an activation that takes a grad (as a
+model's first block is fed its embedding's), and its attention in turns with it, and keeps the
+block's ``6 N T`` (N its own params) over the difference. Taking the fixed part as a second
+difference instead (the one-block GPT less the same GPT of no blocks) gave the same rates on
+average but moved them 20-40% between calibrations at hidden size 128, where the block is a
+small share of both timings; the block alone moved 10%. The rates rose 5-70% a point, most
+where the block is small (docs/benchmarks/2026-11-29-factory-speed.md).
 
 Does not own the rates' record or the profiles (``rates``), or the prediction (``speed``).
 """
@@ -103,25 +105,22 @@ def compute_tflops(
     device, hidden: int, *, tokens: int = 1024, seq: int = 256, repeats: int = 3, precision: str | None = None
 ) -> float:
     """A GPT block's forward and backward at ``hidden`` in ``precision`` (None:
-    ``base_precision``): a one-block GPT (a small vocabulary) less the same GPT of no blocks
-    and less the block's attention, each timed apart at the block's shape ([Note: a block's
-    rate]; [Note: attention apart] in calibrate_attention.py): the rate of the block's
-    ``6 N T`` FLOPs over the rest of its time."""
+    ``base_precision``), fed an activation that takes a grad as a model's blocks are, less its
+    attention, timed apart at the block's shape in turns with it ([Note: a block's rate];
+    [Note: attention apart] in calibrate_attention.py): the rate of the block's ``6 N T``
+    FLOPs (N its own params) over the rest of its time."""
     import torch
 
     dtype = _dtype(device, precision)
-    model = _gpt(hidden, 1, seq).to(device=device, dtype=dtype)
-    bare = _gpt(hidden, 0, seq).to(device=device, dtype=dtype)
-    x = torch.randint(0, 256, (max(1, tokens // seq), seq), device=device)
-    n = sum(p.numel() for p in model.blocks.parameters())
+    block = _gpt(hidden, 1, seq).blocks[0].to(device=device, dtype=dtype)
+    x = torch.randn(max(1, tokens // seq), seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    n = sum(p.numel() for p in block.parameters())
 
     def step():
-        model(x, x)[1].backward()
+        x.grad = None
+        block(x).sum().backward()
 
-    def outside():
-        bare(x, x)[1].backward()
-
-    heads = model.blocks[0].attn.n_head
+    heads = block.attn.n_head
     attention = attention_step(
         device,
         head_dim=hidden // heads,
@@ -130,9 +129,9 @@ def compute_tflops(
         batch=x.shape[0],
         precision=precision or base_precision(device),
     )
-    # in turns, so that the machine's drift falls on all three ([Note: attention apart])
-    rounds = interleaved_seconds((step, outside, attention), repeats, sync=device_sync(device))
-    return dense_tflops(rounds, 6.0 * n * x.numel())
+    # in turns, so that the machine's drift falls on both ([Note: attention apart])
+    rounds = interleaved_seconds((step, attention), repeats, sync=device_sync(device))
+    return dense_tflops(rounds, 6.0 * n * x.shape[0] * seq)
 
 
 def head_s_per_logit(

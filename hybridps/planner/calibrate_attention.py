@@ -105,12 +105,11 @@ def attention_table(
     return rates, shares
 
 
-def dense_tflops(rounds: list[tuple[float, ...]], dense_flops: float) -> float:
-    """A block's rate without its attention from rounds of (the block's seconds, then those of
-    each part of it timed apart: what is outside it, its attention) timed in turns:
-    ``dense_flops`` over the median of the rounds' rests. Where timing noise leaves the rest
-    under a tenth of the block, a tenth."""
-    rest = statistics.median(max(block - sum(parts), 0.1 * block) for block, *parts in rounds)
+def dense_tflops(rounds: list[tuple[float, float]], dense_flops: float) -> float:
+    """A block's rate without its attention from rounds of (the block's, its attention's)
+    seconds timed in turns: its FLOPs less the attention's over the median of the rounds'
+    differences. Where timing noise leaves the rest under a tenth of the block, a tenth."""
+    rest = statistics.median(max(block - attention, 0.1 * block) for block, attention in rounds)
     return dense_flops / rest / 1e12
 
 
