@@ -155,3 +155,36 @@ def test_counted_work_stands_in_for_the_formulas():
     # the dense FLOPs and the attention's at the block rate where no attention was timed apart
     assert part_seconds(work, rates)["compute"] == pytest.approx(2 * 16e12 / 100e12)
     assert predict_work(work, rates).tokens_per_second == pytest.approx(8192 / predict_work(work, rates).predicted_step_seconds)
+
+
+def _convnet(n_layer: int = 3) -> ModelFactory:
+    return ModelFactory(
+        build_fn=lambda n: nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), *(m for _ in range(n) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()))
+        ),
+        inputs_fn=lambda device: (torch.randn(4, 3, 8, 8, device=device),),
+        n_layer=n_layer,
+        name="convnet",
+    )
+
+
+def test_convolutions_count_at_the_convolution_rate_where_the_rates_timed_one():
+    c = counted_shape(_convnet(), "fp32")
+    per_layer = 2 * 4 * 8 * 8 * 16 * 16 * 9
+    assert c.forward_conv_flops == c.forward_dense_flops == 3 * per_layer + 2 * 4 * 8 * 8 * 16 * 3 * 9
+    assert (c.width, c.rows) == (16, 4 * 8 * 8)  # the narrower side of (16, 16 x 9), the output's positions
+    # the stem's input takes no grad: the step is less than three forwards
+    assert c.conv_step_flops == c.step_flops < 3 * c.forward_flops
+    # no block's kernels subtracted for a convolution: its ReLU is its own
+    assert {op for op, *_ in c.beyond_block} >= {"relu", "threshold_backward"}
+    assert all(nbytes > 0 for op, _, _, nbytes, _ in c.beyond_block if op in ("relu", "threshold_backward"))
+    work = StepWork(n_params=10, n_layer=3, d_model=16, seq_len=256, batch_size=1, counted=c)
+    timed = synthetic_rates(compute_tflops=((16, 1.0),), conv_tflops=2.0)
+    untimed = synthetic_rates(compute_tflops=((16, 1.0),))
+    assert part_seconds(work, timed)["compute"] == pytest.approx(c.step_flops / 2e12)
+    assert part_seconds(work, untimed)["compute"] == pytest.approx(c.step_flops / 1e12)
+    assert any("timed no convolution" in x for x in predict_work(work, untimed).caveats)
+    assert any("3 x 3 convolution" in x for x in predict_work(work, timed).caveats)
+    # in another precision than the one timed at the block's speed in it
+    fp16 = synthetic_rates(compute_tflops=((16, 1.0),), conv_tflops=2.0, precision_speed={"fp16": ((16, 1024, 3.0),)})
+    assert fp16.conv_tflops_at(16, "fp16") == pytest.approx(6.0) and fp16.conv_tflops_at(16) == 2.0

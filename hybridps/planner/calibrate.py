@@ -177,6 +177,30 @@ def precision_speeds(
     return blocks, heads
 
 
+#: the convolution ``conv_tflops`` times: (channels, image side, images) on the CPU and on a GPU
+CPU_CONV, GPU_CONV = (64, 32, 16), (256, 32, 64)
+
+
+def conv_tflops(device, *, repeats: int = 3) -> float:
+    """A 3 x 3 convolution's forward and backward (``CPU_CONV`` or ``GPU_CONV``, its input
+    taking a grad) in ``base_precision``: its FLOPs (three times the forward's) over its
+    seconds ([Note: a model's own shape] in counted_work.py: convolutions are not matmuls; on
+    the VM this one ran at 1.5x a matmul of its shape)."""
+    import torch
+
+    channels, side, images = GPU_CONV if device.type == "cuda" else CPU_CONV
+    dtype = _dtype(device, None)
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1).to(device=device, dtype=dtype)
+    x = torch.randn(images, channels, side, side, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        x.grad = None
+        conv(x).sum().backward()
+
+    forward = 2.0 * images * side * side * channels * channels * 9
+    return 3.0 * forward / median_seconds(step, repeats, sync=device_sync(device)) / 1e12
+
+
 def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
     """(host -> GPU, GPU -> host) GB/s over pinned memory; without a GPU a host memcpy both ways."""
     import torch
@@ -361,6 +385,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_s_per_byte": elementwise,
         "elementwise_s_per_call": per_call,
         "elementwise_new_s_per_byte": new_s_per_byte(device),
+        "conv_tflops": conv_tflops(device),
     }
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
@@ -371,6 +396,9 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_s_per_call": "an addition of eight elements, launched and finished",
         "elementwise_new_s_per_byte": "a 64 MiB tensor filled just allocated against one held (calibrate_elementwise.py)",
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
+        "conv_tflops": "a 3 x 3 convolution of {0} channels on {2} images of {1} x {1}, forward and backward, {3}".format(
+            *(GPU_CONV if device.type == "cuda" else CPU_CONV), kind
+        ),
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",

@@ -30,6 +30,14 @@ backward on the meta device, as the simulation runs it, and they say all three:
   each, less that GPT's per dense FLOP times the model's dense FLOPs, less the attention's per
   attention FLOP (a causal attention's at the model's head size and sequence) times the
   model's activation FLOPs. A model of the GPT's kernels comes to nothing beyond it.
+- **Convolutions** are not matmuls: on the VM (fp32, one thread) a 3 x 3 convolution of 64
+  channels on 16 images of 32 x 32 ran at 120 GFLOPS forward and backward, a matmul of its
+  shape (16384 rows, 576 by 64) at 77, and a GPT block of their width 64 at 43-61; priced at the
+  block rate, a net of six such layers read 1.45-2.2x its measured step. ``hybridps
+  calibrate`` times that convolution (``conv_tflops``) and the speed model prices the
+  convolutions' share of the dense FLOPs at it (in another precision at the block's speed in
+  it); its rate holds no block's other kernels, so they are not subtracted for it. One shape's
+  rate: 1 x 1, depthwise and strided convolutions run at their own.
 
 The FLOPs are counted at one and two layers and extrapolated to the model's layer count, as
 ``op_tally.count_at_layers`` does; the medians are taken over the extrapolated counts.
@@ -95,6 +103,14 @@ class CountedShape:
         if not self.forward_flops:
             return 0.0
         return min(1.0, max(0.0, (self.backward_flops - 2.0 * self.forward_flops) / self.forward_flops))
+
+    @property
+    def conv_step_flops(self) -> float:
+        """The convolutions' FLOPs a step: their share of the dense matmuls' step."""
+        if not self.forward_dense_flops:
+            return 0.0
+        dense_step = self.step_flops - self.activation_step_flops
+        return dense_step * self.forward_conv_flops / self.forward_dense_flops
 
     @property
     def activation_step_flops(self) -> float:
@@ -206,11 +222,13 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
     dense = _flops(count.matmuls, "forward", DENSE)
     if dense <= 0:
         raise ConfigError(f"the {what} multiplies no param in a matmul on the meta device: no FLOPs to time its step by")
-    width, rows = _median(_by(count.matmuls, DENSE, 2)), _median(_by(count.matmuls, DENSE, 3))
+    conv = _flops(count.matmuls, "forward", ("conv",))
+    shaped_by = ("dense",) if dense > conv else ("conv",)  # a model of convolutions alone: theirs
+    width, rows = _median(_by(count.matmuls, shaped_by, 2)), _median(_by(count.matmuls, shaped_by, 3))
     head_dim, seq = _median(_by(count.matmuls, ("activation",), 2)), _median(_by(count.matmuls, ("activation",), 3))
     activation = _flops(count.matmuls, "forward", ("activation",))
     block_ops, block_dense = _block_count(width, rows, precision)
-    less = [(block_ops, dense / block_dense)]
+    less = [(block_ops, (dense - conv) / block_dense)]  # a convolution's rate holds no block's kernels
     if activation > 0 and head_dim and seq:
         # two products a forward (scores, and their weights on the values) an attention
         invocations = _calls(count.matmuls, "forward", ("activation",)) / 2
@@ -220,7 +238,7 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
     shape = CountedShape(
         forward_dense_flops=dense,
         forward_activation_flops=activation,
-        forward_conv_flops=_flops(count.matmuls, "forward", ("conv",)),
+        forward_conv_flops=conv,
         backward_flops=_flops(count.matmuls, "backward"),
         width=width,
         rows=rows,

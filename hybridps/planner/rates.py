@@ -114,6 +114,10 @@ class MachineRates:
     elementwise_s_per_byte: Mapping[str, tuple[tuple[str, float], ...]] = dataclasses.field(default_factory=dict)
     #: a kernel's fixed seconds beyond its bytes (launch and dispatch)
     elementwise_s_per_call: float = 0.0
+    #: a 3 x 3 convolution's TFLOPS, forward and backward, in ``compute_precision``: a model's
+    #: convolutions ([Note: a model's own shape] in counted_work.py); None (the shipped
+    #: profiles, rates stored before): at the block rate, and the prediction says so
+    conv_tflops: float | None = None
     #: seconds a byte of a new tensor costs beyond the op's own: memory the allocator maps
     #: afresh, each page faulted in and zeroed on its first write (a CPU's; a GPU's caching
     #: allocator hands out memory it holds: nothing)
@@ -204,6 +208,7 @@ class MachineRates:
             "network_gbps",
             "pageable_h2d_gbps",
             "pageable_d2h_gbps",
+            "conv_tflops",
             "arena_grow_s_per_gib",
             "arena_release_s_per_gib",
         ):
@@ -262,6 +267,13 @@ class MachineRates:
         if len(rows) > 1 and hidden > rows[-1][0]:
             return rows[-1][1] * rows[-1][0] / hidden
         return _log_interpolate(rows, hidden, below="flat")
+
+    def conv_tflops_at(self, hidden: int, precision: str | None = None) -> float | None:
+        """The convolutions' rate in ``precision`` (the timed one at the block's speed in it, at
+        width ``hidden``); None where the rates timed none."""
+        if self.conv_tflops is None:
+            return None
+        return self.conv_tflops * self.speed_in(precision, hidden)[0]
 
     def elementwise_seconds(self, rows: tuple[tuple[str, str, int, int, int], ...]) -> float | None:
         """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes)

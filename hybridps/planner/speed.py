@@ -442,6 +442,15 @@ def attention_seconds(work: StepWork, rates: MachineRates) -> float | None:
     return once * (1.0 + (rates.attention_forward_share_at(*at) if work.checkpoint else 0.0))
 
 
+def conv_seconds(work: StepWork, rates: MachineRates) -> float | None:
+    """A counted model's convolutions a step at the rates' convolution rate; None where it has
+    none or the rates timed none ([Note: a model's own shape] in counted_work.py)."""
+    if work.counted is None or not work.counted.forward_conv_flops:
+        return None
+    tflops = rates.conv_tflops_at(work.d_model, work.precision)
+    return None if tflops is None else work.counted.conv_step_flops * work.micro_batches / (tflops * 1e12)
+
+
 def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
     """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
     that measured no disk."""
@@ -450,11 +459,14 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     head = head_seconds(work, rates)
     attention = attention_seconds(work, rates)  # None: inside the blocks' rate
     flops = work.step_flops - work.lookup_flops - (0.0 if attention is None else work.attention_flops)
+    conv = conv_seconds(work, rates)  # None: at the blocks' rate
+    if conv is not None:
+        flops -= work.counted.conv_step_flops * m
     if head is None:  # the head at the blocks' rate
         compute = flops / rate
     else:  # [Note: the head apart]
         compute = (flops - work.head_flops) / rate + head
-    compute += attention or 0.0
+    compute += (attention or 0.0) + (conv or 0.0)
     # [Note: the work outside the matmuls] (op_tally.py): a family's beyond the GPT's
     beyond = rates.elementwise_seconds(work.beyond_gpt) if work.beyond_gpt else None
     if beyond is not None:
@@ -610,7 +622,7 @@ def predict_work(
         caveats=precision_caveats(work, rates)
         + optimizer_caveats(work, rates)
         + beyond_gpt_caveats(work, rates)
-        + counted_caveats(work),
+        + counted_caveats(work, rates),
     )
 
 
@@ -648,13 +660,14 @@ def beyond_gpt_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
     if not work.beyond_gpt or rates.elementwise_s_per_byte:
         return ()
     gb = work.beyond_gpt_bytes * work.micro_batches / 1e9
+    against = "the block the rates timed" if work.counted is not None else "the GPT of its shape"
     return (
-        f"the model's kernels outside its matmuls ({gb:+.2f} GB a step read and written against the GPT of its shape) "
+        f"the model's kernels outside its matmuls ({gb:+.2f} GB a step read and written against {against}) "
         f"not counted: rates {rates.name!r} timed no such op (run `hybridps calibrate` on the machine)",
     )
 
 
-def counted_caveats(work: StepWork) -> tuple[str, ...]:
+def counted_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
     """How a model of no GPT shape was timed ([Note: a model's own shape] in counted_work.py)."""
     c = work.counted
     if c is None:
@@ -669,10 +682,14 @@ def counted_caveats(work: StepWork) -> tuple[str, ...]:
         f"no GPT shape: the model's forward counted on meta ({c.forward_dense_flops / 1e9:.3g} GFLOPs a micro-batch in "
         f"matmuls with a param) at the block rate of width {c.width} and {c.rows} rows{attention}; tokens are those rows",
     )
-    if c.forward_conv_flops:
+    if c.forward_conv_flops and conv_seconds(work, rates) is None:
         out += (
-            f"its convolutions ({c.forward_conv_flops / c.forward_dense_flops:.0%} of those FLOPs) at a matmul's rate: "
-            "their kernels run at rates of their own, not timed (a CPU's 3 x 3 convolution of 64 channels ran 1.5x a "
-            "matmul of its shape)",
+            f"its convolutions ({c.forward_conv_flops / c.forward_dense_flops:.0%} of those FLOPs) at the block rate: "
+            f"rates {rates.name!r} timed no convolution (run `hybridps calibrate` on the machine)",
+        )
+    elif c.forward_conv_flops:
+        out += (
+            f"its convolutions ({c.forward_conv_flops / c.forward_dense_flops:.0%} of those FLOPs) at the rate of one "
+            "3 x 3 convolution",
         )
     return out
