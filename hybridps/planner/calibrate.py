@@ -84,12 +84,17 @@ def token_counts(device, reference: int) -> tuple[int, ...]:
 
 
 _MiB = 1 << 20
+#: the compute rate's block: its sequence at most (the tokens a micro-batch timed, up to this)
+#: and its head size
+BLOCK_SEQ, BLOCK_HEAD_DIM = 256, 64
 
 
 def _gpt(d_model: int, n_layer: int, seq: int, vocab: int = 256):
     from hybridps.models.gpt import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=max(1, d_model // 64), d_model=d_model))
+    return GPT(
+        GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=max(1, d_model // BLOCK_HEAD_DIM), d_model=d_model)
+    )
 
 
 def base_precision(device) -> str:
@@ -168,7 +173,7 @@ def precision_speeds(
         if precision == base_precision(device):
             continue
         blocks[precision] = tuple(
-            (h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256), precision=precision) / tflops)
+            (h, n, compute_tflops(device, h, tokens=n, seq=min(n, BLOCK_SEQ), precision=precision) / tflops)
             for h, n, tflops in by_tokens
         )
         heads[precision] = tuple(
@@ -358,7 +363,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     sizes = HIDDEN_SIZES[:2] if quick else HIDDEN_SIZES
     tokens = 512 if quick else 1024
     counts = token_counts(device, tokens)
-    by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, 256))) for h in sizes for n in counts)
+    by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, BLOCK_SEQ))) for h in sizes for n in counts)
     head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
     head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
     # the other precisions' heads at a second, larger count: bf16's time a logit grows with the

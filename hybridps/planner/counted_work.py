@@ -55,12 +55,8 @@ from typing import Any
 import torch
 
 from hybridps.common.errors import ConfigError
+from hybridps.planner.calibrate import BLOCK_HEAD_DIM, BLOCK_SEQ
 from hybridps.planner.op_tally import MatmulTally, Row, Tally, count_at_layers, count_model
-
-#: the calibrated block's sequence at most (calibrate.compute_tflops: ``seq=min(tokens, 256)``)
-BLOCK_SEQ = 256
-#: its head size (calibrate._gpt: ``n_head = d_model // 64``)
-BLOCK_HEAD = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +185,7 @@ def _block_count(width: int, rows: int, precision: str) -> tuple[Tally, float]:
     from hybridps.planner.model import GPTShape
 
     seq = max(1, min(rows, BLOCK_SEQ))
-    heads, batch = max(1, width // BLOCK_HEAD), max(1, rows // seq)
+    heads, batch = max(1, width // BLOCK_HEAD_DIM), max(1, rows // seq)
     one, two = (
         count_model(GPTShape(n_layer=n, d_model=width, n_head=heads, vocab_size=256, seq_len=seq, batch_size=batch), precision)
         for n in (1, 2)
