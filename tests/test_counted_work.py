@@ -118,6 +118,18 @@ def test_a_model_that_multiplies_no_param_or_fails_on_meta_says_so():
     with pytest.raises(ConfigError, match="cannot count the failing-model's work on the meta device"):
         counted_shape(failing, "fp32")
 
+    class Lookup(nn.Module):  # any error of the user's own code on meta
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * {"scale": 1.0}[str(x.device)]
+
+    odd = ModelFactory(build_fn=lambda n: Lookup(), inputs_fn=lambda device: (torch.ones(2, 4, device=device),), n_layer=1)
+    with pytest.raises(ConfigError, match=r"KeyError: 'meta'"):  # a ConfigError: a plan's speed says why
+        counted_shape(odd, "fp32")
+
 
 def test_a_factory_plan_gets_a_speed_from_its_count_near_its_gpt_shapes():
     shape = GPTShape(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=4)
