@@ -129,7 +129,10 @@ class OpTally(TorchDispatchMode):
         flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         key: MatmulKey = (self.phase, "", 0, 0)
         if self.phase == "forward":
-            key = ("forward", *_matmul_shape(op_name(func), args, flops, self._is_param))
+            try:
+                key = ("forward", *_matmul_shape(op_name(func), args, flops, self._is_param))
+            except (IndexError, ValueError):  # an op of arguments unlike a matmul's: its FLOPs, no shape
+                key = ("forward", "activation", 0, 0)
         self._matmul_calls[key] += 1
         self._matmul_flops[key] += flops
 
