@@ -15,8 +15,9 @@ no hidden size, sequence or batch, so nothing gave its step a speed. It has a fo
 backward on the meta device, as the simulation runs it, and they say all three:
 
 - **FLOPs**, by ``torch.utils.flop_counter``'s registry, as ``OpTally`` runs them: in the
-  forward by kind (``dense``: one operand is a param or a view of one, as a linear layer's or a
-  convolution's; ``activation``: none is, as attention's two products), and the backward's
+  forward by kind (``dense``: one operand is a param or a view of one, as a linear layer's;
+  ``conv``: a convolution's weight is; ``activation``: none is, as attention's two products),
+  and the backward's
   whole (under activation checkpointing its recomputed forward inside it, as torch's
   non-reentrant checkpoint really runs it: it stops once the saved tensors are back). The
   model's FLOPs are three times the forward's, the step's the forward's and the backward's.
@@ -24,16 +25,18 @@ backward on the meta device, as the simulation runs it, and they say all three:
   hidden size) and rows (the tokens, for a convolution the output's positions), each the
   median over the forward's dense FLOPs; the activation matmuls' head size (the narrower of
   the product's inner and outer sides) and sequence (the left operand's rows) alike.
-- **The rest**: the block rate's seconds hold a one-block GPT's kernels outside its matmuls
-  (the block calibrate.compute_tflops times at that width and rows), less its attention's,
-  which the attention's rate holds. So the model's own kernels count at the timed seconds of
-  each, less that GPT's per dense FLOP times the model's dense FLOPs, less the attention's per
+- **The rest**: the block rate's seconds hold a GPT block's kernels outside its matmuls (the
+  block calibrate.compute_tflops times alone, at that width and rows; counted as a two-layer
+  GPT's less a one-layer GPT's), less its attention's, which the attention's rate holds. So the
+  model's own kernels count at the timed seconds of each, less the block's per dense FLOP times
+  the model's dense FLOPs (not its convolutions'), less the attention's per
   attention FLOP (a causal attention's at the model's head size and sequence) times the
   model's activation FLOPs. A model of the GPT's kernels comes to nothing beyond it.
 - **Convolutions** are not matmuls: on the VM (fp32, one thread) a 3 x 3 convolution of 64
   channels on 16 images of 32 x 32 ran at 120 GFLOPS forward and backward, a matmul of its
   shape (16384 rows, 576 by 64) at 77, and a GPT block of their width 64 at 43-61; priced at the
-  block rate, a net of six such layers read 1.45-2.2x its measured step. ``hybridps
+  block rate, a net of seven such layers read 0.80-2.20x its measured step over five
+  calibrations (the rate at width 64 extrapolated below the 128 timed). ``hybridps
   calibrate`` times that convolution (``conv_tflops``) and the speed model prices the
   convolutions' share of the dense FLOPs at it (in another precision at the block's speed in
   it); its rate holds no block's other kernels, so they are not subtracted for it. One shape's
@@ -68,7 +71,8 @@ class CountedShape:
     forward_activation_flops: float
     #: the backward's FLOPs, with any forward it recomputes
     backward_flops: float
-    #: the dense matmuls' median width and rows over their FLOPs
+    #: the dense matmuls' median width and rows over their FLOPs (a model of convolutions
+    #: alone: the convolutions')
     width: int
     rows: int
     #: the activation matmuls' median head size and sequence (0: none)
@@ -77,7 +81,8 @@ class CountedShape:
     #: (op, precision, calls, bytes, new bytes) its kernels outside the matmuls do beyond the
     #: rates' block's and attention's (rows may be negative)
     beyond_block: tuple[Row, ...] = ()
-    #: of ``forward_dense_flops``, those of convolutions (at the block rate as well)
+    #: of ``forward_dense_flops``, those of convolutions (at the rates' convolution rate where
+    #: they timed one, else at the block rate)
     forward_conv_flops: float = 0.0
 
     @property
@@ -124,7 +129,7 @@ def _median(weights: dict[int, float]) -> int:
     return 0
 
 
-#: the kinds with a param operand, which run at the block rate
+#: the kinds with a param operand (a convolution at its own rate where the rates timed one)
 DENSE = ("dense", "conv")
 
 
