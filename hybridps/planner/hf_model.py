@@ -17,6 +17,15 @@ meta tensors do not have. The planner's batch is one sequence per row, for which
 finds no packing and the attention mask is the plain causal one; while the planner simulates
 (``simulating``), the check answers that for meta position ids and runs as it is for real ones.
 
+[Note: grouped experts on meta]
+transformers runs a mixture of experts' matmuls as one ``torch._grouped_mm`` over the tokens
+each expert was routed (its default where torch has the op; the loop it falls back to reads the
+routing's values, which meta tensors do not have). On the CPU the op takes any float dtype; its
+meta kernel, written for the GPU's, refuses anything but bf16, so a Mixtral planned in fp32 or
+fp16 failed with "Expected inputs of BF16 type". While the planner simulates, a grouped matmul
+of meta tensors in another dtype runs its meta kernel in bf16 and returns its result's shape in
+the inputs' dtype (``GroupedMmAnyDtype``).
+
 Does not own reading and checking the config or building the module (``hybridps.models.hf``,
 shared with training), the simulation (``simulation``) or the search (``largest``).
 """
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridps.common.errors import ConfigError
 from hybridps.models.hf import causal_lm_from_config, read_causal_lm_config
@@ -47,6 +57,22 @@ _SHOWN = (
     "max_position_embeddings",
     "tie_word_embeddings",
 )
+
+
+class GroupedMmAnyDtype(TorchDispatchMode):
+    """``torch._grouped_mm`` of meta tensors in a dtype its meta kernel refuses, run in bf16
+    and returned in the inputs' dtype ([Note: grouped experts on meta])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is not torch.ops.aten._grouped_mm or not args[0].is_meta or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        dtype = kwargs.pop("out_dtype", None) or args[0].dtype
+        a, b, *rest = args
+        bias = kwargs.pop("bias", None)
+        out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs)
+        out = out.to(dtype)
+        return out if bias is None else out + bias
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,7 +174,13 @@ class HFCausalLMFamily:
     @contextlib.contextmanager
     def simulating(self) -> Iterator[None]:
         """The context the simulated iterations run in: a batch on the meta device is one
-        sequence per row, as ``inputs`` gives it ([Note: packed sequences on meta])."""
+        sequence per row, as ``inputs`` gives it ([Note: packed sequences on meta]), and the
+        experts' grouped matmuls run in any dtype ([Note: grouped experts on meta])."""
+        with GroupedMmAnyDtype(), self._unpacked_on_meta():
+            yield
+
+    @contextlib.contextmanager
+    def _unpacked_on_meta(self) -> Iterator[None]:
         try:
             from transformers import masking_utils
         except ImportError:  # a transformers without the check
