@@ -116,6 +116,24 @@ HF_SHAPES = (
     ),
 )
 HF_LAYERS, HF_VOCAB = 4, 8192
+#: ``--hf``'s mixture of experts: Mixtral's, eight experts of which a token takes two (its
+#: FLOPs counted on meta: ``6 N T`` would count all eight)
+HF_MOE = (
+    "mixtral",
+    dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    128,
+    8,
+    0.5,
+    "fp32",
+)
 
 
 def _gpt_factory() -> ModelFactory:
@@ -368,7 +386,7 @@ def _cases(args, training: Training) -> list[tuple]:
             first[4],
             Training(first[5]),
         )
-        return [gpt] + [(hf_family(t, f, s, b), frac, Training(p)) for t, f, s, b, frac, p in HF_SHAPES]
+        return [gpt] + [(hf_family(t, f, s, b), frac, Training(p)) for t, f, s, b, frac, p in (*HF_SHAPES, HF_MOE)]
     if args.wide:
         return [
             (

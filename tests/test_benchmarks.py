@@ -339,8 +339,11 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     )
     # --hf: transformers' families after the GPT of the first one's shape, one rank only
     hf = plan_speed._cases(argparse.Namespace(wide=False, hf=True, factory=False), plan_speed.Training())
-    assert len(hf) == len(plan_speed.HF_SHAPES) + 1 and isinstance(hf[0][0], GPTShape)
-    assert [plan_speed._describe(s, c).split()[0] for s, _, c in hf[1:]] == ["hf:llama", "hf:gpt2", "hf:qwen2", "hf:llama"]
+    assert len(hf) == len(plan_speed.HF_SHAPES) + 2 and isinstance(hf[0][0], GPTShape)
+    assert [plan_speed._describe(s, c).split()[0] for s, _, c in hf[1:]] == [
+        "hf:llama", "hf:gpt2", "hf:qwen2", "hf:llama", "hf:mixtral"
+    ]  # fmt: skip
+    assert hf[-1][0].mixture_of_experts and not hf[1][0].mixture_of_experts
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main(["--rates", "h100", "--hf", "--ranks", "2"])
     # a family trains as its own forward is fed (input_ids and labels)
@@ -353,7 +356,7 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     for factory, _frac, case in factories[1:]:
         report = plan_speed.predict_one(factory, 1 << 30, 1 << 30, case, load_rates("h100"))
         assert report.speed is not None and report.speed.tokens_per_step > 0, (factory.name, report.speed_note)
-        assert any("no GPT shape" in c for c in report.speed.caveats)
+        assert any("FLOPs counted on meta" in c for c in report.speed.caveats)
     assert plan_speed._describe(factories[-1][0], plan_speed.Training()) == "convnet, 6 layers"
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main(["--rates", "h100", "--factory", "--ranks", "2"])

@@ -144,7 +144,7 @@ def test_a_factory_plan_gets_a_speed_from_its_count_near_its_gpt_shapes():
     assert b.tokens_per_step == 256
     assert b.model_flops_per_step == pytest.approx(a.model_flops_per_step - 6 * not_multiplied * 256, rel=1e-9)
     assert b.predicted_step_seconds == pytest.approx(a.predicted_step_seconds, rel=0.05)
-    assert any("no GPT shape" in c for c in b.caveats) and not any("no GPT shape" in c for c in a.caveats)
+    assert any("FLOPs counted on meta" in c for c in b.caveats) and not any("FLOPs counted on meta" in c for c in a.caveats)
 
 
 def test_counted_work_stands_in_for_the_formulas():
@@ -200,3 +200,43 @@ def test_convolutions_count_at_the_convolution_rate_where_the_rates_timed_one():
     # in another precision than the one timed at the block's speed in it
     fp16 = synthetic_rates(compute_tflops=((16, 1.0),), conv_tflops=2.0, precision_speed={"fp16": ((16, 1024, 3.0),)})
     assert fp16.conv_tflops_at(16, "fp16") == pytest.approx(6.0) and fp16.conv_tflops_at(16) == 2.0
+
+
+def _mixtral(**overrides):
+    transformers = pytest.importorskip("transformers")
+    from hybridps.planner.hf_model import HFCausalLMFamily
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    config = transformers.MixtralConfig(**{**fields, **overrides})
+    return HFCausalLMFamily(config=config, n_layer=config.num_hidden_layers, seq_len=32, batch_size=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_a_mixture_of_experts_plans_in_every_precision_and_counts_only_the_experts_a_token_takes(precision):
+    family = _mixtral()
+    assert family.mixture_of_experts and not _mixtral(num_local_experts=1).mixture_of_experts
+    rates = synthetic_rates(compute_tflops=((64, 1.0), (1024, 4.0)), simulated_gpu=True)
+    # transformers' grouped expert matmuls: their meta kernel takes bf16 alone
+    report = hybridps.plan(
+        family, gpus="1x64MiB", cpu=CPU, precision=precision, rates=rates, simulated_gpus=True, search_largest=False
+    )
+    assert report.speed is not None, report.speed_note
+    t, d, f, kv, L = 64, 64, 96, 2 * 16, 2
+    projections, experts, router = 2 * t * (d * d + 2 * d * kv + d * d), 2 * t * 2 * 3 * d * f, 2 * t * d * 4
+    scores_and_values = 4 * t * 32 * d  # the attention's two products over sequences of 32
+    forward = L * (projections + experts + router + scores_and_values) + 2 * t * d * 256  # and the untied head
+    assert report.speed.model_flops_per_step == pytest.approx(3 * forward)
+    # 6 N T would count every expert: four where a token takes two
+    assert 6 * report.n_params * t > 1.5 * report.speed.model_flops_per_step
+    assert any("FLOPs counted on meta" in c for c in report.speed.caveats)

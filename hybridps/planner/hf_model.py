@@ -151,6 +151,15 @@ class HFCausalLMFamily:
         """Whether the head's weight is the input embedding's (the config's ``tie_word_embeddings``)."""
         return bool(getattr(self.config, "tie_word_embeddings", True))
 
+    @property
+    def mixture_of_experts(self) -> bool:
+        """Whether the config routes tokens among experts (Mixtral's ``num_local_experts``,
+        Qwen-MoE's and OLMoE's ``num_experts``, DeepSeek's ``n_routed_experts``): a token
+        multiplies only the experts it is routed to, so the speed model counts the FLOPs on meta
+        ([Note: a model's own shape] in counted_work.py) instead of ``6 N T``."""
+        fields = ("num_local_experts", "num_experts", "n_routed_experts")
+        return any(int(getattr(self.config, f, 0) or 0) > 1 for f in fields)
+
     def with_layers(self, n_layer: int) -> HFCausalLMFamily:
         return dataclasses.replace(self, n_layer=n_layer)
 

@@ -77,8 +77,28 @@ def op_name(func: Any) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_: Any, **__: Any) -> int:
+    """A grouped matmul's FLOPs (``torch._grouped_mm``, a mixture of experts' matmuls, which
+    ``torch.utils.flop_counter`` does not count): each row of ``a`` meets one group of ``b``,
+    so its rows by the inner and outer sides, whatever the groups' sizes."""
+    if a.dim() == 2 and b.dim() == 3:  # tokens routed to experts: (rows, K) by (groups, K, N)
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:  # groups along the inner side: (M, K) by (K, N)
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * a.numel() * b.shape[-1]  # batched: (G, M, K) by (G, K, N)
+
+
+#: matmuls beyond ``torch.utils.flop_counter``'s, by overload packet, with their FLOPs
+_MORE_MATMULS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+def _flop_count(func: Any) -> Callable[..., int] | None:
+    packet = func.overloadpacket
+    return flop_registry.get(packet) or _MORE_MATMULS.get(packet)
+
+
 def _counted(func: Any) -> bool:
-    if func.overloadpacket in flop_registry or "attention" in func.overloadpacket.__name__:
+    if _flop_count(func) is not None or "attention" in func.overloadpacket.__name__:
         return False  # matmuls and attention: the speed model's FLOPs
     if func.overloadpacket.__name__ in _NO_WORK:
         return False
@@ -107,7 +127,7 @@ class OpTally(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in flop_registry:
+        if _flop_count(func) is not None:
             self._count_matmul(func, args, kwargs or {}, out)
         elif _counted(func):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -126,7 +146,7 @@ class OpTally(TorchDispatchMode):
         return isinstance(t, torch.Tensor) and (id(t) in self._params or id(getattr(t, "_base", None)) in self._params)
 
     def _count_matmul(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        flops = int(_flop_count(func)(*args, **kwargs, out_val=out))
         key: MatmulKey = (self.phase, "", 0, 0)
         if self.phase == "forward":
             try:

@@ -354,12 +354,13 @@ def _s(seconds: float) -> str:
 
 def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWork:
     """The work of ``sim``'s steady step for ``model``: a ``GPTShape`` or a transformers family
-    by their hidden size, sequence and batch, any other model by its count on the meta device
-    ([Note: a model's own shape] in counted_work.py). Raises ``ConfigError`` where the
+    by their hidden size, sequence and batch, any other model (and a mixture of experts) by its
+    count on the meta device ([Note: a model's own shape] in counted_work.py). Raises ``ConfigError`` where the
     simulation did not finish or the model cannot be counted."""
     if not sim.completed:
         raise ConfigError(f"no steady step to time: the simulation did not finish ({sim.failure})")
-    if all(hasattr(model, a) for a in ("d_model", "seq_len", "batch_size")):
+    shaped = all(hasattr(model, a) for a in ("d_model", "seq_len", "batch_size"))
+    if shaped and not getattr(model, "mixture_of_experts", False):
         shape = dict(
             d_model=model.d_model,
             seq_len=model.seq_len,
@@ -371,7 +372,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
             lookup_params=sim.lookup_params,
             beyond_gpt=beyond_gpt(model, sim.precision),
         )
-    else:
+    else:  # no GPT shape, or experts that 6 N T would count all of
         counted = counted_shape(model, sim.precision)
         seq = counted.seq_len or counted.rows
         shape = dict(
@@ -679,8 +680,9 @@ def counted_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
         else ""
     )
     out = (
-        f"no GPT shape: the model's forward counted on meta ({c.forward_dense_flops / 1e9:.3g} GFLOPs a micro-batch in "
-        f"matmuls with a param) at the block rate of width {c.width} and {c.rows} rows{attention}; tokens are those rows",
+        f"FLOPs counted on meta, not by the GPT's formula (no GPT shape, or experts it would count all of): the "
+        f"forward's {c.forward_dense_flops / 1e9:.3g} GFLOPs a micro-batch in "
+        f"matmuls with a param at the block rate of width {c.width} and {c.rows} rows{attention}; tokens are those rows",
     )
     if c.forward_conv_flops and conv_seconds(work, rates) is None:
         out += (
