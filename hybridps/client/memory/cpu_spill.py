@@ -3,7 +3,10 @@ down to the disk to make room there.
 
 Owns this rank's share of the node's CPU (``host_sharers``: each rank of the node keeps to its
 share, so that no rank's chunks crowd another's to the disk; the node manager still has the
-last word), the CPU's budget under that share (``cpu_budget``), making room on the CPU by
+last word), the CPU's budget under that share (``cpu_budget``: with several ranks, less all
+this rank books there beside its chunks, idle pooled buffers included; they had let a rank hold
+its share in chunks and more in buffers while another rank's step found the node's CPU full,
+its own chunks there all in use), making room on the CPU by
 sending this client's chunks there down (``make_room``, ``send_down``: the placement's victims
 first, the trace's furthest use; pageable payloads before arena slots, whose bytes leave the
 CPU only with a whole segment, see [Note: the arena's booking] in memory/host_buffers.py), and
@@ -77,14 +80,20 @@ class CpuSpill:
         less the arena's slots not lent (pooled buffers and old payloads a write still reads
         give way when asked)."""
         budget = self.placement.budget_bytes(self.cpu, self.trace.reserve_bytes(CPU, self.tally.used_bytes[CPU]))
-        return budget // self.host_sharers - self.host.arena_idle_bytes
+        # several ranks share the node's CPU: all this rank books there counts against its share,
+        # its idle pooled buffers too, which give way to its own bookings but not another rank's
+        outside = self.host.side_bytes() if self.host_sharers > 1 else self.host.arena_idle_bytes
+        return budget // self.host_sharers - outside
 
     def make_room(self, size: int, *, protect: Collection[Chunk], who: object, coming: Chunk | None) -> None:
         """Send chunks on the CPU (not in ``protect``) down until ``size`` more bytes fit its
         budget (``coming``: the chunk they are for, which may take an arena slot free already)."""
         if coming is not None and self.host.free_slot_for(coming, CPU):
             size = 0  # its slot is booked already, among the arena's idle bytes the budget leaves out
-        self.send_down(lambda freed: self.tally.used_bytes[CPU] + size <= self.cpu_budget(), protect=protect, who=who, size=size)
+        fits = lambda freed: self.tally.used_bytes[CPU] + size <= self.cpu_budget()  # noqa: E731
+        if self.host_sharers > 1 and not fits(0):
+            self.host.release()  # the idle pooled buffers and empty segments first: no disk write
+        self.send_down(fits, protect=protect, who=who, size=size)
 
     def with_room(self, operation: Callable[[], object], size: int, protect: Collection[Chunk], who: object):
         """``operation()``, which books ``size`` bytes on the CPU; when the node manager refuses
