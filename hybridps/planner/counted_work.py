@@ -67,7 +67,8 @@ import torch
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.calibrate import BLOCK_HEAD_DIM, BLOCK_SEQ
-from hybridps.planner.op_tally import MatmulTally, Row, Tally, count_at_layers, count_model
+from hybridps.planner.op_tally import MatmulTally, OpTally, Row, Tally, count_at_layers, count_model, tally_less, tally_rows
+from hybridps.planner.timing import precision_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,29 +158,11 @@ def _calls(matmuls: MatmulTally, phase: str, kinds: tuple[str, ...]) -> int:
     return sum(c for k, (c, _) in matmuls.items() if k[0] == phase and k[1] in kinds)
 
 
-def _less(ops: Tally, *less: tuple[Tally, float]) -> Tally:
-    """``ops`` less each tally times its factor."""
-    out = {}
-    for key in ops.keys() | {k for tally, _ in less for k in tally}:
-        values = list(ops.get(key, (0, 0, 0)))
-        for tally, factor in less:
-            values = [v - factor * w for v, w in zip(values, tally.get(key, (0, 0, 0)), strict=True)]
-        out[key] = tuple(int(round(v)) for v in values)
-    return out
-
-
-def _rows(ops: Tally) -> tuple[Row, ...]:
-    return tuple((*key, *ops[key]) for key in sorted(ops) if any(ops[key]))
-
-
 def _attention_count(head_dim: int, seq: int, batch_heads: int, precision: str) -> tuple[Tally, float]:
     """A causal attention's kernels outside its matmuls over ``batch_heads`` sequences of
     ``seq`` tokens and heads of ``head_dim``, forward and backward on meta, and its forward
     FLOPs."""
     import torch.nn.functional as F
-
-    from hybridps.planner.op_tally import OpTally
-    from hybridps.planner.timing import precision_dtype
 
     dtype = precision_dtype(precision)
     with torch.device("meta"):
@@ -204,7 +187,7 @@ def _block_count(width: int, rows: int, precision: str) -> tuple[Tally, float]:
         for n in (1, 2)
     )
     attention, _ = _attention_count(width // heads, seq, batch * heads, precision)
-    layer = _less(two.ops, (one.ops, 1.0), (attention, 1.0))
+    layer = tally_less(two.ops, (one.ops, 1.0), (attention, 1.0))
     return layer, _flops(two.matmuls, "forward", DENSE) - _flops(one.matmuls, "forward", DENSE)
 
 
@@ -253,7 +236,7 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
         rows=rows,
         head_dim=head_dim,
         seq_len=seq,
-        beyond_block=_rows(_less(count.ops, *less)),
+        beyond_block=tally_rows(tally_less(count.ops, *less)),
     )
     _CACHE[key] = shape
     return shape

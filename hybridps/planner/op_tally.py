@@ -242,6 +242,22 @@ def _at_layers(model: Any, precision: str) -> Tally:
     return count_at_layers(model, precision).ops
 
 
+def tally_less(ops: Tally, *less: tuple[Tally, float]) -> Tally:
+    """``ops`` less each tally times its factor (rounded to whole calls and bytes)."""
+    out = {}
+    for key in ops.keys() | {k for tally, _ in less for k in tally}:
+        values = list(ops.get(key, (0, 0, 0)))
+        for tally, factor in less:
+            values = [v - factor * w for v, w in zip(values, tally.get(key, (0, 0, 0)), strict=True)]
+        out[key] = tuple(int(round(v)) for v in values)
+    return out
+
+
+def tally_rows(ops: Tally) -> tuple[Row, ...]:
+    """``ops`` as rows (op, precision, calls, bytes, new bytes), by key, none all zero."""
+    return tuple((*key, *ops[key]) for key in sorted(ops) if any(ops[key]))
+
+
 def gpt_of(model: Any):
     """The ``GPTShape`` of ``model``'s shape: its layers, hidden size, heads (of its head size,
     as near as divides the hidden size), vocabulary, batch and checkpointing."""
@@ -280,10 +296,5 @@ def beyond_gpt(model: Any, precision: str) -> tuple[Row, ...]:
                 f"cannot count the {model.describe().get('family', 'model')}'s work outside its matmuls on the meta "
                 f"device ({type(exc).__name__}: {exc})"
             ) from None
-        rows = []
-        for k in sorted(family.keys() | gpt.keys()):
-            ours, its = family.get(k, (0, 0, 0)), gpt.get(k, (0, 0, 0))
-            if ours != its:
-                rows.append((*k, *(x - y for x, y in zip(ours, its, strict=True))))
-        _CACHE[key] = tuple(rows)
+        _CACHE[key] = tally_rows(tally_less(family, (gpt, 1.0)))
     return _CACHE[key]
