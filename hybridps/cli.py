@@ -281,10 +281,9 @@ def probe_gpu_capacities() -> dict[str, int]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hybridps.train import run  # torch and the engine, only once a run is asked for
+    from hybridps.train import run_command  # torch and the engine, only once a run is asked for
 
-    run(args)
-    return 0
+    return run_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
 from hybridps.common.units import format_bytes, parse_bytes  # noqa: E402
 from hybridps.planner.optimizers import check_optimizer_states  # noqa: E402
 from hybridps.train_args import DESCRIPTION, add_arguments  # noqa: E402
+from hybridps.train_speed import predict_run, run_rates, speed_summary, speed_text  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridps.common.config import Config
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> dict:
         check_optimizer_states(args.optimizer, args.optimizer_states)
     except hybridps.ConfigError as exc:
         raise SystemExit(f"--optimizer {args.optimizer}: {exc}") from None
+    rates = run_rates(args)  # a bad --rates: its error now, not after the model is built
     torch.manual_seed(args.seed)
     data = read_corpus(args.data, parse_bytes(args.data_bytes)) if args.data else stdlib_text(parse_bytes(args.data_bytes))
     micro = args.batch // world
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     optimizer = _optimizer(args, task)
     rows = len(registration.state_kinds(optimizer))  # the optimizer's state rows, 4 B a param each in fp32
     devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows)
+    if "nvme" in devices and not (args.nvme_path or base.nvme_path):
+        raise SystemExit("--nvme: the disk tier needs its directory, --nvme-path DIR (on a local disk, not a tmpfs)")
     config = base.replace(
         devices=devices,
         nvme_path=args.nvme_path or base.nvme_path,
@@ -144,10 +148,19 @@ def run(args: argparse.Namespace) -> dict:
     if args.resume:
         state = engine.load_checkpoint(args.resume, lr_scheduler=scheduler) or {}
         start = int(state.get("next_step", engine.global_step))
+    prediction = None
+    if args.predict and rank == 0:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks on this node
+        prediction = predict_run(args, engine, rates, micro=micro, local_world=local_world, nodes=max(1, world // local_world))
+        if not args.quiet:
+            print(prediction.describe(), file=sys.stderr)
+        if prediction.warning:
+            logger.warning("%s", prediction.warning)
     stats0 = engine.memory_stats()
-    losses, tokens, elapsed = _train_steps(
+    losses, tokens, step_seconds = _train_steps(
         args, engine, batches=task.batches, scheduler=scheduler, loss_of=loss_of, start=start, rank=rank, world=world
     )
+    elapsed = sum(step_seconds)
     val = _validation_loss(engine, task.batches, micro, rank, world, loss_of)
     if args.save:
         task.hf_task.save(engine, model, args.save, rank)
@@ -158,6 +171,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace:
         engine.export_trace(f"{args.trace}.rank{rank}" if world > 1 else args.trace)
     summary = _summary(args, task.n_params, world, losses, val, tokens, elapsed, engine.memory_stats(), stats0)
+    summary["speed"] = speed_summary(prediction, step_seconds, args.batch * args.seq // world) if rank == 0 else None
     if args.losses is not None and rank == 0:
         args.losses.write_text(json.dumps(losses))
     if rank == 0:
@@ -297,16 +311,18 @@ def _lr_factor(warmup_steps: int, steps: int):
 
 def _train_steps(
     args: argparse.Namespace, engine, *, batches: TokenBatches, scheduler, loss_of, start: int, rank: int, world: int
-) -> tuple[list[float], int, float]:
+) -> tuple[list[float], int, list[float]]:
     """``args.steps`` training steps from step ``start``, each rank on its rows of the global
     batch, with a progress bar on rank 0: (the loss of each step averaged over ranks, tokens
-    trained on, seconds)."""
+    trained on, each step's seconds)."""
     micro = args.batch // world
     bar = _progress(args, rank, start)
     losses: list[float] = []
     t_start = time.perf_counter()
     tokens = 0
+    step_seconds: list[float] = []
     for step in range(start, start + args.steps):
+        t_step = time.perf_counter()
         x, y = batches.get(step, args.batch)
         x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
         loss = loss_of(x, y)
@@ -316,6 +332,7 @@ def _train_steps(
         engine.zero_grad()
         scheduler.step()
         value = _mean_over_ranks(loss.detach(), world)
+        step_seconds.append(time.perf_counter() - t_step)
         losses.append(value)
         tokens += args.batch * args.seq
         if bar is not None:
@@ -329,7 +346,7 @@ def _train_steps(
             print(f"step {step + 1}: loss {value:.4f}", file=sys.stderr)
     if bar is not None:
         bar.close()
-    return losses, tokens, time.perf_counter() - t_start
+    return losses, tokens, step_seconds
 
 
 def _summary(
@@ -434,6 +451,8 @@ def _summary_text(s: dict) -> str:
     if "nvme" in s:
         n = s["nvme"]
         lines.append(f"  disk tier {n['path']}: read {format_bytes(n['read_bytes'])}, written {format_bytes(n['written_bytes'])}")
+    if s.get("speed"):
+        lines.append(speed_text(s["speed"]))
     if s["checkpoint"]:
         lines.append(f"checkpoint: {s['checkpoint']}")
     if s.get("saved"):
@@ -448,7 +467,19 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("HYBRIDPS_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
-    run(args)
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``hybridps train``: 0, or 2 with the error's message (which says the fix) when the
+    engine refuses the run, a device too small for it say, instead of a traceback."""
+    from hybridps.common.errors import HybridPSError
+
+    try:
+        run(args)
+    except HybridPSError as exc:
+        print(f"hybridps train: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

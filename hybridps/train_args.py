@@ -89,6 +89,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        metavar="PROFILE_OR_FILE",
+        help="the rates for the predicted step set beside the measured one: h100 or h200 (shipped profiles), "
+        "this-machine or a JSON file (default: what `hybridps calibrate` stored, if anything)",
+    )
+    ap.add_argument(
+        "--predict",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the run before its first step and report its predicted step beside the measured one (default on)",
+    )
     hf = ap.add_argument_group("a Hugging Face causal LM instead of the byte-level GPT (needs transformers)")
     hf.add_argument("--model", type=Path, default=None, help="a local pretrained folder (config, safetensors, tokenizer)")
     hf.add_argument("--model-config", type=Path, default=None, help="a config.json (or its folder): random init")

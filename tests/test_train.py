@@ -90,6 +90,21 @@ def test_a_missing_data_path_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "no such file or folder" in proc.stderr
 
 
+def test_a_run_the_engine_refuses_exits_with_its_message_and_fix_not_a_traceback(capsys):
+    """A GPU smaller than one module's param chunks: the engine's ConfigError, with its fix,
+    as the command's error (status 2); a disk tier without its directory: refused before
+    anything runs."""
+    from hybridps.train import main
+
+    args = ["--steps", "2", "--batch", "2", "--eval-every", "0", "--data-bytes", "256KiB", "--quiet", "--no-predict"]
+    args += ["--layers", "2", "--d-model", "128", "--heads", "4", "--seq", "32"]
+    assert main([*args, "--gpu-capacity", "64KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "hybridps train: error: ConfigError" in err and "Raise the capacity" in err and "Traceback" not in err
+    with pytest.raises(SystemExit, match="--nvme-path"):
+        main([*args, "--nvme", "1GiB"])
+
+
 # -- a local Hugging Face causal LM ---------------------------------------------------------
 
 
