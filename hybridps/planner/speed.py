@@ -11,8 +11,10 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
 
 - FLOPs: model FLOPs ``6 N T + 12 L d S T`` (N params, T tokens, L layers, d hidden, S
   sequence: the formula of scripts/gpu_validate.py, recomputation not counted), plus with
-  activation checkpointing the recomputed forward of the blocks ``2 N' T + 4 L d S T`` (N'
-  without the vocabulary's matrices, which no block holds); ``compute`` is those FLOPs at the
+  activation checkpointing what the backward recomputes, counted on meta ([Note: what
+  checkpointing recomputes] in counted_work.py; where the model cannot be counted, the blocks'
+  whole forward ``2 N' T + 4 L d S T``, N' without the vocabulary's matrices, which no block
+  holds); ``compute`` is those FLOPs at the
   rates' TFLOPS for the model's hidden size and tokens a micro-batch (where the rates timed
   several counts: at 128 tokens the VM's blocks ran 10-25% slower a FLOP than at 1024, the
   third shape of the plan_speed bench predicted at 0.76x until they did), less the ``6 P T``
@@ -144,7 +146,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridps.common.errors import ConfigError
-from hybridps.planner.counted_work import CountedShape, counted_shape
+from hybridps.planner.counted_work import CountedShape, counted_shape, recomputed_flops
 from hybridps.planner.op_tally import beyond_gpt
 from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS
 from hybridps.planner.rates import MachineRates
@@ -167,6 +169,9 @@ class StepWork:
     head_dim: int = 0
     micro_batches: int = 1
     checkpoint: bool = False
+    #: under checkpointing, the FLOPs a micro-batch recomputes, counted on meta ([Note: what
+    #: checkpointing recomputes] in counted_work.py); None: the blocks' whole forward
+    recompute_flops: float | None = None
     precision: str = "fp16"
     optimizer_states: str = "fp32"
     #: the optimizer trained with (``optimizers.OPTIMIZER_NAMES``)
@@ -296,9 +301,13 @@ class StepWork:
         (a counted model: its forward's and backward's, recomputation inside)."""
         if self.counted is not None:
             return self.counted.step_flops * self.micro_batches
+        if not self.checkpoint:
+            return self.model_flops
+        if self.recompute_flops is not None:
+            return self.model_flops + self.recompute_flops * self.micro_batches
         t = self.tokens
         recompute = 2.0 * (self.n_params - self.vocab_params) * t + 4.0 * self.n_layer * self.d_model * self.seq_len * t
-        return self.model_flops + (recompute if self.checkpoint else 0.0)
+        return self.model_flops + recompute
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -361,12 +370,14 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         raise ConfigError(f"no steady step to time: the simulation did not finish ({sim.failure})")
     shaped = all(hasattr(model, a) for a in ("d_model", "seq_len", "batch_size"))
     if shaped and not getattr(model, "mixture_of_experts", False):
+        checkpoint = bool(getattr(model, "checkpoint", False))
         shape = dict(
+            recompute_flops=recomputed_flops(model, sim.precision) if checkpoint else None,
             d_model=model.d_model,
             seq_len=model.seq_len,
             batch_size=model.batch_size,
             head_dim=int(getattr(model, "head_dim", 0) or 0),
-            checkpoint=bool(getattr(model, "checkpoint", False)),
+            checkpoint=checkpoint,
             vocab_size=int(getattr(model, "vocab_size", 0) or 0),
             tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
             lookup_params=sim.lookup_params,
