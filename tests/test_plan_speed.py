@@ -216,6 +216,7 @@ def test_attention_timed_apart_computes_at_its_rate_for_the_sequence_and_head_si
 
 def test_another_optimizer_steps_at_its_timed_speed_over_fused_adamw(tmp_path):
     speeds = {"sgd": ((1024, 2.0),), "rprop": ((1024, 0.1),), "muon": ((256, 0.03), (1024, 0.06))}
+    speeds["adafactor"] = ((256, 0.3), (1024, 0.12))
     r = _rates(optimizer_speed=speeds)
     assert r.optimizer_speed_at("adamw", 4096) == r.optimizer_speed_at("adam", 64) == 1.0  # the chunked Adam's own
     assert r.optimizer_speed_at("sgd", 4096) == r.optimizer_speed_at("sgd", 64) == 2.0  # one side timed: any
@@ -223,6 +224,9 @@ def test_another_optimizer_steps_at_its_timed_speed_over_fused_adamw(tmp_path):
     assert r.optimizer_speed_at("muon", 128) == 0.03  # flat below the sides timed
     assert r.optimizer_speed_at("muon", 512) == pytest.approx(0.045)  # halfway in log(side)
     assert r.optimizer_speed_at("muon", 4096) == pytest.approx(0.06 / 4)  # in proportion beyond the largest
+    # an element-wise one: faster where a param fits in the cache, flat beyond the largest
+    assert r.optimizer_speed_at("adafactor", 128) == 0.3 and r.optimizer_speed_at("adafactor", 8192) == 0.12
+    assert r.optimizer_speed_at("adafactor", 512) == pytest.approx(0.21)
     adamw = predict_work(WORK, r)
     for name, speed in (("sgd", 2.0), ("rprop", 0.1)):
         pred = predict_work(dataclasses.replace(WORK, optimizer=name), r)

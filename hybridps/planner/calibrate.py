@@ -40,7 +40,6 @@ import datetime
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,8 @@ from typing import Any
 from hybridps.planner.calibrate_attention import attention_step, attention_table, dense_tflops
 from hybridps.planner.calibrate_attention import sources as attention_sources
 from hybridps.planner.calibrate_collectives import measured_or_why
+from hybridps.planner.calibrate_disk import disk_gbps
+from hybridps.planner.calibrate_disk import sources as disk_sources
 from hybridps.planner.calibrate_elementwise import (
     elementwise_s_per_call,
     elementwise_sources,
@@ -321,32 +322,6 @@ def host_s_per_tensor(device, *, steps: int = 6) -> float:
     return max(0.0, engine_s - plain_s) / tensors
 
 
-def disk_gbps(directory: str | None, *, mib: int = 256) -> tuple[float, float]:
-    """(read, write) GB/s of one file of ``mib`` MiB in ``directory``: written and synced, its
-    pages dropped, read back."""
-    block = os.urandom(8 * _MiB)
-    n = mib * _MiB
-    with tempfile.TemporaryDirectory(dir=directory) as d:
-        path = Path(d) / "rates.bin"
-        t0 = time.perf_counter()
-        with open(path, "wb", buffering=0) as f:
-            for _ in range(n // len(block)):
-                f.write(block)
-            os.fsync(f.fileno())
-        write = time.perf_counter() - t0
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            while os.read(fd, 8 * _MiB):
-                pass
-            read = time.perf_counter() - t0
-        finally:
-            os.close(fd)
-    return n / read / 1e9, n / write / 1e9
-
-
 def _device_name(device) -> str:
     import torch
 
@@ -430,7 +405,7 @@ def calibrate(
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
     elements = (4 if quick else 16) * _MiB
     adam = adam_rates(elements)
-    others = optimizer_speeds(elements=(1 if quick else 4) * _MiB, adam_params_per_s=adam["cpu_adam_params_per_s"], quick=quick)
+    others = optimizer_speeds(adam_params_per_s=adam["cpu_adam_params_per_s"], quick=quick)
 
     gpu_adam = gpu_adam_params_per_s(device, elements) if device.type == "cuda" else adam["cpu_adam_params_per_s"]
     host = host_s_per_tensor(device, steps=3 if quick else 6)
@@ -447,7 +422,7 @@ def calibrate(
             "cpu_adam_params_per_s": f"torch._fused_adamw_ over {elements} fp32 params",
             "cpu_compact_adam_params_per_s": f"compact_adam_ over {elements} params",
             "cpu_cast_params_per_s": "bf16 -> fp32 and fp32 -> bf16 copies",
-            "optimizer_speed": optimizer_sources((1 if quick else 4) * _MiB),
+            "optimizer_speed": optimizer_sources(),
             "gpu_adam_params_per_s": "fused AdamW on the GPU"
             if device.type == "cuda"
             else "the CPU's (a simulated GPU steps on it)",
@@ -458,7 +433,7 @@ def calibrate(
     if node_how:
         sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node_how
     if read:
-        sources["disk_read_gbps"] = sources["disk_write_gbps"] = "a 256 MiB temp file, synced, its pages dropped"
+        sources["disk_read_gbps"] = sources["disk_write_gbps"] = disk_sources()
     rates = MachineRates(
         name=name,
         device=_device_name(device),

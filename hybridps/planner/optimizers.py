@@ -63,6 +63,9 @@ DEFAULT_OPTIMIZER = OPTIMIZER_NAMES[0]
 #: the optimizers the chunked Adam's own kernels step (client/optim/registration.py), the only
 #: ones whose momentum and variance ``optimizer_states="int8"`` keeps compact
 ADAM_KERNEL_OPTIMIZERS = ("adamw", "adam")
+#: the optimizers whose step multiplies matrices (its work an element grows with a matrix's
+#: smaller side); the others make element-wise passes over each param
+MATMUL_OPTIMIZERS = ("muon",)
 
 
 def check_optimizer_name(name: object) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.defaults import PRECISION_NAMES
-from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, OPTIMIZER_NAMES
+from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, MATMUL_OPTIMIZERS, OPTIMIZER_NAMES
 
 #: the environment variable naming the stored calibration's file
 RATES_ENV = "HYBRIDPS_RATES"
@@ -256,15 +256,15 @@ class MachineRates:
     def optimizer_speed_at(self, optimizer: str, hidden: int) -> float | None:
         """``optimizer``'s CPU step speed over fused AdamW's for a model of ``hidden``: 1 for the
         chunked Adam's; another's timed speed, linear in log(side) between the sides timed,
-        flat below them and falling in proportion to ``hidden`` beyond the largest where
-        several were timed (Muon: its FLOPs an element grow with the side, its matmuls' rate no
-        more); None where the rates did not time it."""
+        flat below them and beyond the largest, but for Muon falling in proportion to
+        ``hidden`` beyond the largest where several were timed (its FLOPs an element grow with
+        the side, its matmuls' rate no more); None where the rates did not time it."""
         if optimizer in ADAM_KERNEL_OPTIMIZERS:
             return 1.0
         rows = self.optimizer_speed.get(optimizer)
         if rows is None:
             return None
-        if len(rows) > 1 and hidden > rows[-1][0]:
+        if len(rows) > 1 and hidden > rows[-1][0] and optimizer in MATMUL_OPTIMIZERS:
             return rows[-1][1] * rows[-1][0] / hidden
         return _log_interpolate(rows, hidden, below="flat")
 
