@@ -79,6 +79,24 @@ def test_a_gpt_given_as_a_factory_counts_its_formula_flops_and_shape():
     assert ckpt.step_flops > c.step_flops
 
 
+def test_a_checkpointed_gpt_shape_recomputes_what_torch_reruns_not_its_whole_forward():
+    """torch's non-reentrant checkpoint stops once the saved tensors are back: a GPT block's
+    MLP output projection (4 d^2 of its 12 d^2) never runs again, its attention does."""
+    from hybridps.planner.counted_work import recomputed_flops
+    from hybridps.planner.simulation import simulate
+    from hybridps.planner.speed import step_work
+
+    shape = GPTShape(n_layer=3, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2, checkpoint=True)
+    t, d, s, L = 128, 128, 64, 3
+    assert recomputed_flops(shape, "fp32") == 2 * t * 8 * d * d * L + 4 * L * d * s * t
+    assert recomputed_flops(dataclasses.replace(shape, checkpoint=False), "fp32") == 0.0
+    work = step_work(simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="fp32"), shape)
+    whole = dataclasses.replace(work, recompute_flops=None)  # the formula: the blocks' whole forward
+    assert work.step_flops == work.model_flops + recomputed_flops(shape, "fp32")
+    # the projection the backward never reruns, and the params no matmul multiplies the formula counts
+    assert whole.step_flops - work.step_flops == pytest.approx(2 * t * 4 * d * d * L, rel=0.05)
+
+
 def test_the_blocks_the_rate_timed_come_to_nothing_beyond_it():
     rows = dict((op, nbytes) for op, _, _, nbytes, _ in counted_shape(_blocks_factory(3, 128, 2, 64, 2), "fp32").beyond_block)
     # the block's LayerNorms, GELU, residual adds and its attention's softmax: inside the rates

@@ -43,7 +43,7 @@ from hybridps.planner.timing import median_seconds
 
 #: the hidden sizes the element-wise optimizers are timed at, over one transformer block's
 #: matrices: a param that fits in the cache takes their passes faster
-ELEMENTWISE_SIDES = (256, 1024)
+ELEMENTWISE_SIDES = (256, 768)
 #: the hidden sizes Muon is timed at, over one transformer block's matrices: its time an
 #: element grows with a matrix's smaller side, while its matmuls run faster a FLOP on larger
 #: ones (the VM: 0.037x fused AdamW at 256-square matrices, 0.028x at 1024)

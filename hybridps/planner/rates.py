@@ -6,6 +6,16 @@ taken from the figures recorded in docs/BENCHMARKS.md), where a calibration is s
 (``stored_rates_path``: ``$HYBRIDPS_RATES`` or ``~/.cache/hybridps/rates.json``) and how a
 ``--rates`` argument is resolved (``load_rates``).
 
+[Note: a rate between token counts]
+``hybridps calibrate`` times a block at 128 and 1024 tokens (a micro-batch's rows). A step of
+a block takes a fixed time (its weights read, their grads written, each kernel's launch) and
+a time a token, so its rate ``n / (a + b n)`` rises steeply over the first hundreds of tokens
+and then flattens; a line in log(n) between the two ends reads it low in between. On the VM
+(fp32, one thread) a block of hidden size 1024 ran 102-105 GFLOPS at 128 tokens, 149 at 512
+and 149-153 at 1024: the line gave 134 at 512, the affine time 140. A 3 x 768 GPT at 512
+tokens read 1.156x its step, 1.125x between token counts so; a 768-wide ``hybridps train``
+run 1.10-1.15x. Between the hidden sizes the rates stay linear in log(hidden).
+
 Does not own measuring the rates (``calibrate``) or the prediction (``speed``). Imports no
 torch: the ``hybridps`` command line builds its parsers without it.
 """
@@ -314,10 +324,12 @@ class MachineRates:
     def tflops_at(self, hidden: int, tokens: int | None = None, precision: str | None = None) -> float:
         """The compute rate at ``hidden`` (and ``tokens`` a micro-batch, where the rates were
         measured at several) in ``precision`` (None: ``compute_precision``): linear in the
-        logarithms between entries, flat above the ends and falling below them (``_log_interpolate``)."""
+        logarithms between hidden sizes, between token counts as a step of a fixed time and a
+        time a token takes (``_affine_time``), flat above the ends and falling below them
+        (``_log_interpolate``)."""
         table = self.compute_tflops
         if tokens is not None and self.compute_tflops_by_tokens:
-            table = _by_hidden_at(self.compute_tflops_by_tokens, tokens, below="fall")
+            table = _by_hidden_at(self.compute_tflops_by_tokens, tokens, below="fall", between=_affine_time)
         return _log_interpolate(table, hidden) * self.speed_in(precision, hidden, tokens)[0]
 
     @property
@@ -411,9 +423,9 @@ class MachineRates:
 FALL_BELOW_FLOOR = 0.5
 
 
-def _log_interpolate(table: tuple[tuple[int, float], ...], x: int, *, below: str = "fall") -> float:
-    """``table``'s value at ``x`` (its keys ascending): linear in log(x) between entries,
-    flat above the last; below the first, ``below="fall"`` follows the first segment's
+def _log_interpolate(table: tuple[tuple[int, float], ...], x: int, *, below: str = "fall", between: Any = None) -> float:
+    """``table``'s value at ``x`` (its keys ascending): linear in log(x) between entries (or
+    ``between(x, x0, y0, x1, y1)``), flat above the last; below the first, ``below="fall"`` follows the first segment's
     slope where it rises (a smaller matmul fills fewer of the cores' lanes: on the VM, fp32,
     one thread, a block ran 116 GFLOPS at hidden size 128 and 75 at 64 against 124 at 256),
     no lower than ``FALL_BELOW_FLOOR`` of the first value; ``"flat"``: the first value."""
@@ -427,17 +439,30 @@ def _log_interpolate(table: tuple[tuple[int, float], ...], x: int, *, below: str
         return table[-1][1]
     for (x0, y0), (x1, y1) in zip(table, table[1:], strict=False):
         if x0 <= x <= x1:
+            if between is not None:
+                return between(x, x0, y0, x1, y1)
             return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
     raise AssertionError("unreachable: the table is sorted")
 
 
-def _by_hidden_at(grid: tuple[tuple[int, int, float], ...], x: int, *, below: str = "flat") -> tuple[tuple[int, float], ...]:
+def _affine_time(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    """The rate at ``x`` tokens between rates ``y0`` at ``x0`` and ``y1`` at ``x1``, where a step's
+    time is a fixed part and a part a token (``x / rate`` linear in ``x``): [Note: a rate
+    between token counts]."""
+    t0, t1 = x0 / y0, x1 / y1
+    return x / (t0 + (x - x0) * (t1 - t0) / (x1 - x0))
+
+
+def _by_hidden_at(
+    grid: tuple[tuple[int, int, float], ...], x: int, *, below: str = "flat", between: Any = None
+) -> tuple[tuple[int, float], ...]:
     """A (hidden size, key, value) grid, sorted, read at key ``x``: each hidden size's value
-    there (``_log_interpolate`` over its keys, ``below`` its first as it says)."""
+    there (``_log_interpolate`` over its keys, ``below`` its first as it says, ``between`` two
+    keys as it says)."""
     rows: dict[int, list[tuple[int, float]]] = {}
     for h, key, value in grid:
         rows.setdefault(h, []).append((key, value))
-    return tuple((h, _log_interpolate(tuple(row), x, below=below)) for h, row in rows.items())
+    return tuple((h, _log_interpolate(tuple(row), x, below=below, between=between)) for h, row in rows.items())
 
 
 def _grid(rows: Any, width: int) -> tuple[tuple, ...] | None:
