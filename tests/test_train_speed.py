@@ -109,3 +109,25 @@ def test_the_steady_step_is_the_median_after_the_warm_up():
     none = speed_summary(RunPrediction(note="no rates"), [], 100)
     assert none["measured_step_s"] is None and none["note"] == "no rates"
     assert "no steady step" in speed_text(none) and "no rates" in speed_text(none)
+
+
+def _plan_on_rank_zero(rank, world):
+    """Rank 0 plans while rank 1 waits at a barrier: the plan's simulation is one process of
+    its own and must not join the job's process group (it hung there, waiting on rank 1)."""
+    import torch.distributed as dist
+
+    import hybridps
+    from hybridps.planner.model import GPTShape
+
+    fits = None
+    if rank == 0:
+        shape = GPTShape(n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=16, batch_size=2)
+        fits = hybridps.plan(shape, gpus="1x64MiB", cpu="1GiB", simulated_gpus=True, search_largest=False).hybridps.fits
+    dist.barrier()
+    return fits
+
+
+def test_a_plan_made_on_one_rank_of_a_job_runs_as_one_process():
+    from tests.dist import run_ranks
+
+    assert run_ranks(_plan_on_rank_zero, 2, timeout_s=90) == [True, None]

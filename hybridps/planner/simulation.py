@@ -28,11 +28,12 @@ from torch import nn
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.store import MOMENT_KINDS
+from hybridps.client.client import Client
 from hybridps.client.optim.device_casts import casts_on_gpu_on
 from hybridps.common.config import Config
 from hybridps.common.devices import NVME
 from hybridps.common.errors import CapacityError, ConfigError
-from hybridps.engine import initialize
+from hybridps.engine import Engine
 from hybridps.planner.attention import meta_attention_as_flash
 from hybridps.planner.chunk_rows import ChunkRows, chunk_rows
 from hybridps.planner.meta_kernels import remembered_meta_kernels
@@ -251,7 +252,14 @@ def simulate(
         after: dict[str, int] = {}
         host_before: dict[str, int] = {}
         try:
-            engine = initialize(module, torch_optimizer, config)
+            # one process whatever the caller runs in: a plan made on a rank of a training job
+            # (hybridps train's own prediction) must not join that job's process group
+            alone = Client(config, rank=0, local_rank=0, world_size=1)
+            try:
+                engine = Engine(module, torch_optimizer, config, client=alone)
+            except BaseException:
+                alone.close(restore=False)
+                raise
             with meta_attention_as_flash(), _family_context(model), _step_context(optimizer):
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
