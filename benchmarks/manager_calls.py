@@ -88,9 +88,10 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
     assert start is not None
     calls = counting.calls - start
     per_step = {verb: calls[verb] / args.steps for verb in sorted(calls)}
-    # what the client holds: its chunks, and on the CPU its idle pooled buffers
+    # what the client holds: its chunks, and on the CPU what it books beside them (idle pooled
+    # buffers, payloads in flight, the host arena's bytes that are no chunk's)
     held = dict(client.mover.used_bytes)
-    held["cpu"] += client.mover.pool.held_bytes
+    held["cpu"] += client.mover.host.side_bytes()
     held = {d: s for d, s in held.items() if s}
     booked = _booked(counting.inner)
     result = {
@@ -102,6 +103,7 @@ def run_case(args, fraction: float, manager: str | None) -> dict:
         "evictions_per_step": (client.mover.counts.evictions - evictions0) / args.steps,
         "pool": client.mover.pool.stats(),
         "ledger_matches": booked == held,
+        **({} if booked == held else {"booked_bytes": booked, "held_bytes": held}),
         "losses": losses,
     }
     client.mover.host.connection = counting.inner

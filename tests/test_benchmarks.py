@@ -225,7 +225,15 @@ def _check_step_profile(out: dict) -> None:
     assert not hasattr(Chunk.wait_ready, "__wrapped__") and not hasattr(ChunkArithmetic.compute, "__wrapped__"), "restored"
 
 
+def _check_manager_calls(out: dict) -> None:
+    """Every case's manager books what its client holds (the standard the daemon keeps)."""
+    for manager, cases in out["results"].items():
+        for case, result in cases.items():
+            assert result["ledger_matches"], (manager, case, result.get("booked_bytes"), result.get("held_bytes"))
+
+
 CHECKS = {
+    "manager_calls": _check_manager_calls,
     "step_profile": _check_step_profile,
     "optimizers": _check_optimizers,
     "host_churn": _check_host_churn,
