@@ -18,7 +18,7 @@ torch's Adafactor stepped 261 M params/s over 384-square matrices and 95 M over 
 ones. Timed over 1024-square matrices alone, Adafactor put ``hybridps train --optimizer
 adafactor`` (a GPT of hidden size 384) at 1.19x its measured step, its CPU step at 0.075 s
 where the model's own matrices took 0.032 s. So each is timed over one transformer block's
-matrices (as Muon's below) at two hidden sizes, ``ELEMENTWISE_SIDES``, and read at the model's
+matrices (as Muon's below) at three hidden sizes, ``ELEMENTWISE_SIDES``, and read at the model's
 hidden size, flat beyond them (a larger param's passes all run from memory). Muon orthogonalizes each matrix's update with five
 Newton-Schulz iterations, about ``30 m`` FLOPs an element of an ``m x n`` matrix (m <= n),
 while its matmuls run faster a FLOP on larger matrices, and a thin matrix costs less an
@@ -42,8 +42,12 @@ from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS, MATMUL_OPTIMIZER
 from hybridps.planner.timing import median_seconds
 
 #: the hidden sizes the element-wise optimizers are timed at, over one transformer block's
-#: matrices: a param that fits in the cache takes their passes faster
-ELEMENTWISE_SIDES = (256, 768)
+#: matrices: a param that fits in the cache takes their passes faster, and the fall is steep
+#: (Adafactor on the VM, 2 MiB of L2 a core: 210, 201, 110, 104 and 89 M params/s at 256,
+#: 384, 512, 768 and 1024; read between 256 and 768 alone, 512 came to 150 and a 6 x 512 GPT
+#: stepping it on the CPU to 0.83x its step). At 768 the matrices (2.4-9.4 MB) are past the
+#: cache, as a larger model's are.
+ELEMENTWISE_SIDES = (256, 512, 768)
 #: the hidden sizes Muon is timed at, over one transformer block's matrices: its time an
 #: element grows with a matrix's smaller side, while its matmuls run faster a FLOP on larger
 #: ones (the VM: 0.037x fused AdamW at 256-square matrices, 0.028x at 1024)
