@@ -129,7 +129,7 @@ def speed_summary(prediction: RunPrediction | None, step_seconds: list[float], t
     """The summary's ``speed``: the measured steady step, and the prediction beside it."""
     measured = steady_step_seconds(step_seconds)
     out: dict[str, Any] = {
-        "measured_step_s": None if measured is None else round(measured, 4),
+        "measured_step_s": None if measured is None else round(measured, 6),
         "measured_tokens_per_s": None if not measured else round(tokens_per_step / measured, 1),
         "steady_steps": max(0, len(step_seconds) - WARMUP_STEPS) or len(step_seconds),
     }
@@ -139,7 +139,7 @@ def speed_summary(prediction: RunPrediction | None, step_seconds: list[float], t
     if s is None:
         return out | {"predicted_step_s": None, "note": prediction.note}
     return out | {
-        "predicted_step_s": round(s.predicted_step_seconds, 4),
+        "predicted_step_s": round(s.predicted_step_seconds, 6),
         "predicted_tokens_per_s": round(s.tokens_per_second, 1),
         "predicted_over_measured": round(s.predicted_step_seconds / measured, 3) if measured else None,
         "bound_by": s.bound_by,

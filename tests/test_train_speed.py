@@ -50,7 +50,7 @@ def test_a_run_predicts_its_step_as_hybridps_plan_does_and_sets_the_measured_one
     assert speed["predicted_step_s"] == pytest.approx(planned["speed"]["predicted_step_seconds"], abs=1e-4)
     assert speed["bound_by"] == planned["speed"]["bound_by"] and speed["rates"] == "test"
     assert speed["steady_steps"] == 4 - WARMUP_STEPS and speed["measured_step_s"] > 0
-    assert speed["predicted_over_measured"] == pytest.approx(speed["predicted_step_s"] / speed["measured_step_s"], abs=2e-3)
+    assert speed["predicted_over_measured"] == pytest.approx(speed["predicted_step_s"] / speed["measured_step_s"], rel=0.02)
     assert summary["moves"] > 0  # the 3 MiB GPU holds less than the model data: the plan saw that too
     assert planned["speed"]["parts"]["link"] > 0 and speed["parts"]["link"] == pytest.approx(
         planned["speed"]["parts"]["link"], abs=1e-4

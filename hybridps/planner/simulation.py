@@ -252,14 +252,7 @@ def simulate(
         after: dict[str, int] = {}
         host_before: dict[str, int] = {}
         try:
-            # one process whatever the caller runs in: a plan made on a rank of a training job
-            # (hybridps train's own prediction) must not join that job's process group
-            alone = Client(config, rank=0, local_rank=0, world_size=1)
-            try:
-                engine = Engine(module, torch_optimizer, config, client=alone)
-            except BaseException:
-                alone.close(restore=False)
-                raise
+            engine = _engine_alone(module, torch_optimizer, config)
             with meta_attention_as_flash(), _family_context(model), _step_context(optimizer):
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
@@ -291,6 +284,18 @@ def simulate(
     finally:
         if engine is not None:
             engine.client.close(restore=False)
+
+
+def _engine_alone(module, optimizer, config: Config) -> Engine:
+    """The engine of ``module`` as one rank of one, whatever process group the caller runs in:
+    a plan made on a rank of a training job (``hybridps train``'s own prediction, or
+    ``hybridps.plan`` in a script under torchrun) must not join that job's collectives."""
+    alone = Client(config, rank=0, local_rank=0, world_size=1)
+    try:
+        return Engine(module, optimizer, config, client=alone)
+    except BaseException:
+        alone.close(restore=False)
+        raise
 
 
 def _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_bytes, chunk_size, optimizer_states) -> Config:
