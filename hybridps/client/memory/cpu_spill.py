@@ -21,6 +21,7 @@ builds one only with a disk tier: without one nothing here runs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,6 +39,9 @@ CPU = "cpu"
 #: how often an operation that books on the CPU sends chunks to the disk and tries again when
 #: the node manager refuses it (``CpuSpill.with_room``)
 SPILL_ATTEMPTS = 8
+#: the first wait before trying again when this client has nothing left to send down, doubled
+#: each time (2.5 s over the attempts in all): another rank's writes in flight land meanwhile
+SPILL_WAIT_S = 0.02
 
 
 class Tally(Protocol):
@@ -99,14 +103,20 @@ class CpuSpill:
         """``operation()``, which books ``size`` bytes on the CPU; when the node manager refuses
         them (the CPU is the node's: another rank took the room the local budget saw), this
         client's chunks there go to the disk for them and it is tried again, a few times, since
-        another rank may take the room first again."""
+        another rank may take the room first again. When nothing of this client's is left to
+        send (its chunks there all in use), the room is another rank's for now (its writes in
+        flight hold their old payloads until they land): it waits a little, longer each time,
+        and tries again (``SPILL_WAIT_S``)."""
         for attempt in range(SPILL_ATTEMPTS):
             try:
                 return operation()
             except CapacityError:
                 if attempt == SPILL_ATTEMPTS - 1:
                     raise
-                self.send_down(lambda freed: freed >= size, protect=protect, who=who, size=size)
+                try:
+                    self.send_down(lambda freed: freed >= size, protect=protect, who=who, size=size)
+                except CapacityError:
+                    time.sleep(SPILL_WAIT_S * 2**attempt)
 
     def send_down(self, enough: Callable[[int], bool], *, protect: Collection[Chunk], who: object, size: int) -> None:
         """Send chunks on the CPU (not in ``protect``) to the disk, the policy's victims first
@@ -125,9 +135,12 @@ class CpuSpill:
                 freed += self.host.release_idle_segments() if group is pinned else victim.nbytes
         if not enough(freed):
             # last: the old payloads the writes still read back to the pool and the arena, whose
-            # idle buffers and empty segments then go
+            # idle buffers and empty segments then go, their bookings with them (counted: they
+            # were room this client held, and ``with_room`` tries its booking again in it)
+            side = self.host.side_bytes()
             self.host.land_in_flight()
             self.host.release()
+            freed += max(0, side - self.host.side_bytes())
         if not enough(freed):
             raise CapacityError(
                 self.figures.no_room_message(CPU, size_bytes=size, budget_bytes=self.cpu_budget(), who=who, protect=protect)

@@ -105,3 +105,46 @@ def test_a_rank_whose_chunks_on_the_cpu_are_all_in_use_says_it_has_no_room():
     spill, _ = _spill(chunks, _Host(pooled=0, arena_idle=0), sharers=2)
     with pytest.raises(CapacityError, match="cpu has no room"):
         spill.make_room(10, protect=tuple(chunks), who="a bring", coming=None)
+
+
+def test_a_refused_booking_is_tried_again_in_the_room_its_own_pooled_buffers_gave_back():
+    """Its chunks there all in use, the client still holds idle pooled buffers (old payloads
+    its writes to the disk read): they go, their bytes count as room freed, and the booking is
+    tried again instead of failing."""
+    chunks = [_Chunk(30)]
+    host = _Host(pooled=20, arena_idle=0)
+    spill, sent = _spill(chunks, host, sharers=2)
+    tries = []
+
+    def booking():  # the node manager refuses while the pooled buffers hold the room
+        tries.append(host.pooled)
+        if host.pooled:
+            raise CapacityError("the node's cpu is full")
+        return "booked"
+
+    assert spill.with_room(booking, 10, protect=tuple(chunks), who="a bring") == "booked"
+    assert tries == [20, 0] and sent == [] and host.released == 1
+
+
+def test_with_nothing_of_its_own_left_to_send_it_waits_for_another_ranks_room(monkeypatch):
+    """Its chunks all in use and nothing pooled: the room is another rank's for now; it
+    waits, longer each time, and books once the other rank gave it back."""
+    from hybridps.client.memory import cpu_spill
+
+    slept = []
+    monkeypatch.setattr(cpu_spill.time, "sleep", slept.append)
+    chunks = [_Chunk(30)]
+    spill, sent = _spill(chunks, _Host(pooled=0, arena_idle=0), sharers=2)
+    refusals = iter(range(3))
+
+    def booking():  # another rank gives its room back after three refusals
+        if next(refusals, None) is not None:
+            raise CapacityError("the node's cpu is full")
+        return "booked"
+
+    assert spill.with_room(booking, 10, protect=tuple(chunks), who="a bring") == "booked"
+    assert slept == [cpu_spill.SPILL_WAIT_S * 2**i for i in range(3)] and sent == []
+    never = lambda: (_ for _ in ()).throw(CapacityError("the node's cpu is full"))  # noqa: E731
+    with pytest.raises(CapacityError, match="full"):  # at most SPILL_ATTEMPTS tries, then its error
+        spill.with_room(never, 10, protect=tuple(chunks), who="a bring")
+    assert len(slept) == 3 + cpu_spill.SPILL_ATTEMPTS - 1
