@@ -42,21 +42,9 @@ import torch
 from benchmarks import harness
 from hybridps.client.memory.scratch_file import ScratchFile
 from hybridps.common.units import parse_bytes
+from hybridps.planner.calibrate_disk import drop_pages
 
 NAME = "nvme"
-
-
-def _drop_cache(path: pathlib.Path) -> bool:
-    """fsync ``path`` and drop its pages from the page cache; False where that is not possible."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if not hasattr(os, "posix_fadvise"):
-            return False
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    finally:
-        os.close(fd)
 
 
 def _mount_of(directory: pathlib.Path) -> dict:
@@ -100,7 +88,7 @@ def raw_round(path: pathlib.Path, source: torch.Tensor, chunks: int) -> tuple[fl
     finally:
         os.close(fd)
     write_s = time.perf_counter() - t0
-    dropped = _drop_cache(path)
+    dropped = drop_pages(path)
     sink = memoryview(torch.empty_like(source).numpy())
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
@@ -122,7 +110,7 @@ def tier_round(sf: ScratchFile, chunks: list[torch.Tensor], back: list[torch.Ten
     os.fsync(fd)
     os.close(fd)
     write_s = time.perf_counter() - t0
-    dropped = _drop_cache(sf.path)
+    dropped = drop_pages(sf.path)
     t0 = time.perf_counter()
     tickets = [sf.read(key, buf, f"chunk {key}") for key, buf in enumerate(back)]
     for ticket in tickets:

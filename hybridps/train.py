@@ -32,7 +32,7 @@ from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
 from hybridps.common.units import format_bytes, parse_bytes  # noqa: E402
 from hybridps.planner.optimizers import check_optimizer_states  # noqa: E402
 from hybridps.train_args import DESCRIPTION, add_arguments  # noqa: E402
-from hybridps.train_speed import predict_run, run_rates, speed_summary, speed_text  # noqa: E402
+from hybridps.train_speed import NOT_PREDICTED, predict_run, run_rates, speed_summary, speed_text  # noqa: E402
 
 if TYPE_CHECKING:
     from hybridps.common.config import Config
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.resume:
         state = engine.load_checkpoint(args.resume, lr_scheduler=scheduler) or {}
         start = int(state.get("next_step", engine.global_step))
-    prediction = None
+    prediction = NOT_PREDICTED
     if args.predict and rank == 0:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks on this node
         prediction = predict_run(args, engine, rates, micro=micro, local_world=local_world, nodes=max(1, world // local_world))

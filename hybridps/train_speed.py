@@ -125,7 +125,11 @@ def steady_step_seconds(step_seconds: list[float]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-def speed_summary(prediction: RunPrediction | None, step_seconds: list[float], tokens_per_step: int) -> dict:
+#: the prediction of a run told not to plan (``--no-predict``)
+NOT_PREDICTED = RunPrediction(note="not predicted (--no-predict)")
+
+
+def speed_summary(prediction: RunPrediction, step_seconds: list[float], tokens_per_step: int) -> dict:
     """The summary's ``speed``: the measured steady step, and the prediction beside it."""
     measured = steady_step_seconds(step_seconds)
     out: dict[str, Any] = {
@@ -133,8 +137,6 @@ def speed_summary(prediction: RunPrediction | None, step_seconds: list[float], t
         "measured_tokens_per_s": None if not measured else round(tokens_per_step / measured, 1),
         "steady_steps": max(0, len(step_seconds) - WARMUP_STEPS) or len(step_seconds),
     }
-    if prediction is None:
-        return out | {"predicted_step_s": None, "note": "not predicted (--no-predict)"}
     s = prediction.speed
     if s is None:
         return out | {"predicted_step_s": None, "note": prediction.note}

@@ -58,7 +58,7 @@ def disk_gbps(directory: str | None, *, chunk_mib: int = CHUNK_MIB, chunks: int 
             t0 = time.perf_counter()
             _wait([sf.write(key, buf, f"chunk {key}") for key, buf in enumerate(out)])
             write = time.perf_counter() - t0
-            _drop_pages(sf.path)
+            drop_pages(sf.path)
             t0 = time.perf_counter()
             _wait([sf.read(key, buf, f"chunk {key}") for key, buf in enumerate(back)])
             read = time.perf_counter() - t0
@@ -81,13 +81,15 @@ def _wait(tickets: list) -> None:
         ticket.synchronize()
 
 
-def _drop_pages(path: str | os.PathLike) -> None:
-    """The file's dirty pages written and its pages dropped from the page cache (where the
-    system can), so the read comes from the disk (buffered headers included)."""
+def drop_pages(path: str | os.PathLike) -> bool:
+    """The file's dirty pages written and its pages dropped from the page cache, so a read
+    comes from the disk (buffered headers included); False where the system cannot drop them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
     finally:
         os.close(fd)

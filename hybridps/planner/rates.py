@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -423,7 +423,9 @@ class MachineRates:
 FALL_BELOW_FLOOR = 0.5
 
 
-def _log_interpolate(table: tuple[tuple[int, float], ...], x: int, *, below: str = "fall", between: Any = None) -> float:
+def _log_interpolate(
+    table: tuple[tuple[int, float], ...], x: int, *, below: str = "fall", between: Callable[..., float] | None = None
+) -> float:
     """``table``'s value at ``x`` (its keys ascending): linear in log(x) between entries (or
     ``between(x, x0, y0, x1, y1)``), flat above the last; below the first, ``below="fall"`` follows the first segment's
     slope where it rises (a smaller matmul fills fewer of the cores' lanes: on the VM, fp32,
@@ -454,7 +456,7 @@ def _affine_time(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
 
 
 def _by_hidden_at(
-    grid: tuple[tuple[int, int, float], ...], x: int, *, below: str = "flat", between: Any = None
+    grid: tuple[tuple[int, int, float], ...], x: int, *, below: str = "flat", between: Callable[..., float] | None = None
 ) -> tuple[tuple[int, float], ...]:
     """A (hidden size, key, value) grid, sorted, read at key ``x``: each hidden size's value
     there (``_log_interpolate`` over its keys, ``below`` its first as it says, ``between`` two
