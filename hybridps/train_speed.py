@@ -92,7 +92,9 @@ def predict_run(args: argparse.Namespace, engine, rates, *, micro: int, local_wo
         gpu = devices.get(compute.name)
         if gpu is None or not compute.is_gpu:
             return RunPrediction(note="the run computes on the CPU: the plan predicts a GPU's step")
-        cpu = devices["cpu"]["capacity_bytes"] * local_world  # each rank's share of the node's host memory
+        # the node's host memory: every rank of the node sees the same CPU, which the node's
+        # manager shares among them (each keeps to its share, cpu_spill.py), as a plan's --cpu is
+        cpu = devices["cpu"]["capacity_bytes"]
         nvme = devices.get("nvme", {}).get("capacity_bytes")
         config = engine.config
         report = plan(

@@ -10,7 +10,15 @@ import json
 import pytest
 
 from hybridps.common.errors import ConfigError
-from hybridps.train_speed import WARMUP_STEPS, RunPrediction, planned_model, speed_summary, speed_text, steady_step_seconds
+from hybridps.train_speed import (
+    WARMUP_STEPS,
+    RunPrediction,
+    planned_model,
+    predict_run,
+    speed_summary,
+    speed_text,
+    steady_step_seconds,
+)
 from tests.synthetic_rates import synthetic_rates
 
 RUN = ["--steps", "4", "--batch", "2", "--eval-every", "100", "--data-bytes", "256KiB", "--quiet"]
@@ -131,3 +139,35 @@ def test_a_plan_made_on_one_rank_of_a_job_runs_as_one_process():
     from tests.dist import run_ranks
 
     assert run_ranks(_plan_on_rank_zero, 2, timeout_s=90) == [True, None]
+
+
+def test_several_ranks_plan_the_nodes_cpu_once_not_once_a_rank(monkeypatch):
+    """Each rank of a node reports the node's CPU (the manager shares it among them): the plan
+    of two ranks takes it as the node's host memory, as `hybridps plan --cpu` does."""
+    import types
+
+    from hybridps.planner import search
+
+    asked = {}
+
+    def plan(model, **kw):
+        asked.update(kw)
+        return types.SimpleNamespace(speed=None, speed_note="recorded")
+
+    monkeypatch.setattr(search, "plan", plan)
+    devices = {"cpu": {"capacity_bytes": 8 << 30}, "cuda:0": {"capacity_bytes": 1 << 30, "simulated": True}}
+    config = types.SimpleNamespace(
+        precision="fp32", grad_reuse=True, optimizer_states="fp32", chunk_size=None, casts_on_gpu="auto", shard_group_size="node"
+    )
+    engine = types.SimpleNamespace(
+        memory_stats=lambda: {"devices": devices},
+        client=types.SimpleNamespace(compute=types.SimpleNamespace(name="cuda:0", is_gpu=True)),
+        config=config,
+    )
+    args = argparse.Namespace(
+        model=None, model_config=None, lora=None, layers=2, d_model=64, heads=2, seq=16, checkpointing=False
+    )
+    args.optimizer = "adamw"
+    prediction = predict_run(args, engine, synthetic_rates(simulated_gpu=True), micro=2, local_world=2, nodes=1)
+    assert prediction.note == "recorded"
+    assert asked["cpu"] == 8 << 30 and asked["gpus"] == f"2x{1 << 30}B" and asked["simulated_gpus"]
