@@ -4,7 +4,8 @@ One layout serves every chunk kind (param, grad, fp32 master, momentum, variance
 i of each kind covers the same params and the optimizer can step chunk i of all kinds
 together. Tensors are placed in registration order; a tensor that does not fit in the open
 chunk opens the next one; a tensor larger than the chunk size gets a chunk of its own size
-(see [Note: past an oversize tensor]).
+(see [Note: past an oversize tensor]). Frozen tensors (params no optimizer steps) fill
+chunks of their own (see [Note: frozen chunks]).
 
 The layout never touches tensors, so the capacity planner lays out a 50B-parameter model
 with the same code, from sizes alone.
@@ -22,6 +23,17 @@ sorts them (the grad norm stacks per-param norms as ``clip_grad_norm_`` does, gr
 Several ranks close it instead: a chunk group is gathered whole until every param of it has
 been used, so a chunk serving modules far apart would hold its group's other chunks on the
 GPU between them (tight GPUs ran out of room for that).
+
+[Note: frozen chunks]
+A param that no optimizer steps (a LoRA model's base weights, a frozen embedding) needs its
+param chunk and nothing else: no grad, no optimizer state, no fp32 master where its own dtype
+is the chunk's. Laid out among trained params, each of its chunks would carry a full row of
+every kind for the few trained params beside it: a LoRA model kept Adam's two fp32 rows for
+every base weight (12 bytes a param where 4 carry information, in fp32). So frozen tensors
+are placed in a stream of their own: ``add(numel, frozen=True)`` fills an open chunk that
+takes only frozen tensors, and ``frozen(i)`` says which chunks those are. Each stream keeps
+registration order, so a module's trained and frozen params sit in two chunks, each near
+its neighbours'.
 
 [Note: uniform chunks]
 Chunks of one size are what the rest of the system is best at: a chunk group of equal
@@ -95,21 +107,23 @@ class ChunkLayout:
         self._capacity: list[int] = []  # elements per chunk
         self._members: list[list[int]] = []  # slot indices per chunk
         self._fill: list[int] = []  # next free offset per chunk
-        self._open: int | None = None  # chunk still taking tensors
+        self._frozen: list[bool] = []  # per chunk: it holds frozen tensors ([Note: frozen chunks])
+        self._open: dict[bool, int | None] = {False: None, True: None}  # chunk still taking tensors, per stream
 
-    def add(self, numel: int) -> Slot:
-        """Place a tensor of ``numel`` elements and return its slot."""
+    def add(self, numel: int, *, frozen: bool = False) -> Slot:
+        """Place a tensor of ``numel`` elements and return its slot; a ``frozen`` one (no
+        optimizer steps it) in a chunk of frozen tensors ([Note: frozen chunks])."""
         if numel < 0:
             raise ConfigError(f"a tensor cannot have {numel} elements")
         if numel > self.chunk_size:
-            chunk = self._new_chunk(numel)  # full by construction
+            chunk = self._new_chunk(numel, frozen)  # full by construction
             if not self.fill_past_oversize:
-                self._open = None
+                self._open[frozen] = None
         else:
-            chunk = self._open
+            chunk = self._open[frozen]
             if chunk is None or align_up(self._fill[chunk], self.alignment) + numel > self._capacity[chunk]:
-                chunk = self._new_chunk(self.chunk_size)
-                self._open = chunk
+                chunk = self._new_chunk(self.chunk_size, frozen)
+                self._open[frozen] = chunk
         offset = align_up(self._fill[chunk], self.alignment)
         slot = Slot(len(self.slots), chunk, offset, numel)
         self.slots.append(slot)
@@ -124,20 +138,22 @@ class ChunkLayout:
         clone._capacity = list(self._capacity)
         clone._members = [list(m) for m in self._members]
         clone._fill = list(self._fill)
-        clone._open = self._open
+        clone._frozen = list(self._frozen)
+        clone._open = dict(self._open)
         return clone
 
     def pad_to_multiple(self, n: int) -> None:
         """Close the open chunk and append empty chunks until the count is a multiple of ``n``
         (chunk groups of the data-parallel ranks)."""
-        self._open = None
+        self._open = dict.fromkeys(self._open)
         while self.num_chunks % n:
-            self._new_chunk(self.chunk_size)
+            self._new_chunk(self.chunk_size, False)
 
-    def _new_chunk(self, capacity: int) -> int:
+    def _new_chunk(self, capacity: int, frozen: bool) -> int:
         self._capacity.append(capacity)
         self._members.append([])
         self._fill.append(0)
+        self._frozen.append(frozen)
         return len(self._capacity) - 1
 
     @property
@@ -151,6 +167,10 @@ class ChunkLayout:
     def used(self, chunk: int) -> int:
         """Elements from the start of the chunk to the end of its last tensor."""
         return self._fill[chunk]
+
+    def frozen(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` holds frozen tensors ([Note: frozen chunks])."""
+        return self._frozen[chunk]
 
     def members(self, chunk: int) -> list[Slot]:
         return [self.slots[i] for i in self._members[chunk]]

@@ -48,6 +48,7 @@ class ParamInfo:
     cls: type = nn.Parameter  # the param's own class, restored while it is materialized
     saved_aliases: int = 0  # saved tensors aliasing its value, not yet unpacked (params/pending_grads.py)
     meta_key: int | None = None  # storage of the meta tensor it was built as (deferred_init.py), else None
+    frozen: bool = False  # no optimizer steps it: its chunk is a frozen one (layout.py, [Note: frozen chunks])
 
     @property
     def chunk(self) -> int:
@@ -109,6 +110,24 @@ class ChunkStore:
     @property
     def master_kind(self) -> ChunkKind:
         return ChunkKind.MASTER if self.has_master else ChunkKind.PARAM
+
+    def needs_master(self, frozen: bool, orig_dtype: torch.dtype) -> bool:
+        """Whether a param keeps a master slot: every stepped one where masters exist; a frozen
+        one only where the param chunk's dtype would round its value ([Note: frozen chunks] in
+        layout.py: nothing steps it, so its own dtype in the param chunk is its exact value)."""
+        return self.has_master and (not frozen or orig_dtype != self.param_dtype)
+
+    def value_kind(self, info: ParamInfo) -> ChunkKind:
+        """The row holding ``info``'s full-precision value: its master, or for a frozen param
+        without one its param chunk."""
+        return self.master_kind if self.needs_master(info.frozen, info.orig_dtype) else ChunkKind.PARAM
+
+    def slot_kinds(self, frozen: bool, orig_dtype: torch.dtype) -> list[ChunkKind]:
+        """The kinds laid out with the params whose chunks take a param's slot: every one, or
+        for a frozen param its param chunk (and master, where it keeps one)."""
+        if not frozen:
+            return self.kinds
+        return [k for k in self.kinds if k is ChunkKind.PARAM or (k is ChunkKind.MASTER and self.needs_master(True, orig_dtype))]
 
     @property
     def grad_kind(self) -> ChunkKind:

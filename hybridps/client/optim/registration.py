@@ -216,6 +216,11 @@ def state_layout(optimizer: torch.optim.Optimizer) -> StateLayout:
     return ADAM_LAYOUT if chunked_adam_kernels(optimizer) else probe(optimizer)
 
 
+def stepped_ids(optimizer: object) -> set[int]:
+    """The ids of the params ``optimizer`` (or a list of them) holds in its param groups."""
+    return {id(p) for o in optimizers_of(optimizer) for group in o.param_groups for p in group["params"]}
+
+
 def state_kinds(optimizer: object) -> tuple[ChunkKind, ...]:
     """The row kinds of ``optimizer``'s states (of a list of optimizers: of all of them)."""
     kinds = {k for o in optimizers_of(optimizer) for k in state_layout(o).kinds}

@@ -97,6 +97,9 @@ class ParamRegistry:
         #: the row states of the optimizer that will be registered (the engine's case,
         #: ``register_module(..., optimizer_follows=optimizer)``): registration counts them too
         self._state_kinds_follow: tuple[ChunkKind, ...] = ()
+        #: the ids of the params that optimizer steps, None while it is not known: frozen
+        #: params outside it are laid out in frozen chunks ([Note: frozen chunks] in layout.py)
+        self._stepped_ids: set[int] | None = None
         #: why the client cannot be used after a failed registration, None while it can
         self.broken: str | None = None
         self._chunk_size_auto = self.config.chunk_size is None
@@ -115,6 +118,7 @@ class ParamRegistry:
         the model data fits counts their row states too (and does from then on)."""
         if optimizer_follows is not None:
             self._state_kinds_follow = registration.state_kinds(optimizer_follows)
+            self._stepped_ids = registration.stepped_ids(optimizer_follows)
         if not isinstance(module, nn.Module):
             raise TypeError(f"register_module takes an nn.Module, got {type(module).__name__}")
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in self.store.by_id]
@@ -168,7 +172,7 @@ class ParamRegistry:
         if self.store.layout is None:
             self.store.layout = self._new_layout([p.numel() for _, p in named])
         plan = self.store.layout.copy()
-        slots = [plan.add(p.numel()) for _, p in named]
+        slots = [plan.add(p.numel(), frozen=self._frozen(p)) for _, p in named]
         if self.groups is not None:
             plan.pad_to_multiple(self.shard_size)
         self._check_fits(plan, slots, named, owners)
@@ -185,6 +189,12 @@ class ParamRegistry:
             raise
         self.store.layout = plan
         self._size_pool()
+
+    def _frozen(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` goes to a frozen chunk: it takes no grad and the optimizer that
+        follows does not hold it ([Note: frozen chunks] in layout.py). One rank alone: chunk
+        groups are gathered and reduced whole, frozen or not (not laid out apart yet)."""
+        return self.groups is None and self._stepped_ids is not None and not p.requires_grad and id(p) not in self._stepped_ids
 
     def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
         """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
@@ -230,7 +240,7 @@ class ParamRegistry:
         """Refuse, before anything moves, a capacity that no module could run in, or model
         data that does not fit the devices."""
         self._check_compute_fits(plan, slots, named, owners)
-        self._check_model_data_fits(plan)
+        self._check_model_data_fits(plan, named)
 
     def _check_compute_fits(self, plan: ChunkLayout, slots: list[Slot], named, owners) -> None:
         per_chunk = self.param_dtype.itemsize * (1 if self.config.grad_reuse else 2)  # param (+ grad) chunk
@@ -261,13 +271,14 @@ class ParamRegistry:
                 + (" or lower chunk_size." if not self._chunk_size_auto else ".")
             )
 
-    def _check_model_data_fits(self, plan: ChunkLayout) -> None:
+    def _check_model_data_fits(self, plan: ChunkLayout, named: list[tuple[str, nn.Parameter]]) -> None:
         store = self.store
         kinds = store.kinds + list(self._state_kinds_follow)
-        per_kind = {k: _layout_bytes(store, k, plan) // self.shard_size for k in kinds}
+        masters = _frozen_masters(store, plan, named)
+        per_kind = {k: _layout_bytes(store, k, plan, masters) // self.shard_size for k in kinds}
         total = sum(per_kind.values())
         room = sum(d.capacity_bytes for d in self.inventory) - sum(self.mover.used_bytes.values())
-        already = sum(_layout_bytes(store, k, store.layout) for k in kinds) // self.shard_size if store.layout else 0
+        already = sum(_layout_bytes(store, k, store.layout, masters) for k in kinds) // self.shard_size if store.layout else 0
         if total - already > room:
             parts = " + ".join(f"{k.value} {format_bytes(b)}" for k, b in per_kind.items())
             raise CapacityError(
@@ -278,15 +289,21 @@ class ParamRegistry:
 
     def _commit(self, name: str, p: nn.Parameter, slot: Slot, plan: ChunkLayout) -> ParamInfo:
         while len(self.store.rows[ChunkKind.PARAM]) <= slot.chunk:
-            self._new_chunk_row(plan.capacity(len(self.store.rows[ChunkKind.PARAM])))
-        info = ParamInfo(param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute))
+            index = len(self.store.rows[ChunkKind.PARAM])
+            self._new_chunk_row(plan.capacity(index), frozen=plan.frozen(index))
+        frozen = plan.frozen(slot.chunk)
+        info = ParamInfo(
+            param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute), frozen=frozen
+        )
         src = p.data.reshape(-1)
         with torch.no_grad():
-            for kind in self.store.kinds:
+            for kind in self.store.slot_kinds(frozen, p.dtype):
                 chunk = self.store.rows[kind][slot.chunk]
                 chunk.add_slot(slot)
                 if kind is ChunkKind.GRAD:
                     continue  # grads arrive in backward
+                if chunk.payload is None and chunk.owned:  # a frozen row's master, made for its first param needing one
+                    self.mover.place(chunk, self.placement.home(kind))
                 if info.meta_key is None:
                     chunk.view(slot).copy_(src)
                 chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
@@ -297,15 +314,16 @@ class ParamRegistry:
         self.guard.unmaterialize(info, self.guard.placeholder(self.param_dtype))
         return info
 
-    def _new_chunk_row(self, capacity: int, *, padding: bool = False) -> None:
+    def _new_chunk_row(self, capacity: int, *, padding: bool = False, frozen: bool = False) -> None:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
         now (a padding row, which only fills a chunk group, needs its param chunk alone: it
-        takes part in the group's collectives)."""
+        takes part in the group's collectives; a frozen row's master is made for the first
+        param that keeps one, ``_commit``)."""
         index = len(self.store.rows[ChunkKind.PARAM])
         for kind in self.store.kinds:
             chunk = self.store.new_chunk(kind, index, capacity)
             self.store.rows[kind].append(chunk)
-            if not chunk.owned or (padding and kind is not ChunkKind.PARAM):
+            if not chunk.owned or ((padding or frozen) and kind is not ChunkKind.PARAM):
                 continue
             if kind in (ChunkKind.PARAM, ChunkKind.MASTER):  # grads arrive in backward
                 self.mover.place(chunk, self.placement.home(kind))
@@ -313,7 +331,7 @@ class ParamRegistry:
     def _rollback(self, done: list[ParamInfo]) -> None:
         """Give the params of a failed registration their data back (nothing is lost)."""
         for info in reversed(done):
-            source = self.store.rows[self.store.master_kind][info.chunk]
+            source = self.store.rows[self.store.value_kind(info)][info.chunk]
             if source.payload is not None:
                 ParamGuard.materialize(info, source.view(info.slot).view(info.shape).to(info.orig_dtype, copy=True))
             self.guard.forget(info)
@@ -332,7 +350,7 @@ class ParamRegistry:
             chunks = []
             for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):
                 chunk = self.store.new_chunk(kind, i, self.store.row_capacity(kind, param_chunk.capacity))
-                for slot in param_chunk.slots:
+                for slot in [] if self.store.layout.frozen(i) else param_chunk.slots:
                     # a slot for every param but those of another optimizer that keeps no state
                     # of this kind (several optimizers): a chunk of such params alone is not booked
                     part = parts[slot.index]
@@ -441,9 +459,21 @@ class ParamRegistry:
                     return  # no room there either: the row stays split, its first step joins it
 
 
-def _layout_bytes(store: ChunkStore, kind: ChunkKind, layout: ChunkLayout) -> int:
-    """Bytes of every chunk of ``kind`` that ``layout`` lays out."""
-    return sum(store.row_bytes(kind, layout.capacity(i)) for i in range(layout.num_chunks))
+def _layout_bytes(store: ChunkStore, kind: ChunkKind, layout: ChunkLayout, frozen_masters: set[int]) -> int:
+    """Bytes of every chunk of ``kind`` that ``layout`` lays out: of a frozen chunk only its
+    param chunk, and its master where ``frozen_masters`` holds its index."""
+    return sum(
+        store.row_bytes(kind, layout.capacity(i))
+        for i in range(layout.num_chunks)
+        if not layout.frozen(i) or kind is ChunkKind.PARAM or (kind is ChunkKind.MASTER and i in frozen_masters)
+    )
+
+
+def _frozen_masters(store: ChunkStore, layout: ChunkLayout, named: list[tuple[str, nn.Parameter]]) -> set[int]:
+    """The frozen chunks of ``layout`` holding a param that keeps a master (``ChunkStore.needs_master``):
+    those registered already and ``named``, laid out last."""
+    dtypes = [info.orig_dtype for info in store.params] + [p.dtype for _, p in named]
+    return {s.chunk for s in layout.slots if layout.frozen(s.chunk) and store.needs_master(True, dtypes[s.index])}
 
 
 def _step_bytes(store, index: int) -> int:

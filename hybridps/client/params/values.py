@@ -194,7 +194,7 @@ class Values:
         """A CPU copy of ``param``'s value at full precision (the master copy where one exists).
         With several ranks only for params in chunks this rank owns (see ``full_values``)."""
         info = self.store.param_info(param)
-        master_kind = self.store.master_kind
+        master_kind = self.store.value_kind(info)  # a frozen param's may be its param chunk (store.py)
         if not self.store.ownership.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; use full_values() on every rank")
         chunk = self.store.rows[master_kind][info.chunk]
@@ -210,7 +210,7 @@ class Values:
         """Set ``param``'s value (master copy and compute-precision copy)."""
         self.guard.end_read_cache()  # no copy read before this write may be handed out again
         info = self.store.param_info(param)
-        master_kind = self.store.master_kind
+        master_kind = self.store.value_kind(info)  # a frozen param's may be its param chunk (store.py)
         if not self.store.ownership.owns(info.chunk):
             raise StateError(f"{info.describe()} lives on rank {self.groups.owner(info.chunk)}; write it there")
         if tuple(value.shape) != tuple(info.shape):
