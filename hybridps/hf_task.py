@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hybridps.common.errors import ConfigError
-from hybridps.models.hf import causal_lm_from_config, read_causal_lm_config
+from hybridps.models.hf import causal_lm_from_config, checkpoint_layers, read_causal_lm_config, with_lora
 from hybridps.models.hf import transformers_module as _transformers
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ BYTE_VOCAB = 256
 class HFCausalLM:
     """One Hugging Face causal LM, built on meta, with its tokenizer and LoRA choice."""
 
-    def __init__(self, *, model_path: Path | None, config_path: Path | None, lora_rank: int | None, seq_len: int):
+    def __init__(
+        self, *, model_path: Path | None, config_path: Path | None, lora_rank: int | None, seq_len: int, checkpoint: bool = False
+    ):
         if (model_path is None) == (config_path is None):
             raise ConfigError("give one of --model PATH (pretrained folder) or --model-config FILE (random init)")
         transformers = _transformers()
@@ -52,6 +54,8 @@ class HFCausalLM:
         self.config = read_causal_lm_config(source, flag=flag)
         self.lora_rank = lora_rank
         self.seq_len = seq_len
+        #: recompute each decoder layer in backward (``--checkpointing``)
+        self.checkpoint = checkpoint
         self.tokenizer = None
         if model_path is not None:
             try:
@@ -68,24 +72,17 @@ class HFCausalLM:
     # -- the model -------------------------------------------------------------------------
 
     def build(self) -> torch.nn.Module:
-        """The model (with LoRA adapters if asked), built under ``meta_init``: no memory yet."""
+        """The model (with LoRA adapters and recomputed layers if asked), built under
+        ``meta_init``: no memory yet."""
         import hybridps
 
         with hybridps.meta_init():
             model = causal_lm_from_config(self.config)
             if self.lora_rank:
-                model = self._with_lora(model)
+                model = with_lora(model, self.lora_rank)
+        if self.checkpoint:
+            checkpoint_layers(model)
         return model
-
-    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
-        try:
-            import peft
-        except ImportError as exc:
-            raise ConfigError("--lora needs peft: pip install peft") from exc
-        config = peft.LoraConfig(
-            r=self.lora_rank, lora_alpha=2 * self.lora_rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
-        return peft.get_peft_model(model, config)
 
     def param_groups(self, model: torch.nn.Module) -> list[dict]:
         """AdamW groups of the trainable params: weight decay on matrices only."""

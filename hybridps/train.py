@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> dict:
     model = task.model
     optimizer = _optimizer(args, task)
     rows = len(registration.state_kinds(optimizer))  # the optimizer's state rows, 4 B a param each in fp32
-    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows)
+    frozen = task.n_frozen if world == 1 else 0  # several ranks lay frozen params out with the rest
+    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows, frozen)
     if "nvme" in devices and not (args.nvme_path or base.nvme_path):
         raise SystemExit("--nvme: the disk tier needs its directory, --nvme-path DIR (on a local disk, not a tmpfs)")
     config = base.replace(
@@ -192,6 +193,9 @@ class _Task:
     n_params: int
     activations_fp32: int
     hf_task: HFCausalLM | None = None
+    #: params no optimizer steps (LoRA's base weights): their param chunk alone, and a master
+    #: under 16-bit precision ([Note: frozen chunks] in client/chunks/layout.py)
+    n_frozen: int = 0
 
     def loss(self, engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.hf_task is not None:
@@ -207,13 +211,20 @@ def _build_task(args: argparse.Namespace, data: bytes, micro: int) -> _Task:
     if args.model is not None or args.model_config is not None:
         from hybridps.hf_task import HFCausalLM
 
-        hf_task = HFCausalLM(model_path=args.model, config_path=args.model_config, lora_rank=args.lora, seq_len=args.seq)
+        hf_task = HFCausalLM(
+            model_path=args.model,
+            config_path=args.model_config,
+            lora_rank=args.lora,
+            seq_len=args.seq,
+            checkpoint=args.checkpointing,
+        )
         model = hf_task.build()
         return _Task(
             model=model,
             batches=TokenBatches(hf_task.token_ids(data), args.seq),
             groups=hf_task.param_groups(model),
             n_params=hf_task.n_params(model),
+            n_frozen=sum({id(p): p.numel() for p in model.parameters() if not p.requires_grad}.values()),
             activations_fp32=hf_task.activation_estimate_bytes(micro),
             hf_task=hf_task,
         )
@@ -262,14 +273,15 @@ def _optimizer(args: argparse.Namespace, task) -> torch.optim.Optimizer | list[t
 
 
 def _device_capacities(
-    args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int, rows: int
+    args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int, rows: int, n_frozen: int = 0
 ) -> dict:
     """The ``Config.devices`` of the run: with no GPU visible a simulated GPU smaller than the
     model data (``--gpu-capacity auto``; ``rows``: the optimizer's state rows) or of
     ``--gpu-capacity``; the config file's devices unless ``--gpu-capacity`` is given."""
     moments = rows * 4 if args.optimizer_states != "int8" else rows * compact_row_bytes(2**20) / 2**20
     per_param = (6 if args.precision != "fp32" else 8) + moments
-    model_bytes = int(n_params * per_param) // world
+    frozen_per_param = 4 if args.precision == "fp32" else 6  # the param chunk, and a master of the fp32 value
+    model_bytes = int((n_params - n_frozen) * per_param + n_frozen * frozen_per_param) // world
     devices: dict = {}
     if not torch.cuda.is_available():
         if args.gpu_capacity == "auto":

@@ -46,13 +46,17 @@ def planned_model(args: argparse.Namespace, micro: int):
     """The planner's model of the run: the byte-level GPT's ``GPTShape`` (vocabulary 256), or
     the family of ``--model`` / ``--model-config`` at its own layers; ``micro`` rows a rank."""
     if args.model is not None or args.model_config is not None:
-        if args.lora:
-            raise ConfigError("LoRA trains the adapters only, and the plan trains every param")
         from hybridps.planner.hf_model import HFCausalLMFamily
 
         flag, source = ("--model", args.model) if args.model is not None else ("--model-config", args.model_config)
         return HFCausalLMFamily.from_path(
-            source, flag=flag, n_layer=None, seq_len=args.seq, batch_size=micro, checkpoint=args.checkpointing
+            source,
+            flag=flag,
+            n_layer=None,
+            seq_len=args.seq,
+            batch_size=micro,
+            checkpoint=args.checkpointing,
+            lora_rank=args.lora or None,
         )
     from hybridps.planner.model import GPTShape
 

@@ -52,12 +52,14 @@ def _tiny_qwen2(tmp_path: Path, **extra) -> Path:
     return tmp_path / "qwen2" / "config.json"
 
 
-def _train_for_real(config_path: Path, gpu: int, *, precision: str, steps: int = 2) -> tuple[hybridps.Engine, dict]:
+def _train_for_real(
+    config_path: Path, gpu: int, *, precision: str, steps: int = 2, lora_rank: int | None = None
+) -> tuple[hybridps.Engine, dict]:
     """A few steps of the model ``hybridps train --model-config`` builds (``HFCausalLM``: on meta
     under ``meta_init``, its init replayed into the chunks), real tensors on a simulated GPU."""
     from hybridps.hf_task import HFCausalLM
 
-    task = HFCausalLM(model_path=None, config_path=config_path, lora_rank=None, seq_len=32)
+    task = HFCausalLM(model_path=None, config_path=config_path, lora_rank=lora_rank, seq_len=32)
     model = task.build()
     config = hybridps.Config(devices={"cuda:0": gpu, "cpu": 2**32}, simulate=True, precision=precision)
     engine = hybridps.initialize(model, torch.optim.AdamW(task.param_groups(model)), config)
@@ -80,20 +82,27 @@ def _module_chunks(engine, model) -> tuple:
     return tuple(out)
 
 
-@pytest.mark.parametrize("which", ["tiny-llama", "tiny-qwen2-tied"])
+@pytest.mark.parametrize("which", ["tiny-llama", "tiny-qwen2-tied", "tiny-llama-lora"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_planned_layout_is_the_clients_for_the_same_config(which, precision, tmp_path):
     """The planner's chunk layout (chunk size, each chunk's capacity, each param's place,
     every module's chunks) and model data are those of a real client training the model
     `hybridps train --model-config` builds from the same config; so are the peaks, since the
-    GPU is roomy (nothing moves) and the batch is the planned one."""
-    path = TINY if which == "tiny-llama" else _tiny_qwen2(tmp_path)
+    GPU is roomy (nothing moves) and the batch is the planned one. With LoRA (``--lora``) the
+    base weights are frozen: their chunks keep the param row alone, in the plan as in the run."""
+    path = TINY if which.startswith("tiny-llama") else _tiny_qwen2(tmp_path)
+    lora = 4 if which.endswith("lora") else None
     gpu = 2**30
     sim = simulate(
-        HFCausalLMFamily.from_path(path, seq_len=32, batch_size=2), gpu_bytes=gpu, cpu_bytes=2**32, precision=precision
+        HFCausalLMFamily.from_path(path, seq_len=32, batch_size=2, lora_rank=lora),
+        gpu_bytes=gpu,
+        cpu_bytes=2**32,
+        precision=precision,
     )
     assert sim.completed, sim.failure
-    engine, stats = _train_for_real(path, gpu, precision=precision)
+    engine, stats = _train_for_real(path, gpu, precision=precision, lora_rank=lora)
+    frozen = [i for i in range(engine.client.store.num_chunks) if engine.client.store.layout.frozen(i)]
+    assert bool(frozen) == (lora is not None)
     try:
         client, layout = engine.client, engine.client.layout
         assert sim.chunk_size_elements == layout.chunk_size == stats["chunk_size"]
@@ -343,3 +352,21 @@ def test_hybridps_train_refuses_the_same_configs_with_the_same_messages(tmp_path
         HFCausalLM(model_path=None, config_path=CONFIGS / "bert-base-uncased.json", lora_rank=None, seq_len=32)
     with pytest.raises(ConfigError, match="no such file or folder"):
         HFCausalLM(model_path=None, config_path=tmp_path / "missing.json", lora_rank=None, seq_len=32)
+
+
+def test_a_lora_plan_keeps_the_frozen_weights_param_row_alone_and_says_so(capsys):
+    """``--lora R``: the base weights are frozen, so their chunks keep the param row alone (fp32:
+    4 bytes a param against about 16 trained); the note says so, and what the peers' rules count."""
+    args = ("--model-config", TINY, "--gpus", "1x64MiB", "--cpu", "1GiB", "--seq-len", "32", "--batch", "2", "--rates", "h100")
+    full = plan_json(capsys, *args, "--precision", "fp32", "--no-search")
+    lora = plan_json(capsys, *args, "--precision", "fp32", "--no-search", "--lora", "4")
+    assert lora["model"]["lora_rank"] == 4 and "lora_rank" not in full["model"]
+    assert lora["hybridps"]["model_data_bytes_per_param"] < 0.5 * full["hybridps"]["model_data_bytes_per_param"]
+    assert any("frozen" in n and "DeepSpeed rules count every param" in n for n in lora["notes"])
+    assert not any("frozen" in n for n in full["notes"])
+    # no weight grads for the base, and only the adapters stepped
+    assert lora["speed"]["flops_per_step"] < 0.8 * full["speed"]["flops_per_step"]
+    stepped = lora["speed"]["cpu_step_params"] + lora["speed"]["gpu_step_params"]
+    assert 0 < stepped < 0.2 * (full["speed"]["cpu_step_params"] + full["speed"]["gpu_step_params"])
+    err = plan_error(capsys, "--layers", "2", "--hidden", "64", "--gpus", "1x1GiB", "--cpu", "1GiB", "--lora", "4")
+    assert "--lora" in err and "--model-config" in err

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from hybridps.common.errors import ConfigError
 from hybridps.train_speed import (
     WARMUP_STEPS,
     RunPrediction,
@@ -95,9 +94,6 @@ def test_the_planned_model_is_the_runs_own():
     assert shape.checkpoint
     run = GPT(GPTConfig(vocab_size=256, seq_len=48, n_layer=3, n_head=3, d_model=96, checkpoint=True))
     assert sum(p.numel() for p in shape.build().parameters()) == sum(p.numel() for p in run.parameters())
-    lora = argparse.Namespace(**{**vars(args), "model_config": "config.json", "lora": 8})
-    with pytest.raises(ConfigError, match="LoRA"):
-        planned_model(lora, micro=5)
 
 
 def test_a_hugging_face_run_is_planned_as_its_config_family(tmp_path):
@@ -107,7 +103,9 @@ def test_a_hugging_face_run_is_planned_as_its_config_family(tmp_path):
     config.write_text(json.dumps({**fields, "num_key_value_heads": 2, "vocab_size": 300}))
     args = argparse.Namespace(model=None, model_config=config, lora=None, seq=40, checkpointing=False)
     family = planned_model(args, micro=3)
-    assert (family.n_layer, family.seq_len, family.batch_size) == (3, 40, 3)
+    assert (family.n_layer, family.seq_len, family.batch_size, family.lora_rank) == (3, 40, 3, None)
+    lora = planned_model(argparse.Namespace(**{**vars(args), "lora": 8, "checkpointing": True}), micro=3)
+    assert lora.lora_rank == 8 and lora.checkpoint and lora.counted_on_meta  # its frozen weights take no weight grads
 
 
 def test_the_steady_step_is_the_median_after_the_warm_up():

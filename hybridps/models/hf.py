@@ -5,9 +5,11 @@ Owns reading a ``config.json`` (a file, or a model folder holding one) with tran
 only from local files, the checks that it describes a causal LM transformers can build
 (``read_causal_lm_config``, each refusal a ``ConfigError`` naming the file and the fix), and
 the model built from it (``causal_lm_from_config``) under whatever device context the caller
-enters: ``hybridps.meta_init()`` for training, ``torch.device("meta")`` for planning.
+enters: ``hybridps.meta_init()`` for training, ``torch.device("meta")`` for planning, and its
+LoRA adapters (``with_lora``) and its recomputed layers (``checkpoint_layers``): the same
+for the run and for its plan.
 
-Does not own weights, tokenizers, LoRA or training (``hf_task``), nor the planned family of
+Does not own weights, tokenizers or training (``hf_task``), nor the planned family of
 such models (``planner.hf_model``). Nothing is downloaded.
 """
 
@@ -123,3 +125,27 @@ def causal_lm_from_config(config: Any) -> nn.Module:
             f"transformers cannot build a {config.model_type} causal LM from this config ({type(exc).__name__}: {exc}); "
             f"check the config's sizes"
         ) from None
+
+
+def with_lora(model: nn.Module, rank: int) -> nn.Module:
+    """``model`` with peft's LoRA adapters of ``rank`` on every linear layer (alpha twice the
+    rank, no dropout); its own weights frozen, the adapters trained."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError("--lora needs peft: pip install peft") from exc
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def checkpoint_layers(model: nn.Module, verb: str = "train") -> None:
+    """Recompute each decoder layer of ``model`` in backward (transformers' activation
+    checkpointing, non-reentrant as the GPT's); refused, saying to ``verb`` without it, for a
+    model transformers cannot checkpoint."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"transformers' {type(model).__name__} does not support activation checkpointing: {verb} without it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

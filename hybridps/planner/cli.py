@@ -139,6 +139,14 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FOLDER",
         help="a local Hugging Face model folder: its config.json is read (no weights, nothing downloaded)",
     )
+    m.add_argument(
+        "--lora",
+        type=_positive_int,
+        default=None,
+        metavar="R",
+        help="with --model-config/--model: train LoRA adapters of rank R on every linear layer, the model's own weights "
+        "frozen (as `hybridps train --lora R`); frozen weights keep their param chunk alone",
+    )
 
 
 def _add_training_arguments(p: argparse.ArgumentParser) -> None:
@@ -329,13 +337,23 @@ def _hf_model_from_args(args: argparse.Namespace) -> PlannedModel:
 
     flag, source = ("--model", args.model) if args.model is not None else ("--model-config", args.model_config)
     return HFCausalLMFamily.from_path(
-        source, flag=flag, n_layer=args.layers, seq_len=args.seq_len, batch_size=args.batch, checkpoint=args.checkpoint
+        source,
+        flag=flag,
+        n_layer=args.layers,
+        seq_len=args.seq_len,
+        batch_size=args.batch,
+        checkpoint=args.checkpoint,
+        lora_rank=args.lora,
     )
 
 
 def _model_from_args(args: argparse.Namespace) -> PlannedModel:
     if args.model_config is not None or args.model is not None:
         return _hf_model_from_args(args)
+    if args.lora is not None:
+        raise ConfigError(
+            "--lora R adds peft's LoRA adapters to a Hugging Face model: give --model-config FILE or --model FOLDER"
+        )
     if args.factory:
         module_name, _, attr = args.factory.partition(":")
         if not module_name or not attr:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridps.common.errors import ConfigError
-from hybridps.models.hf import causal_lm_from_config, read_causal_lm_config
+from hybridps.models.hf import causal_lm_from_config, checkpoint_layers, read_causal_lm_config, with_lora
 from hybridps.planner.validation import check_positive_int
 
 #: the config's fields the report shows, when the config has them
@@ -88,12 +88,17 @@ class HFCausalLMFamily:
     checkpoint: bool = False
     #: the file or folder the config was read from (shown in the report)
     source: str = ""
+    #: train LoRA adapters of this rank on every linear layer, the model's own weights frozen
+    #: (``hybridps train --lora``, ``models.hf.with_lora``); None: train every param
+    lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "seq_len", "batch_size"):
             check_positive_int(name, getattr(self, name))
         if not isinstance(self.checkpoint, bool):
             raise ConfigError(f"checkpoint={self.checkpoint!r} must be True or False")
+        if self.lora_rank is not None:
+            check_positive_int("lora_rank", self.lora_rank)
         if not hasattr(self.config, "num_hidden_layers"):
             raise ConfigError(
                 f"the {self.model_type} config has no num_hidden_layers: the planner varies a family's layer count, and "
@@ -116,13 +121,20 @@ class HFCausalLMFamily:
         seq_len: int = 1024,
         batch_size: int = 1,
         checkpoint: bool = False,
+        lora_rank: int | None = None,
     ) -> HFCausalLMFamily:
         """The family of the config at ``source`` (a ``config.json``, or a model folder holding
         one: nothing else of it is read), planned at ``n_layer`` layers (default: the config's)."""
         config = read_causal_lm_config(Path(source), flag=flag)
         layers = int(config.num_hidden_layers) if n_layer is None else n_layer
         return cls(
-            config=config, n_layer=layers, seq_len=seq_len, batch_size=batch_size, checkpoint=checkpoint, source=str(source)
+            config=config,
+            n_layer=layers,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            checkpoint=checkpoint,
+            source=str(source),
+            lora_rank=lora_rank,
         )
 
     @property
@@ -160,6 +172,14 @@ class HFCausalLMFamily:
         fields = ("num_local_experts", "num_experts", "n_routed_experts")
         return any(int(getattr(self.config, f, 0) or 0) > 1 for f in fields)
 
+    @property
+    def counted_on_meta(self) -> bool:
+        """Whether the speed model counts the FLOPs on meta ([Note: a model's own shape] in
+        counted_work.py) instead of ``6 N T``: experts (a token multiplies the few it is routed
+        to), and LoRA (its frozen weights take no weight grads: their backward is half a
+        trained layer's, and the adapters add their own small matmuls)."""
+        return self.mixture_of_experts or self.lora_rank is not None
+
     def with_layers(self, n_layer: int) -> HFCausalLMFamily:
         return dataclasses.replace(self, n_layer=n_layer)
 
@@ -168,16 +188,10 @@ class HFCausalLMFamily:
 
     def build(self) -> nn.Module:
         model = causal_lm_from_config(self.member_config())
+        if self.lora_rank is not None:
+            model = with_lora(model, self.lora_rank)
         if self.checkpoint:
-            if not getattr(model, "supports_gradient_checkpointing", False):
-                raise ConfigError(
-                    f"transformers' {type(model).__name__} does not support activation checkpointing: plan without it"
-                )
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            checkpoint_layers(model, "plan")
         return model
 
     @contextlib.contextmanager
@@ -232,6 +246,7 @@ class HFCausalLMFamily:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "checkpoint": self.checkpoint,
+            **({"lora_rank": self.lora_rank} if self.lora_rank is not None else {}),
         }
 
 

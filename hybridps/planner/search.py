@@ -598,6 +598,8 @@ class Planner(LargestModelSearch):
             notes.append("the simulation did not finish, so the peers' activations are extrapolated from smaller sizes")
         if self.request.precision == "fp32":
             notes.append("the DeepSpeed rules are written for 16-bit params with fp32 optimizer states; applied unchanged")
+        if ev.sim.frozen_params:
+            notes.append(_frozen_note(ev.sim, self.node.world_size))
         if self.request.optimizer_states != "fp32":
             notes.append(_compact_states_note(ev.sim))
         if self.request.optimizer not in ADAM_KERNEL_OPTIMIZERS:
@@ -622,6 +624,20 @@ class Planner(LargestModelSearch):
                 f"planned without it (ZeRO-Infinity's NVMe offload is not modelled)"
             )
         return notes
+
+
+def _frozen_note(sim: Simulation, world_size: int) -> str:
+    """The note of a plan whose model has params no optimizer steps (LoRA's base weights)."""
+    note = (
+        f"{sim.frozen_params / max(1, sim.n_params):.1%} of the params are frozen (no optimizer steps them): one rank lays them out in chunks of their own that keep the param row alone (and a master where the "
+        f"compute precision would round their values); the DeepSpeed rules count every param as trained"
+    )
+    if world_size > 1:
+        note += (
+            "; several ranks lay them out with the trained ones, every row of their chunks kept, and the derived "
+            "figures count them so"
+        )
+    return note
 
 
 def _compact_states_note(sim: Simulation) -> str:

@@ -116,6 +116,9 @@ class Simulation:
     largest_saved_bytes: int = 0
     #: params only an embedding lookup reads (``model.lookup_params``)
     lookup_params: int = 0
+    #: elements of the params no optimizer steps (LoRA's base weights), laid out in frozen
+    #: chunks that keep their param row alone ([Note: frozen chunks] in client/chunks/layout.py)
+    frozen_params: int = 0
     #: the training precision simulated (``Config.precision``)
     precision: str = "fp16"
     #: the chunk size asked for (``Config.chunk_size``); None: chosen as the client would
@@ -396,6 +399,7 @@ def _read_simulation(
         compute_bytes_per_element=compute_per_elem,
         module_chunks=tuple((n, c) for n, c in module_chunks if c),
         param_numels=tuple(i.slot.numel for i in client.params),
+        frozen_params=sum(i.slot.numel for i in client.params if i.frozen),
         param_state_kinds=tuple(states.kinds_of_param.get(id(i.param), states.kinds) for i in client.params)
         if states.kinds_of_param
         else (),
@@ -462,8 +466,8 @@ def _step_counts(engine) -> dict[str, int | bool]:
     for index, (param_chunk, master) in enumerate(
         zip(client.rows[ChunkKind.PARAM], client.rows[client.master_kind], strict=True)
     ):
-        if not (param_chunk.owned and param_chunk.slots):
-            continue
+        if not (param_chunk.owned and param_chunk.slots) or client.layout.frozen(index):
+            continue  # a frozen chunk's params are never stepped
         where = "cpu" if client.placement.step_device(master) == "cpu" else "gpu"
         params = sum(slot.numel for slot in param_chunk.slots)
         out[f"step_params_{where}"] += params

@@ -363,13 +363,13 @@ def _s(seconds: float) -> str:
 
 def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWork:
     """The work of ``sim``'s steady step for ``model``: a ``GPTShape`` or a transformers family
-    by their hidden size, sequence and batch, any other model (and a mixture of experts) by its
+    by their hidden size, sequence and batch, any other model (and a mixture of experts, or a LoRA) by its
     count on the meta device ([Note: a model's own shape] in counted_work.py). Raises ``ConfigError`` where the
     simulation did not finish or the model cannot be counted."""
     if not sim.completed:
         raise ConfigError(f"no steady step to time: the simulation did not finish ({sim.failure})")
     shaped = all(hasattr(model, a) for a in ("d_model", "seq_len", "batch_size"))
-    if shaped and not getattr(model, "mixture_of_experts", False):
+    if shaped and not getattr(model, "counted_on_meta", False):
         checkpoint = bool(getattr(model, "checkpoint", False))
         shape = dict(
             recompute_flops=recomputed_flops(model, sim.precision) if checkpoint else None,
@@ -383,7 +383,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
             lookup_params=sim.lookup_params,
             beyond_gpt=beyond_gpt(model, sim.precision),
         )
-    else:  # no GPT shape, or experts that 6 N T would count all of
+    else:  # no GPT shape, experts that 6 N T would count all of, or frozen weights it would count trained
         counted = counted_shape(model, sim.precision)
         seq = counted.seq_len or counted.rows
         shape = dict(
@@ -691,7 +691,7 @@ def counted_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
         else ""
     )
     out = (
-        f"FLOPs counted on meta, not by the GPT's formula (no GPT shape, or experts it would count all of): the "
+        f"FLOPs counted on meta, not by the GPT's formula (no GPT shape, experts it would count all of, or frozen weights it would count trained): the "
         f"forward's {c.forward_dense_flops / 1e9:.3g} GFLOPs a micro-batch in "
         f"matmuls with a param at the block rate of width {c.width} and {c.rows} rows{attention}; tokens are those rows",
     )
