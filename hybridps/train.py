@@ -28,6 +28,7 @@ if __name__ == "__main__":  # each torchrun rank: before torch ([Note: torch's N
 import torch  # noqa: E402
 
 from hybridps.client.optim import registration  # noqa: E402
+from hybridps.common.config import PRECISIONS  # noqa: E402
 from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
 from hybridps.common.units import format_bytes, parse_bytes  # noqa: E402
 from hybridps.planner.optimizers import check_optimizer_states  # noqa: E402
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     model = task.model
     optimizer = _optimizer(args, task)
     rows = len(registration.state_kinds(optimizer))  # the optimizer's state rows, 4 B a param each in fp32
-    frozen = task.n_frozen if world == 1 else 0  # several ranks lay frozen params out with the rest
+    frozen = task.frozen if world == 1 else ()  # several ranks lay frozen params out with the rest
     devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows, frozen)
     if "nvme" in devices and not (args.nvme_path or base.nvme_path):
         raise SystemExit("--nvme: the disk tier needs its directory, --nvme-path DIR (on a local disk, not a tmpfs)")
@@ -193,9 +194,10 @@ class _Task:
     n_params: int
     activations_fp32: int
     hf_task: HFCausalLM | None = None
-    #: params no optimizer steps (LoRA's base weights): their param chunk alone, and a master
-    #: under 16-bit precision ([Note: frozen chunks] in client/chunks/layout.py)
-    n_frozen: int = 0
+    #: the params no optimizer steps (LoRA's base weights), each as (dtype, elements): their
+    #: param chunk alone, and a master where 16 bits would round them ([Note: frozen chunks]
+    #: in client/chunks/layout.py)
+    frozen: tuple[tuple[torch.dtype, int], ...] = ()
 
     def loss(self, engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.hf_task is not None:
@@ -224,7 +226,7 @@ def _build_task(args: argparse.Namespace, data: bytes, micro: int) -> _Task:
             batches=TokenBatches(hf_task.token_ids(data), args.seq),
             groups=hf_task.param_groups(model),
             n_params=hf_task.n_params(model),
-            n_frozen=sum({id(p): p.numel() for p in model.parameters() if not p.requires_grad}.values()),
+            frozen=tuple({id(p): (p.dtype, p.numel()) for p in model.parameters() if not p.requires_grad}.values()),
             activations_fp32=hf_task.activation_estimate_bytes(micro),
             hf_task=hf_task,
         )
@@ -273,15 +275,25 @@ def _optimizer(args: argparse.Namespace, task) -> torch.optim.Optimizer | list[t
 
 
 def _device_capacities(
-    args: argparse.Namespace, base: Config, n_params: int, activations_fp32: int, world: int, rows: int, n_frozen: int = 0
+    args: argparse.Namespace,
+    base: Config,
+    n_params: int,
+    activations_fp32: int,
+    world: int,
+    rows: int,
+    frozen: tuple[tuple[torch.dtype, int], ...] = (),
 ) -> dict:
     """The ``Config.devices`` of the run: with no GPU visible a simulated GPU smaller than the
     model data (``--gpu-capacity auto``; ``rows``: the optimizer's state rows) or of
     ``--gpu-capacity``; the config file's devices unless ``--gpu-capacity`` is given."""
     moments = rows * 4 if args.optimizer_states != "int8" else rows * compact_row_bytes(2**20) / 2**20
     per_param = (6 if args.precision != "fp32" else 8) + moments
-    frozen_per_param = 4 if args.precision == "fp32" else 6  # the param chunk, and a master of the fp32 value
-    model_bytes = int((n_params - n_frozen) * per_param + n_frozen * frozen_per_param) // world
+    param_dtype = PRECISIONS[args.precision]
+    frozen_bytes = sum(
+        n * (param_dtype.itemsize + (4 if param_dtype.itemsize < 4 and d != param_dtype else 0)) for d, n in frozen
+    )
+    trained = n_params - sum(n for _, n in frozen)
+    model_bytes = int(trained * per_param + frozen_bytes) // world
     devices: dict = {}
     if not torch.cuda.is_available():
         if args.gpu_capacity == "auto":

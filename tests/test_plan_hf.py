@@ -3,6 +3,7 @@ a family of layer counts, built as ``hybridps train --model-config`` builds it."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -370,3 +371,36 @@ def test_a_lora_plan_keeps_the_frozen_weights_param_row_alone_and_says_so(capsys
     assert 0 < stepped < 0.2 * (full["speed"]["cpu_step_params"] + full["speed"]["gpu_step_params"])
     err = plan_error(capsys, "--layers", "2", "--hidden", "64", "--gpus", "1x1GiB", "--cpu", "1GiB", "--lora", "4")
     assert "--lora" in err and "--model-config" in err
+
+
+def test_hybridps_train_checkpointing_recomputes_a_hugging_face_models_layers_as_planned():
+    """``hybridps train --model-config ... --checkpointing`` builds the model the plan of
+    ``--checkpoint`` builds: its decoder layers recomputed in backward (it trained them whole
+    before, while its plan counted the recompute)."""
+    from hybridps.hf_task import HFCausalLM
+
+    for checkpoint in (False, True):
+        task = HFCausalLM(model_path=None, config_path=TINY, lora_rank=4, seq_len=32, checkpoint=checkpoint)
+        model = task.build()
+        planned = HFCausalLMFamily.from_path(TINY, seq_len=32, checkpoint=checkpoint, lora_rank=4)
+        with torch.device("meta"):
+            plan_model = planned.build()
+        assert model.is_gradient_checkpointing == plan_model.is_gradient_checkpointing == checkpoint
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert names == [n for n, p in plan_model.named_parameters() if p.requires_grad] and names
+        assert all("lora_" in n for n in names)
+
+
+def test_a_checkpointed_lora_counts_what_its_backward_recomputes_against_its_own_backward():
+    """A frozen weight's backward is not twice its forward (no weight grad), so what a
+    checkpointed LoRA recomputes is its backward less the same model's unchecked backward,
+    not its backward less twice its forward (which read nothing recomputed)."""
+    from hybridps.planner.counted_work import counted_shape
+
+    lora = HFCausalLMFamily.from_path(TINY, seq_len=32, batch_size=2, lora_rank=4)
+    plain = counted_shape(lora, "fp32")
+    ckpt = counted_shape(dataclasses.replace(lora, checkpoint=True), "fp32")
+    assert plain.backward_flops < 1.5 * plain.forward_flops  # the base weights take no weight grads
+    assert ckpt.recompute_flops == pytest.approx(ckpt.backward_flops - plain.backward_flops)
+    assert 0.5 * ckpt.forward_flops < ckpt.recomputed <= ckpt.forward_flops
+    assert ckpt.recompute_share == pytest.approx(ckpt.recomputed / ckpt.forward_flops)

@@ -8,7 +8,9 @@ import json
 import math
 
 import pytest
+import torch
 
+from hybridps.client.params.hook_units import UnitLayout
 from hybridps.common.errors import ConfigError
 from hybridps.planner.model import GPTShape
 from hybridps.planner.rates import PROFILE_NAMES, load_rates, profile, read_rates_file, threads_mismatch
@@ -333,6 +335,7 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert main(["--quick", "--out", str(out)]) == 0
     r = read_rates_file(out)
     assert r.simulated_gpu and r.compute_tflops and all(t > 0 for _, t in r.compute_tflops)
+    assert r.host_s_per_tensor > 0 and r.host_s_per_unit > 0 and "host_s_per_unit" in r.sources
     assert {(h, v) for h, v, _ in r.head_s_per_logit} == {(h, v) for h, _ in r.compute_tflops for v in (8192, 32768)}
     assert all(s > 0 for _, _, s in r.head_s_per_logit)
     counts = {(h, n) for h, n, _ in r.compute_tflops_by_tokens}
@@ -426,6 +429,47 @@ def test_a_simulation_records_where_the_steady_steps_ran():
     assert full.master_apart  # fp32 with grads in the params' slots keeps the master apart
     no_reuse = simulate(shape, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="fp32", grad_reuse=False)
     assert not no_reuse.master_apart
+
+
+def test_hook_units_beyond_the_first_add_host_time_at_the_rates_time_per_unit():
+    """[Note: host time by hook unit]: a run whose chunks move has every module a hook unit,
+    each a unit's calls; rates that did not time a unit (the shipped profiles) add nothing."""
+    one = predict_work(WORK, _rates(host_s_per_unit=2e-4)).parts["host"]
+    many = predict_work(dataclasses.replace(WORK, hook_units=51), _rates(host_s_per_unit=2e-4)).parts["host"]
+    assert one == pytest.approx(100 * 1e-3) and many == pytest.approx(100 * 1e-3 + 50 * 2e-4)
+    accum = dataclasses.replace(WORK, hook_units=51, micro_batches=3)
+    assert predict_work(accum, _rates(host_s_per_unit=2e-4)).parts["host"] == pytest.approx(3 * many)
+    assert predict_work(dataclasses.replace(WORK, hook_units=51), _rates()).parts["host"] == pytest.approx(one)
+
+
+@pytest.mark.parametrize("share", [None, 0.5, 0.2])
+def test_a_simulation_counts_the_hook_units_a_run_settles_on(share):
+    """[Note: host time by hook unit]: the simulation runs every module a unit, and reports
+    the units a run with ``hook_units="auto"`` settles on: the model as one where it all fits,
+    the blocks where they fit beside the activations, every module otherwise."""
+    import hybridps
+    from hybridps.planner.simulation import simulate
+
+    shape = GPTShape(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2)
+    gpu = 1 << 30
+    if share is not None:
+        full = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="fp32")
+        gpu = int(full.model_data_bytes * share) + full.non_model_peak_bytes
+    sim = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="fp32")
+    torch.manual_seed(0)
+    model = shape.build()
+    config = hybridps.Config(devices={"cuda:0": gpu, "cpu": 1 << 30}, precision="fp32")
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), config)
+    try:
+        for _ in range(4):
+            engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
+            engine.step()
+            engine.zero_grad()
+        assert sim.hook_units == len(engine.hooks.units.params)
+        expected = {None: UnitLayout.MODEL, 0.5: UnitLayout.BLOCKS, 0.2: UnitLayout.MODULES}[share]
+        assert engine.hooks.units.layout is expected
+    finally:
+        engine.close()
 
 
 def test_the_disk_is_timed_as_the_tier_moves_chunks_and_leaves_nothing_behind(tmp_path):

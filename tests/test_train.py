@@ -213,3 +213,27 @@ def test_hybridps_train_takes_the_optimizers_hybridps_plan_names(tmp_path):
     assert per_param["sgd"] < per_param["muon"] and 7.9 < per_param["sgd"] < 8.5, per_param  # param + grad, fp32
     with pytest.raises(SystemExit, match="--optimizer-states fp32"):
         _cli(*args, "--optimizer", "sgd", "--optimizer-states", "int8")
+
+
+def test_the_auto_simulated_gpu_of_a_lora_run_is_below_its_model_data_as_frozen_chunks_keep_it():
+    """``--gpu-capacity auto`` sizes a simulated GPU below the model data, so chunks move: with
+    LoRA the frozen base weights keep their param chunk alone (a master where 16 bits would
+    round them), so the model data, and the GPU below it, are that much smaller."""
+    import argparse
+
+    import torch
+
+    from hybridps.common.config import Config
+    from hybridps.train import _device_capacities
+
+    if torch.cuda.is_available():
+        pytest.skip("a visible GPU: the run uses it, no simulated one")
+    args = argparse.Namespace(precision="fp32", optimizer_states="fp32", gpu_capacity="auto", cpu_capacity=None, nvme=None)
+    frozen = ((torch.float32, 1_000_000),)
+    lora = _device_capacities(args, Config(), 1_010_000, 0, 1, 2, frozen)["cuda:local"]
+    assert lora == int(0.9 * (10_000 * 16 + 1_000_000 * 4))  # fp32: the param chunk alone
+    bf16 = argparse.Namespace(**{**vars(args), "precision": "bf16"})
+    kept = _device_capacities(bf16, Config(), 1_010_000, 0, 1, 2, frozen)["cuda:local"]
+    assert kept == int(0.9 * (10_000 * 14 + 1_000_000 * 6))  # bf16: and the master of the fp32 value
+    whole = _device_capacities(args, Config(), 1_010_000, 0, 1, 2)["cuda:local"]
+    assert whole == int(0.9 * 1_010_000 * 16)

@@ -284,10 +284,13 @@ def gpu_adam_params_per_s(device, elements: int, *, repeats: int = 3) -> float:
     return elements / s
 
 
-def host_s_per_tensor(device, *, steps: int = 6) -> float:
-    """HybridPS's host time per param tensor per training step: a tiny GPT (everything on
-    the GPU, real or simulated) trained by the engine, over its tensors. Without a GPU the
-    same model's plain step (its compute, counted apart) is taken off."""
+def host_seconds(device, *, steps: int = 6) -> tuple[float, float]:
+    """HybridPS's host time per param tensor per training step, and per hook unit beyond the
+    first: a tiny GPT (everything on the GPU, real or simulated) trained by the engine, over its
+    tensors (where it fits the model is one hook unit after the warm-up); then the same with
+    every module a unit (``hook_units="module"``, as a model whose chunks move runs), its extra
+    time over its extra units ([Note: host time by hook unit] in speed.py). Without a GPU the
+    same model's plain step (its compute, counted apart) is taken off the first."""
     import torch
 
     import hybridps
@@ -304,22 +307,28 @@ def host_s_per_tensor(device, *, steps: int = 6) -> float:
         opt.zero_grad()
 
     plain_s = 0.0 if device.type == "cuda" else median_seconds(plain_step, steps, warmup=2)
-    model = _gpt(64, layers, seq)
-    tensors = sum(1 for _ in model.parameters())
-    config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32")
-    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=device.type != "cuda"), config)
-    xe = x.to(engine.client.compute.torch_device)
+    tensors = sum(1 for _ in plain.parameters())
+    timed = {}
+    for units in ("auto", "module"):
+        model = _gpt(64, layers, seq)
+        config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32", hook_units=units)
+        engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=device.type != "cuda"), config)
+        xe = x.to(engine.client.compute.torch_device)
 
-    def engine_step():
-        engine.backward(engine(xe, xe)[1])
-        engine.step()
-        engine.zero_grad()
+        def engine_step(engine=engine, xe=xe):
+            engine.backward(engine(xe, xe)[1])
+            engine.step()
+            engine.zero_grad()
 
-    try:
-        engine_s = median_seconds(engine_step, steps, warmup=2, sync=device_sync(device))
-    finally:
-        engine.close()
-    return max(0.0, engine_s - plain_s) / tensors
+        try:
+            timed[units] = median_seconds(engine_step, steps, warmup=2, sync=device_sync(device))
+            timed[units + "_units"] = len(engine.hooks.units.params)
+        finally:
+            engine.close()
+    per_tensor = max(0.0, timed["auto"] - plain_s) / tensors
+    extra_units = timed["module_units"] - timed["auto_units"]
+    per_unit = max(0.0, timed["module"] - timed["auto"]) / extra_units if extra_units > 0 else 0.0
+    return per_tensor, per_unit
 
 
 def _device_name(device) -> str:
@@ -408,7 +417,7 @@ def calibrate(
     others = optimizer_speeds(adam_params_per_s=adam["cpu_adam_params_per_s"], quick=quick)
 
     gpu_adam = gpu_adam_params_per_s(device, elements) if device.type == "cuda" else adam["cpu_adam_params_per_s"]
-    host = host_s_per_tensor(device, steps=3 if quick else 6)
+    host, per_unit = host_seconds(device, steps=3 if quick else 6)
     read = write = None
     if disk and not quick:
         read, write = disk_gbps(disk_dir)
@@ -428,6 +437,7 @@ def calibrate(
             else "the CPU's (a simulated GPU steps on it)",
             "host_s_per_tensor": "a 4-layer d_model 64 GPT trained by the engine"
             + ("" if device.type == "cuda" else ", less its plain step"),
+            "host_s_per_unit": "the same GPT with every module a hook unit, over its extra units",
         }
     )
     if node_how:
@@ -444,6 +454,7 @@ def calibrate(
         gpu_adam_params_per_s=gpu_adam,
         optimizer_speed=others,
         host_s_per_tensor=host,
+        host_s_per_unit=per_unit,
         host_threads=torch.get_num_threads(),
         disk_read_gbps=read,
         disk_write_gbps=write,
@@ -520,7 +531,7 @@ def run_command(args: argparse.Namespace) -> int:
         )
         speeds = ", ".join(f"{k} {' / '.join(f'{v:.3f}' for _, v in rows)}" for k, rows in rates.optimizer_speed.items())
         print(f"  other optimizers' CPU step over fused AdamW's: {speeds}")
-        print(f"  host {rates.host_s_per_tensor * 1e3:.3f} ms a tensor a step")
+        print(f"  host {rates.host_s_per_tensor * 1e3:.3f} ms a tensor a step, {rates.host_s_per_unit * 1e3:.3f} ms a hook unit")
         if rates.node_gather_gbps:
             print(
                 f"  collectives between this host's ranks: all-gather {rates.node_gather_gbps:.2f} GB/s, reduce-scatter {rates.node_reduce_gbps:.2f} GB/s a rank, "

@@ -105,6 +105,9 @@ class CountedShape:
     #: of ``forward_dense_flops``, those of convolutions (at the rates' convolution rate where
     #: they timed one, else at the block rate)
     forward_conv_flops: float = 0.0
+    #: of ``backward_flops``, the forward it recomputes under activation checkpointing
+    #: (``recomputed_flops``); None: beyond twice the forward's
+    recompute_flops: float | None = None
 
     @property
     def forward_flops(self) -> float:
@@ -120,11 +123,18 @@ class CountedShape:
         return self.forward_flops + self.backward_flops
 
     @property
+    def recomputed(self) -> float:
+        """The FLOPs of the forward the backward recomputes."""
+        if self.recompute_flops is not None:
+            return self.recompute_flops
+        return max(0.0, self.backward_flops - 2.0 * self.forward_flops)
+
+    @property
     def recompute_share(self) -> float:
         """The forward recomputed in backward, as a share of the forward (0 to 1)."""
         if not self.forward_flops:
             return 0.0
-        return min(1.0, max(0.0, (self.backward_flops - 2.0 * self.forward_flops) / self.forward_flops))
+        return min(1.0, self.recomputed / self.forward_flops)
 
     @property
     def conv_step_flops(self) -> float:
@@ -249,20 +259,28 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
         head_dim=head_dim,
         seq_len=seq,
         beyond_block=tally_rows(tally_less(count.ops, *less)),
+        recompute_flops=recomputed_flops(model, precision) if getattr(model, "checkpoint", False) else None,
     )
     _CACHE[key] = shape
     return shape
 
 
 def recomputed_flops(model: Any, precision: str) -> float | None:
-    """The forward FLOPs one micro-batch's backward recomputes under activation checkpointing
-    (its matmul FLOPs beyond twice the forward's, counted on meta at ``model``'s layers: [Note:
-    what checkpointing recomputes]); None where the model cannot run on the meta device."""
+    """The forward FLOPs one micro-batch's backward recomputes under activation checkpointing,
+    counted on meta at ``model``'s layers ([Note: what checkpointing recomputes]): its backward's
+    matmul FLOPs beyond the same model's without checkpointing where the model is a dataclass
+    with a ``checkpoint`` field (a frozen weight's backward is not twice its forward: LoRA's
+    base weights take no weight grads), else beyond twice its forward's; None where the model
+    cannot run on the meta device."""
     key = ("recomputed", json.dumps(model.describe(), sort_keys=True, default=str), precision)
     if key not in _CACHE:
         try:
             count = count_at_layers(model, precision)
+            if dataclasses.is_dataclass(model) and "checkpoint" in {f.name for f in dataclasses.fields(model)}:
+                plain = _flops(count_at_layers(dataclasses.replace(model, checkpoint=False), precision).matmuls, "backward")
+            else:
+                plain = 2.0 * _flops(count.matmuls, "forward")
         except Exception:  # noqa: BLE001 - the formula's whole forward stands in
             return None
-        _CACHE[key] = max(0.0, _flops(count.matmuls, "backward") - 2.0 * _flops(count.matmuls, "forward"))
+        _CACHE[key] = max(0.0, _flops(count.matmuls, "backward") - plain)
     return _CACHE[key]

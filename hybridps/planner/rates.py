@@ -135,6 +135,10 @@ class MachineRates:
     #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
     #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
     host_s_per_tensor: float
+    #: host time per hook unit beyond the first per micro-batch: the hooks' calls, the tracer's
+    #: tick, the accesses and releases of a unit ([Note: host time by hook unit] in speed.py);
+    #: 0 where not measured (the shipped profiles, rates stored before)
+    host_s_per_unit: float = 0.0
     #: Python per chunk stepped on the CPU (taking its rows, the kernel calls)
     cpu_step_s_per_chunk: float = 0.0
     #: (hidden size, vocabulary, seconds per logit): a language model outside its blocks
@@ -202,6 +206,7 @@ class MachineRates:
             _check_positive(self.name, f, getattr(self, f))
         for f in (
             "host_s_per_tensor",
+            "host_s_per_unit",
             "cpu_step_s_per_chunk",
             "node_collective_s",
             "elementwise_s_per_call",

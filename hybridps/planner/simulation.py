@@ -116,6 +116,10 @@ class Simulation:
     largest_saved_bytes: int = 0
     #: params only an embedding lookup reads (``model.lookup_params``)
     lookup_params: int = 0
+    #: the hook units a run with the default ``hook_units="auto"`` settles on (params/hook_units.py:
+    #: the model as one unit where it all fits, the blocks where they fit, every module
+    #: otherwise): each costs host time ([Note: host time by hook unit] in speed.py)
+    hook_units: int = 1
     #: elements of the params no optimizer steps (LoRA's base weights), laid out in frozen
     #: chunks that keep their param row alone ([Note: frozen chunks] in client/chunks/layout.py)
     frozen_params: int = 0
@@ -457,10 +461,12 @@ def _step_counts(engine) -> dict[str, int | bool]:
     """Params and chunks of the steady iteration's optimizer steps on the CPU and on the GPU:
     each chunk steps where the placement policy says for its master's place, which the
     iteration after warm-up leaves as every later one finds it; whether its grads stayed
-    loose and whether the params keep a master apart (the speed model's device copies)."""
+    loose, whether the params keep a master apart (the speed model's device copies), and the
+    hook units the next iteration runs with."""
     client = engine.client
     out: dict = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0, step_params_cpu_cast_on_gpu=0)
     out["grads_loose"] = bool(client.grads.loose.enabled)
+    out["hook_units"] = engine.hooks.units_under_auto()  # it ran every module a unit
     out["master_apart"] = client.master_kind is not ChunkKind.PARAM
     chunk_step = client.optimizer.iteration.chunk_step
     for index, (param_chunk, master) in enumerate(

@@ -20,13 +20,29 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   third shape of the plan_speed bench predicted at 0.76x until they did), less the ``6 P T``
   that ``6 N T`` counts for the P params only an embedding lookup reads (an untied input
   embedding, position embeddings: a lookup multiplies nothing; ``model.lookup_params``, and
-  ``hybridps calibrate`` counts its block's FLOPs the same way), with the head apart where the rates measured it (see [Note: the head apart]) and
+  ``hybridps calibrate`` counts its block's FLOPs the same way), with the head apart where the rates measured it (see [Note: host time by hook unit]
+The host's time per tensor is timed on a tiny GPT that fits, where after the warm-up the model
+is one hook unit (params/hook_units.py, [Note: the model as one unit]). A model whose chunks
+move runs every module as a unit: each costs its hooks' calls, a tick of the tracer and an
+access and a release of its params, forward and backward, whatever its tensors. A LoRA Llama
+(4 x 256, 128 x 4 tokens, bf16) has 172 module units a forward (each linear a base layer, two
+adapters and a dropout); on a 26 MiB simulated GPU it ran 0.172-0.175 s a step where it ran
+0.126 s fitting, moving 16 MB a step (a few ms), and the plan, counting tensors alone, read
+0.65-0.66. ``hybridps calibrate`` therefore times the same tiny GPT again with every module a
+unit (``hook_units="module"``) and takes its extra time over its extra units
+(``host_s_per_unit``); the simulation says how many units its next iteration runs
+(``Simulation.hook_units``: the model's one where everything fits, the blocks where they fit,
+every module otherwise), and ``host`` adds the units beyond the first at that rate.
+
+[Note: the head apart]) and
   the attention's ``12 L d S T`` (``4 L d S T`` more recomputed) at its own rate for the
   sequence and head size where the rates timed it apart ([Note: attention apart] in
   calibrate_attention.py), in the precision the model computes in ([Note: compute by
   precision]);
 - ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
-  op launches) times the tensors and micro-batches;
+  op launches) times the tensors and micro-batches, and its time per hook unit beyond the
+  first times the units the simulation's next iteration runs with ([Note: host time by hook
+  unit]);
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
   rates; one copy engine per direction, so the two directions overlap (max of the two);
   repeated per micro-batch (the param chunks cross again each forward: an upper bound);
@@ -178,6 +194,8 @@ class StepWork:
     optimizer: str = "adamw"
     #: param tensors (hooks and accesses per micro-batch)
     tensors: int = 0
+    #: the hook units a micro-batch runs (``Simulation.hook_units``; [Note: host time by hook unit])
+    hook_units: int = 1
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     #: of those, the bytes whose host side was a pageable buffer (no arena slot), each way
@@ -404,6 +422,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
         optimizer_states=sim.optimizer_states,
         optimizer=sim.optimizer,
         tensors=len(sim.param_numels),
+        hook_units=sim.hook_units,
         h2d_bytes=h2d_bytes(moved),
         d2h_bytes=d2h_bytes(moved),
         pageable_h2d_bytes=sim.pageable_h2d_bytes_per_step,
@@ -505,7 +524,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         disk = work.disk_read_bytes / (read_gbps * 1e9) + work.disk_write_bytes / (write_gbps * 1e9)
     return {
         "compute": compute,
-        "host": work.tensors * m * rates.host_s_per_tensor,
+        "host": (work.tensors * rates.host_s_per_tensor + max(0, work.hook_units - 1) * rates.host_s_per_unit) * m,
         # one copy engine per direction: the directions overlap on a real GPU; memcpys add up
         "link": h2d + d2h if rates.simulated_gpu else max(h2d, d2h),
         "host_memory": host_memory_seconds(work, rates),

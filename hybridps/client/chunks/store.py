@@ -113,9 +113,13 @@ class ChunkStore:
 
     def needs_master(self, frozen: bool, orig_dtype: torch.dtype) -> bool:
         """Whether a param keeps a master slot: every stepped one where masters exist; a frozen
-        one only where the param chunk's dtype would round its value ([Note: frozen chunks] in
-        layout.py: nothing steps it, so its own dtype in the param chunk is its exact value)."""
-        return self.has_master and (not frozen or orig_dtype != self.param_dtype)
+        one only where a 16-bit param chunk would round its value ([Note: frozen chunks] in
+        layout.py: nothing steps it, so a param chunk that holds its dtype exactly holds its
+        value; an fp32 one holds fp16 and bf16 values exactly, and an fp32 master would round
+        an fp64 value as the fp32 param chunk does)."""
+        if not self.has_master:
+            return False
+        return not frozen or (self.param_dtype.itemsize < 4 and orig_dtype != self.param_dtype)
 
     def value_kind(self, info: ParamInfo) -> ChunkKind:
         """The row holding ``info``'s full-precision value: its master, or for a frozen param

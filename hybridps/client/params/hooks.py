@@ -201,15 +201,8 @@ class ModuleHooks:
 
     def _take_units(self, layout: UnitLayout) -> None:
         """Choose the units (hook_units.py) and what the hooks keep of each."""
-        client = self.client
         #: the units the hooks wrap, each with the params it accesses, and the blocks
-        self.units = choose_units(
-            self.module,
-            layout=layout,
-            is_registered=client.is_registered,
-            chunk_bytes_of=client.store.param_chunk_bytes,
-            capacity_bytes=self._capacity_bytes,
-        )
+        self.units = choose_units(self.module, layout=layout, **self._unit_choice())
         self.own: dict[nn.Module, list[nn.Parameter]] = self.units.params
         # labels built once: the hooks run for every unit of every iteration
         self._labels: dict[nn.Module, tuple[tuple, tuple, tuple, str, str]] = {}
@@ -241,17 +234,41 @@ class ModuleHooks:
         """The warm-up's trace exists: blocks become units if they fit ([Note: blocks as units]);
         runs at the model's next forward, before any unit of it."""
         self._deciding = False
+        if self._blocks_fit():
+            self.make_blocks_units()
+
+    def _blocks_fit(self) -> bool:
+        """Whether the chunks the model computes with fit the device beside the trace's
+        non-model peak (``hook_units.blocks_fit``)."""
         store = self.client.store
         chunk_bytes = store.param_chunk_bytes(i.param for i in store.params)
         if not self.grad_reuse:
             chunk_bytes += sum(c.nbytes for c in store.rows[ChunkKind.GRAD] if c.slots)
         peak = max(self.tracer.non_model, default=0)
         margin = self.client.mover.margin_bytes
-        if not blocks_fit(
+        return blocks_fit(
             chunk_bytes=chunk_bytes, non_model_peak_bytes=peak, capacity_bytes=self._capacity_bytes, margin_bytes=margin
-        ):
-            return
-        self.make_blocks_units()
+        )
+
+    def units_under_auto(self) -> int:
+        """The hook units a run with ``hook_units="auto"`` settles on after its warm-up, by this
+        run's trace and grads: the model's one where its grads stay loose and every param chunk
+        is on the compute device, the blocks where they fit, else every module. The planner's
+        simulation, which runs every module a unit for the finest trace, reports it for the
+        host's time ([Note: host time by hook unit] in planner/speed.py)."""
+        if self._loose is not None and self._loose.enabled and self._params_on_compute_device():
+            return 1
+        if self._capacity_bytes is not None and not self._blocks_fit():
+            return len(choose_units(self.module, layout=UnitLayout.MODULES, **self._unit_choice()).params)
+        return len(choose_units(self.module, layout=UnitLayout.BLOCKS, **self._unit_choice()).params)
+
+    def _unit_choice(self) -> dict:
+        client = self.client
+        return dict(
+            is_registered=client.is_registered,
+            chunk_bytes_of=client.store.param_chunk_bytes,
+            capacity_bytes=self._capacity_bytes,
+        )
 
     def make_blocks_units(self) -> list[nn.Module]:
         """Make the blocks units (hook_units.py) from the next unit on, and return them; runs

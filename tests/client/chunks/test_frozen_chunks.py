@@ -207,3 +207,26 @@ def test_unfreezing_a_param_laid_out_frozen_is_refused_with_the_fix():
     model.layers[1].base.weight.requires_grad_(True)
     with pytest.raises(HybridPSError, match="no param group"):
         engine.backward(model(torch.randn(4, 64)))
+
+
+@pytest.mark.parametrize(
+    ("precision", "orig", "master"),
+    [
+        ("fp32", torch.float32, False),
+        ("fp32", torch.bfloat16, False),  # fp32 holds a bf16 value exactly
+        ("bf16", torch.float32, True),
+        ("bf16", torch.bfloat16, False),
+        ("fp16", torch.bfloat16, True),  # fp16 would round a bf16 value
+    ],
+)
+def test_a_frozen_param_keeps_a_master_only_where_its_param_chunk_would_round_it(precision, orig, master):
+    torch.manual_seed(0)
+    model = LoraNet(d=64, layers=1).to(orig)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    config = hybridps.Config(devices={"cuda:0": "64MiB"}, precision=precision, chunk_size=1 << 14)
+    engine = hybridps.initialize(model, trained_adamw(model), config)
+    store = engine.client.store
+    frozen = [info for info in store.params if info.frozen]
+    assert frozen and all((store.value_kind(info) is ChunkKind.MASTER) == master for info in frozen)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], original[k]) and got[k].dtype == orig for k in original if "base" in k)
