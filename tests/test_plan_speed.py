@@ -3,6 +3,7 @@ profiles, ``hybridps calibrate`` and the plan's JSON (CPU only, no wall-clock as
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -335,7 +336,7 @@ def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     assert main(["--quick", "--out", str(out)]) == 0
     r = read_rates_file(out)
     assert r.simulated_gpu and r.compute_tflops and all(t > 0 for _, t in r.compute_tflops)
-    assert r.host_s_per_tensor > 0 and r.host_s_per_unit > 0 and "host_s_per_unit" in r.sources
+    assert r.host_s_per_tensor >= 0 and r.host_s_per_unit >= 0 and "host_s_per_unit" in r.sources  # timed: noise may cancel it
     assert {(h, v) for h, v, _ in r.head_s_per_logit} == {(h, v) for h, _ in r.compute_tflops for v in (8192, 32768)}
     assert all(s > 0 for _, _, s in r.head_s_per_logit)
     counts = {(h, n) for h, n, _ in r.compute_tflops_by_tokens}
@@ -445,10 +446,10 @@ def test_hook_units_beyond_the_first_add_host_time_at_the_rates_time_per_unit():
 @pytest.mark.parametrize("share", [None, 0.5, 0.2])
 def test_a_simulation_counts_the_hook_units_a_run_settles_on(share):
     """[Note: host time by hook unit]: the simulation runs every module a unit, and reports
-    the units a run with ``hook_units="auto"`` settles on: the model as one where it all fits,
+    the calls of the units a run with ``hook_units="auto"`` settles on: the model as one where it all fits,
     the blocks where they fit beside the activations, every module otherwise."""
     import hybridps
-    from hybridps.planner.simulation import simulate
+    from hybridps.planner.simulation import module_calls_counted, simulate
 
     shape = GPTShape(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2)
     gpu = 1 << 30
@@ -461,11 +462,14 @@ def test_a_simulation_counts_the_hook_units_a_run_settles_on(share):
     config = hybridps.Config(devices={"cuda:0": gpu, "cpu": 1 << 30}, precision="fp32")
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), config)
     try:
+        calls = collections.Counter()
         for _ in range(4):
-            engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
+            calls.clear()
+            with module_calls_counted(calls):
+                engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
             engine.step()
             engine.zero_grad()
-        assert sim.hook_units == len(engine.hooks.units.params)
+        assert sim.hook_units == sum(calls[id(m)] for m in engine.hooks.units.params)
         expected = {None: UnitLayout.MODEL, 0.5: UnitLayout.BLOCKS, 0.2: UnitLayout.MODULES}[share]
         assert engine.hooks.units.layout is expected
     finally:

@@ -36,9 +36,12 @@ Does not own the rates' record or the profiles (``rates``), or the prediction (`
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import functools
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -289,11 +292,12 @@ def host_seconds(device, *, steps: int = 6) -> tuple[float, float]:
     first: a tiny GPT (everything on the GPU, real or simulated) trained by the engine, over its
     tensors (where it fits the model is one hook unit after the warm-up); then the same with
     every module a unit (``hook_units="module"``, as a model whose chunks move runs), its extra
-    time over its extra units ([Note: host time by hook unit] in speed.py). Without a GPU the
+    time over its extra unit calls ([Note: host time by hook unit] in speed.py). Without a GPU the
     same model's plain step (its compute, counted apart) is taken off the first."""
     import torch
 
     import hybridps
+    from hybridps.planner.simulation import module_calls_counted
 
     torch.manual_seed(0)
     seq, layers = 32, 4
@@ -308,27 +312,38 @@ def host_seconds(device, *, steps: int = 6) -> tuple[float, float]:
 
     plain_s = 0.0 if device.type == "cuda" else median_seconds(plain_step, steps, warmup=2)
     tensors = sum(1 for _ in plain.parameters())
-    timed = {}
-    for units in ("auto", "module"):
-        model = _gpt(64, layers, seq)
-        config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32", hook_units=units)
-        engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=device.type != "cuda"), config)
-        xe = x.to(engine.client.compute.torch_device)
-
-        def engine_step(engine=engine, xe=xe):
-            engine.backward(engine(xe, xe)[1])
-            engine.step()
-            engine.zero_grad()
-
-        try:
-            timed[units] = median_seconds(engine_step, steps, warmup=2, sync=device_sync(device))
-            timed[units + "_units"] = len(engine.hooks.units.params)
-        finally:
+    engines, steps_of = [], []
+    try:
+        for units in ("auto", "module"):
+            model = _gpt(64, layers, seq)
+            config = hybridps.Config(devices={"cuda:0": 1 << 30, "cpu": 1 << 30}, precision="fp32", hook_units=units)
+            engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=device.type != "cuda"), config)
+            engines.append(engine)
+            steps_of.append(functools.partial(_engine_step, engine, x.to(engine.client.compute.torch_device)))
+        for step in steps_of:  # the warm-up: each settles on its units
+            step()
+            step()
+        calls = []
+        for engine, step in zip(engines, steps_of, strict=True):
+            counted: collections.Counter[int] = collections.Counter()
+            with module_calls_counted(counted):
+                step()
+            calls.append(sum(counted[id(m)] for m in engine.hooks.units.params))
+        # in turns, so that the machine's drift falls on both (timing.interleaved_seconds)
+        rounds = interleaved_seconds(tuple(steps_of), steps, sync=device_sync(device))
+    finally:
+        for engine in engines:
             engine.close()
-    per_tensor = max(0.0, timed["auto"] - plain_s) / tensors
-    extra_units = timed["module_units"] - timed["auto_units"]
-    per_unit = max(0.0, timed["module"] - timed["auto"]) / extra_units if extra_units > 0 else 0.0
+    per_tensor = max(0.0, statistics.median(r[0] for r in rounds) - plain_s) / tensors
+    extra = calls[1] - calls[0]
+    per_unit = max(0.0, statistics.median(r[1] - r[0] for r in rounds)) / extra if extra > 0 else 0.0
     return per_tensor, per_unit
+
+
+def _engine_step(engine, x) -> None:
+    engine.backward(engine(x, x)[1])
+    engine.step()
+    engine.zero_grad()
 
 
 def _device_name(device) -> str:

@@ -18,10 +18,11 @@ the node (``search``) or the multi-rank share (``ranks``): one simulation is one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -116,9 +117,10 @@ class Simulation:
     largest_saved_bytes: int = 0
     #: params only an embedding lookup reads (``model.lookup_params``)
     lookup_params: int = 0
-    #: the hook units a run with the default ``hook_units="auto"`` settles on (params/hook_units.py:
-    #: the model as one unit where it all fits, the blocks where they fit, every module
-    #: otherwise): each costs host time ([Note: host time by hook unit] in speed.py)
+    #: the hook units' calls an iteration makes under the units a run with the default
+    #: ``hook_units="auto"`` settles on (params/hook_units.py: the model as one unit where it
+    #: all fits, the blocks where they fit, every module otherwise), a recomputed block's
+    #: again: each costs host time ([Note: host time by hook unit] in speed.py)
     hook_units: int = 1
     #: elements of the params no optimizer steps (LoRA's base weights), laid out in frozen
     #: chunks that keep their param row alone ([Note: frozen chunks] in client/chunks/layout.py)
@@ -251,10 +253,10 @@ def simulate(
         torch_optimizer = build_optimizer(optimizer, module)  # as a script builds it
         # its rows as the client lays them out (the same probe registration runs)
         states = planned_states(torch_optimizer)
-        device = torch.device("meta")
         failure: str | None = None
         engine = None
         done = 0
+        calls: collections.Counter[int] = collections.Counter()  # the last iteration's module calls
         before: dict[str, int] = {}
         after: dict[str, int] = {}
         host_before: dict[str, int] = {}
@@ -264,11 +266,7 @@ def simulate(
                 for _ in range(iterations):
                     before = dict(engine.client.mover.counts.moved_bytes)
                     host_before = _host_memory_counts(engine)
-                    inputs = model.inputs(device)  # positional arguments, or keyword ones (a Hugging Face model's)
-                    out = engine(**inputs) if isinstance(inputs, Mapping) else engine(*inputs)
-                    engine.backward(model.loss(out))
-                    engine.step()
-                    engine.zero_grad()
+                    _iteration(engine, model, calls)
                     done += 1
             after = dict(engine.client.mover.counts.moved_bytes)
         except (ConfigError, CapacityError) as exc:
@@ -287,10 +285,39 @@ def simulate(
             return sim
         host_after = _host_memory_counts(engine)
         host = {f"{k}_per_step": v - host_before.get(k, 0) for k, v in host_after.items()}
-        return dataclasses.replace(sim, **_step_counts(engine), **host)
+        units = engine.hooks.units_under_auto()  # it ran every module a unit
+        hook_units = sum(calls[id(m)] for m in units.params) if not units.whole else 1
+        return dataclasses.replace(sim, **_step_counts(engine), **host, hook_units=hook_units)
     finally:
         if engine is not None:
             engine.client.close(restore=False)
+
+
+def _iteration(engine: Engine, model: PlannedModel, calls: collections.Counter[int]) -> None:
+    """One training iteration of ``model`` on meta, its module calls counted in ``calls`` (afresh)."""
+    inputs = model.inputs(torch.device("meta"))  # positional arguments, or keyword ones (a Hugging Face model's)
+    calls.clear()
+    with module_calls_counted(calls):
+        out = engine(**inputs) if isinstance(inputs, Mapping) else engine(*inputs)
+        engine.backward(model.loss(out))
+    engine.step()
+    engine.zero_grad()
+
+
+@contextlib.contextmanager
+def module_calls_counted(calls: collections.Counter[int]) -> Iterator[None]:
+    """Count each module's forward calls (by ``id``; a checkpointed block's recompute calls
+    them again) while the context is open: the hook unit calls of an iteration ([Note: host
+    time by hook unit] in speed.py)."""
+
+    def count(module, args):
+        calls[id(module)] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _engine_alone(module, optimizer, config: Config) -> Engine:
@@ -461,12 +488,10 @@ def _step_counts(engine) -> dict[str, int | bool]:
     """Params and chunks of the steady iteration's optimizer steps on the CPU and on the GPU:
     each chunk steps where the placement policy says for its master's place, which the
     iteration after warm-up leaves as every later one finds it; whether its grads stayed
-    loose, whether the params keep a master apart (the speed model's device copies), and the
-    hook units the next iteration runs with."""
+    loose and whether the params keep a master apart (the speed model's device copies)."""
     client = engine.client
     out: dict = dict(step_params_cpu=0, step_params_gpu=0, step_chunks_cpu=0, step_chunks_gpu=0, step_params_cpu_cast_on_gpu=0)
     out["grads_loose"] = bool(client.grads.loose.enabled)
-    out["hook_units"] = engine.hooks.units_under_auto()  # it ran every module a unit
     out["master_apart"] = client.master_kind is not ChunkKind.PARAM
     chunk_step = client.optimizer.iteration.chunk_step
     for index, (param_chunk, master) in enumerate(

@@ -55,7 +55,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import TensorState
-from hybridps.client.params.hook_units import HookUnits, UnitLayout, blocks_fit, choose_units
+from hybridps.client.params.hook_units import HookUnits, UnitLayout, Units, blocks_fit, choose_units
 from hybridps.client.params.placeholder import ChunkedParameter
 from hybridps.common.eager import eager
 from hybridps.common.errors import HybridPSError, RegistrationError, StateError
@@ -250,17 +250,19 @@ class ModuleHooks:
             chunk_bytes=chunk_bytes, non_model_peak_bytes=peak, capacity_bytes=self._capacity_bytes, margin_bytes=margin
         )
 
-    def units_under_auto(self) -> int:
+    def units_under_auto(self) -> Units:
         """The hook units a run with ``hook_units="auto"`` settles on after its warm-up, by this
-        run's trace and grads: the model's one where its grads stay loose and every param chunk
-        is on the compute device, the blocks where they fit, else every module. The planner's
-        simulation, which runs every module a unit for the finest trace, reports it for the
-        host's time ([Note: host time by hook unit] in planner/speed.py)."""
+        run's trace and grads: the model as the one unit where its grads stay loose and every
+        param chunk is on the compute device, the blocks where they fit, else every module. The
+        planner's simulation, which runs every module a unit for the finest trace, counts their
+        calls for the host's time ([Note: host time by hook unit] in planner/speed.py)."""
         if self._loose is not None and self._loose.enabled and self._params_on_compute_device():
-            return 1
-        if self._capacity_bytes is not None and not self._blocks_fit():
-            return len(choose_units(self.module, layout=UnitLayout.MODULES, **self._unit_choice()).params)
-        return len(choose_units(self.module, layout=UnitLayout.BLOCKS, **self._unit_choice()).params)
+            layout = UnitLayout.MODEL
+        elif self._capacity_bytes is not None and not self._blocks_fit():
+            layout = UnitLayout.MODULES
+        else:
+            layout = UnitLayout.BLOCKS
+        return choose_units(self.module, layout=layout, **self._unit_choice())
 
     def _unit_choice(self) -> dict:
         client = self.client
