@@ -20,29 +20,14 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   third shape of the plan_speed bench predicted at 0.76x until they did), less the ``6 P T``
   that ``6 N T`` counts for the P params only an embedding lookup reads (an untied input
   embedding, position embeddings: a lookup multiplies nothing; ``model.lookup_params``, and
-  ``hybridps calibrate`` counts its block's FLOPs the same way), with the head apart where the rates measured it (see [Note: host time by hook unit]
-The host's time per tensor is timed on a tiny GPT that fits, where after the warm-up the model
-is one hook unit (params/hook_units.py, [Note: the model as one unit]). A model whose chunks
-move runs every module as a unit: each costs its hooks' calls, a tick of the tracer and an
-access and a release of its params, forward and backward, whatever its tensors. A LoRA Llama
-(4 x 256, 128 x 4 tokens, bf16) has 172 module units a forward (each linear a base layer, two
-adapters and a dropout); on a 26 MiB simulated GPU it ran 0.172-0.175 s a step where it ran
-0.126 s fitting, moving 16 MB a step (a few ms), and the plan, counting tensors alone, read
-0.65-0.66. ``hybridps calibrate`` therefore times the same tiny GPT again with every module a
-unit (``hook_units="module"``) and takes its extra time over its extra units
-(``host_s_per_unit``); the simulation says how many units its next iteration runs
-(``Simulation.hook_units``: the model's one where everything fits, the blocks where they fit,
-every module otherwise), and ``host`` adds the units beyond the first at that rate.
-
-[Note: the head apart]) and
+  ``hybridps calibrate`` counts its block's FLOPs the same way), with the head apart where the rates measured it (see [Note: the head apart]) and
   the attention's ``12 L d S T`` (``4 L d S T`` more recomputed) at its own rate for the
   sequence and head size where the rates timed it apart ([Note: attention apart] in
   calibrate_attention.py), in the precision the model computes in ([Note: compute by
   precision]);
 - ``host``: the host's time per param tensor per micro-batch (HybridPS's hooks and accesses,
-  op launches) times the tensors and micro-batches, and its time per hook unit beyond the
-  first times the units the simulation's next iteration runs with ([Note: host time by hook
-  unit]);
+  op launches) times the tensors and micro-batches, and its time per hook unit call times
+  the calls beyond the first of the units a run settles on ([Note: host time by hook unit]);
 - ``link``: the simulation's bytes host -> GPU and GPU -> host per micro-batch at the pinned
   rates; one copy engine per direction, so the two directions overlap (max of the two);
   repeated per micro-batch (the param chunks cross again each forward: an upper bound);
@@ -114,6 +99,24 @@ casts on the GPU, 0.779 s without (docs/benchmarks/2026-11-26-h200-third-session
 chunks no longer come down for the step, so the rows stay where they are (the planner's
 17.23 B on one H200: 34 GB moved each way, 17 GB of it pageable, and 500 arena segments made
 and dropped a step without it; no chunk move with it).
+
+[Note: host time by hook unit]
+The host's time per tensor is timed on a tiny GPT that fits, where after the warm-up the model
+is one hook unit (params/hook_units.py, [Note: the model as one unit]). A model whose chunks
+move runs every module as a unit: each call of one costs its hooks, a tick of the tracer and
+an access and a release of its params, forward and backward, whatever its tensors. A LoRA
+Llama (4 x 256, 128 x 4 tokens, bf16) has 341 modules, 172 of them called a forward (each
+linear a base layer, two adapters and a dropout; the ModuleDicts holding the adapters are
+never called); on a 26 MiB simulated GPU it ran 0.147-0.176 s a step where it ran 0.126-0.153
+s fitting, moving 16 MB a step (a few ms), and the plan, counting tensors alone, read
+0.65-0.78. ``hybridps calibrate`` therefore times the same tiny GPT again with every module a
+unit (``hook_units="module"``), in turns with it, and keeps its extra time over its extra
+unit calls (``host_s_per_unit``: 0.05 ms on the VM); the simulation, which runs every module
+a unit, asks the hooks which units a run settles on (``ModuleHooks.units_under_auto``: the
+model as the one where everything fits, the blocks where they fit, every module otherwise)
+and counts their forward calls in its last iteration (``Simulation.hook_units``: a
+container never called costs nothing, a checkpointed block's modules are called again);
+``host`` adds the calls beyond the first at that rate.
 
 [Note: the head apart]
 The rates' TFLOPS are a block's (a one-block GPT with a 256-entry vocabulary). What a

@@ -344,8 +344,15 @@ class ParamRegistry:
         script's, rank_parts.py: Adam's momentum and variance; another optimizer's as
         optim/state_layout.py finds them) like the param chunks, book them, and keep it. The
         client refuses a second optimizer before building one (``refuse_second_optimizer``)."""
-        self.store.state_kinds = chunked.state_kinds
         parts = chunked.parts_by_param
+        laid_out_frozen = [i.name for i in self.store.params if i.frozen and parts[i.slot.index] is not None]
+        if laid_out_frozen:
+            raise RegistrationError(
+                f"{len(laid_out_frozen)} params the optimizer holds were laid out frozen, with no optimizer state "
+                f"({', '.join(laid_out_frozen[:3])}{', ...' if len(laid_out_frozen) > 3 else ''}): "
+                f"register_module(..., optimizer_follows=...) was given another optimizer; pass the one registered here"
+            )
+        self.store.state_kinds = chunked.state_kinds
         for kind in self.store.state_kinds:
             chunks = []
             for i, param_chunk in enumerate(self.store.rows[ChunkKind.PARAM]):

@@ -230,3 +230,15 @@ def test_a_frozen_param_keeps_a_master_only_where_its_param_chunk_would_round_it
     assert frozen and all((store.value_kind(info) is ChunkKind.MASTER) == master for info in frozen)
     got = model.state_dict()
     assert all(torch.equal(got[k], original[k]) and got[k].dtype == orig for k in original if "base" in k)
+
+
+def test_an_optimizer_holding_params_laid_out_frozen_is_refused_with_the_fix():
+    """``register_module(..., optimizer_follows=a)`` lays out the params ``a`` does not hold as
+    frozen; registering another optimizer that holds them would step params without rows."""
+    torch.manual_seed(0)
+    model = LoraNet(d=64, layers=1)
+    with hybridps.Client(hybridps.Config(chunk_size=1 << 14)) as client:
+        client.register_module(model, optimizer_follows=trained_adamw(model))
+        assert any(client.param_info(p).frozen for p in model.parameters())
+        with pytest.raises(HybridPSError, match="laid out frozen.*optimizer_follows"):
+            client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-2))
