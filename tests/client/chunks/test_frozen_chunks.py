@@ -242,3 +242,58 @@ def test_an_optimizer_holding_params_laid_out_frozen_is_refused_with_the_fix():
         assert any(client.param_info(p).frozen for p in model.parameters())
         with pytest.raises(HybridPSError, match="laid out frozen.*optimizer_follows"):
             client.register_optim(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+@pytest.mark.parametrize(
+    ("config", "exact"),
+    [
+        (dict(devices={"cuda:0": "3MiB"}, overlap_step=True), True),  # steps during backward
+        (dict(devices={"cuda:0": "4MiB"}, grad_reuse=False), True),  # grads in chunks of their own
+        (dict(devices={"cuda:0": "3MiB", "cpu": "3MiB", "nvme": "64MiB"}), True),  # a disk tier
+        (dict(devices={"cuda:0": "3MiB"}, optimizer_states="int8"), False),
+        (dict(devices={"cuda:0": "3MiB"}, precision="bf16"), False),
+        (dict(devices={"cuda:0": "3MiB"}, precision="fp16"), False),  # a loss scale
+    ],
+    ids=["overlap-step", "no-grad-reuse", "disk", "int8-states", "bf16", "fp16"],
+)
+def test_frozen_chunks_change_the_memory_not_the_numbers_under_every_mode(config, exact, tmp_path):
+    """The same LoRA model with the optimizer over its adapters (frozen chunks) and over every
+    param (Adam skips those without grads; the layout of before): the same losses in every
+    mode, and in fp32 plain PyTorch's bit for bit; less model data."""
+    if "nvme" in config["devices"]:
+        config = {**config, "nvme_path": str(tmp_path)}
+    accumulate = config.get("grad_reuse") is False  # two micro-batches a step where grads have chunks
+    torch.manual_seed(0)
+    plain = LoraNet()
+    models = [copy.deepcopy(plain), copy.deepcopy(plain)]
+    optimizers = [trained_adamw(models[0]), torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, fused=True)]
+    engines = [
+        hybridps.initialize(m, o, hybridps.Config(chunk_size=1 << 16, **config))
+        for m, o, config in zip(models, optimizers, (config, {**config, "nvme_path": str(tmp_path / "b")}), strict=True)
+    ]
+    layouts = [e.client.store.layout for e in engines]
+    assert [any(lay.frozen(i) for i in range(lay.num_chunks)) for lay in layouts] == [True, False]
+    popt = trained_adamw(plain)
+    for step in range(4):
+        batches = [torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * step + k)) for k in range(1 + accumulate)]
+        popt.zero_grad()
+        losses = []
+        for x in batches:
+            expected = plain(x)
+            expected.backward()
+            losses = []
+            for model, engine in zip(models, engines, strict=True):
+                got = model(x)
+                engine.backward(got)
+                losses.append(got.item())
+        popt.step()
+        for engine in engines:
+            engine.step()
+            engine.zero_grad()
+        assert losses[0] == losses[1]
+        if exact:
+            assert losses[0] == expected.item()
+    stats = [e.memory_stats()["model_data_bytes"] for e in engines]
+    assert stats[0] < 0.6 * stats[1]  # 16-bit keeps the fp32 weights' masters; int8 moments are small
+    for engine in engines:
+        engine.close()
