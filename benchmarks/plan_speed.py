@@ -29,7 +29,8 @@ data and a disk tier beside it, in a temp directory).
 ``--hf`` plans and trains transformers' own families (``HF_SHAPES``: Llama, GPT-2, Qwen2 of a few
 layers, built from their configs as ``hybridps plan --model-config`` builds them), after the
 GPT of the first one's shape: the speed model counts their work outside the matmuls against
-that GPT's ([Note: the work outside the matmuls] in hybridps/planner/op_tally.py).
+that GPT's ([Note: the work outside the matmuls] in hybridps/planner/op_tally.py); then
+Mixtral, and the first Llama with LoRA adapters (``HF_LORA_RANK``), checkpointed and not.
 
 ``--factory`` plans and trains models given as ``hybridps.planner.ModelFactory`` (``FACTORIES``:
 the same GPT, torch's ``nn.TransformerEncoder``, an MLP with no attention, a convolutional
@@ -135,6 +136,10 @@ HF_MOE = (
     "fp32",
 )
 
+#: ``--hf``'s LoRA: the first Llama with rank-8 adapters on every linear layer, its own
+#: weights frozen (``hybridps plan --lora``), checkpointed or not
+HF_LORA_RANK = 8
+
 
 def _gpt_factory() -> ModelFactory:
     """The GPT of ``HF_SHAPES``' first shape, given as a ``ModelFactory``: the count against the formula."""
@@ -224,9 +229,10 @@ class Training:
         return self.micro_batches == 1  # accumulation keeps grads apart (Config.grad_reuse)
 
 
-def hf_family(model_type: str, fields: dict, seq: int, batch: int):
+def hf_family(model_type: str, fields: dict, seq: int, batch: int, **family):
     """The ``HFCausalLMFamily`` of a transformers config of ``model_type`` with ``fields``, at
-    ``HF_LAYERS`` layers and ``HF_VOCAB`` entries, trained on ``batch`` x ``seq`` tokens."""
+    ``HF_LAYERS`` layers and ``HF_VOCAB`` entries, trained on ``batch`` x ``seq`` tokens
+    (``family``: its other fields, ``lora_rank`` or ``checkpoint``)."""
     import transformers
 
     from hybridps.planner.hf_model import HFCausalLMFamily
@@ -235,7 +241,9 @@ def hf_family(model_type: str, fields: dict, seq: int, batch: int):
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=HF_VOCAB, max_position_embeddings=max(seq, 1024), **layers, **fields
     )
-    return HFCausalLMFamily(config=config, n_layer=HF_LAYERS, seq_len=seq, batch_size=batch, source=f"{model_type} (bench)")
+    return HFCausalLMFamily(
+        config=config, n_layer=HF_LAYERS, seq_len=seq, batch_size=batch, source=f"{model_type} (bench)", **family
+    )
 
 
 def _batch(shape) -> tuple:
@@ -256,8 +264,8 @@ def _loss(shape, model, batch: tuple) -> torch.Tensor:
 def measure(shape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
     torch.manual_seed(0)
     model = shape.build()
-    if training.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), fused=True)
+    if training.optimizer == "adamw":  # over the trained params, as the plan's (a LoRA's adapters)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
     else:  # as the plan builds it (muon: Muon for the matrices, AdamW for the rest), at a small lr
         opt = build_optimizer(training.optimizer, model)
         for optimizer in opt if isinstance(opt, list) else [opt]:
@@ -386,7 +394,9 @@ def _cases(args, training: Training) -> list[tuple]:
             first[4],
             Training(first[5]),
         )
-        return [gpt] + [(hf_family(t, f, s, b), frac, Training(p)) for t, f, s, b, frac, p in (*HF_SHAPES, HF_MOE)]
+        t, f, s, b, frac, p = first
+        lora = [(hf_family(t, f, s, b, lora_rank=HF_LORA_RANK, checkpoint=ckpt), frac, Training(p)) for ckpt in (False, True)]
+        return [gpt] + [(hf_family(t, f, s, b), frac, Training(p)) for t, f, s, b, frac, p in (*HF_SHAPES, HF_MOE)] + lora
     if args.wide:
         return [
             (
@@ -409,7 +419,10 @@ def _describe(shape, training: Training) -> str:
         d = shape.describe()
         return (
             f"{d['family']} {shape.n_layer} x {shape.d_model}, {shape.batch_size} x {shape.seq_len}, vocabulary "
-            f"{shape.vocab_size}" + (f", {training.precision}" if training.precision != "fp32" else "")
+            f"{shape.vocab_size}"
+            + (f", {training.precision}" if training.precision != "fp32" else "")
+            + (f", LoRA r{d['lora_rank']}" if d.get("lora_rank") else "")
+            + (", checkpointed" if d.get("checkpoint") else "")
         )
     return (
         f"{shape.n_layer} x {shape.d_model}, {shape.n_head} heads, {shape.batch_size} x {shape.seq_len}, vocabulary "

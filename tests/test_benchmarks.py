@@ -347,11 +347,14 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     )
     # --hf: transformers' families after the GPT of the first one's shape, one rank only
     hf = plan_speed._cases(argparse.Namespace(wide=False, hf=True, factory=False), plan_speed.Training())
-    assert len(hf) == len(plan_speed.HF_SHAPES) + 2 and isinstance(hf[0][0], GPTShape)
+    assert len(hf) == len(plan_speed.HF_SHAPES) + 4 and isinstance(hf[0][0], GPTShape)
     assert [plan_speed._describe(s, c).split()[0] for s, _, c in hf[1:]] == [
-        "hf:llama", "hf:gpt2", "hf:qwen2", "hf:llama", "hf:mixtral"
+        "hf:llama", "hf:gpt2", "hf:qwen2", "hf:llama", "hf:mixtral", "hf:llama", "hf:llama"
     ]  # fmt: skip
-    assert hf[-1][0].mixture_of_experts and not hf[1][0].mixture_of_experts
+    assert hf[-3][0].mixture_of_experts and not hf[1][0].mixture_of_experts
+    # then the first Llama with LoRA adapters, unchecked and checkpointed
+    assert [(s.lora_rank, s.checkpoint) for s, _, _ in hf[-2:]] == [(plan_speed.HF_LORA_RANK, False), (8, True)]
+    assert "LoRA r8, checkpointed" in plan_speed._describe(hf[-1][0], hf[-1][2])
     with pytest.raises(SystemExit, match="one rank"):
         plan_speed.main(["--rates", "h100", "--hf", "--ranks", "2"])
     # a family trains as its own forward is fed (input_ids and labels)
