@@ -6,8 +6,8 @@ only from local files, the checks that it describes a causal LM transformers can
 (``read_causal_lm_config``, each refusal a ``ConfigError`` naming the file and the fix), and
 the model built from it (``causal_lm_from_config``) under whatever device context the caller
 enters: ``hybridps.meta_init()`` for training, ``torch.device("meta")`` for planning, and its
-LoRA adapters (``with_lora``) and its recomputed layers (``checkpoint_layers``): the same
-for the run and for its plan.
+LoRA adapters (``with_lora``), its recomputed layers (``checkpoint_layers``) and its loss
+(``causal_lm_loss``): the same for the run and for its plan.
 
 Does not own weights, tokenizers or training (``hf_task``), nor the planned family of
 such models (``planner.hf_model``). Nothing is downloaded.
@@ -149,3 +149,12 @@ def checkpoint_layers(model: nn.Module, verb: str = "train") -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def causal_lm_loss(logits: Any, targets: Any) -> Any:
+    """Mean next-token cross-entropy of ``logits`` (batch, tokens, vocabulary) against
+    ``targets`` (batch, tokens: each token's next), in fp32 as transformers' own loss: the loss
+    of ``hybridps train``'s steps and of their plan."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

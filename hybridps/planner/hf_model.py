@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridps.common.errors import ConfigError
-from hybridps.models.hf import causal_lm_from_config, checkpoint_layers, read_causal_lm_config, with_lora
+from hybridps.models.hf import causal_lm_from_config, causal_lm_loss, checkpoint_layers, read_causal_lm_config, with_lora
 from hybridps.planner.validation import check_positive_int
 
 #: the config's fields the report shows, when the config has them
@@ -222,19 +222,17 @@ class HFCausalLMFamily:
         finally:
             masking_utils.find_packed_sequence_indices = original
 
-    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
-        # two tensors, as in training: one shared tensor would be counted once among the saved
-        # activations (embedding input and loss targets) and plan too little
-        shape = (self.batch_size, self.seq_len)
-        batch = {
-            "input_ids": torch.zeros(shape, dtype=torch.long, device=device),
-            "labels": torch.zeros(shape, dtype=torch.long, device=device),
-        }
-        # recomputed layers keep no cache (transformers turns it off, with a warning, if asked)
-        return {**batch, "use_cache": False} if self.checkpoint else batch
+    def inputs(self, device: torch.device) -> dict[str, Any]:
+        """A batch as ``hybridps train`` feeds it (``hf_task.HFCausalLM.loss``): the tokens, no
+        key/value cache; the targets come with the loss."""
+        return {"input_ids": torch.zeros((self.batch_size, self.seq_len), dtype=torch.long, device=device), "use_cache": False}
 
     def loss(self, output: Any) -> torch.Tensor:
-        return output.loss
+        """The run's loss (``models.hf.causal_lm_loss``) against targets of their own: one
+        tensor shared with the tokens would be counted once among the saved activations
+        (embedding input and loss targets) and plan too little."""
+        logits = output.logits
+        return causal_lm_loss(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
 
     def describe(self) -> dict:
         shown = {k: getattr(self.config, k) for k in _SHOWN if getattr(self.config, k, None) is not None}
