@@ -27,6 +27,7 @@ if __name__ == "__main__":  # each torchrun rank: before torch ([Note: torch's N
 
 import torch  # noqa: E402
 
+from hybridps.client.chunks.store import frozen_keeps_master  # noqa: E402
 from hybridps.client.optim import registration  # noqa: E402
 from hybridps.common.config import PRECISIONS  # noqa: E402
 from hybridps.common.optimizer_states import compact_row_bytes  # noqa: E402
@@ -289,9 +290,7 @@ def _device_capacities(
     moments = rows * 4 if args.optimizer_states != "int8" else rows * compact_row_bytes(2**20) / 2**20
     per_param = (6 if args.precision != "fp32" else 8) + moments
     param_dtype = PRECISIONS[args.precision]
-    frozen_bytes = sum(
-        n * (param_dtype.itemsize + (4 if param_dtype.itemsize < 4 and d != param_dtype else 0)) for d, n in frozen
-    )
+    frozen_bytes = sum(n * (param_dtype.itemsize + 4 * frozen_keeps_master(param_dtype, d)) for d, n in frozen)
     trained = n_params - sum(n for _, n in frozen)
     model_bytes = int(trained * per_param + frozen_bytes) // world
     devices: dict = {}

@@ -629,8 +629,9 @@ class Planner(LargestModelSearch):
 def _frozen_note(sim: Simulation, world_size: int) -> str:
     """The note of a plan whose model has params no optimizer steps (LoRA's base weights)."""
     note = (
-        f"{sim.frozen_params / max(1, sim.n_params):.1%} of the params are frozen (no optimizer steps them): one rank lays them out in chunks of their own that keep the param row alone (and a master where the "
-        f"compute precision would round their values); the DeepSpeed rules count every param as trained"
+        f"{sim.frozen_params / max(1, sim.n_params):.1%} of the params are frozen (no optimizer steps them): one "
+        f"rank lays them out in chunks of their own that keep the param row alone (and a master where the compute "
+        f"precision would round their values); the DeepSpeed rules count every param as trained"
     )
     if world_size > 1:
         note += (

@@ -285,8 +285,8 @@ def simulate(
             return sim
         host_after = _host_memory_counts(engine)
         host = {f"{k}_per_step": v - host_before.get(k, 0) for k, v in host_after.items()}
-        units = engine.hooks.units_under_auto()  # it ran every module a unit
-        hook_units = sum(calls[id(m)] for m in units.params) if not units.whole else 1
+        units = engine.hooks.units_under_auto()  # it ran every module a unit; the model's is called once
+        hook_units = sum(calls[id(m)] for m in units.params)
         return dataclasses.replace(sim, **_step_counts(engine), **host, hook_units=hook_units)
     finally:
         if engine is not None:

@@ -33,6 +33,14 @@ from hybridps.common.optimizer_states import compact_row_bytes
 MOMENT_KINDS = (ChunkKind.MOMENTUM, ChunkKind.VARIANCE)
 
 
+def frozen_keeps_master(param_dtype: torch.dtype, orig_dtype: torch.dtype) -> bool:
+    """Whether a frozen param of ``orig_dtype`` keeps an fp32 master beside its param chunk of
+    ``param_dtype``: where a 16-bit chunk would round its value ([Note: frozen chunks] in
+    layout.py; an fp32 chunk holds fp16 and bf16 values exactly, and an fp32 master would round
+    an fp64 value as the fp32 chunk does)."""
+    return param_dtype.itemsize < 4 and orig_dtype != param_dtype
+
+
 @dataclasses.dataclass(eq=False)
 class ParamInfo:
     """What the client knows of one registered param."""
@@ -113,13 +121,10 @@ class ChunkStore:
 
     def needs_master(self, frozen: bool, orig_dtype: torch.dtype) -> bool:
         """Whether a param keeps a master slot: every stepped one where masters exist; a frozen
-        one only where a 16-bit param chunk would round its value ([Note: frozen chunks] in
-        layout.py: nothing steps it, so a param chunk that holds its dtype exactly holds its
-        value; an fp32 one holds fp16 and bf16 values exactly, and an fp32 master would round
-        an fp64 value as the fp32 param chunk does)."""
+        one only where its param chunk would round its value (``frozen_keeps_master``)."""
         if not self.has_master:
             return False
-        return not frozen or (self.param_dtype.itemsize < 4 and orig_dtype != self.param_dtype)
+        return not frozen or frozen_keeps_master(self.param_dtype, orig_dtype)
 
     def value_kind(self, info: ParamInfo) -> ChunkKind:
         """The row holding ``info``'s full-precision value: its master, or for a frozen param
