@@ -19,6 +19,7 @@ from hybridps.planner import HFCausalLMFamily, main
 from hybridps.planner.attention import meta_attention_as_flash
 from hybridps.planner.hf_model import config_with_layers
 from hybridps.planner.simulation import simulate
+from tests.dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -404,3 +405,54 @@ def test_a_checkpointed_lora_counts_what_its_backward_recomputes_against_its_own
     assert ckpt.recompute_flops == pytest.approx(ckpt.backward_flops - plain.backward_flops)
     assert 0.5 * ckpt.forward_flops < ckpt.recomputed <= ckpt.forward_flops
     assert ckpt.recompute_share == pytest.approx(ckpt.recomputed / ckpt.forward_flops)
+
+
+def _lora_rank(rank, world, precision):
+    """One rank of a LoRA run of the tiny Llama: its model data and the grads it received."""
+    from hybridps.hf_task import HFCausalLM
+
+    task = HFCausalLM(model_path=None, config_path=TINY, lora_rank=4, seq_len=32)
+    model = task.build()
+    config = hybridps.Config(
+        devices={"cuda:0": 2**30, "cpu": 2**32}, simulate=True, precision=precision, collective_timeout_s=60.0
+    )
+    engine = hybridps.initialize(model, torch.optim.AdamW(task.param_groups(model)), config)
+    x = torch.zeros(1, 32, dtype=torch.long)
+    engine.backward(task.loss(engine, x, x.clone()))
+    engine.step()
+    engine.zero_grad()
+    stats = engine.memory_stats()
+    received = stats["dist"]["bytes_received"]
+    return {
+        "model_data_bytes": stats["model_data_bytes"],
+        "reduced": received.get("reduce_scatter", 0) + received.get("reduce", 0),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_lora_plan_of_two_ranks_derives_what_each_real_rank_keeps_and_reduces(precision):
+    """With several ranks the base weights sit in chunk groups of their own (never reduced):
+    the plan's derived share is what the busiest real rank keeps, and the grads it plans to
+    reduce are the adapters' groups alone."""
+    from hybridps.planner import NodeSpec
+    from hybridps.planner.ranks import derive_rank_share
+
+    sims = {
+        lora: simulate(
+            HFCausalLMFamily.from_path(TINY, seq_len=32, batch_size=2, lora_rank=lora),
+            gpu_bytes=2**30,
+            cpu_bytes=2**32,
+            precision=precision,
+        )
+        for lora in (4, None)
+    }
+    node = NodeSpec.parse("2x1GiB", "4GiB")
+    share, whole = derive_rank_share(sims[4], node), derive_rank_share(sims[None], node)
+    ranks = run_ranks(_lora_rank, 2, precision, timeout_s=120)
+    assert max(r["model_data_bytes"] for r in ranks) == share.owned_bytes
+    assert share.owned_bytes < 0.6 * whole.owned_bytes
+    comm = share.communication
+    assert comm.reduced_bytes < 0.5 * comm.params_bytes and share.reduced_groups < share.chunk_groups
+    # each rank receives its half of every reduced group's grads (ring: (S - 1) / S of them)
+    assert sum(r["reduced"] for r in ranks) == comm.reduced_bytes

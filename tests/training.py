@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 import hybridps
 from hybridps.models import GPT, GPTConfig
@@ -113,3 +114,33 @@ def train_hf_both(plain, optimizer, engine, batches) -> None:
         engine.step()
         engine.zero_grad()
         assert out.loss.item() == expected.item(), step
+
+
+class Lora(nn.Module):
+    """A frozen base linear and its trained low-rank adapter."""
+
+    def __init__(self, d: int, r: int = 4):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+        nn.init.normal_(self.b.weight, std=0.02)
+
+    def forward(self, x):
+        return torch.tanh(self.base(x) + self.b(self.a(x)))
+
+
+class LoraNet(nn.Module):
+    def __init__(self, d: int = 256, layers: int = 4):
+        super().__init__()
+        self.layers = nn.Sequential(*(Lora(d) for _ in range(layers)))
+        self.head = nn.Linear(d, 1)  # trained
+
+    def forward(self, x):
+        return self.head(self.layers(x)).square().mean()
+
+
+def trained_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """AdamW over the trained params only, as peft and the Trainer build it."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, fused=True)

@@ -28,9 +28,10 @@ changes with the ranks:
   chunk, within ``Config.live_gathered_bytes``: a tenth of the GPU unless set, and within
   what the GPU holds beside the activations' peak, the share and the working set: nothing
   where the share spills to the CPU, whose room the forward's activations take, as measured
-  on simulated GPUs), ``(P - kept) (S - 1) / S``; the reduce-scatter of the grads,
-  ``P (S - 1) / S``; and with ``R`` replicas the all-reduce of each reduced shard,
-  ``2 P / S (R - 1) / R``. A shard group within a node moves its bytes at the node's rates,
+  on simulated GPUs), ``(P - kept) (S - 1) / S``; the reduce-scatter of the grads of the
+  param chunks that take them (``P_r``: all of them but frozen chunk groups),
+  ``P_r (S - 1) / S``; and with ``R`` replicas the all-reduce of each reduced shard,
+  ``2 P_r / S (R - 1) / R``. A shard group within a node moves its bytes at the node's rates,
   one that crosses nodes at the network's (a ring is as fast as its slowest link); the
   replicas' all-reduce the same by where the replicas are. Each collective among the node's
   ranks also takes the rates' fixed time (``node_collective_s``): one a chunk group's gather,
@@ -75,13 +76,14 @@ def collective_bytes(share: RankShare, *, kept_gathered_bytes: int) -> Collectiv
     ring = (s - 1) / s
     # whole groups are kept, their bytes counted with this rank's own chunk (gathers.py's retire)
     kept = min(p, kept_gathered_bytes // share.group_bytes * share.group_bytes) if share.group_bytes else 0
+    reduced = share.communication.reduced_bytes  # frozen chunk groups take no grads
     gather = math.ceil((p + p - kept) * ring)
-    reduce = math.ceil(p * ring)
-    replica = math.ceil(2 * p / s * (r - 1) / r)
+    reduce = math.ceil(reduced * ring)
+    replica = math.ceil(2 * reduced / s * (r - 1) / r)
     groups = share.chunk_groups
     regathered = math.ceil(groups * (p - kept) / p) if p else 0
-    shard_calls = (groups + regathered + groups) if s > 1 else 0
-    replica_calls = groups if r > 1 else 0
+    shard_calls = (groups + regathered + share.reduced_groups) if s > 1 else 0
+    replica_calls = share.reduced_groups if r > 1 else 0
     network = calls = 0
     if sharding.shard_group_crosses_nodes:
         network += gather + reduce

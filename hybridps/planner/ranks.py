@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.ownership import assign_owners
 from hybridps.client.memory.arena import idle_bound_bytes
 from hybridps.planner.node import NodeSpec
@@ -34,6 +35,9 @@ class RankShare:
     #: the shard-group layout: chunk groups are ``sharding.shard_size`` chunks wide
     sharding: Sharding
     chunk_groups: int
+    #: of those, the groups whose grads are reduced: all but frozen chunk groups ([Note:
+    #: frozen chunks] in client/chunks/layout.py)
+    reduced_groups: int
     #: chunks of one kind (chunk_groups x shard size) and the share of their elements that is padding
     chunks: int
     padding_fraction: float
@@ -109,6 +113,27 @@ class _GroupLayout:
     #: chunk index of every param, in registration order
     chunk_of_param: tuple[int, ...]
     shard_size: int
+    #: per chunk, the rows a frozen chunk keeps (its params' ``Simulation.frozen_row_kinds``);
+    #: None for a trained chunk (or a padding one of a trained group)
+    frozen_kinds: tuple[tuple[str, ...] | None, ...] = ()
+
+    def frozen(self, chunk: int) -> bool:
+        return bool(self.frozen_kinds) and self.frozen_kinds[chunk] is not None
+
+    @property
+    def reduced_groups(self) -> list[int]:
+        """The groups whose grads are reduced: those of trained chunks (a group is of one stream)."""
+        return [g for g in range(self.groups) if not self.frozen(g * self.shard_size)]
+
+    def communication(self, param_elem_bytes: int, sharding: Sharding) -> Communication:
+        """The collectives' bytes of this layout's param chunks (whole chunks, padding
+        included), the reduced ones those of ``reduced_groups``."""
+        elements = self.group_elements()
+        return Communication.of(
+            sum(self.capacities) * param_elem_bytes,
+            sharding,
+            reduced_bytes=sum(elements[g] for g in self.reduced_groups) * param_elem_bytes,
+        )
 
     @property
     def groups(self) -> int:
@@ -145,15 +170,21 @@ def _group_layout(
         size = auto_chunk_size(list(sim.param_numels), config, compute, shard_size)
     else:
         size = sim.chunk_size_elements or 1
-    layout = ChunkLayout(size, config.layout_alignment, fill_past_oversize=fills_past_oversize(shard_size))
-    chunk_of = tuple(layout.add(n).chunk for n in sim.param_numels)
+    layout = ChunkLayout(size, config.layout_alignment, fill_past_oversize=fills_past_oversize(shard_size), group_size=shard_size)
+    frozen_rows = sim.frozen_row_kinds or ((),) * len(sim.param_numels)
+    chunk_of = tuple(layout.add(n, frozen=bool(f)).chunk for n, f in zip(sim.param_numels, frozen_rows, strict=True))
     layout.pad_to_multiple(shard_size)
+    kinds: list[dict[str, None] | None] = [{} if layout.frozen(i) else None for i in range(layout.num_chunks)]
+    for chunk, rows in zip(chunk_of, frozen_rows, strict=True):
+        if rows:
+            kinds[chunk].update(dict.fromkeys(rows))
     return _GroupLayout(
         chunk_size=size,
         capacities=tuple(layout.capacity(i) for i in range(layout.num_chunks)),
         has_slots=tuple(bool(layout.members(i)) for i in range(layout.num_chunks)),
         chunk_of_param=chunk_of,
         shard_size=shard_size,
+        frozen_kinds=tuple(None if k is None else tuple(k) for k in kinds) if sim.frozen_row_kinds else (),
     )
 
 
@@ -245,6 +276,7 @@ def derive_rank_share(
         world_size=node.world_size,
         sharding=sharding,
         chunk_groups=lay.groups,
+        reduced_groups=len(lay.reduced_groups),
         chunks=len(lay.capacities),
         padding_fraction=1 - sum(sim.param_numels) / sum(lay.capacities) if lay.capacities else 0.0,
         chunk_size_elements=lay.chunk_size,
@@ -261,7 +293,7 @@ def derive_rank_share(
         cpu_bytes=cpu,
         cpu_node_bytes=cpu_node,
         moved_bytes_per_step=moved,
-        communication=Communication.of(sum(lay.capacities) * param_elem, sharding),
+        communication=lay.communication(param_elem, sharding),
     )
     return _on_the_disk(share, sim, lay, node) if node.has_disk else share
 
@@ -277,7 +309,9 @@ def _on_the_disk(share: RankShare, sim: Simulation, lay: _GroupLayout, node: Nod
     cpu_slice = node.cpu_bytes // node.ranks_per_node
     nvme = max(0, share.cpu_bytes - cpu_slice)
     moved = {**share.moved_bytes_per_step, "cpu->nvme": nvme, "nvme->cpu": nvme} if nvme else share.moved_bytes_per_step
-    largest_chunk = max((c for c, h in zip(lay.capacities, lay.has_slots, strict=True) if h), default=0)
+    largest_chunk = max(  # a frozen chunk takes no step
+        (c for i, (c, h) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)) if h and not lay.frozen(i)), default=0
+    )
     return dataclasses.replace(
         share,
         cpu_bytes=min(share.cpu_bytes, cpu_slice),
@@ -294,14 +328,20 @@ def _place_shares(sim: Simulation, lay: _GroupLayout) -> list[int]:
     as the client assigns them: every row of a chunk with params (``sim.rows``: the
     optimizer's state rows, compact moment rows under ``optimizer_states="int8"``; with
     several optimizers the state rows its params' optimizers keep), only the param row of a
-    padding chunk."""
+    padding chunk, and of a frozen chunk the rows it keeps (its param row, and its master where
+    the compute precision would round its params)."""
     weights = [c if h else 0 for c, h in zip(lay.capacities, lay.has_slots, strict=True)]
     owner_of, _ = assign_owners(weights, lay.shard_size)  # the client's own rule
     rows = sim.rows
     kinds_of_chunk = _chunk_state_kinds(sim, lay)
     shares = [0] * lay.shard_size
     for i, (cap, filled) in enumerate(zip(lay.capacities, lay.has_slots, strict=True)):
-        shares[owner_of[i]] += rows.chunk_bytes(cap, kinds_of_chunk[i]) if filled else rows.param_bytes(cap)
+        if not filled:
+            shares[owner_of[i]] += rows.param_bytes(cap)
+        elif lay.frozen(i):
+            shares[owner_of[i]] += rows.bytes_of(tuple(ChunkKind(k) for k in lay.frozen_kinds[i]), cap)
+        else:
+            shares[owner_of[i]] += rows.chunk_bytes(cap, kinds_of_chunk[i])
     return shares
 
 

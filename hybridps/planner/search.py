@@ -629,15 +629,12 @@ class Planner(LargestModelSearch):
 def _frozen_note(sim: Simulation, world_size: int) -> str:
     """The note of a plan whose model has params no optimizer steps (LoRA's base weights)."""
     note = (
-        f"{sim.frozen_params / max(1, sim.n_params):.1%} of the params are frozen (no optimizer steps them): one "
-        f"rank lays them out in chunks of their own that keep the param row alone (and a master where the compute "
+        f"{sim.frozen_params / max(1, sim.n_params):.1%} of the params are frozen (no optimizer steps them): they "
+        f"are laid out in chunks of their own that keep the param row alone (and a master where the compute "
         f"precision would round their values); the DeepSpeed rules count every param as trained"
     )
     if world_size > 1:
-        note += (
-            "; several ranks lay them out with the trained ones, every row of their chunks kept, and the derived "
-            "figures count them so"
-        )
+        note += "; several ranks keep them in chunk groups of their own, gathered but never reduced"
     return note
 
 

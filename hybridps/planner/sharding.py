@@ -149,9 +149,11 @@ class Communication:
     collectives move whole chunks).
 
     - shard group: params all-gathered for forward and again for backward, grads
-      reduce-scattered once: ``3 x params_bytes x (S - 1) / S``;
-    - replicas: each rank's reduced shard (``params_bytes / S``) all-reduced across the
-      ``R = W / S`` replicas: ``2 x params_bytes / S x (R - 1) / R``;
+      reduce-scattered once: ``(2 x params_bytes + reduced_bytes) x (S - 1) / S``, where
+      ``reduced_bytes`` are the param chunks of the groups that take grads (all of them but
+      frozen chunk groups, [Note: frozen chunks] in client/chunks/layout.py);
+    - replicas: each rank's reduced shard (``reduced_bytes / S``) all-reduced across the
+      ``R = W / S`` replicas: ``2 x reduced_bytes / S x (R - 1) / R``;
     - ZeRO-3 over the whole world, for comparison: ``3 x params_bytes x (W - 1) / W``.
 
     Upper bounds: groups kept gathered from forward to backward (``live_gathered_bytes``)
@@ -163,9 +165,12 @@ class Communication:
     zero3_world_bytes: int
     #: of the above, the bytes of collectives whose group spans more than one node
     inter_node_bytes: int
+    #: the param chunks whose grads are reduced (``params_bytes`` less frozen chunk groups)
+    reduced_bytes: int
 
     def __post_init__(self) -> None:
-        for f in ("params_bytes", "shard_group_bytes", "replica_bytes", "zero3_world_bytes", "inter_node_bytes"):
+        fields = ("params_bytes", "shard_group_bytes", "replica_bytes", "zero3_world_bytes", "inter_node_bytes", "reduced_bytes")
+        for f in fields:
             check_bytes(f, getattr(self, f))
 
     @property
@@ -173,10 +178,11 @@ class Communication:
         return self.shard_group_bytes + self.replica_bytes
 
     @classmethod
-    def of(cls, params_bytes: int, sharding: Sharding) -> Communication:
+    def of(cls, params_bytes: int, sharding: Sharding, *, reduced_bytes: int | None = None) -> Communication:
         s, r, w = sharding.shard_size, sharding.replicas, sharding.world_size
-        shard = _ceil_div(3 * params_bytes * (s - 1), s)
-        replica = _ceil_div(2 * params_bytes * (r - 1), s * r)
+        reduced = params_bytes if reduced_bytes is None else reduced_bytes
+        shard = _ceil_div((2 * params_bytes + reduced) * (s - 1), s)
+        replica = _ceil_div(2 * reduced * (r - 1), s * r)
         inter = (shard if sharding.shard_group_crosses_nodes else 0) + (replica if sharding.replicas_cross_nodes else 0)
         return cls(
             params_bytes=params_bytes,
@@ -184,6 +190,7 @@ class Communication:
             replica_bytes=replica,
             zero3_world_bytes=_ceil_div(3 * params_bytes * (w - 1), w),
             inter_node_bytes=inter,
+            reduced_bytes=reduced,
         )
 
     def to_dict(self) -> dict:

@@ -125,6 +125,10 @@ class Simulation:
     #: elements of the params no optimizer steps (LoRA's base weights), laid out in frozen
     #: chunks that keep their param row alone ([Note: frozen chunks] in client/chunks/layout.py)
     frozen_params: int = 0
+    #: per param in registration order, the rows a frozen one keeps in its chunk ("param", and
+    #: "master" where the compute precision would round it), () for a trained one; () in all
+    #: when no param is frozen (the multi-rank derivation lays frozen chunk groups out from it)
+    frozen_row_kinds: tuple[tuple[str, ...], ...] = ()
     #: the training precision simulated (``Config.precision``)
     precision: str = "fp16"
     #: the chunk size asked for (``Config.chunk_size``); None: chosen as the client would
@@ -431,6 +435,7 @@ def _read_simulation(
         module_chunks=tuple((n, c) for n, c in module_chunks if c),
         param_numels=tuple(i.slot.numel for i in client.params),
         frozen_params=sum(i.slot.numel for i in client.params if i.frozen),
+        frozen_row_kinds=_frozen_row_kinds(client),
         param_state_kinds=tuple(states.kinds_of_param.get(id(i.param), states.kinds) for i in client.params)
         if states.kinds_of_param
         else (),
@@ -556,3 +561,12 @@ def deepspeed_param_counts(module: nn.Module) -> tuple[int, int]:
     total = sum({id(p): p.numel() for p in module.parameters()}.values())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return total, largest
+
+
+def _frozen_row_kinds(client) -> tuple[tuple[str, ...], ...]:
+    """``Simulation.frozen_row_kinds`` of ``client``'s params: the rows a frozen one keeps
+    (``ChunkStore.slot_kinds``), () for a trained one; () when none is frozen."""
+    store = client.store
+    if not any(i.frozen for i in store.params):
+        return ()
+    return tuple(tuple(k.value for k in store.slot_kinds(True, i.orig_dtype)) if i.frozen else () for i in store.params)

@@ -35,6 +35,14 @@ takes only frozen tensors, and ``frozen(i)`` says which chunks those are. Each s
 registration order, so a module's trained and frozen params sit in two chunks, each near
 its neighbours'.
 
+Several ranks gather and reduce a chunk group whole, so a group must be of one stream: a
+group of trained and frozen chunks would carry the frozen ones through every reduction and
+keep their masters for the step to write back. A layout of ``group_size`` > 1 therefore
+takes chunk indices a group at a time per stream: a stream that opens a chunk past its last
+group's takes the next ``group_size`` indices, and the chunks it does not fill stay empty
+(padding, as ``pad_to_multiple`` adds at the end). With trained params alone the indices are
+those of before, one after another.
+
 [Note: uniform chunks]
 Chunks of one size are what the rest of the system is best at: a chunk group of equal
 chunks is gathered and reduced with one collective (mixed ones take one per member,
@@ -96,11 +104,13 @@ class Slot:
 class ChunkLayout:
     """Incremental assignment of tensors to fixed-size chunks, in registration order."""
 
-    def __init__(self, chunk_size: int, alignment: int = 1, *, fill_past_oversize: bool = False):
-        if chunk_size < 1 or alignment < 1:
-            raise ConfigError(f"chunk_size={chunk_size} and alignment={alignment} must be positive")
+    def __init__(self, chunk_size: int, alignment: int = 1, *, fill_past_oversize: bool = False, group_size: int = 1):
+        if chunk_size < 1 or alignment < 1 or group_size < 1:
+            raise ConfigError(f"chunk_size={chunk_size}, alignment={alignment} and group_size={group_size} must be positive")
         self.chunk_size = chunk_size
         self.alignment = alignment
+        #: chunks a group of the data-parallel ranks; each group of one stream ([Note: frozen chunks])
+        self.group_size = group_size
         #: the open chunk stays open past an oversize tensor ([Note: past an oversize tensor])
         self.fill_past_oversize = fill_past_oversize
         self.slots: list[Slot] = []
@@ -109,6 +119,8 @@ class ChunkLayout:
         self._fill: list[int] = []  # next free offset per chunk
         self._frozen: list[bool] = []  # per chunk: it holds frozen tensors ([Note: frozen chunks])
         self._open: dict[bool, int | None] = {False: None, True: None}  # chunk still taking tensors, per stream
+        #: per stream, the indices of its last group not opened yet
+        self._spare: dict[bool, list[int]] = {False: [], True: []}
 
     def add(self, numel: int, *, frozen: bool = False) -> Slot:
         """Place a tensor of ``numel`` elements and return its slot; a ``frozen`` one (no
@@ -133,23 +145,40 @@ class ChunkLayout:
 
     def copy(self) -> ChunkLayout:
         """An independent copy (to try a registration before committing it)."""
-        clone = ChunkLayout(self.chunk_size, self.alignment, fill_past_oversize=self.fill_past_oversize)
+        clone = ChunkLayout(
+            self.chunk_size, self.alignment, fill_past_oversize=self.fill_past_oversize, group_size=self.group_size
+        )
         clone.slots = list(self.slots)
         clone._capacity = list(self._capacity)
         clone._members = [list(m) for m in self._members]
         clone._fill = list(self._fill)
         clone._frozen = list(self._frozen)
         clone._open = dict(self._open)
+        clone._spare = {stream: list(spare) for stream, spare in self._spare.items()}
         return clone
 
     def pad_to_multiple(self, n: int) -> None:
         """Close the open chunk and append empty chunks until the count is a multiple of ``n``
         (chunk groups of the data-parallel ranks)."""
         self._open = dict.fromkeys(self._open)
+        self._spare = {stream: [] for stream in self._spare}  # what is left of a group stays empty
         while self.num_chunks % n:
-            self._new_chunk(self.chunk_size, False)
+            self._append(self.chunk_size, False)
 
     def _new_chunk(self, capacity: int, frozen: bool) -> int:
+        """Open a chunk of ``capacity`` elements in the ``frozen`` stream: the next index of the
+        stream's last group, or a new group's first ([Note: frozen chunks])."""
+        spare = self._spare[frozen]
+        if spare:
+            chunk = spare.pop(0)
+            self._capacity[chunk] = capacity
+            return chunk
+        chunk = self._append(capacity, frozen)
+        if self.group_size > 1:
+            spare.extend(self._append(self.chunk_size, frozen) for _ in range(self.group_size - 1))
+        return chunk
+
+    def _append(self, capacity: int, frozen: bool) -> int:
         self._capacity.append(capacity)
         self._members.append([])
         self._fill.append(0)
@@ -323,4 +352,5 @@ def auto_layout(numels: list[int], config: Config, compute: DeviceSpec, shard_si
         auto_chunk_size(numels, config, compute, shard_size),
         config.layout_alignment,
         fill_past_oversize=fills_past_oversize(shard_size),
+        group_size=shard_size,
     )

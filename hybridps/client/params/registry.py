@@ -192,9 +192,9 @@ class ParamRegistry:
 
     def _frozen(self, p: nn.Parameter) -> bool:
         """Whether ``p`` goes to a frozen chunk: it takes no grad and the optimizer that
-        follows does not hold it ([Note: frozen chunks] in layout.py). One rank alone: chunk
-        groups are gathered and reduced whole, frozen or not (not laid out apart yet)."""
-        return self.groups is None and self._stepped_ids is not None and not p.requires_grad and id(p) not in self._stepped_ids
+        follows does not hold it ([Note: frozen chunks] in layout.py; with several ranks in
+        chunk groups of their own)."""
+        return self._stepped_ids is not None and not p.requires_grad and id(p) not in self._stepped_ids
 
     def _register_distributed(self, named: list[tuple[str, nn.Parameter]], slots: list[Slot], plan: ChunkLayout) -> None:
         """Lay out chunk groups; each rank keeps (and fills) only the chunks it owns."""
@@ -202,15 +202,25 @@ class ParamRegistry:
         self.store.layout = plan
         self.groups.assign([plan.capacity(i) if plan.members(i) else 0 for i in range(plan.num_chunks)])
         for index in range(plan.num_chunks):
-            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index))
+            self._new_chunk_row(plan.capacity(index), padding=not plan.members(index), frozen=plan.frozen(index))
         values: dict[int, torch.Tensor] = {}
         for (name, p), slot in zip(named, slots, strict=True):
+            frozen = plan.frozen(slot.chunk)
             info = ParamInfo(
-                param=p, name=name, slot=slot, shape=p.shape, orig_dtype=p.dtype, meta_key=_meta_key(p, self.compute)
+                param=p,
+                name=name,
+                slot=slot,
+                shape=p.shape,
+                orig_dtype=p.dtype,
+                meta_key=_meta_key(p, self.compute),
+                frozen=frozen,
             )
             self.store.add(info)
-            for kind in self.store.kinds:
-                self.store.rows[kind][slot.chunk].add_slot(slot)
+            for kind in self.store.slot_kinds(frozen, p.dtype):
+                chunk = self.store.rows[kind][slot.chunk]
+                chunk.add_slot(slot)
+                if chunk.payload is None and chunk.owned and kind is not ChunkKind.GRAD:  # a frozen row's master
+                    self.mover.place(chunk, self.placement.home(kind))
             if info.meta_key is None:
                 values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)

@@ -254,12 +254,17 @@ class Values:
             for info in self.store.params:
                 yield info, self.read_param(info.param)
             return
+        store = self.store
         for g in range(self.groups.num_groups):
-            rows = self.groups.gather_rows(self.store.master_kind, g)
-            for r, index in enumerate(self.groups.ranked(g)):
-                for slot in self.store.rows[ChunkKind.PARAM][index].slots:
-                    info = self.store.params[slot.index]
-                    yield info, rows[r][slot.offset : slot.end].view(info.shape).clone()
+            members = self.groups.ranked(g)
+            infos = [store.params[slot.index] for index in members for slot in store.rows[ChunkKind.PARAM][index].slots]
+            # a frozen group's values may be in its param chunks (every rank lays out alike, so
+            # every rank gathers the same kinds, in the same order)
+            rows = {kind: self.groups.gather_rows(kind, g) for kind in dict.fromkeys(store.value_kind(i) for i in infos)}
+            for r, index in enumerate(members):
+                for slot in store.rows[ChunkKind.PARAM][index].slots:
+                    info = store.params[slot.index]
+                    yield info, rows[store.value_kind(info)][r][slot.offset : slot.end].view(info.shape).clone()
 
     def restore_params(self) -> None:
         """Give every param (and managed tensor) its value back as an ordinary tensor on the

@@ -79,6 +79,10 @@ class GroupGathers:
         #: per param, the last forward pass that used it (``pass_id`` counts the passes)
         self.param_pass: list[int] = []
         self.pass_id = 0
+        #: per group, its params the current pass's backward is done with; per param, the last
+        #: pass whose backward released it (a group that takes no grads is dropped by them)
+        self.used_in_backward: list[int] = []
+        self.param_backward_pass: list[int] = []
 
     @property
     def num_groups(self) -> int:
@@ -91,6 +95,8 @@ class GroupGathers:
             self.group_slots[self.ownership.group_of(info.chunk)] += 1
         self.used_in_pass = [0] * self.num_groups
         self.param_pass = [-1] * len(self.store.params)
+        self.used_in_backward = [0] * self.num_groups
+        self.param_backward_pass = [-1] * len(self.store.params)
         self.pass_id = 0
         self.live_cap_bytes = live_cap_bytes
         self._group_bytes = [sum(c.nbytes for c in self.members(g)) for g in range(self.num_groups)]
@@ -99,6 +105,7 @@ class GroupGathers:
         """A new forward pass: no param of any group has been used in it yet."""
         self.pass_id += 1
         self.used_in_pass = [0] * self.num_groups
+        self.used_in_backward = [0] * self.num_groups
 
     # -- gather ----------------------------------------------------------------------------
 
@@ -186,10 +193,20 @@ class GroupGathers:
     # -- the forward's uses, retain and drop ------------------------------------------------
 
     def count_use(self, info: ParamInfo, state: TensorState) -> None:
-        """A param released: one more of its group's params used by this forward pass."""
-        if state is _S.HOLD_AFTER_FWD and self.param_pass[info.slot.index] != self.pass_id:
-            self.param_pass[info.slot.index] = self.pass_id
+        """A param released: one more of its group's params used by this forward pass, or
+        one more its backward is done with."""
+        index = info.slot.index
+        if state is _S.HOLD_AFTER_FWD and self.param_pass[index] != self.pass_id:
+            self.param_pass[index] = self.pass_id
             self.used_in_pass[self.ownership.group_of(info.chunk)] += 1
+        elif state is _S.HOLD_AFTER_BWD and self.param_backward_pass[index] != self.pass_id:
+            self.param_backward_pass[index] = self.pass_id
+            self.used_in_backward[self.ownership.group_of(info.chunk)] += 1
+
+    def backward_done(self, g: int) -> bool:
+        """Backward released every param of the group in this pass and none is in use:
+        counted per pass, as ``forward_done``, so every rank decides alike."""
+        return self.used_in_backward[g] == self.group_slots[g] and self.idle(g)
 
     def retire(self, g: int) -> None:
         """The forward is done with group ``g``: keep it gathered for backward (the last

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hybridps.client.chunks.states import TensorState
 from hybridps.client.sharding.reductions import BackwardEnd, ReductionPhase
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.chunk import ChunkKind
-    from hybridps.client.chunks.states import TensorState
     from hybridps.client.chunks.store import ChunkStore, ParamInfo
     from hybridps.client.sharding.collectives import Collectives
     from hybridps.client.sharding.gathers import GroupGathers
@@ -161,6 +161,12 @@ class ChunkGroups:
             if red.grads_complete and self.gathers.idle(g):
                 self.reduce(g)
             return
+        if not red.grad_slots and state is TensorState.HOLD_AFTER_BWD:
+            # a group that takes no grads (frozen chunks) has no reduction to drop it once
+            # backward is done with it: drop it then, or every rank would keep it for good
+            if self.gathers.is_here(g) and self.gathers.backward_done(g):
+                self.gathers.drop(g)
+            return
         if self.gathers.is_here(g) and self.gathers.forward_done(g):
             self.gathers.retire(g)
 
@@ -216,6 +222,9 @@ class ChunkGroups:
         self.gathers.settle_all()
         end = self.reductions.end_backward()
         self.gathers.end_forward(keep_retained=False)
+        for g in self.gathers.gathered:  # groups without grads whose backward used only part of them
+            if not self.reductions.records[g].grad_slots and self.gathers.idle(g):
+                self.gathers.drop(g)
         return end
 
     # -- a backward that raised (reductions.py, [Note: a backward that raised]) --------------

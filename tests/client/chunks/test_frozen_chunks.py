@@ -7,14 +7,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import hybridps
 from hybridps import HybridPSError
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.layout import ChunkLayout
 from hybridps.models.gpt import GPT
-from tests.training import SMALL_GPT, model_data_bytes, tokens
+from tests.training import SMALL_GPT, LoraNet, model_data_bytes, tokens, trained_adamw
 
 
 def test_frozen_tensors_fill_chunks_of_their_own_in_registration_order():
@@ -36,36 +35,6 @@ def test_frozen_tensors_fill_chunks_of_their_own_in_registration_order():
     first = kept.add(70, frozen=True)
     kept.add(150, frozen=True)
     assert kept.add(20, frozen=True).chunk == first.chunk and not kept.frozen(kept.add(5).chunk)
-
-
-class Lora(nn.Module):
-    """A frozen base linear and its trained low-rank adapter."""
-
-    def __init__(self, d: int, r: int = 4):
-        super().__init__()
-        self.base = nn.Linear(d, d)
-        self.base.requires_grad_(False)
-        self.a = nn.Linear(d, r, bias=False)
-        self.b = nn.Linear(r, d, bias=False)
-        nn.init.normal_(self.b.weight, std=0.02)
-
-    def forward(self, x):
-        return torch.tanh(self.base(x) + self.b(self.a(x)))
-
-
-class LoraNet(nn.Module):
-    def __init__(self, d: int = 256, layers: int = 4):
-        super().__init__()
-        self.layers = nn.Sequential(*(Lora(d) for _ in range(layers)))
-        self.head = nn.Linear(d, 1)  # trained
-
-    def forward(self, x):
-        return self.head(self.layers(x)).square().mean()
-
-
-def trained_adamw(model: nn.Module) -> torch.optim.AdamW:
-    """AdamW over the trained params only, as peft and the Trainer build it."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, fused=True)
 
 
 def _run_both(make, config, steps=4, data=None):
