@@ -482,3 +482,39 @@ def test_the_disk_is_timed_as_the_tier_moves_chunks_and_leaves_nothing_behind(tm
     read, write = disk_gbps(str(tmp_path), chunk_mib=1, chunks=2)
     assert read > 0 and write > 0
     assert not list(tmp_path.iterdir())  # the scratch file and its directory are gone
+
+
+def test_a_precision_far_slower_than_the_base_is_timed_once_and_carried_at_that_speed(monkeypatch):
+    """[Note: a precision too slow to time]: fp16 on a CPU without fp16 arithmetic is timed on
+    the probe block alone; its block, head and attention tables are the base's at its speed."""
+    from hybridps.planner import calibrate, calibrate_attention
+
+    speed = {None: 1.0, "fp32": 1.0, "bf16": 3.0, "fp16": 0.01}
+    blocks_timed, attention_timed = [], []
+
+    def block(device, hidden, *, tokens=1024, seq=256, repeats=3, precision=None):
+        blocks_timed.append((hidden, tokens, precision))
+        return speed[precision]
+
+    def attention(device, *, head_dim, seq, precision, repeats=3):
+        attention_timed.append(precision)
+        return speed[precision], 0.3
+
+    monkeypatch.setattr(calibrate, "compute_tflops", block)
+    monkeypatch.setattr(calibrate, "head_s_per_logit", lambda device, h, *, tokens, precision=None, **kw: 1e-9 / speed[precision])
+    monkeypatch.setattr(calibrate_attention, "attention_rates", attention)
+    cpu = torch.device("cpu")
+    slow = calibrate.slow_precisions(cpu)
+    assert slow == {"fp16": 0.01}
+    assert [p for _, _, p in blocks_timed] == [None, "fp16", "bf16"]  # the probe, once each
+    blocks_timed.clear()
+    by_tokens = ((128, 128, 1.0), (1024, 1024, 1.0))
+    blocks, heads = calibrate.precision_speeds(cpu, by_tokens, {(128, 512): 1e-9, (1024, 1024): 1e-9}, slow)
+    assert blocks["fp16"] == ((128, 128, 0.01), (1024, 1024, 0.01)) and heads["fp16"] == ((128, 512, 0.01), (1024, 1024, 0.01))
+    assert blocks["bf16"] == ((128, 128, 3.0), (1024, 1024, 3.0)) and all(p == "bf16" for _, _, p in blocks_timed)
+    rates, shares = calibrate_attention.attention_table(cpu, ("fp32", "fp16", "bf16"), quick=True, slow=slow)
+    assert "fp16" not in attention_timed and set(attention_timed) == {"fp32", "bf16"}
+    assert rates["fp16"] == tuple((d, s, t * 0.01) for d, s, t in rates["fp32"]) and shares["fp16"] == shares["fp32"]
+    # no precision slow: every one timed at every size, as before
+    speed["fp16"] = 0.5
+    assert calibrate.slow_precisions(cpu) == {}

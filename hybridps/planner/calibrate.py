@@ -163,18 +163,60 @@ def head_s_per_logit(
     return median_seconds(step, repeats, sync=device_sync(device)) / (x.numel() * vocab)
 
 
+#: a precision whose probe block runs under this share of the base precision's rate is not
+#: timed at every size ([Note: a precision too slow to time])
+SLOW_PRECISION_SPEED = 0.125
+#: the probe block: hidden size and tokens (one sequence)
+PROBE_HIDDEN, PROBE_TOKENS = 256, 256
+
+
+def slow_precisions(device) -> dict[str, float]:
+    """The precisions this device runs far slower than ``base_precision`` (under
+    ``SLOW_PRECISION_SPEED`` of its rate on a small block), with the speed measured there.
+
+    [Note: a precision too slow to time]
+    A CPU without fp16 arithmetic (an AMD EPYC with AVX-512 BF16 but no FP16 or AMX: fp16
+    matmuls at 1.0 GFLOPS against 108 in fp32 and 483 in bf16, one thread) would spend minutes
+    on every table in fp16: a 1024-wide block at 1024 tokens alone is 77 GFLOPs a step, the head
+    at 32768 entries 51, and `hybridps calibrate` ran past seven minutes. Such a precision is
+    timed once, on a small block beside the base precision's, and its block, head and attention
+    tables are the base ones at that speed (its element-wise ops are timed as any other's). A
+    plan in it is predicted at that speed: slow, as the run will be."""
+    from hybridps.planner.defaults import PRECISION_NAMES
+
+    base = base_precision(device)
+    probe = {"tokens": PROBE_TOKENS, "seq": PROBE_TOKENS, "repeats": 1}
+    base_tflops = compute_tflops(device, PROBE_HIDDEN, **probe)
+    slow = {}
+    for precision in PRECISION_NAMES:
+        if precision != base:
+            speed = compute_tflops(device, PROBE_HIDDEN, precision=precision, **probe) / base_tflops
+            if speed < SLOW_PRECISION_SPEED:
+                slow[precision] = speed
+    return slow
+
+
 def precision_speeds(
-    device, by_tokens: tuple[tuple[int, int, float], ...], head: dict[tuple[int, int], float]
+    device,
+    by_tokens: tuple[tuple[int, int, float], ...],
+    head: dict[tuple[int, int], float],
+    slow: dict[str, float] | None = None,
 ) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
     """For each precision but ``base_precision``: the one-block step's speed against it at each
     (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
     (hidden size, tokens) of ``head`` (its base seconds a logit there, at the first
-    vocabulary) ([Note: compute by precision] in speed.py)."""
+    vocabulary) ([Note: compute by precision] in speed.py); a precision of ``slow`` at its
+    probe's speed everywhere ([Note: a precision too slow to time])."""
     from hybridps.planner.defaults import PRECISION_NAMES
 
+    slow = slow or {}
     blocks, heads = {}, {}
     for precision in PRECISION_NAMES:
         if precision == base_precision(device):
+            continue
+        if precision in slow:
+            blocks[precision] = tuple((h, n, slow[precision]) for h, n, _ in by_tokens)
+            heads[precision] = tuple((h, n, slow[precision]) for h, n in head)
             continue
         blocks[precision] = tuple(
             (h, n, compute_tflops(device, h, tokens=n, seq=min(n, BLOCK_SEQ), precision=precision) / tflops)
@@ -371,9 +413,10 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     more = head_tokens * HEAD_TOKEN_FACTOR
     head_base = {(h, head_tokens): s for h, v, s in head if v == HEAD_VOCABS[0]}
     head_base.update({(h, more): head_s_per_logit(device, h, tokens=more) for h in sizes})
-    speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())))
+    slow = slow_precisions(device)
+    speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())), slow)
     base = base_precision(device)
-    attention, forward_share = attention_table(device, (base, *speeds), quick=quick)
+    attention, forward_share = attention_table(device, (base, *speeds), quick=quick, slow=slow)
     per_call = elementwise_s_per_call(device)
     elementwise = elementwise_table(device, (base, *speeds), s_per_call=per_call, quick=quick)
     kind = f"{base} on the {'GPU' if device.type == 'cuda' else 'CPU'}"
@@ -410,6 +453,12 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, at {head_tokens} and "
         f"{more} tokens, over the {base} one",
     }
+    for precision, speed in slow.items():
+        sources[f"slow_{precision}"] = (
+            f"{precision} ran at {speed:.2%} of {base}'s rate on a block of hidden size {PROBE_HIDDEN} at {PROBE_TOKENS} "
+            f"tokens: its block, head and attention tables are {base}'s at that speed, not timed at every size "
+            "([Note: a precision too slow to time] in calibrate.py)"
+        )
     return fields, sources
 
 

@@ -89,16 +89,23 @@ def attention_rates(device, *, head_dim: int, seq: int, precision: str, repeats:
 
 
 def attention_table(
-    device, precisions: tuple[str, ...], *, quick: bool
+    device, precisions: tuple[str, ...], *, quick: bool, slow: dict[str, float] | None = None
 ) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
     """precision -> ((head size, sequence, TFLOPS), ...) for ``MachineRates.attention_tflops``,
     and the same of the forward's share for ``attention_forward_share`` (``quick``: the first
-    head size and three sequences)."""
+    head size and three sequences); a precision of ``slow`` (precision -> its speed against the
+    first of ``precisions``) is the first one's table at that speed, not timed ([Note: a
+    precision too slow to time] in calibrate.py)."""
     seqs = GPU_SEQS if device.type == "cuda" else CPU_SEQS
     seqs = seqs[:3] if quick else seqs
     dims = HEAD_DIMS[:1] if quick else HEAD_DIMS
     rates, shares = {}, {}
     for p in precisions:
+        if p in (slow or {}):
+            first = precisions[0]
+            rates[p] = tuple((d, s, t * slow[p]) for d, s, t in rates[first])
+            shares[p] = shares[first]
+            continue
         rows = [(d, s, *attention_rates(device, head_dim=d, seq=s, precision=p)) for d in dims for s in seqs]
         rates[p] = tuple((d, s, t) for d, s, t, _ in rows)
         shares[p] = tuple((d, s, f) for d, s, _, f in rows)
