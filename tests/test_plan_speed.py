@@ -518,3 +518,31 @@ def test_a_precision_far_slower_than_the_base_is_timed_once_and_carried_at_that_
     # no precision slow: every one timed at every size, as before
     speed["fp16"] = 0.5
     assert calibrate.slow_precisions(cpu) == {}
+
+
+def test_new_tensors_cost_their_fresh_share_of_the_fresh_memory_rate():
+    """[Note: a step's fresh memory]: a step's new tensors pay the cost of memory mapped afresh
+    for the share of their bytes a real step faults in; rates stored before count every byte."""
+    import dataclasses as dc
+
+    from hybridps.planner.calibrate_elementwise import fresh_share
+
+    rates = dc.replace(
+        synthetic_rates(),
+        elementwise_s_per_byte={"fp32": (("mul", 1e-11),)},
+        elementwise_s_per_call=0.0,
+        elementwise_new_s_per_byte=4e-10,
+    )
+    rows = (("mul", "fp32", 1, 10**9, 10**8),)
+    every = rates.elementwise_seconds(rows)
+    assert every == pytest.approx(10**9 * 1e-11 + 10**8 * 4e-10)
+    tenth = dc.replace(rates, elementwise_new_fresh_share=0.1).elementwise_seconds(rows)
+    assert tenth == pytest.approx(10**9 * 1e-11 + 10**7 * 4e-10)
+    assert (
+        type(rates)
+        .from_dict({k: v for k, v in rates.to_dict().items() if k != "elementwise_new_fresh_share"})
+        .elementwise_new_fresh_share
+        == 1.0
+    )
+    share = fresh_share(torch.device("cpu"), steps=2)  # the machine's own: a share, whatever it is
+    assert 0.0 <= share <= 1.0

@@ -56,6 +56,7 @@ from hybridps.planner.calibrate_elementwise import (
     elementwise_s_per_call,
     elementwise_sources,
     elementwise_table,
+    fresh_share,
     new_s_per_byte,
 )
 from hybridps.planner.calibrate_optimizers import optimizer_speeds
@@ -432,6 +433,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_s_per_byte": elementwise,
         "elementwise_s_per_call": per_call,
         "elementwise_new_s_per_byte": new_s_per_byte(device),
+        "elementwise_new_fresh_share": fresh_share(device),
         "conv_tflops": conv_tflops(device),
     }
     sources = {
@@ -442,6 +444,8 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_s_per_byte": elementwise_sources(device, tuple(elementwise)),
         "elementwise_s_per_call": "an addition of eight elements, launched and finished",
         "elementwise_new_s_per_byte": "a 64 MiB tensor filled just allocated against one held (calibrate_elementwise.py)",
+        "elementwise_new_fresh_share": "a 4 x 256 GPT's steps in fp32 at 8 x 128 tokens: the pages they faulted in over "
+        "their new tensors' bytes ([Note: a step's fresh memory] in calibrate_elementwise.py)",
         "compute_tflops_by_tokens": f"the same at {', '.join(map(str, counts))} tokens a micro-batch",
         "conv_tflops": "a 3 x 3 convolution of {0} channels on {2} images of {1} x {1}, forward and backward, {3}".format(
             *(GPU_CONV if device.type == "cuda" else CPU_CONV), kind
@@ -587,7 +591,10 @@ def run_command(args: argparse.Namespace) -> int:
             shown = ", ".join(f"{op} {ops[op] * 1e9:.3f}" for op in ("mul", "add", "silu", "native_layer_norm") if op in ops)
             print(f"  {precision} kernels outside the matmuls, ns a byte: {shown} ({len(ops)} ops timed)")
         if rates.elementwise_s_per_byte:
-            print(f"  a new tensor's memory {rates.elementwise_new_s_per_byte * 1e9:.3f} ns a byte")
+            print(
+                f"  a new tensor's memory {rates.elementwise_new_s_per_byte * 1e9:.3f} ns a byte, "
+                f"{rates.elementwise_new_fresh_share:.1%} of a step's new bytes taken afresh"
+            )
         print(f"  copies {rates.h2d_gbps:.1f} / {rates.d2h_gbps:.1f} GB/s (to / from the GPU)")
         print(
             f"  CPU Adam {rates.cpu_adam_params_per_s / 1e9:.2f} G params/s (compact {rates.cpu_compact_adam_params_per_s / 1e9:.2f}), "

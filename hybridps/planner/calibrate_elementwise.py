@@ -4,8 +4,8 @@ Owns the ops timed (``_ops``: the element-wise, normalisation, softmax, dropout 
 kernels that transformers' decoder families run beside their matmuls), timing each in every
 precision over tensors of an activation's size (``elementwise_table``: seconds a byte it reads
 and writes, as ``op_tally.OpTally`` counts the bytes), a call's fixed time on a tensor of a few
-elements (``elementwise_s_per_call``) and what a new tensor's memory costs beyond the op
-(``new_s_per_byte``).
+elements (``elementwise_s_per_call``), what a new tensor's memory costs beyond the op
+(``new_s_per_byte``) and the share of a step's new tensors that pays it (``fresh_share``).
 
 Each op is timed as what it is: on a CPU a dropout's random draw or a bf16 tanh costs ten times
 a multiplication's seconds a byte (one thread of the 2-vCPU VM, 8 MiB tensors: ``mul`` 0.05 ns
@@ -124,6 +124,57 @@ def elementwise_s_per_call(device, *, repeats: int = 200) -> float:
 
     x = torch.ones(8, device=device)
     return median_seconds(lambda: torch.add(x, x), repeats, warmup=10, sync=device_sync(device))
+
+
+#: the GPT whose steps ``fresh_share`` counts: layers, hidden size, sequence, batch
+FRESH_GPT = (4, 256, 128, 8)
+
+
+def fresh_share(device, *, steps: int = 4) -> float:
+    """The share of a training step's new tensors' bytes whose pages the process faults in
+    afresh, on a CPU: a small GPT's steps (``FRESH_GPT``, fp32), the minor page faults they take
+    over the bytes of the new tensors their ops return (``op_tally.OpTally``), at most 1; 1.0 on
+    a GPU, whose caching allocator makes ``new_s_per_byte`` nothing anyway.
+
+    [Note: a step's fresh memory]
+    ``new_s_per_byte`` times memory mapped afresh, every page faulted in: what a step pays where
+    the allocator gives freed memory back to the OS between steps and takes it again. Whether it
+    does is the C library's and the kernel's: on the Intel VM a family's new tensors were worth
+    counting so (transformers' GPT-2 read 0.70x its step without them, 0.97-1.03x with), while
+    on an AMD VM the same step faulted in 23 MB of its 507 MB of new tensors, the Llama of 4 x 256
+    7.7 of 328 MB, the GPT of ``FRESH_GPT`` 11 of 88, and the Llama read 1.23x its step with every
+    byte counted. So the calibration counts the faults of real steps and keeps their share; the
+    speed model prices new bytes at the fresh cost times that share. It counts them in the
+    calibrating process after its other timings, a process that has computed for a while, as a
+    training step's is: there the AMD VM's share read 0.0%, and the Llama 1.226 -> 1.034x its
+    step, with adapters 1.383 -> 0.937 (a fresh process's first steps faulted 2-12%)."""
+    import resource
+
+    import torch
+
+    from hybridps.models.gpt import GPT, GPTConfig
+    from hybridps.planner.op_tally import OpTally
+
+    if device.type != "cpu":
+        return 1.0
+    layers, hidden, seq, batch = FRESH_GPT
+    model = GPT(GPTConfig(vocab_size=256, seq_len=seq, n_layer=layers, n_head=hidden // 64, d_model=hidden))
+    x = torch.randint(0, 256, (batch, seq))
+
+    def step():
+        model(x, x)[1].backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # the allocator's steady state
+        step()
+    with OpTally() as tally:
+        step()
+    new = sum(new_bytes for _, _, new_bytes in tally.counts.values())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        step()
+    faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / steps
+    return min(1.0, faulted / new) if new else 1.0
 
 
 def new_s_per_byte(device, *, repeats: int = 5) -> float:

@@ -132,6 +132,10 @@ class MachineRates:
     #: afresh, each page faulted in and zeroed on its first write (a CPU's; a GPU's caching
     #: allocator hands out memory it holds: nothing)
     elementwise_new_s_per_byte: float = 0.0
+    #: the share of a step's new tensors' bytes the allocator does take afresh (pages faulted
+    #: in), measured on a small GPT's steps ([Note: a step's fresh memory] in
+    #: calibrate_elementwise.py); 1.0 (rates stored before): every byte
+    elementwise_new_fresh_share: float = 1.0
     #: host time per param tensor per micro-batch: HybridPS's hooks, chunk accesses and the
     #: op launches of forward and backward (on a real GPU it runs beside the GPU's kernels)
     host_s_per_tensor: float
@@ -211,6 +215,7 @@ class MachineRates:
             "node_collective_s",
             "elementwise_s_per_call",
             "elementwise_new_s_per_byte",
+            "elementwise_new_fresh_share",
         ):
             value = getattr(self, f)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
@@ -294,8 +299,9 @@ class MachineRates:
         """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes)
         (``op_tally.beyond_gpt``): each op's bytes at its timed seconds a byte in that precision
         (a precision not timed: the rates' own; an op not timed: a copy's, ``FALLBACK_OP``), its
-        new tensors' bytes at ``elementwise_new_s_per_byte``, each call at
-        ``elementwise_s_per_call``; None where the rates timed no op."""
+        new tensors' bytes at ``elementwise_new_s_per_byte`` for the share the allocator takes
+        afresh (``elementwise_new_fresh_share``), each call at ``elementwise_s_per_call``; None
+        where the rates timed no op."""
         if not self.elementwise_s_per_byte:
             return None
         total = 0.0
@@ -303,7 +309,8 @@ class MachineRates:
             own = self._in_precision(self.elementwise_s_per_byte, precision)
             table = dict(own or next(iter(self.elementwise_s_per_byte.values())))
             per_byte = table.get(op, table.get(FALLBACK_OP, max(table.values())))
-            total += calls * self.elementwise_s_per_call + nbytes * per_byte + new_bytes * self.elementwise_new_s_per_byte
+            fresh = new_bytes * self.elementwise_new_fresh_share * self.elementwise_new_s_per_byte
+            total += calls * self.elementwise_s_per_call + nbytes * per_byte + fresh
         return total
 
     def measured_in(self, precision: str) -> bool:
