@@ -312,6 +312,7 @@ def test_overhead_ported_loop_matches_plain(capsys, tmp_path, restore_process_st
         assert out[case]["max_loss_diff"] == 0.0, (case, out[case])
 
 
+@pytest.mark.slow  # plans and trains
 def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, restore_process_state):
     """Accumulation, the compact states and a disk tier reach both the plan and the run."""
     from benchmarks import plan_speed

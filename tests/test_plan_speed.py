@@ -328,6 +328,7 @@ def test_rates_refuse_a_bad_value():
         _rates(h2d_gbps=0)
 
 
+@pytest.mark.slow  # a whole quick calibration
 def test_calibrate_quick_writes_a_readable_file_with_positive_rates(tmp_path):
     from hybridps.planner.calibrate import main
     from hybridps.planner.calibrate_optimizers import timed_optimizers

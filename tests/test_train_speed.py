@@ -64,6 +64,7 @@ def test_a_run_predicts_its_step_as_hybridps_plan_does_and_sets_the_measured_one
     )
 
 
+@pytest.mark.slow  # real training runs
 def test_without_rates_or_with_no_predict_the_run_says_why_there_is_no_prediction(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HYBRIDPS_RATES", str(tmp_path / "none.json"))
     speed = _train("--steps", "1")["speed"]

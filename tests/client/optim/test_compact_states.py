@@ -204,6 +204,7 @@ def _codes_after_two_rank_save(rank, world, path):
     }
 
 
+@pytest.mark.slow  # spawns ranks
 def test_compact_states_saved_by_two_ranks_load_on_one_with_every_code_and_scale(tmp_path):
     from tests.dist import run_ranks
 

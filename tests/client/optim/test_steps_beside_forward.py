@@ -236,6 +236,7 @@ print("exiting with", worker.in_flight, "tasks in flight", flush=True)
 """
 
 
+@pytest.mark.slow  # a script in a subprocess
 def test_a_script_that_ends_with_steps_in_flight_exits_cleanly(tmp_path):
     """No ``close()``: the interpreter's exit waits for the steps still computing instead of
     killing the worker inside a kernel (which aborts the process)."""
