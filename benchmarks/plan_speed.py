@@ -55,6 +55,7 @@ import torch.multiprocessing as mp
 
 import hybridps
 from benchmarks import harness
+from hybridps.models.hf import causal_lm_loss
 from hybridps.planner.model import GPTShape, ModelFactory
 from hybridps.planner.optimizers import OPTIMIZER_NAMES, build_optimizer
 from hybridps.planner.rates import load_rates, threads_mismatch
@@ -258,7 +259,10 @@ def _loss(shape, model, batch: tuple) -> torch.Tensor:
     if isinstance(shape, ModelFactory):
         return shape.loss(model(*batch))
     (x,) = batch
-    return model(x, x)[1] if isinstance(shape, GPTShape) else model(input_ids=x, labels=x).loss
+    if isinstance(shape, GPTShape):
+        return model(x, x)[1]
+    # as `hybridps train` feeds it and its family plans it: no cache, the loss beside the model
+    return causal_lm_loss(model(input_ids=x, use_cache=False).logits, x)
 
 
 def measure(shape, gpu_bytes: int, cpu_bytes: int, steps: int, warmup: int, training: Training) -> list[float]:
