@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     model = task.model
     optimizer = _optimizer(args, task)
     rows = len(registration.state_kinds(optimizer))  # the optimizer's state rows, 4 B a param each in fp32
-    frozen = task.frozen  # laid out in frozen chunks (groups of their own with several ranks)
-    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows, frozen)
+    # frozen params keep their param chunks alone (in groups of their own with several ranks)
+    devices = _device_capacities(args, base, task.n_params, task.activations_fp32, world, rows, task.frozen)
     if "nvme" in devices and not (args.nvme_path or base.nvme_path):
         raise SystemExit("--nvme: the disk tier needs its directory, --nvme-path DIR (on a local disk, not a tmpfs)")
     config = base.replace(

@@ -115,10 +115,10 @@ class _GroupLayout:
     shard_size: int
     #: per chunk, the rows a frozen chunk keeps (its params' ``Simulation.frozen_row_kinds``);
     #: None for a trained chunk (or a padding one of a trained group)
-    frozen_kinds: tuple[tuple[str, ...] | None, ...] = ()
+    frozen_kinds: tuple[tuple[str, ...] | None, ...]
 
     def frozen(self, chunk: int) -> bool:
-        return bool(self.frozen_kinds) and self.frozen_kinds[chunk] is not None
+        return self.frozen_kinds[chunk] is not None
 
     @property
     def reduced_groups(self) -> list[int]:
@@ -184,7 +184,7 @@ def _group_layout(
         has_slots=tuple(bool(layout.members(i)) for i in range(layout.num_chunks)),
         chunk_of_param=chunk_of,
         shard_size=shard_size,
-        frozen_kinds=tuple(None if k is None else tuple(k) for k in kinds) if sim.frozen_row_kinds else (),
+        frozen_kinds=tuple(None if k is None else tuple(k) for k in kinds),
     )
 
 

@@ -217,10 +217,7 @@ class ParamRegistry:
             )
             self.store.add(info)
             for kind in self.store.slot_kinds(frozen, p.dtype):
-                chunk = self.store.rows[kind][slot.chunk]
-                chunk.add_slot(slot)
-                if chunk.payload is None and chunk.owned and kind is not ChunkKind.GRAD:  # a frozen row's master
-                    self.mover.place(chunk, self.placement.home(kind))
+                self._take_slot(kind, slot)
             if info.meta_key is None:
                 values[slot.index] = p.data
         self.groups.distribute(values, sync=self.config.sync_module_states)
@@ -308,12 +305,9 @@ class ParamRegistry:
         src = p.data.reshape(-1)
         with torch.no_grad():
             for kind in self.store.slot_kinds(frozen, p.dtype):
-                chunk = self.store.rows[kind][slot.chunk]
-                chunk.add_slot(slot)
+                chunk = self._take_slot(kind, slot)
                 if kind is ChunkKind.GRAD:
                     continue  # grads arrive in backward
-                if chunk.payload is None and chunk.owned:  # a frozen row's master, made for its first param needing one
-                    self.mover.place(chunk, self.placement.home(kind))
                 if info.meta_key is None:
                     chunk.view(slot).copy_(src)
                 chunk.set_slot_state(slot, TensorState.HOLD, info.describe())  # a meta param: zeros until its init
@@ -323,6 +317,15 @@ class ParamRegistry:
         self.guard.adopt(info)
         self.guard.unmaterialize(info, self.guard.placeholder(self.param_dtype))
         return info
+
+    def _take_slot(self, kind: ChunkKind, slot: Slot) -> Chunk:
+        """Add ``slot`` to its chunk of ``kind``; a frozen row's master this rank keeps is made
+        for the first param that needs one (``_new_chunk_row`` made none)."""
+        chunk = self.store.rows[kind][slot.chunk]
+        chunk.add_slot(slot)
+        if chunk.payload is None and chunk.owned and kind is not ChunkKind.GRAD:  # grads arrive in backward
+            self.mover.place(chunk, self.placement.home(kind))
+        return chunk
 
     def _new_chunk_row(self, capacity: int, *, padding: bool = False, frozen: bool = False) -> None:
         """Create chunk i of every kind; param and master chunks this rank keeps get payloads
