@@ -16,10 +16,11 @@ Does not own planning (``search``, ``compare``) or the report's text (``report``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -396,14 +397,35 @@ def _node_from_args(args: argparse.Namespace) -> NodeSpec:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed ``plan`` command; returns the exit status."""
+    logging.basicConfig(format="%(name)s: %(message)s")
+    with _command_log_levels(args.verbose):
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _command_log_levels(verbose: int) -> Iterator[None]:
+    """The report carries every warning that matters; the engine's own messages (a failing
+    candidate of the search, say) are for -v. The levels hold for the command and are given
+    back after it: a script (or a test) that runs the command in its own process keeps its
+    own (the engine's warnings were silenced for the rest of such a process)."""
+    levels = {
+        "hybridps": logging.INFO if verbose >= 2 else logging.ERROR,
+        "hybridps.planner": logging.INFO if verbose else logging.WARNING,
+    }
+    before = {name: logging.getLogger(name).level for name in levels}
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    try:
+        yield
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     from hybridps.planner.compare import compare_layouts
     from hybridps.planner.search import plan
 
-    # The report carries every warning that matters; the engine's own messages (a failing
-    # candidate of the search, say) are for -v.
-    logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("hybridps").setLevel(logging.INFO if args.verbose >= 2 else logging.ERROR)
-    logging.getLogger("hybridps.planner").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         model = _model_from_args(args)
         node = _node_from_args(args)
