@@ -39,6 +39,10 @@ SMOKE: dict[str, list[str]] = {
     "daemon_start": ["--runs", "1"],
     "dist": [*TINY, "--systems", "hybridps", "--worlds", "1", "--repeat", "1", "--steps", "1", "--warmup", "0", "--threads", "1"],
     "eviction": [*TINY, "--steps", "1", "--warmup", "1", "--activation-room", "262144"],
+    "frozen_ranks": [
+        "--layers", "1", "--d-model", "64", "--heads", "2", "--vocab", "256", "--seq", "16", "--batch", "2",
+        "--steps", "1", "--warmup", "0", "--repeat", "1", "--threads", "2",
+    ],
     "gil": [*TINY, "--steps", "1", "--warmup", "1", "--idle-s", "0.02"],
     "host_churn": [
         "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1024", "--seq-len", "64", "--batch", "2",
@@ -69,6 +73,7 @@ SMOKE: dict[str, list[str]] = {
 SLOW = {
     "compile": "torch.compile's first compile of two models on the CPU (inductor), about 30 s",
     "dist": "a process spawned per rank, which imports torch and hybridps",
+    "frozen_ranks": "a process spawned per rank and layout, which imports torch, transformers and peft",
     "memory": "two processes (one a model size), RSS being per process",
     "watchdog": "a process per fake world and a 2 s window of heartbeats",
 }
