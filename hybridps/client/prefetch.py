@@ -20,10 +20,11 @@ first iterations, and a look at the next moments would find nothing to bring at 
 moment of every iteration. So when a trace is replayed the prefetcher asks the mover's tally
 to count how many of the chunks that trace uses on the compute device have their payload on
 another device (``ChunkTally.watch``; the count follows every payload made, moved or
-freed), and sleeps while none has: one integer read a moment. A chunk evicted or
+freed), and brings nothing while none has: one integer read a moment. A chunk evicted or
 offloaded wakes it at the next moment. It never sleeps with a disk tier (a chunk on the
-disk has no payload to count) nor with several ranks (the gathers of the next moment go
-ahead whether or not this rank's chunks are here).
+disk has no payload to count). With several ranks the gathers of the next moments go ahead
+whether or not this rank's chunks are here; only the look for chunks to bring sleeps (a
+foreign chunk not gathered has no payload either: the gathers bring it).
 
 With several ranks the prefetcher also starts the gathers of the chunk groups the next
 moment needs, asynchronously, so they overlap the current module's compute. Which groups a
@@ -92,7 +93,7 @@ class Prefetcher:
         self.groups = groups
         #: the trace whose chunks the tally counts (see [Note: a prefetcher with nothing to do])
         self._watching: int | None = None
-        self._may_sleep = groups is None and mover.disk is None
+        self._may_sleep = mover.disk is None
 
     def _chunk(self, chunk_id: int) -> Chunk | None:
         if self._by_id is None:
@@ -113,8 +114,6 @@ class Prefetcher:
         trace = self.trace
         if not trace.replaying():
             return
-        if self._may_sleep and self._nothing_away(trace):
-            return
         now = trace.moment  # accesses right after this tick carry this moment: no gain in prefetching them
         placement = self.placement
         groups = self.groups
@@ -128,6 +127,8 @@ class Prefetcher:
                 budget_bytes=gathers.live_cap_bytes,
             ):
                 groups.prefetch(g)
+        if self._may_sleep and self._nothing_away(trace):
+            return
         compute = self.store.compute.name
         mover = self.mover
         if mover.disk is not None:  # reads from the disk first: they take longest

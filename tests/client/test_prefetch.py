@@ -117,6 +117,28 @@ def test_chunk_groups_gathered_ahead_on_every_rank_change_nothing_but_timing():
     assert all(n == 0 for _, n in plain) and all(n > 0 for _, n in ahead)
 
 
+def _groups_fitting(rank, world):
+    model, _ = gpt_pair()
+    config = hybridps.Config(devices={"cuda:0": 4 * model_data_bytes(SMALL_GPT)}, collective_timeout_s=60)
+    engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), config)
+    placement = engine.prefetcher.placement
+    looks = []
+    candidates = placement.prefetch_candidates
+    placement.prefetch_candidates = lambda *a, **k: looks.append(1) or candidates(*a, **k)
+    train_engine(engine, 3, batch=4, rank=rank, world=world)
+    awake, gathered = len(looks), engine.memory_stats()["dist"]["prefetched_gathers"]
+    train_engine(engine, 2, start=3, batch=4, rank=rank, world=world)
+    return len(looks) - awake, engine.memory_stats()["dist"]["prefetched_gathers"] - gathered
+
+
+@pytest.mark.slow
+def test_with_several_ranks_the_gathers_go_ahead_while_the_look_for_chunks_sleeps():
+    """[Note: a prefetcher with nothing to do]: the model fitting on two ranks, the steady
+    iterations look for no chunk to bring, and still gather the next moments' groups ahead."""
+    for looks, gathers in run_ranks(_groups_fitting, 2, timeout_s=90):
+        assert looks == 0 and gathers > 0
+
+
 def test_the_prefetcher_sleeps_while_every_chunk_it_wants_is_on_the_gpu_and_wakes_for_one_evicted():
     """[Note: a prefetcher with nothing to do] in client/prefetch.py: everything fitting, the
     steady iterations look no moment ahead; a chunk evicted between iterations is brought

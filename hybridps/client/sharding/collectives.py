@@ -376,21 +376,31 @@ class Collectives:
         return work
 
     def reduce_scatter_avg(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], *, what: str, async_op: bool = False):
-        """``output`` <- the average over ranks of their ``inputs[self.rank]``. With
-        ``async_op`` it returns a handle to ``wait()`` (which also averages): nothing may
-        touch the tensors until then."""
+        """``output`` <- the average over ranks of their ``inputs[self.rank]``; ``output`` may
+        be ``inputs[self.rank]`` itself (averaged in place: the link sums into it, gloo through
+        a buffer of its own). With ``async_op`` it returns a handle to ``wait()`` (which also
+        averages): nothing may touch the tensors until then."""
         ins = list(inputs)
         nbytes = output.numel() * output.element_size()
         link = self._link_for(output)
+        into = output
+        if link is None and output.data_ptr() == ins[self.rank].data_ptr():
+            into = torch.empty_like(output)  # gloo's output is not one of its inputs
+
+        def then() -> None:
+            if into is not output:
+                output.copy_(into)
+            output.div_(self.world_size)
+
         work = self._collective(
             "reduce_scatter",
             what,
             nbytes,
             (lambda a: link.reduce_scatter(output, ins, what=what))
             if link
-            else (lambda a: dist.reduce_scatter(output, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
+            else (lambda a: dist.reduce_scatter(into, ins, op=dist.ReduceOp.SUM, group=self.group, async_op=a)),
             async_op=async_op,
-            then=lambda: output.div_(self.world_size),
+            then=then,
         )
         self._count("reduce_scatter", nbytes * (self.world_size - 1))
         return work

@@ -342,8 +342,8 @@ class GroupReductions:
             for chunk in sources:
                 self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
         own_src = sources[self.comm.rank]
+        result = own_src.payload  # averaged in place once the reduction lands
         if all(c.capacity == own_src.capacity for c in sources):
-            result = torch.empty(own_src.capacity, dtype=own_src.dtype, device=own_src.payload.device)
             works = [
                 self.comm.reduce_scatter_avg(
                     result, [c.payload for c in sources], what=f"grads of chunk group {g}", async_op=True
@@ -356,10 +356,9 @@ class GroupReductions:
                 whats=[f"grads of chunk {c.index} (group {g})" for c in sources],
                 async_op=True,
             )
-            result = own_src.payload  # averaged in place once the reduce lands
         # the chunk that holds the result stays put until the result is used; the others may
         # move as soon as the collective finished here
-        red.start(works, result, sources, own_src if result is own_src.payload else None)
+        red.start(works, result, sources, own_src)
         self.window.append(red)
         for chunk in sources:
             chunk.collective_started(lambda red=red: self._wait_for_room(red))

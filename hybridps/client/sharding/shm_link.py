@@ -300,7 +300,8 @@ class SharedMemoryLink:
         return self._issue(LinkOp.ALL_GATHER, list(outputs), what, mine=mine)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], what: str = "") -> LinkWork:
-        """``output`` <- the sum over ranks of their ``inputs[self.rank]``."""
+        """``output`` <- the sum over ranks of their ``inputs[self.rank]``; ``output`` may be
+        ``inputs[self.rank]`` itself (summed in place, no copy of it first)."""
         return self._issue(LinkOp.REDUCE_SCATTER, list(inputs), what, output=output)
 
     def all_gather_v(self, tensors: Sequence[torch.Tensor], what: str = "") -> LinkWork:
@@ -474,7 +475,8 @@ class SharedMemoryLink:
             self._slot(me, seq, nbytes, dtype, r, part_bytes).copy_(tensors[r][start:end])
         self._post(op, seq)
         acc = op.output[start:end]
-        acc.copy_(tensors[me][start:end])
+        if op.output.data_ptr() != tensors[me].data_ptr():  # not summed in place
+            acc.copy_(tensors[me][start:end])
         self._await(peers, _POSTED, seq, seq, op)
         for r in peers:
             acc.add_(self._slot(r, seq, nbytes, dtype, me, part_bytes))

@@ -94,7 +94,10 @@ def test_the_four_collectives_equal_their_definitions(tmp_path, world, dtype):
         result = torch.empty(n, dtype=dtype)
         link.reduce_scatter(result, [data(rank, n, dtype, salt=30 + r) for r in range(world)]).wait()
         out["scatter"] = result
-        assert link.stats()["collectives"] == 2 * world + 2
+        inputs = [data(rank, n, dtype, salt=30 + r) for r in range(world)]
+        link.reduce_scatter(inputs[rank], inputs).wait()  # in place: the output is this rank's input
+        out["scatter in place"] = inputs[rank]
+        assert link.stats()["collectives"] == 2 * world + 3
         return out
 
     results = run_ranks(world, body, tmp_path)
@@ -113,6 +116,7 @@ def test_the_four_collectives_equal_their_definitions(tmp_path, world, dtype):
             if r != rank:
                 expected = expected + data(r, n, dtype, salt=30 + rank)
         assert torch.equal(out["scatter"], expected)
+        assert torch.equal(out["scatter in place"], expected)
     assert list(tmp_path.iterdir()) == [], "the files are unlinked once every rank mapped them"
 
 
