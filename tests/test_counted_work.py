@@ -15,6 +15,7 @@ from hybridps.models.gpt import GPT, Block, GPTConfig
 from hybridps.planner.counted_work import CountedShape, counted_shape
 from hybridps.planner.model import GPTShape, ModelFactory
 from hybridps.planner.op_tally import OpTally
+from hybridps.planner.rates import read_rates_file
 from hybridps.planner.speed import StepWork, part_seconds, predict_work
 from tests.synthetic_rates import synthetic_rates
 
@@ -218,6 +219,58 @@ def test_convolutions_count_at_the_convolution_rate_where_the_rates_timed_one():
     # in another precision than the one timed at the block's speed in it
     fp16 = synthetic_rates(compute_tflops=((16, 1.0),), conv_tflops=2.0, precision_speed={"fp16": ((16, 1024, 3.0),)})
     assert fp16.conv_tflops_at(16, "fp16") == pytest.approx(6.0) and fp16.conv_tflops_at(16) == 2.0
+
+
+class _Adapted(nn.Module):
+    """A frozen linear layer of 64 with an adapter of ``rank`` beside it, as LoRA's."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.base = nn.Linear(64, 64, bias=False).requires_grad_(False)
+        self.down, self.up = nn.Linear(64, rank, bias=False), nn.Linear(rank, 64, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def _adapted(rank: int, n_layer: int = 2) -> ModelFactory:
+    return ModelFactory(
+        build_fn=lambda n: nn.Sequential(*(_Adapted(rank) for _ in range(n))),
+        inputs_fn=lambda device: (torch.randn(32, 64, device=device, requires_grad=True),),
+        n_layer=n_layer,
+        name=f"adapted-{rank}",
+    )
+
+
+def test_narrow_matmuls_count_at_an_adapters_timed_rate_by_width(tmp_path):
+    """[Note: narrow matmuls] in counted_work.py: an adapter's matmuls are kept by width and
+    priced at the rates' timed rate of that width (linear between widths, in proportion below
+    the first, the block rate from the widest timed on)."""
+    c = counted_shape(_adapted(8), "fp32")
+    adapters = 2 * (2 * 32 * 64 * 8) * 2  # down and up a layer, two layers
+    assert c.forward_narrow_flops == ((8, adapters),)
+    assert c.width == 64  # the frozen base weights' side: most of the FLOPs
+    assert c.narrow_step_flops == ((8, 3 * adapters),)  # trained: both grads
+    assert counted_shape(_adapted(64), "fp32").forward_narrow_flops == ()  # as wide as the widest timed
+    work = StepWork(n_params=10, n_layer=2, d_model=64, seq_len=32, batch_size=1, counted=c)
+    block = synthetic_rates(compute_tflops=((64, 1.0),))
+    narrow = synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops=((4, 0.1), (16, 0.4), (64, 1.0)))
+    assert narrow.narrow_tflops_at(8, 64) == pytest.approx(0.2)  # between 4 and 16
+    assert narrow.narrow_tflops_at(2, 64) == pytest.approx(0.05)  # in proportion below the first
+    assert narrow.narrow_tflops_at(64, 64) is None and block.narrow_tflops_at(8, 64) is None
+    rest = c.step_flops - 3 * adapters
+    assert part_seconds(work, block)["compute"] == pytest.approx(c.step_flops / 1e12)
+    assert part_seconds(work, narrow)["compute"] == pytest.approx(rest / 1e12 + 3 * adapters / 0.2e12)
+    assert any("timed no narrow matmul" in x for x in predict_work(work, block).caveats)
+    assert any("adapter's timed rate" in x for x in predict_work(work, narrow).caveats)
+    # in another precision at the block's speed in it; a table of no pairs is refused
+    fp16 = synthetic_rates(
+        compute_tflops=((64, 1.0),), narrow_tflops=((4, 0.1), (64, 1.0)), precision_speed={"fp16": ((64, 1024, 3.0),)}
+    )
+    assert fp16.narrow_tflops_at(4, 64, "fp16") == pytest.approx(0.3)
+    assert read_rates_file(narrow.save(tmp_path / "r.json")) == narrow  # stored and read back
+    with pytest.raises(ConfigError, match="narrow_tflops needs"):
+        synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops=((8, -1.0),))
 
 
 def _mixtral(**overrides):

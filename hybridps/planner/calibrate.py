@@ -253,6 +253,35 @@ def conv_tflops(device, *, repeats: int = 3) -> float:
     return 3.0 * forward / median_seconds(step, repeats, sync=device_sync(device)) / 1e12
 
 
+#: the widths ``narrow_tflops`` times an adapter's pair of matmuls at, and (hidden size, rows)
+#: on the CPU and on a GPU
+NARROW_WIDTHS = (4, 8, 16, 32, 64)
+CPU_NARROW, GPU_NARROW = (256, 1024), (4096, 8192)
+
+
+def narrow_tflops(device, *, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+    """(width, TFLOPS) of a LoRA adapter's pair of matmuls (hidden -> width -> hidden, the
+    input taking a grad), forward and backward, in ``base_precision``, at each of
+    ``NARROW_WIDTHS`` ([Note: narrow matmuls] in counted_work.py)."""
+    import torch
+
+    hidden, rows = GPU_NARROW if device.type == "cuda" else CPU_NARROW
+    dtype = _dtype(device, None)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
+    out = []
+    for width in NARROW_WIDTHS:
+        down = torch.nn.Linear(hidden, width, bias=False).to(device=device, dtype=dtype)
+        up = torch.nn.Linear(width, hidden, bias=False).to(device=device, dtype=dtype)
+
+        def step(down=down, up=up):
+            x.grad = down.weight.grad = up.weight.grad = None
+            up(down(x)).sum().backward()
+
+        flops = 3.0 * 2.0 * 2.0 * rows * hidden * width
+        out.append((width, flops / median_seconds(step, repeats, sync=device_sync(device)) / 1e12))
+    return tuple(out)
+
+
 def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
     """(host -> GPU, GPU -> host) GB/s over pinned memory; without a GPU a host memcpy both ways."""
     import torch
@@ -435,6 +464,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_new_s_per_byte": new_s_per_byte(device),
         "elementwise_new_fresh_share": fresh_share(device),
         "conv_tflops": conv_tflops(device),
+        "narrow_tflops": narrow_tflops(device),
     }
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
@@ -450,6 +480,8 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "conv_tflops": "a 3 x 3 convolution of {0} channels on {2} images of {1} x {1}, forward and backward, {3}".format(
             *(GPU_CONV if device.type == "cuda" else CPU_CONV), kind
         ),
+        "narrow_tflops": "a LoRA adapter's pair of matmuls (hidden {} -> width -> hidden) on {} rows, forward and "
+        "backward, at widths {}, {}".format(*(GPU_NARROW if device.type == "cuda" else CPU_NARROW), NARROW_WIDTHS, kind),
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",

@@ -42,6 +42,22 @@ backward on the meta device, as the simulation runs it, and they say all three:
   it); its rate holds no block's other kernels, so they are not subtracted for it. One shape's
   rate: 1 x 1, depthwise and strided convolutions run at their own.
 
+[Note: narrow matmuls]
+A LoRA adapter multiplies by two narrow matrices (hidden by the rank, the rank by hidden), and
+a narrow matmul fills few of the cores' lanes: on an AMD VM (fp32, one thread, hidden 256, 1024
+rows) an adapter's pair ran forward and backward at 17 GFLOPS at width 4, 33 at 8, 80 at 16
+and 89 at 32, against 100-104 from 64 up, the block's own. A Llama of four layers at hidden
+256 took 0.230 s a forward and backward with rank-8 adapters on every linear layer against
+0.189 s with no adapters (its weights frozen alike): 41 ms for about 1 GFLOP of adapters,
+priced at the block rate near 11. So the forward's matmuls with a param whose narrow side is
+below ``NARROW_WIDTHS[-1]`` are kept by width (``forward_narrow_flops``), and the speed model
+prices them at ``hybridps calibrate``'s timed adapter pair of each width (linear between the
+widths timed, in proportion below the first; in another precision at the block's speed in it).
+A narrow weight counts as trained (both grads: three times its forward, and its share
+recomputed under checkpointing), as an adapter is; its rate holds no block's other kernels, so
+they are not subtracted for it. Rates without the table (the shipped profiles, rates stored
+before) price them at the block rate, and the prediction says so.
+
 A mixture of experts (``HFCausalLMFamily.mixture_of_experts``: Mixtral, Qwen-MoE, OLMoE,
 DeepSeek) has a GPT shape, but ``6 N T`` counts every expert where a token multiplies the few it
 is routed to: a Mixtral of eight experts, two a token, four layers at hidden size 256 was
@@ -78,7 +94,7 @@ from typing import Any
 import torch
 
 from hybridps.common.errors import ConfigError
-from hybridps.planner.calibrate import BLOCK_HEAD_DIM, BLOCK_SEQ
+from hybridps.planner.calibrate import BLOCK_HEAD_DIM, BLOCK_SEQ, NARROW_WIDTHS
 from hybridps.planner.op_tally import MatmulTally, OpTally, Row, Tally, count_at_layers, count_model, tally_less, tally_rows
 from hybridps.planner.timing import precision_dtype
 
@@ -108,6 +124,15 @@ class CountedShape:
     #: of ``backward_flops``, the forward it recomputes under activation checkpointing
     #: (``recomputed_flops``); None: beyond twice the forward's
     recompute_flops: float | None = None
+    #: (width, FLOPs) of the forward's matmuls with a param narrower than ``NARROW_WIDTHS[-1]``
+    #: on one side, of ``forward_dense_flops`` (at the rates' narrow rates where they timed them)
+    forward_narrow_flops: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def narrow_step_flops(self) -> tuple[tuple[int, float], ...]:
+        """(width, FLOPs a step) of the narrow matmuls: the forward, both grads (an adapter is
+        trained) and the share recomputed ([Note: narrow matmuls])."""
+        return tuple((w, f * (3.0 + self.recompute_share)) for w, f in self.forward_narrow_flops)
 
     @property
     def forward_flops(self) -> float:
@@ -241,8 +266,10 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
     width, rows = _median(_by(count.matmuls, shaped_by, 2)), _median(_by(count.matmuls, shaped_by, 3))
     head_dim, seq = _median(_by(count.matmuls, ("activation",), 2)), _median(_by(count.matmuls, ("activation",), 3))
     activation = _flops(count.matmuls, "forward", ("activation",))
+    narrow = tuple(sorted((w, f) for w, f in _by(count.matmuls, ("dense",), 2).items() if w < NARROW_WIDTHS[-1]))
     block_ops, block_dense = _block_count(width, rows, precision)
-    less = [(block_ops, (dense - conv) / block_dense)]  # a convolution's rate holds no block's kernels
+    # a convolution's rate and a narrow matmul's hold no block's kernels
+    less = [(block_ops, (dense - conv - sum(f for _, f in narrow)) / block_dense)]
     if activation > 0 and head_dim and seq:
         # two products a forward (scores, and their weights on the values) an attention
         invocations = _calls(count.matmuls, "forward", ("activation",)) / 2
@@ -253,6 +280,7 @@ def counted_shape(model: Any, precision: str) -> CountedShape:
         forward_dense_flops=dense,
         forward_activation_flops=activation,
         forward_conv_flops=conv,
+        forward_narrow_flops=narrow,
         backward_flops=_flops(count.matmuls, "backward"),
         width=width,
         rows=rows,

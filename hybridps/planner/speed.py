@@ -485,6 +485,20 @@ def conv_seconds(work: StepWork, rates: MachineRates) -> float | None:
     return None if tflops is None else work.counted.conv_step_flops * work.micro_batches / (tflops * 1e12)
 
 
+def narrow_seconds(work: StepWork, rates: MachineRates) -> tuple[float, float] | None:
+    """(seconds, FLOPs) a step of a counted model's narrow matmuls at the rates' narrow rates;
+    None where it has none or the rates timed none ([Note: narrow matmuls] in counted_work.py)."""
+    if work.counted is None or not work.counted.forward_narrow_flops:
+        return None
+    seconds = flops = 0.0
+    for width, step in work.counted.narrow_step_flops:
+        tflops = rates.narrow_tflops_at(width, work.d_model, work.precision)
+        if tflops is not None:
+            seconds += step * work.micro_batches / (tflops * 1e12)
+            flops += step * work.micro_batches
+    return (seconds, flops) if flops else None
+
+
 def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float, float] | None = None) -> dict[str, float]:
     """Each part's seconds alone (``PARTS``); ``disk_gbps`` (read, write) stand in for rates
     that measured no disk."""
@@ -496,11 +510,14 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     conv = conv_seconds(work, rates)  # None: at the blocks' rate
     if conv is not None:
         flops -= work.counted.conv_step_flops * m
+    narrow = narrow_seconds(work, rates)  # None: at the blocks' rate
+    if narrow is not None:
+        flops -= narrow[1]
     if head is None:  # the head at the blocks' rate
         compute = flops / rate
     else:  # [Note: the head apart]
         compute = (flops - work.head_flops) / rate + head
-    compute += (attention or 0.0) + (conv or 0.0)
+    compute += (attention or 0.0) + (conv or 0.0) + (narrow[0] if narrow is not None else 0.0)
     # [Note: the work outside the matmuls] (op_tally.py): a family's beyond the GPT's
     beyond = rates.elementwise_seconds(work.beyond_gpt) if work.beyond_gpt else None
     if beyond is not None:
@@ -726,5 +743,14 @@ def counted_caveats(work: StepWork, rates: MachineRates) -> tuple[str, ...]:
         out += (
             f"its convolutions ({c.forward_conv_flops / c.forward_dense_flops:.0%} of those FLOPs) at the rate of one "
             "3 x 3 convolution",
+        )
+    if c.forward_narrow_flops:
+        share = sum(f for _, f in c.forward_narrow_flops) / c.forward_dense_flops
+        widths = ", ".join(str(w) for w, _ in c.forward_narrow_flops)
+        out += (
+            f"its matmuls of width {widths} ({share:.1%} of those FLOPs, as LoRA's adapters) at the block rate: rates "
+            f"{rates.name!r} timed no narrow matmul (run `hybridps calibrate` on the machine)"
+            if narrow_seconds(work, rates) is None
+            else f"its matmuls of width {widths} ({share:.1%} of those FLOPs, as LoRA's adapters) at an adapter's timed rate",
         )
     return out
