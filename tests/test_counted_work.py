@@ -254,7 +254,7 @@ def test_narrow_matmuls_count_at_an_adapters_timed_rate_by_width(tmp_path):
     assert counted_shape(_adapted(64), "fp32").forward_narrow_flops == ()  # as wide as the widest timed
     work = StepWork(n_params=10, n_layer=2, d_model=64, seq_len=32, batch_size=1, counted=c)
     block = synthetic_rates(compute_tflops=((64, 1.0),))
-    narrow = synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops=((4, 0.1), (16, 0.4), (64, 1.0)))
+    narrow = synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops={"bf16": ((4, 0.1), (16, 0.4), (64, 1.0))})
     assert narrow.narrow_tflops_at(8, 64) == pytest.approx(0.2)  # between 4 and 16
     assert narrow.narrow_tflops_at(2, 64) == pytest.approx(0.05)  # in proportion below the first
     assert narrow.narrow_tflops_at(64, 64) is None and block.narrow_tflops_at(8, 64) is None
@@ -263,14 +263,19 @@ def test_narrow_matmuls_count_at_an_adapters_timed_rate_by_width(tmp_path):
     assert part_seconds(work, narrow)["compute"] == pytest.approx(rest / 1e12 + 3 * adapters / 0.2e12)
     assert any("timed no narrow matmul" in x for x in predict_work(work, block).caveats)
     assert any("adapter's timed rate" in x for x in predict_work(work, narrow).caveats)
-    # in another precision at the block's speed in it; a table of no pairs is refused
-    fp16 = synthetic_rates(
-        compute_tflops=((64, 1.0),), narrow_tflops=((4, 0.1), (64, 1.0)), precision_speed={"fp16": ((64, 1024, 3.0),)}
+    # another precision: as timed in it, else the rates' own at the block's speed in it
+    speeds = {"fp16": ((64, 1024, 3.0),), "fp32": ((64, 1024, 0.5),)}
+    timed = synthetic_rates(
+        compute_tflops=((64, 1.0),),
+        narrow_tflops={"bf16": ((4, 0.1), (64, 1.0)), "fp16": ((4, 0.5), (64, 2.0))},
+        precision_speed=speeds,
     )
-    assert fp16.narrow_tflops_at(4, 64, "fp16") == pytest.approx(0.3)
-    assert read_rates_file(narrow.save(tmp_path / "r.json")) == narrow  # stored and read back
-    with pytest.raises(ConfigError, match="narrow_tflops needs"):
-        synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops=((8, -1.0),))
+    assert timed.narrow_tflops_at(4, 64, "fp16") == pytest.approx(0.5)
+    assert timed.narrow_tflops_at(4, 64, "fp32") == pytest.approx(0.05)
+    assert read_rates_file(timed.save(tmp_path / "r.json")) == timed  # stored and read back
+    for bad in ({"bf16": ((8, -1.0),)}, {"int4": ((8, 1.0),)}, {"bf16": ((8, 16, 1.0),)}):
+        with pytest.raises(ConfigError, match="narrow_tflops"):
+            synthetic_rates(compute_tflops=((64, 1.0),), narrow_tflops=bad)
 
 
 def _mixtral(**overrides):

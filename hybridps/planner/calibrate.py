@@ -259,14 +259,14 @@ NARROW_WIDTHS = (4, 8, 16, 32, 64)
 CPU_NARROW, GPU_NARROW = (256, 1024), (4096, 8192)
 
 
-def narrow_tflops(device, *, repeats: int = 5) -> tuple[tuple[int, float], ...]:
+def narrow_tflops(device, precision: str | None = None, *, repeats: int = 5) -> tuple[tuple[int, float], ...]:
     """(width, TFLOPS) of a LoRA adapter's pair of matmuls (hidden -> width -> hidden, the
-    input taking a grad), forward and backward, in ``base_precision``, at each of
-    ``NARROW_WIDTHS`` ([Note: narrow matmuls] in counted_work.py)."""
+    input taking a grad), forward and backward, in ``precision`` (None: ``base_precision``), at
+    each of ``NARROW_WIDTHS`` ([Note: narrow matmuls] in counted_work.py)."""
     import torch
 
     hidden, rows = GPU_NARROW if device.type == "cuda" else CPU_NARROW
-    dtype = _dtype(device, None)
+    dtype = _dtype(device, precision)
     x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
     out = []
     for width in NARROW_WIDTHS:
@@ -280,6 +280,21 @@ def narrow_tflops(device, *, repeats: int = 5) -> tuple[tuple[int, float], ...]:
         flops = 3.0 * 2.0 * 2.0 * rows * hidden * width
         out.append((width, flops / median_seconds(step, repeats, sync=device_sync(device)) / 1e12))
     return tuple(out)
+
+
+def narrow_table(
+    device, precisions: tuple[str, ...], slow: dict[str, float] | None = None
+) -> dict[str, tuple[tuple[int, float], ...]]:
+    """precision -> ``narrow_tflops`` rows for ``MachineRates.narrow_tflops``; a precision of
+    ``slow`` is the first one's rows at that speed, not timed ([Note: a precision too slow to
+    time])."""
+    table: dict[str, tuple[tuple[int, float], ...]] = {}
+    for p in precisions:
+        if p in (slow or {}):
+            table[p] = tuple((w, t * slow[p]) for w, t in table[precisions[0]])
+        else:
+            table[p] = narrow_tflops(device, p)
+    return table
 
 
 def copy_gbps(device, *, mib: int = 64, repeats: int = 5) -> tuple[float, float]:
@@ -464,7 +479,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "elementwise_new_s_per_byte": new_s_per_byte(device),
         "elementwise_new_fresh_share": fresh_share(device),
         "conv_tflops": conv_tflops(device),
-        "narrow_tflops": narrow_tflops(device),
+        "narrow_tflops": narrow_table(device, (base, *speeds), slow),
     }
     sources = {
         "compute_tflops": f"a one-block GPT's forward and backward less its attention, {kind}, 6 N T FLOPs "
@@ -481,7 +496,9 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
             *(GPU_CONV if device.type == "cuda" else CPU_CONV), kind
         ),
         "narrow_tflops": "a LoRA adapter's pair of matmuls (hidden {} -> width -> hidden) on {} rows, forward and "
-        "backward, at widths {}, {}".format(*(GPU_NARROW if device.type == "cuda" else CPU_NARROW), NARROW_WIDTHS, kind),
+        "backward, at widths {}, in each precision on the {}".format(
+            *(GPU_NARROW if device.type == "cuda" else CPU_NARROW), NARROW_WIDTHS, "GPU" if device.type == "cuda" else "CPU"
+        ),
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",

@@ -52,7 +52,8 @@ and 89 at 32, against 100-104 from 64 up, the block's own. A Llama of four layer
 priced at the block rate near 11. So the forward's matmuls with a param whose narrow side is
 below ``NARROW_WIDTHS[-1]`` are kept by width (``forward_narrow_flops``), and the speed model
 prices them at ``hybridps calibrate``'s timed adapter pair of each width (linear between the
-widths timed, in proportion below the first; in another precision at the block's speed in it).
+widths timed, in proportion below the first; timed in each precision, as an adapter in bf16
+ran at 95 GFLOPS at width 8 where fp32's rate at the block's bf16 speed said 141).
 A narrow weight counts as trained (both grads: three times its forward, and its share
 recomputed under checkpointing), as an adapter is; its rate holds no block's other kernels, so
 they are not subtracted for it. Rates without the table (the shipped profiles, rates stored

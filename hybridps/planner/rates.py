@@ -128,11 +128,11 @@ class MachineRates:
     #: convolutions ([Note: a model's own shape] in counted_work.py); None (the shipped
     #: profiles, rates stored before): at the block rate, and the prediction says so
     conv_tflops: float | None = None
-    #: (width, TFLOPS) of a LoRA adapter's pair of matmuls (hidden -> width -> hidden), forward
-    #: and backward, in ``compute_precision``, at the widths timed: a model's narrow matmuls
-    #: ([Note: narrow matmuls] in counted_work.py); None (the shipped profiles, rates stored
-    #: before): at the block rate, and the prediction says so
-    narrow_tflops: tuple[tuple[int, float], ...] | None = None
+    #: precision -> ((width, TFLOPS), ...) of a LoRA adapter's pair of matmuls (hidden -> width
+    #: -> hidden), forward and backward, at the widths timed: a model's narrow matmuls ([Note:
+    #: narrow matmuls] in counted_work.py); empty (the shipped profiles, rates stored before):
+    #: at the block rate, and the prediction says so
+    narrow_tflops: Mapping[str, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
     #: seconds a byte of a new tensor costs beyond the op's own: memory the allocator maps
     #: afresh, each page faulted in and zeroed on its first write (a CPU's; a GPU's caching
     #: allocator hands out memory it holds: nothing)
@@ -203,13 +203,6 @@ class MachineRates:
             if grid is None:
                 raise ConfigError(f"rates {self.name!r}: {f} needs (hidden size, {what} > 0) triples, got {rows!r}")
             object.__setattr__(self, f, grid)
-        if self.narrow_tflops is not None:
-            narrow = _grid(self.narrow_tflops, 2)
-            if narrow is None:
-                raise ConfigError(
-                    f"rates {self.name!r}: narrow_tflops needs (width, TFLOPS > 0) pairs, got {self.narrow_tflops!r}"
-                )
-            object.__setattr__(self, "narrow_tflops", narrow)
         self._check_tables()
         for f in (
             "h2d_gbps",
@@ -266,6 +259,7 @@ class MachineRates:
             ("attention_forward_share", PRECISION_NAMES, "(head size, sequence, share in (0, 1])", _share_grid),
             ("optimizer_speed", others, "(matrix side, speed > 0)", lambda rows: _grid(rows, 2)),
             ("elementwise_s_per_byte", PRECISION_NAMES, "(op, seconds a byte >= 0)", _op_table),
+            ("narrow_tflops", PRECISION_NAMES, "(width, TFLOPS > 0)", lambda rows: _grid(rows, 2)),
         ):
             tables = self._keyed_tables(f, keys, what, parse)
             if f.startswith("precision_"):  # the precision timed needs no speed over itself
@@ -310,13 +304,17 @@ class MachineRates:
     def narrow_tflops_at(self, width: int, hidden: int, precision: str | None = None) -> float | None:
         """A matmul of ``width`` (the narrow side of its weight) in ``precision``: linear in the
         width between the widths timed, in proportion to it below the first (a narrower matmul
-        fills fewer of the cores' lanes), at the block's speed in ``precision`` at width
-        ``hidden``; None from the widest timed on (the block rate's, as a model's other
-        matmuls) or where the rates timed none ([Note: narrow matmuls] in counted_work.py)."""
-        rows = self.narrow_tflops
+        fills fewer of the cores' lanes), as timed in ``precision`` or else in
+        ``compute_precision`` at the block's speed in ``precision`` at width ``hidden``; None
+        from the widest timed on (the block rate's, as a model's other matmuls) or where the
+        rates timed none ([Note: narrow matmuls] in counted_work.py)."""
+        rows = self.narrow_tflops.get(precision or self.compute_precision)
+        speed = 1.0
+        if rows is None:
+            rows = self.narrow_tflops.get(self.compute_precision)
+            speed = self.speed_in(precision, hidden)[0]
         if not rows or width >= rows[-1][0]:
             return None
-        speed = self.speed_in(precision, hidden)[0]
         if width <= rows[0][0]:
             return rows[0][1] * max(1, width) / rows[0][0] * speed
         for (w0, t0), (w1, t1) in zip(rows, rows[1:], strict=False):
