@@ -516,6 +516,14 @@ def test_a_precision_far_slower_than_the_base_is_timed_once_and_carried_at_that_
     rates, shares = calibrate_attention.attention_table(cpu, ("fp32", "fp16", "bf16"), quick=True, slow=slow)
     assert "fp16" not in attention_timed and set(attention_timed) == {"fp32", "bf16"}
     assert rates["fp16"] == tuple((d, s, t * 0.01) for d, s, t in rates["fp32"]) and shares["fp16"] == shares["fp32"]
+    narrow_timed = []
+    monkeypatch.setattr(
+        calibrate, "narrow_tflops", lambda device, p=None: narrow_timed.append(p) or ((4, speed[p]), (64, 2 * speed[p]))
+    )
+    narrow = calibrate.narrow_table(cpu, ("fp32", "fp16", "bf16"), slow)
+    assert (
+        narrow_timed == ["fp32", "bf16"] and narrow["fp16"] == ((4, 0.01), (64, 0.02)) and narrow["bf16"] == ((4, 3.0), (64, 6.0))
+    )
     # no precision slow: every one timed at every size, as before
     speed["fp16"] = 0.5
     assert calibrate.slow_precisions(cpu) == {}
