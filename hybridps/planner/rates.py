@@ -317,10 +317,7 @@ class MachineRates:
             return None
         if width <= rows[0][0]:
             return rows[0][1] * max(1, width) / rows[0][0] * speed
-        for (w0, t0), (w1, t1) in zip(rows, rows[1:], strict=False):
-            if w0 <= width <= w1:
-                return (t0 + (width - w0) / (w1 - w0) * (t1 - t0)) * speed
-        raise AssertionError("unreachable: the table is sorted")
+        return _log_interpolate(rows, width, between=_linear) * speed
 
     def elementwise_seconds(self, rows: tuple[tuple[str, str, int, int, int], ...]) -> float | None:
         """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes)
@@ -484,6 +481,11 @@ def _log_interpolate(
                 return between(x, x0, y0, x1, y1)
             return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
     raise AssertionError("unreachable: the table is sorted")
+
+
+def _linear(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    """The value at ``x`` on the line through (``x0``, ``y0``) and (``x1``, ``y1``)."""
+    return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
 
 
 def _affine_time(x: float, x0: float, y0: float, x1: float, y1: float) -> float:

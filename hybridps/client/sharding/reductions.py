@@ -142,11 +142,10 @@ class Reduction:
     complete: bool = False
     #: handles of the collectives in flight (each ``wait()`` also averages what it filled)
     works: list = dataclasses.field(default_factory=list)
-    #: this rank's averaged shard once the works are done (the own chunk itself, or a buffer)
-    result: torch.Tensor | None = None
     #: the chunks the collectives read and write: they must not move until then
     sources: list[Chunk] = dataclasses.field(default_factory=list)
-    #: the source chunk whose payload is ``result`` (reduced in place), or None
+    #: this rank's own source chunk: the collectives average its shard in place, so it stays
+    #: put until the landing (None while no reduction is in flight)
     kept: Chunk | None = None
     #: the owned param slots hold reduced grads (grad reuse): the params are written back from
     #: the master copy by the step, or by zero_grad
@@ -170,16 +169,16 @@ class Reduction:
         """Every param of the group that requires grad has its local grad."""
         return self.grads_seen == self.grad_slots
 
-    def start(self, works: list, result: torch.Tensor, sources: list[Chunk], kept: Chunk | None) -> None:
+    def start(self, works: list, sources: list[Chunk], kept: Chunk) -> None:
         """The collectives are issued: from here the group's grads are in flight."""
         self.move(ReductionMove.STARTED)
-        self.works, self.result, self.sources, self.kept = works, result, sources, kept
+        self.works, self.sources, self.kept = works, sources, kept
         self.complete = self.grads_complete
         self.grads_seen = 0
 
     def let_go(self) -> None:
         """Forget the collectives (landed or abandoned): their chunks are free to move."""
-        self.works, self.result, self.sources, self.kept = [], None, [], None
+        self.works, self.sources, self.kept = [], [], None
 
     def reset(self, move: ReductionMove) -> None:
         """The backward is over (``move``: it ended, or was abandoned): nothing carries over."""
@@ -342,7 +341,7 @@ class GroupReductions:
             for chunk in sources:
                 self.mover.bring(chunk, compute, who=f"grads of chunk group {g}", protect=sources)
         own_src = sources[self.comm.rank]
-        result = own_src.payload  # averaged in place once the reduction lands
+        result = own_src.payload  # averaged in place: the own chunk stays put until the landing
         if all(c.capacity == own_src.capacity for c in sources):
             works = [
                 self.comm.reduce_scatter_avg(
@@ -356,9 +355,8 @@ class GroupReductions:
                 whats=[f"grads of chunk {c.index} (group {g})" for c in sources],
                 async_op=True,
             )
-        # the chunk that holds the result stays put until the result is used; the others may
-        # move as soon as the collective finished here
-        red.start(works, result, sources, own_src)
+        # the others may move as soon as the collective finished here
+        red.start(works, sources, own_src)
         self.window.append(red)
         for chunk in sources:
             chunk.collective_started(lambda red=red: self._wait_for_room(red))
@@ -422,17 +420,13 @@ class GroupReductions:
 
     def _put_result(self, red: Reduction) -> None:
         """The owned shard's averaged grads (mean across replicas too) into their chunk."""
-        g, own_index = red.group, red.own_index
-        result = red.result
-        assert result is not None
+        g, own_index, own = red.group, red.own_index, red.kept
+        assert own is not None and own.payload is not None
+        result = own.payload
         if self.replicas is not None:  # the same shard of every replica: their mean
             self.replicas.all_reduce(result, what=f"grads of chunk {own_index} (group {g}) across replicas")
             result.div_(self.replicas.world_size)
-        if self.store.config.grad_reuse:
-            own = self.store.rows[ChunkKind.PARAM][own_index]
-            own.settle()  # a chunk on the disk is read back first (chunk.py)
-            if own.payload is not result:
-                own.payload.copy_(result)
+        if self.store.config.grad_reuse:  # the own chunk is the owned param row, reduced in place
             if own.slots:  # a padding row has no params to write back
                 red.params_hold_grads = True
             for slot in own.slots:
