@@ -99,7 +99,7 @@ def test_a_checkpointed_gpt_shape_recomputes_what_torch_reruns_not_its_whole_for
 
 
 def test_the_blocks_the_rate_timed_come_to_nothing_beyond_it():
-    rows = dict((op, nbytes) for op, _, _, nbytes, _ in counted_shape(_blocks_factory(3, 128, 2, 64, 2), "fp32").beyond_block)
+    rows = dict((op, nbytes) for op, _, _, nbytes, *_ in counted_shape(_blocks_factory(3, 128, 2, 64, 2), "fp32").beyond_block)
     # the block's LayerNorms, GELU, residual adds and its attention's softmax: inside the rates
     for op in ("gelu", "gelu_backward", "native_layer_norm", "native_layer_norm_backward", "add", "_safe_softmax"):
         assert abs(rows.get(op, 0)) <= 64, (op, rows.get(op))
@@ -110,7 +110,7 @@ def test_the_blocks_the_rate_timed_come_to_nothing_beyond_it():
         n_layer=2,
         name="relu-mlp",
     )
-    ops = {op: nbytes for op, _, _, nbytes, _ in counted_shape(relu, "fp32").beyond_block}
+    ops = {op: nbytes for op, _, _, nbytes, *_ in counted_shape(relu, "fp32").beyond_block}
     assert ops["relu"] > 0 and ops["gelu"] < 0
 
 
@@ -208,7 +208,7 @@ def test_convolutions_count_at_the_convolution_rate_where_the_rates_timed_one():
     assert c.conv_step_flops == c.step_flops < 3 * c.forward_flops
     # no block's kernels subtracted for a convolution: its ReLU is its own
     assert {op for op, *_ in c.beyond_block} >= {"relu", "threshold_backward"}
-    assert all(nbytes > 0 for op, _, _, nbytes, _ in c.beyond_block if op in ("relu", "threshold_backward"))
+    assert all(nbytes > 0 for op, _, _, nbytes, *_ in c.beyond_block if op in ("relu", "threshold_backward"))
     work = StepWork(n_params=10, n_layer=3, d_model=16, seq_len=256, batch_size=1, counted=c)
     timed = synthetic_rates(compute_tflops=((16, 1.0),), conv_tflops=2.0)
     untimed = synthetic_rates(compute_tflops=((16, 1.0),))

@@ -45,23 +45,48 @@ def test_the_tally_counts_what_an_op_reads_and_writes_and_skips_views_and_matmul
         z.add_(x)  # in place: reads two, writes its self (no new memory), counted as "add"
         z.view(10, 100).t()  # views: nothing
         torch.mm(x.view(10, 100), y.view(100, 10))  # a matmul: the speed model's FLOPs
-    assert tally.counts == {("mul", "fp32"): (1, 12 * N, 4 * N), ("add", "fp32"): (1, 12 * N, 0)}
+    assert tally.counts == {("mul", "fp32"): (1, 12 * N, 4 * N, 0), ("add", "fp32"): (1, 12 * N, 0, 0)}
     with OpTally() as tally:
         x.to(torch.bfloat16).mul(2)  # the bf16 multiplication counts in bf16
-    assert tally.counts[("mul", "bf16")] == (1, 4 * N, 2 * N)
+    assert tally.counts[("mul", "bf16")] == (1, 4 * N, 2 * N, 0)
+
+
+def test_new_tensors_the_c_library_maps_afresh_count_apart_whatever_op_made_them():
+    """[Note: memory mapped afresh]: a result of MAPPED_AFRESH_BYTES or more is the allocator's
+    memory taken afresh every time: counted apart from the new bytes below it, for a matmul's
+    or an allocation's result too (their work is not counted, their memory is)."""
+    from hybridps.common.host_allocator import MAPPED_AFRESH_BYTES
+
+    big = MAPPED_AFRESH_BYTES // 4  # fp32 elements
+    with torch.device("meta"):
+        x, w = torch.empty(big // 1024, 1024), torch.empty(1024, 1024)
+        small = torch.empty(N)
+    with OpTally() as tally:
+        y = x.mul(2)  # a new big tensor
+        y.add_(1)  # in place: its memory is not new
+        small.mul(2)
+        torch.mm(x, w)  # the logits of a head, say
+        torch.empty(big + 1)
+        x.view(-1)  # a view: nothing
+    assert tally.counts[("mul", "fp32")] == (2, 4 * (2 * big + 2 * N), 4 * N, 4 * big)
+    assert tally.counts[("add", "fp32")][2:] == (0, 0)
+    assert tally.counts[("mm", "fp32")] == (0, 0, 0, 4 * big)
+    assert tally.counts[("empty", "fp32")] == (0, 0, 0, 4 * (big + 1))
 
 
 def test_a_gpt_is_nothing_beyond_itself_and_a_llama_is_its_own_kernels_less_the_gpts():
     gpt = GPTShape(n_layer=2, d_model=64, n_head=4, vocab_size=256, seq_len=32, batch_size=2)
     assert beyond_gpt(gpt, "fp32") == ()
     family = _family()
-    rows = {(op, p): (calls, nbytes, new) for op, p, calls, nbytes, new in beyond_gpt(family, "fp32")}
+    rows = {(op, p): (calls, nbytes, new, mapped) for op, p, calls, nbytes, new, mapped in beyond_gpt(family, "fp32")}
     assert rows[("silu", "fp32")][0] == 3  # one gated MLP a layer, none in the GPT
     assert rows[("gelu", "fp32")][0] == -3  # the GPT's GELU, not the Llama's
     assert rows[("native_layer_norm", "fp32")][0] < 0 and rows[("mul", "fp32")][1] > 0
     # counted at one and two layers and extrapolated: the same as the whole models' counts
     whole, its_gpt = tally_model(family, "fp32"), tally_model(gpt_of(family), "fp32")
-    direct = {k: tuple(a - b for a, b in zip(whole.get(k, (0, 0, 0)), its_gpt.get(k, (0, 0, 0)), strict=True)) for k in rows}
+    direct = {
+        k: tuple(a - b for a, b in zip(whole.get(k, (0, 0, 0, 0)), its_gpt.get(k, (0, 0, 0, 0)), strict=True)) for k in rows
+    }
     assert rows == direct
     # in bf16 the model's own kernels count in bf16 (its loss upcasts the logits to fp32)
     assert any(p == "bf16" for _, p, *_ in beyond_gpt(family, "bf16"))
@@ -82,7 +107,12 @@ def test_rates_time_each_op_at_its_own_seconds_a_byte():
     rates = synthetic_rates(
         elementwise_s_per_byte=_table(mul=1e-10, clone=3e-10), elementwise_s_per_call=1e-6, elementwise_new_s_per_byte=5e-10
     )
-    rows = (("mul", "fp32", 2, 1000, 400), ("mul", "bf16", 1, 100, 0), ("tanh", "fp32", 1, 1000, 0), ("mul", "fp16", 1, 10, 0))
+    rows = (
+        ("mul", "fp32", 2, 1000, 400, 0),
+        ("mul", "bf16", 1, 100, 0, 0),
+        ("tanh", "fp32", 1, 1000, 0, 0),
+        ("mul", "fp16", 1, 10, 0, 0),
+    )
     expected = (2e-6 + 1000e-10 + 400 * 5e-10) + (1e-6 + 100 * 2e-10) + (1e-6 + 1000 * 3e-10) + (1e-6 + 10 * 2e-10)
     # tanh was not timed: a copy's rate; fp16 was not timed: the rates' own precision's (a GPU's bf16)
     assert rates.elementwise_seconds(rows) == pytest.approx(expected)
@@ -99,7 +129,7 @@ def test_rates_time_each_op_at_its_own_seconds_a_byte():
 
 def test_a_familys_work_beyond_the_gpt_adds_to_its_compute_or_says_it_was_not_counted():
     work = StepWork(n_params=10**6, n_layer=2, d_model=1024, seq_len=128, batch_size=4, precision="bf16", micro_batches=3)
-    extra = dataclasses.replace(work, beyond_gpt=(("mul", "bf16", 10, 10**9, 0),))
+    extra = dataclasses.replace(work, beyond_gpt=(("mul", "bf16", 10, 10**9, 0, 0),))
     timed = synthetic_rates(elementwise_s_per_byte=_table(mul=1e-10))
     base = part_seconds(work, timed)["compute"]
     assert part_seconds(extra, timed)["compute"] == pytest.approx(base + 3 * 0.2)  # per micro-batch
@@ -109,7 +139,7 @@ def test_a_familys_work_beyond_the_gpt_adds_to_its_compute_or_says_it_was_not_co
     (caveat,) = predict_work(extra, untimed).caveats
     assert "+3.00 GB" in caveat and "not counted" in caveat
     # less work than the GPT's lowers the compute, never below half of it
-    less = dataclasses.replace(work, beyond_gpt=(("mul", "bf16", -10, -(10**12), 0),))
+    less = dataclasses.replace(work, beyond_gpt=(("mul", "bf16", -10, -(10**12), 0, 0),))
     assert part_seconds(less, timed)["compute"] == pytest.approx(base / 2)
 
 

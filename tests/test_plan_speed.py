@@ -542,11 +542,16 @@ def test_new_tensors_cost_their_fresh_share_of_the_fresh_memory_rate():
         elementwise_s_per_call=0.0,
         elementwise_new_s_per_byte=4e-10,
     )
-    rows = (("mul", "fp32", 1, 10**9, 10**8),)
+    rows = (("mul", "fp32", 1, 10**9, 10**8, 0),)
     every = rates.elementwise_seconds(rows)
     assert every == pytest.approx(10**9 * 1e-11 + 10**8 * 4e-10)
     tenth = dc.replace(rates, elementwise_new_fresh_share=0.1).elementwise_seconds(rows)
     assert tenth == pytest.approx(10**9 * 1e-11 + 10**7 * 4e-10)
+    # [Note: memory mapped afresh]: tensors the C library always maps afresh pay it all, whatever
+    # the share; a matmul's big result (no calls, no bytes counted) its memory alone
+    mapped = (("mul", "fp32", 1, 10**9, 10**8, 10**9), ("mm", "fp32", 0, 0, 0, 5 * 10**8))
+    none = dc.replace(rates, elementwise_new_fresh_share=0.0).elementwise_seconds(mapped)
+    assert none == pytest.approx(10**9 * 1e-11 + 15 * 10**8 * 4e-10)
     assert (
         type(rates)
         .from_dict({k: v for k, v in rates.to_dict().items() if k != "elementwise_new_fresh_share"})

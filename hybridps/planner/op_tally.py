@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from hybridps.common.errors import ConfigError
+from hybridps.common.host_allocator import MAPPED_AFRESH_BYTES
 from hybridps.planner.timing import precision_dtype
 from hybridps.planner.validation import divisor_near
 
@@ -60,11 +61,13 @@ _NO_WORK = frozenset(
 #: the precision each floating dtype counts in; any other dtype's bytes count in fp32's rates
 _DTYPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-#: (op, precision) -> (calls, bytes read and written, bytes of the new tensors it returned); an
-#: op by its name less a trailing ``_`` (in place alike)
-Tally = dict[tuple[str, str], tuple[int, int, int]]
-#: (op, precision, calls, bytes, new bytes): a row of ``beyond_gpt``
-Row = tuple[str, str, int, int, int]
+#: (op, precision) -> (calls, bytes read and written, bytes of the new tensors it returned below
+#: ``MAPPED_AFRESH_BYTES``, bytes of those from it up); an op by its name less a trailing ``_``
+#: (in place alike). A matmul's or an allocation's big results count in the last alone: their
+#: memory, not their work ([Note: memory mapped afresh] in common/host_allocator.py)
+Tally = dict[tuple[str, str], tuple[int, int, int, int]]
+#: (op, precision, calls, bytes, new bytes, mapped bytes): a row of ``beyond_gpt``
+Row = tuple[str, str, int, int, int, int]
 #: (phase, kind, width, rows) of a matmul (``OpTally.matmuls``; in the backward "", 0, 0)
 MatmulKey = tuple[str, str, int, int]
 #: MatmulKey -> (calls, FLOPs)
@@ -110,7 +113,8 @@ class OpTally(TorchDispatchMode):
     """Calls and bytes of every counted op run under it (``counts``): the tensors an op reads
     and those it returns (an in-place op's written self once more), and of those the new
     tensors it returned (memory it takes from the allocator), by op and by the precision of its
-    largest tensor. And the matmuls' FLOPs (``matmuls``, by ``torch.utils.flop_counter``'s
+    largest tensor; the new tensors of ``MAPPED_AFRESH_BYTES`` or more apart, of any op (a
+    matmul's logits as well: [Note: memory mapped afresh] in common/host_allocator.py). And the matmuls' FLOPs (``matmuls``, by ``torch.utils.flop_counter``'s
     registry) by phase: in the forward (``phase`` "forward" until the caller sets "backward"),
     by kind ("dense": an operand is one of ``params`` or a view of one; "conv": a convolution's
     weight is; "activation": none is, as attention's), width and rows ([Note: a model's own shape] in counted_work.py)."""
@@ -120,6 +124,7 @@ class OpTally(TorchDispatchMode):
         self._calls: Counter = Counter()
         self._bytes: Counter = Counter()
         self._new: Counter = Counter()
+        self._mapped: Counter = Counter()
         self._params = {id(p) for p in params}
         self._matmul_calls: Counter = Counter()
         self._matmul_flops: Counter = Counter()
@@ -127,19 +132,24 @@ class OpTally(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        new = [] if any(r.alias_info is not None for r in func._schema.returns) else outs  # not in place, no view
+        mapped = sum(n for n in map(_nbytes, new) if n >= MAPPED_AFRESH_BYTES)
         if _flop_count(func) is not None:
             self._count_matmul(func, args, kwargs or {}, out)
         elif _counted(func):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             tensors = ins + outs
             if tensors:
                 largest = max(tensors, key=lambda t: t.numel())
                 key = (op_name(func), _DTYPE_PRECISION.get(largest.dtype, "fp32"))
                 self._calls[key] += 1
                 self._bytes[key] += sum(_nbytes(t) for t in tensors)
-                if not any(r.alias_info is not None for r in func._schema.returns):  # not in place
-                    self._new[key] += sum(_nbytes(t) for t in outs)
+                self._new[key] += sum(_nbytes(t) for t in new) - mapped
+                self._mapped[key] += mapped
+                return out
+        if mapped:  # a matmul's, attention's or an allocation's result: its memory alone
+            self._mapped[(op_name(func), _DTYPE_PRECISION.get(max(new, key=_nbytes).dtype, "fp32"))] += mapped
         return out
 
     def _is_param(self, t: Any) -> bool:
@@ -158,7 +168,8 @@ class OpTally(TorchDispatchMode):
 
     @property
     def counts(self) -> Tally:
-        return {k: (self._calls[k], self._bytes[k], self._new[k]) for k in self._calls}
+        keys = self._calls.keys() | self._mapped.keys()
+        return {k: (self._calls[k], self._bytes[k], self._new[k], self._mapped[k]) for k in keys}
 
     @property
     def matmuls(self) -> MatmulTally:
@@ -246,15 +257,15 @@ def tally_less(ops: Tally, *less: tuple[Tally, float]) -> Tally:
     """``ops`` less each tally times its factor (rounded to whole calls and bytes)."""
     out = {}
     for key in ops.keys() | {k for tally, _ in less for k in tally}:
-        values = list(ops.get(key, (0, 0, 0)))
+        values = list(ops.get(key, (0, 0, 0, 0)))
         for tally, factor in less:
-            values = [v - factor * w for v, w in zip(values, tally.get(key, (0, 0, 0)), strict=True)]
+            values = [v - factor * w for v, w in zip(values, tally.get(key, (0, 0, 0, 0)), strict=True)]
         out[key] = tuple(int(round(v)) for v in values)
     return out
 
 
 def tally_rows(ops: Tally) -> tuple[Row, ...]:
-    """``ops`` as rows (op, precision, calls, bytes, new bytes), by key, none all zero."""
+    """``ops`` as rows (op, precision, calls, bytes, new bytes, mapped bytes), by key, none all zero."""
     return tuple((*key, *ops[key]) for key in sorted(ops) if any(ops[key]))
 
 
@@ -280,7 +291,7 @@ _CACHE: dict[tuple[str, str], tuple[Row, ...]] = {}
 
 
 def beyond_gpt(model: Any, precision: str) -> tuple[Row, ...]:
-    """(op, precision, calls, bytes, new bytes) of one forward and backward of ``model`` less those of the
+    """(op, precision, calls, bytes, new bytes, mapped bytes) of one forward and backward of ``model`` less those of the
     GPT of its shape ([Note: the work outside the matmuls]); () for a ``GPTShape``, whose work
     the block rates hold. Rows may be negative (work the GPT does and the family does not)."""
     from hybridps.planner.model import GPTShape

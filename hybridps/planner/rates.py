@@ -319,21 +319,22 @@ class MachineRates:
             return rows[0][1] * max(1, width) / rows[0][0] * speed
         return _log_interpolate(rows, width, between=_linear) * speed
 
-    def elementwise_seconds(self, rows: tuple[tuple[str, str, int, int, int], ...]) -> float | None:
-        """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes)
+    def elementwise_seconds(self, rows: tuple[tuple[str, str, int, int, int, int], ...]) -> float | None:
+        """The seconds of ``rows`` of (op, precision, calls, bytes, new bytes, mapped bytes)
         (``op_tally.beyond_gpt``): each op's bytes at its timed seconds a byte in that precision
         (a precision not timed: the rates' own; an op not timed: a copy's, ``FALLBACK_OP``), its
         new tensors' bytes at ``elementwise_new_s_per_byte`` for the share the allocator takes
-        afresh (``elementwise_new_fresh_share``), each call at ``elementwise_s_per_call``; None
-        where the rates timed no op."""
+        afresh (``elementwise_new_fresh_share``) and its mapped bytes, taken afresh every time,
+        at all of it ([Note: memory mapped afresh] in common/host_allocator.py), each call at
+        ``elementwise_s_per_call``; None where the rates timed no op."""
         if not self.elementwise_s_per_byte:
             return None
         total = 0.0
-        for op, precision, calls, nbytes, new_bytes in rows:
+        for op, precision, calls, nbytes, new_bytes, mapped_bytes in rows:
             own = self._in_precision(self.elementwise_s_per_byte, precision)
             table = dict(own or next(iter(self.elementwise_s_per_byte.values())))
             per_byte = table.get(op, table.get(FALLBACK_OP, max(table.values())))
-            fresh = new_bytes * self.elementwise_new_fresh_share * self.elementwise_new_s_per_byte
+            fresh = (new_bytes * self.elementwise_new_fresh_share + mapped_bytes) * self.elementwise_new_s_per_byte
             total += calls * self.elementwise_s_per_call + nbytes * per_byte + fresh
         return total
 

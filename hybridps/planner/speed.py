@@ -237,7 +237,7 @@ class StepWork:
     node_collectives: int = 0
     #: (op, precision, calls, bytes, new bytes) a micro-batch's forward and backward runs
     #: outside its matmuls beyond the GPT of its shape (``op_tally.beyond_gpt``; () for a GPT)
-    beyond_gpt: tuple[tuple[str, str, int, int, int], ...] = ()
+    beyond_gpt: tuple[tuple[str, str, int, int, int, int], ...] = ()
     #: a model of no GPT shape: its micro-batch's work counted on meta ([Note: a model's own
     #: shape] in counted_work.py), whose FLOPs stand in for the formulas
     counted: CountedShape | None = None
