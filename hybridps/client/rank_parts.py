@@ -73,6 +73,7 @@ from hybridps.client.sharding.watchdog import RankRecord
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import ConfigError
+from hybridps.common.host_allocator import hold_freed_memory
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 
@@ -150,6 +151,9 @@ def build_rank(
     scratch = _scratch_file(config, inventory, rank)
     if compute.is_gpu and not compute.simulated and config.expandable_segments:
         logger.info("CUDA allocator: %s", use_expandable_segments())
+    if config.hold_host_memory is True or (config.hold_host_memory == "auto" and compute.simulated and not compute.meta):
+        # [Note: a simulated GPU holds its memory] in common/host_allocator.py
+        logger.info("host allocator: %s", "holds freed memory" if hold_freed_memory() else "not glibc: left as it is")
     if connection is None:
         info = ClientInfo(
             rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(inventory.names)

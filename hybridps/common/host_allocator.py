@@ -1,8 +1,10 @@
-"""The host's C allocator as a training step meets it: which new tensors it maps afresh.
+"""The host's C allocator as a training step meets it: which new tensors it maps afresh, and
+holding what it frees where the CPU stands for a GPU.
 
 Owns the size above which glibc's ``malloc`` maps every allocation afresh
-(``MAPPED_AFRESH_BYTES``), the one fact about the C library that the speed model prices
-([Note: memory mapped afresh]).
+(``MAPPED_AFRESH_BYTES``, which the speed model prices: [Note: memory mapped afresh]) and telling
+glibc to keep what the process frees (``hold_freed_memory``, ``Config.hold_host_memory``:
+[Note: a simulated GPU holds its memory]).
 
 Does not own timing what a fresh page costs (planner/calibrate_elementwise.py) or counting a
 model's new tensors (planner/op_tally.py).
@@ -25,3 +27,63 @@ from __future__ import annotations
 #: bytes from which glibc maps a ``malloc`` afresh whatever its state: its largest dynamic mmap
 #: threshold on a 64-bit machine (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x ``sizeof(long)``)
 MAPPED_AFRESH_BYTES = 32 << 20
+
+
+# [Note: a simulated GPU holds its memory]
+# A simulated GPU computes on the CPU, its tensors from ``malloc``. A real GPU's caching
+# allocator keeps what a step frees and hands it to the next step; glibc gives the top of its
+# heap back to the OS once more than its trim threshold lies free there (and maps anything from
+# its mmap threshold up afresh), so the next step faults those pages in again and the kernel
+# zeroes them. On the 2-vCPU VM plain PyTorch's step of a 4 x 256 Llama with rank-16 adapters in
+# bf16 faulted in 32 MB (an fp32 4 x 256 Llama 9 MB) of memory it had just freed: 130 ms a step,
+# 111-116 ms with the thresholds below and no fault; and how much a step faults moves with the
+# heap's history (a fresh process's first steps 2-12% of their new tensors' bytes, later ones
+# 0-1.5%), which no plan can know. So a client whose compute device is a simulated GPU sets glibc's trim threshold past
+# any heap a CPU step grows and its mmap threshold to the largest it would reach on its own
+# (``MAPPED_AFRESH_BYTES``), once for the process: a GPU-like steady step, every byte held from
+# its first step, and ``hybridps calibrate`` times a simulated GPU's rates under the same
+# settings. Setting them turns off glibc's own rule for moving the mmap threshold, so they cannot
+# be undone, only left in place; ``malloc_trim`` still gives back what lies free. Not on the
+# CPU compute of a machine with no GPU (``Config.hold_host_memory`` "auto"): that is plain
+# PyTorch's own step, compared with it and with its peers in separate processes. jemalloc,
+# tcmalloc or another C library: nothing to set, ``hold_freed_memory`` says so.
+
+#: glibc's ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: the trim threshold set: no CPU step's free top of the heap reaches it (``mallopt`` takes an int)
+HELD_TRIM_BYTES = (1 << 31) - 1
+
+_held: bool | None = None  # None: not asked yet
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
+
+
+def hold_freed_memory() -> bool:
+    """Tell glibc to keep what the process frees ([Note: a simulated GPU holds its memory]), once
+    for the process; whether it holds (False: not glibc, or ``mallopt`` refused)."""
+    global _held
+    if _held is None:
+        libc = _glibc()
+        _held = bool(
+            libc is not None
+            and libc.mallopt(_M_TRIM_THRESHOLD, HELD_TRIM_BYTES) == 1
+            and libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_AFRESH_BYTES) == 1
+        )
+    return _held
+
+
+def holds_freed_memory() -> bool:
+    """Whether ``hold_freed_memory`` was asked and holds in this process."""
+    return bool(_held)

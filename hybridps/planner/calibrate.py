@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridps.common.host_allocator import hold_freed_memory
 from hybridps.planner.calibrate_attention import attention_step, attention_table, dense_tflops
 from hybridps.planner.calibrate_attention import sources as attention_sources
 from hybridps.planner.calibrate_collectives import measured_or_why
@@ -526,6 +527,9 @@ def calibrate(
     from hybridps.planner.rates import MachineRates
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    # a simulated GPU's rates, timed as its steps run: the host memory freed held ([Note: a
+    # simulated GPU holds its memory] in common/host_allocator.py)
+    held = device.type != "cuda" and hold_freed_memory()
     start = time.perf_counter()
     compute, sources = compute_rates(device, quick=quick)
     h2d, d2h = copy_gbps(device, mib=16 if quick else 64)
@@ -557,6 +561,8 @@ def calibrate(
             "host_s_per_unit": "the same GPT with every module a hook unit, over its extra units",
         }
     )
+    if held:
+        sources["host_allocator"] = "glibc told to hold the memory the process frees, as a simulated GPU's client does"
     if node_how:
         sources["node_gather_gbps"] = sources["node_reduce_gbps"] = sources["node_collective_s"] = node_how
     if read:
