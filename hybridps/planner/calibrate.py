@@ -146,13 +146,25 @@ def compute_tflops(
 
 
 def head_s_per_logit(
-    device, hidden: int, *, tokens: int = 1024, vocab: int = HEAD_VOCABS[0], repeats: int = 3, precision: str | None = None
+    device,
+    hidden: int,
+    *,
+    tokens: int = 1024,
+    vocab: int = HEAD_VOCABS[0],
+    repeats: int = 3,
+    precision: str | None = None,
+    fresh_s_per_byte: float = 0.0,
 ) -> float:
     """A GPT of no blocks at ``hidden``: what a language model does outside its blocks (the
     embedding's lookup and its dense grad, the final norm, the tied projection to ``vocab``
     entries, the cross-entropy in fp32), forward and backward, per logit: seconds / (tokens x
-    vocab), in ``precision`` (None: ``base_precision``)."""
+    vocab), in ``precision`` (None: ``base_precision``), less its results' memory mapped afresh
+    at ``fresh_s_per_byte`` (the speed model prices a model's apart: [Note: memory mapped
+    afresh] in common/host_allocator.py; 512 tokens of a 32768-entry vocabulary are 64 MiB of
+    fp32 logits)."""
     import torch
+
+    from hybridps.planner.op_tally import OpTally
 
     dtype = _dtype(device, precision)
     seq = min(tokens, 256)
@@ -162,7 +174,11 @@ def head_s_per_logit(
     def step():
         model(x, x)[1].backward()
 
-    return median_seconds(step, repeats, sync=device_sync(device)) / (x.numel() * vocab)
+    with OpTally() as tally:
+        step()
+    mapped = sum(counts[3] for counts in tally.counts.values())
+    seconds = median_seconds(step, repeats, sync=device_sync(device))
+    return max(seconds - mapped * fresh_s_per_byte, 0.5 * seconds) / (x.numel() * vocab)
 
 
 #: a precision whose probe block runs under this share of the base precision's rate is not
@@ -203,6 +219,7 @@ def precision_speeds(
     by_tokens: tuple[tuple[int, int, float], ...],
     head: dict[tuple[int, int], float],
     slow: dict[str, float] | None = None,
+    fresh_s_per_byte: float = 0.0,
 ) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
     """For each precision but ``base_precision``: the one-block step's speed against it at each
     (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
@@ -225,7 +242,8 @@ def precision_speeds(
             for h, n, tflops in by_tokens
         )
         heads[precision] = tuple(
-            (h, n, seconds / head_s_per_logit(device, h, tokens=n, precision=precision)) for (h, n), seconds in head.items()
+            (h, n, seconds / head_s_per_logit(device, h, tokens=n, precision=precision, fresh_s_per_byte=fresh_s_per_byte))
+            for (h, n), seconds in head.items()
         )
     return blocks, heads
 
@@ -452,15 +470,17 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
     counts = token_counts(device, tokens)
     by_tokens = tuple((h, n, compute_tflops(device, h, tokens=n, seq=min(n, BLOCK_SEQ))) for h in sizes for n in counts)
     head_tokens = GPU_HEAD_TOKENS if device.type == "cuda" else CPU_HEAD_TOKENS // (4 if quick else 1)
-    head = tuple((h, v, head_s_per_logit(device, h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
+    fresh = new_s_per_byte(device)
+    per_logit = functools.partial(head_s_per_logit, device, fresh_s_per_byte=fresh)
+    head = tuple((h, v, per_logit(h, tokens=head_tokens, vocab=v)) for h in sizes for v in HEAD_VOCABS)
     # the other precisions' heads at a second, larger count: bf16's time a logit grows with the
     # tokens on a CPU (hidden size 256: 9.5 ns at 512 tokens, 10.7 at 1024, 12 at 2048) while
     # fp32's does not
     more = head_tokens * HEAD_TOKEN_FACTOR
     head_base = {(h, head_tokens): s for h, v, s in head if v == HEAD_VOCABS[0]}
-    head_base.update({(h, more): head_s_per_logit(device, h, tokens=more) for h in sizes})
+    head_base.update({(h, more): per_logit(h, tokens=more) for h in sizes})
     slow = slow_precisions(device)
-    speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())), slow)
+    speeds, head_speeds = precision_speeds(device, by_tokens, dict(sorted(head_base.items())), slow, fresh)
     base = base_precision(device)
     attention, forward_share = attention_table(device, (base, *speeds), quick=quick, slow=slow)
     per_call = elementwise_s_per_call(device)
@@ -477,7 +497,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "attention_forward_share": forward_share,
         "elementwise_s_per_byte": elementwise,
         "elementwise_s_per_call": per_call,
-        "elementwise_new_s_per_byte": new_s_per_byte(device),
+        "elementwise_new_s_per_byte": fresh,
         "elementwise_new_fresh_share": fresh_share(device),
         "conv_tflops": conv_tflops(device),
         "narrow_tflops": narrow_table(device, (base, *speeds), slow),

@@ -288,6 +288,27 @@ def gpt_of(model: Any):
 
 
 _CACHE: dict[tuple[str, str], tuple[Row, ...]] = {}
+_GPT_COUNTS: dict[tuple[str, str], Tally] = {}
+
+
+def _gpt_count(gpt: Any, precision: str) -> Tally:
+    key = (json.dumps(dataclasses.asdict(gpt), sort_keys=True), precision)
+    if key not in _GPT_COUNTS:
+        _GPT_COUNTS[key] = _at_layers(gpt, precision)
+    return _GPT_COUNTS[key]
+
+
+def mapped_bytes(model: Any, precision: str) -> int:
+    """The bytes of the new tensors of ``MAPPED_AFRESH_BYTES`` or more in one forward and
+    backward of the GPT of ``model``'s shape (a ``GPTShape``: itself), which the C library maps
+    afresh every step ([Note: memory mapped afresh] in common/host_allocator.py): a head's logits
+    and their loss's tensors, a large block's activations. Neither the block rates nor the head's
+    time a logit hold them (``hybridps calibrate`` takes them out of the head's); a family's own
+    beyond the GPT's are in ``beyond_gpt``."""
+    from hybridps.planner.model import GPTShape
+
+    gpt = model if isinstance(model, GPTShape) else gpt_of(model)
+    return sum(counts[3] for counts in _gpt_count(gpt, precision).values())
 
 
 def beyond_gpt(model: Any, precision: str) -> tuple[Row, ...]:
@@ -301,7 +322,7 @@ def beyond_gpt(model: Any, precision: str) -> tuple[Row, ...]:
     key = (json.dumps(model.describe(), sort_keys=True, default=str), precision)
     if key not in _CACHE:
         try:
-            family, gpt = _at_layers(model, precision), _at_layers(gpt_of(model), precision)
+            family, gpt = _at_layers(model, precision), _gpt_count(gpt_of(model), precision)
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"cannot count the {model.describe().get('family', 'model')}'s work outside its matmuls on the meta "

@@ -166,7 +166,7 @@ from typing import Any
 
 from hybridps.common.errors import ConfigError
 from hybridps.planner.counted_work import CountedShape, counted_shape, recomputed_flops
-from hybridps.planner.op_tally import beyond_gpt
+from hybridps.planner.op_tally import beyond_gpt, mapped_bytes
 from hybridps.planner.optimizers import ADAM_KERNEL_OPTIMIZERS
 from hybridps.planner.rates import MachineRates
 from hybridps.planner.simulation import Simulation
@@ -235,9 +235,14 @@ class StepWork:
     network_bytes: int = 0
     #: collectives among the node's ranks per micro-batch (each takes ``node_collective_s``)
     node_collectives: int = 0
-    #: (op, precision, calls, bytes, new bytes) a micro-batch's forward and backward runs
-    #: outside its matmuls beyond the GPT of its shape (``op_tally.beyond_gpt``; () for a GPT)
+    #: (op, precision, calls, bytes, new bytes, mapped bytes) a micro-batch's forward and
+    #: backward runs outside its matmuls beyond the GPT of its shape (``op_tally.beyond_gpt``;
+    #: () for a GPT)
     beyond_gpt: tuple[tuple[str, str, int, int, int, int], ...] = ()
+    #: bytes of a micro-batch's new tensors the C library maps afresh in the GPT of its shape
+    #: (``op_tally.mapped_bytes``; a counted model's are in its ``beyond_block``): each a
+    #: step's fresh memory ([Note: memory mapped afresh] in common/host_allocator.py)
+    mapped_bytes: int = 0
     #: a model of no GPT shape: its micro-batch's work counted on meta ([Note: a model's own
     #: shape] in counted_work.py), whose FLOPs stand in for the formulas
     counted: CountedShape | None = None
@@ -403,6 +408,7 @@ def step_work(sim: Simulation, model: Any, *, micro_batches: int = 1) -> StepWor
             tied_embeddings=bool(getattr(model, "tied_embeddings", True)),
             lookup_params=sim.lookup_params,
             beyond_gpt=beyond_gpt(model, sim.precision),
+            mapped_bytes=mapped_bytes(model, sim.precision),
         )
     else:  # no GPT shape, experts that 6 N T would count all of, or frozen weights it would count trained
         counted = counted_shape(model, sim.precision)
@@ -522,6 +528,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     beyond = rates.elementwise_seconds(work.beyond_gpt) if work.beyond_gpt else None
     if beyond is not None:
         compute = max(compute + beyond * m, compute / 2)  # less work than the GPT's, never none
+    compute += work.mapped_bytes * rates.elementwise_new_s_per_byte * m
     pageable_h2d = work.pageable_h2d_bytes if rates.pageable_h2d_gbps else 0
     pageable_d2h = work.pageable_d2h_bytes if rates.pageable_d2h_gbps else 0
     h2d = (work.h2d_bytes - pageable_h2d) * m / (rates.h2d_gbps * 1e9)
