@@ -68,6 +68,7 @@ def test_new_tensors_the_c_library_maps_afresh_count_apart_whatever_op_made_them
         torch.mm(x, w)  # the logits of a head, say
         torch.empty(big + 1)
         x.view(-1)  # a view: nothing
+        torch.ops.aten._unsafe_view(x, (-1,))  # an alias its schema does not mark: nothing
     assert tally.counts[("mul", "fp32")] == (2, 4 * (2 * big + 2 * N), 4 * N, 4 * big)
     assert tally.counts[("add", "fp32")][2:] == (0, 0)
     assert tally.counts[("mm", "fp32")] == (0, 0, 0, 4 * big)

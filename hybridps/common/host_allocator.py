@@ -32,24 +32,30 @@ MAPPED_AFRESH_BYTES = 32 << 20
 # [Note: a simulated GPU holds its memory]
 # A simulated GPU computes on the CPU, its tensors from ``malloc``. A real GPU's caching
 # allocator keeps what a step frees and hands it to the next step; glibc gives the top of its
-# heap back to the OS once more than its trim threshold lies free there (and maps anything from
-# its mmap threshold up afresh), so the next step faults those pages in again and the kernel
+# heap back to the OS once more than its trim threshold lies free there, and maps anything from
+# its mmap threshold up afresh, so the next step faults those pages in again and the kernel
 # zeroes them. On the 2-vCPU VM plain PyTorch's step of a 4 x 256 Llama with rank-16 adapters in
 # bf16 faulted in 32 MB (an fp32 4 x 256 Llama 9 MB) of memory it had just freed: 130 ms a step,
-# 111-116 ms with the thresholds below and no fault; and how much a step faults moves with the
-# heap's history (a fresh process's first steps 2-12% of their new tensors' bytes, later ones
-# 0-1.5%), which no plan can know. So a client whose compute device is a simulated GPU sets glibc's trim threshold past
-# any heap a CPU step grows and its mmap threshold to the largest it would reach on its own
-# (``MAPPED_AFRESH_BYTES``), once for the process: a GPU-like steady step, every byte held from
-# its first step, and ``hybridps calibrate`` times a simulated GPU's rates under the same
-# settings. Setting them turns off glibc's own rule for moving the mmap threshold, so they cannot
-# be undone, only left in place; ``malloc_trim`` still gives back what lies free. Not on the
-# CPU compute of a machine with no GPU (``Config.hold_host_memory`` "auto"): that is plain
-# PyTorch's own step, compared with it and with its peers in separate processes. jemalloc,
-# tcmalloc or another C library: nothing to set, ``hold_freed_memory`` says so.
+# 111-116 ms with none. How much a step faults moves with the heap's history: a fresh process's
+# first steps 2-12% of their new tensors' bytes, later ones 0-1.5%; a 32 MiB tensor (the logits
+# of 1024 tokens of an 8192-entry vocabulary) is mapped afresh each step in a process that trained
+# nothing larger before, and served from the heap's free space in one that did (a bench's
+# Llama step 0.16 s there, 0.22 s in a process of its own). No plan can know that history.
+# So a client whose compute device is a simulated GPU tells glibc, once for the process, to map
+# nothing apart (``M_MMAP_MAX`` 0: every request from the heap, whose free space serves the
+# next step's as a caching allocator's would) and to give back nothing short of 2 GiB free at
+# its top: after its first steps a steady step faults nothing in, and ``hybridps calibrate``
+# times a simulated GPU's rates under the same settings (its fresh-memory cost then reads about
+# nothing). Setting them turns off glibc's own rule for moving the mmap threshold, so they
+# cannot be undone, only left in place; ``malloc_trim`` still gives back what lies free. A
+# request the main heap cannot grow to (another mapping above it) still gets memory: glibc maps
+# it as more heap. Not on the CPU compute of a machine with no GPU (``Config.hold_host_memory``
+# "auto"): that is plain PyTorch's own step, compared with it and with its peers in separate
+# processes. jemalloc, tcmalloc or another C library: nothing to set, ``hold_freed_memory`` says
+# so.
 
 #: glibc's ``mallopt`` parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 #: the trim threshold set: no CPU step's free top of the heap reaches it (``mallopt`` takes an int)
 HELD_TRIM_BYTES = (1 << 31) - 1
 
@@ -77,9 +83,7 @@ def hold_freed_memory() -> bool:
     if _held is None:
         libc = _glibc()
         _held = bool(
-            libc is not None
-            and libc.mallopt(_M_TRIM_THRESHOLD, HELD_TRIM_BYTES) == 1
-            and libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_AFRESH_BYTES) == 1
+            libc is not None and libc.mallopt(_M_TRIM_THRESHOLD, HELD_TRIM_BYTES) == 1 and libc.mallopt(_M_MMAP_MAX, 0) == 1
         )
     return _held
 

@@ -54,10 +54,10 @@ from hybridps.common.host_allocator import MAPPED_AFRESH_BYTES
 from hybridps.planner.timing import precision_dtype
 from hybridps.planner.validation import divisor_near
 
+#: ops that alias their input though their schemas do not say so: no new memory
+_UNMARKED_ALIASES = frozenset({"_unsafe_view", "lift_fresh", "detach"})
 #: ops that allocate or alias without reading or writing the bytes they return
-_NO_WORK = frozenset(
-    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh", "detach"}
-)
+_NO_WORK = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}) | _UNMARKED_ALIASES
 #: the precision each floating dtype counts in; any other dtype's bytes count in fp32's rates
 _DTYPE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -133,7 +133,8 @@ class OpTally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        new = [] if any(r.alias_info is not None for r in func._schema.returns) else outs  # not in place, no view
+        aliases = func.overloadpacket.__name__ in _UNMARKED_ALIASES or any(r.alias_info is not None for r in func._schema.returns)
+        new = [] if aliases else outs  # not in place, no view
         mapped = sum(n for n in map(_nbytes, new) if n >= MAPPED_AFRESH_BYTES)
         if _flop_count(func) is not None:
             self._count_matmul(func, args, kwargs or {}, out)
