@@ -17,7 +17,10 @@ time. The threshold starts at 128 KiB and rises to the size of the largest mappe
 up to ``DEFAULT_MMAP_THRESHOLD_MAX``: 32 MiB on a 64-bit machine. Below it, whether a step's new
 tensors fault depends on what the heap gave back to the OS between steps (the share
 ``hybridps calibrate`` measures, [Note: a step's fresh memory] in calibrate_elementwise.py);
-from it up, always. On the 2-vCPU VM a LoRA Llama of vocabulary 32000 in fp32 took its logits
+from it up, whenever the heap's free space cannot serve them (in a process that trains one
+model, each step; in one that ran a larger model before, not). A process that holds its memory
+([Note: a simulated GPU holds its memory]) maps nothing apart: there the calibration's
+fresh-memory cost reads about nothing, and these bytes' price with it. On the 2-vCPU VM a LoRA Llama of vocabulary 32000 in fp32 took its logits
 (1024 x 32000 x 4 B = 131 MB), their log-softmax and its grad afresh each step: about 0.35 ns a
 byte, 0.15 s of a 0.78 s step, which a share measured on small tensors (0.0-1.5%) did not see.
 """
