@@ -37,6 +37,7 @@ from hybridps.client.rank_parts import RankParts, build_optimizer, build_rank
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, DeviceSpec
 from hybridps.common.errors import StateError
+from hybridps.common.host_allocator import hold_freed_memory
 from hybridps.common.units import format_bytes
 from hybridps.manager.embedded import ManagerConnection
 
@@ -302,7 +303,11 @@ class Client:
         not training); returns them with the pending grads' count added where it is kept."""
         if self.groups is not None:
             self.groups.begin_forward()
-        return None if saved is None else self.grads.saved_tensors(saved)
+        if saved is None:
+            return None
+        if self.parts.holds_host_memory:  # from the first step: what building and loading freed goes back
+            hold_freed_memory()
+        return self.grads.saved_tensors(saved)
 
     def end_forward(self) -> None:
         """The forward of an iteration returned (drops gathered groups it no longer needs)."""

@@ -73,7 +73,6 @@ from hybridps.client.sharding.watchdog import RankRecord
 from hybridps.common.config import Config
 from hybridps.common.devices import DeviceInventory, parse_link, use_expandable_segments
 from hybridps.common.errors import ConfigError
-from hybridps.common.host_allocator import hold_freed_memory
 from hybridps.common.protocol import ClientInfo
 from hybridps.manager.embedded import EmbeddedManager, ManagerConnection
 
@@ -125,6 +124,9 @@ class RankParts:
     managed: ManagedTensors
     #: param values: accessed for compute, read, written and given back (values.py)
     values: Values
+    #: whether the first training forward tells glibc to hold the host memory the process frees
+    #: (Config.hold_host_memory; [Note: a simulated GPU holds its memory] in common/host_allocator.py)
+    holds_host_memory: bool = False
 
 
 def build_rank(
@@ -151,9 +153,6 @@ def build_rank(
     scratch = _scratch_file(config, inventory, rank)
     if compute.is_gpu and not compute.simulated and config.expandable_segments:
         logger.info("CUDA allocator: %s", use_expandable_segments())
-    if config.hold_host_memory is True or (config.hold_host_memory == "auto" and compute.simulated and not compute.meta):
-        # [Note: a simulated GPU holds its memory] in common/host_allocator.py
-        logger.info("host allocator: %s", "holds freed memory" if hold_freed_memory() else "not glibc: left as it is")
     if connection is None:
         info = ClientInfo(
             rank=rank, local_rank=local_rank, pid=os.getpid(), host=socket.gethostname(), devices=tuple(inventory.names)
@@ -169,7 +168,9 @@ def build_rank(
     groups = _groups(store, mover, layout, placement=placement, trace=trace, process_group=process_group)
     guard = ParamGuard(facade, RunningForward(), placeholders(compute.torch_device))
     grads = Grads(store, mover, groups=groups, compute=compute, world_size=world_size)
+    holds = config.hold_host_memory is True or (config.hold_host_memory == "auto" and compute.simulated and not compute.meta)
     return RankParts(
+        holds_host_memory=holds,
         config=config,
         shard_layout=layout,
         local_rank=local_rank,

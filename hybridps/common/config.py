@@ -401,7 +401,7 @@ class Config:
         doc=(
             "Tell the C library (glibc) to keep the host memory the process frees, as a GPU's caching allocator "
             "does, instead of giving it back to the OS and faulting it in again the next step: set once for the "
-            'process when the client starts, and not undone. `"auto"`: where the compute device is a simulated '
+            'process at the first training step (building and loading before it are as they were), and not undone. `"auto"`: where the compute device is a simulated '
             "GPU (its steps compute on the CPU; a 4 x 256 Llama with LoRA in bf16 faulted 32 MB a step back in, "
             "10% of its step); not on the CPU compute of a machine with no GPU. No effect under another C "
             "library. See [Note: a simulated GPU holds its memory] in hybridps/common/host_allocator.py."

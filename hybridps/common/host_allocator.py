@@ -20,12 +20,17 @@ tensors fault depends on what the heap gave back to the OS between steps (the sh
 from it up, whenever the heap's free space cannot serve them (in a process that trains one
 model, each step; in one that ran a larger model before, not). A process that holds its memory
 ([Note: a simulated GPU holds its memory]) maps nothing apart: there the calibration's
-fresh-memory cost reads about nothing, and these bytes' price with it. On the 2-vCPU VM a LoRA Llama of vocabulary 32000 in fp32 took its logits
-(1024 x 32000 x 4 B = 131 MB), their log-softmax and its grad afresh each step: about 0.35 ns a
-byte, 0.15 s of a 0.78 s step, which a share measured on small tensors (0.0-1.5%) did not see.
+fresh-memory cost reads about nothing, and these bytes' price with it. On the 2-vCPU VM, not
+held, a LoRA Llama of vocabulary 32000 in fp32 took its logits (1024 x 32000 x 4 B = 131 MB),
+their log-softmax and its grad afresh each step: about 0.35 ns a byte, 0.15 s of a 0.78 s step,
+which a share measured on small tensors (0.0-1.5%) did not see.
 """
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 #: bytes from which glibc maps a ``malloc`` afresh whatever its state: its largest dynamic mmap
 #: threshold on a 64-bit machine (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x ``sizeof(long)``)
@@ -44,8 +49,9 @@ MAPPED_AFRESH_BYTES = 32 << 20
 # of 1024 tokens of an 8192-entry vocabulary) is mapped afresh each step in a process that trained
 # nothing larger before, and served from the heap's free space in one that did (a bench's
 # Llama step 0.16 s there, 0.22 s in a process of its own). No plan can know that history.
-# So a client whose compute device is a simulated GPU tells glibc, once for the process, to map
-# nothing apart (``M_MMAP_MAX`` 0: every request from the heap, whose free space serves the
+# So a client whose compute device is a simulated GPU tells glibc, once for the process and from
+# its first training step (what building the model and loading its weights freed goes back to
+# the OS before it, as the plan's host peak for them counts), to map nothing apart (``M_MMAP_MAX`` 0: every request from the heap, whose free space serves the
 # next step's as a caching allocator's would) and to give back nothing short of 2 GiB free at
 # its top: after its first steps a steady step faults nothing in, and ``hybridps calibrate``
 # times a simulated GPU's rates under the same settings (its fresh-memory cost then reads about
@@ -88,6 +94,7 @@ def hold_freed_memory() -> bool:
         _held = bool(
             libc is not None and libc.mallopt(_M_TRIM_THRESHOLD, HELD_TRIM_BYTES) == 1 and libc.mallopt(_M_MMAP_MAX, 0) == 1
         )
+        logger.info("host allocator: %s", "holds the memory the process frees" if _held else "not glibc: left as it is")
     return _held
 
 

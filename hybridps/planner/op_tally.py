@@ -114,10 +114,11 @@ class OpTally(TorchDispatchMode):
     and those it returns (an in-place op's written self once more), and of those the new
     tensors it returned (memory it takes from the allocator), by op and by the precision of its
     largest tensor; the new tensors of ``MAPPED_AFRESH_BYTES`` or more apart, of any op (a
-    matmul's logits as well: [Note: memory mapped afresh] in common/host_allocator.py). And the matmuls' FLOPs (``matmuls``, by ``torch.utils.flop_counter``'s
-    registry) by phase: in the forward (``phase`` "forward" until the caller sets "backward"),
-    by kind ("dense": an operand is one of ``params`` or a view of one; "conv": a convolution's
-    weight is; "activation": none is, as attention's), width and rows ([Note: a model's own shape] in counted_work.py)."""
+    matmul's logits as well: [Note: memory mapped afresh] in common/host_allocator.py). And the
+    matmuls' FLOPs (``matmuls``, by ``torch.utils.flop_counter``'s registry) by phase: in the
+    forward (``phase`` "forward" until the caller sets "backward"), by kind ("dense": an operand
+    is one of ``params`` or a view of one; "conv": a convolution's weight is; "activation": none
+    is, as attention's), width and rows ([Note: a model's own shape] in counted_work.py)."""
 
     def __init__(self, params: Any = ()) -> None:
         super().__init__()

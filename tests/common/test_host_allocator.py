@@ -61,27 +61,34 @@ print(json.dumps({"free": free, "held": held, "again": host_allocator.hold_freed
 
 @glibc
 @pytest.mark.slow
-def test_a_simulated_gpus_client_holds_the_host_memory_and_the_cpus_does_not():
+def test_a_simulated_gpus_client_holds_the_host_memory_from_its_first_step_and_the_cpus_does_not():
     out = _run(
         """
 import json, torch, hybridps
 from hybridps.common import host_allocator
 
-def engine(config):
+def engine(config, steps=1):
     model = torch.nn.Linear(8, 8)
     e = hybridps.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    built = host_allocator.holds_freed_memory()
+    for _ in range(steps):
+        e.backward(model(torch.ones(2, 8)).sum())
+        e.step()
+        e.zero_grad()
     e.close()
-    return host_allocator.holds_freed_memory()
+    return built, host_allocator.holds_freed_memory()
 
 seen = {
     "cpu": engine(hybridps.Config(devices={}, simulate=False)),
     "off": engine(hybridps.Config(devices={"cuda:0": 1 << 26}, hold_host_memory=False)),
+    "built": engine(hybridps.Config(devices={"cuda:0": 1 << 26}), steps=0),
     "auto": engine(hybridps.Config(devices={"cuda:0": 1 << 26})),
 }
 print(json.dumps(seen))
 """
     )
-    assert out == {"cpu": False, "off": False, "auto": True}
+    # from the first training step: building (and loading weights) frees as before
+    assert out == {"cpu": [False, False], "off": [False, False], "built": [False, False], "auto": [False, True]}
 
 
 def test_the_setting_takes_auto_or_a_bool():
