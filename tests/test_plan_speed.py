@@ -560,3 +560,23 @@ def test_new_tensors_cost_their_fresh_share_of_the_fresh_memory_rate():
     )
     share = fresh_share(torch.device("cpu"), steps=2)  # the machine's own: a share, whatever it is
     assert 0.0 <= share <= 1.0
+
+
+def test_the_heads_time_a_logit_leaves_out_its_own_memory_mapped_afresh(monkeypatch):
+    """[Note: memory mapped afresh]: the speed model prices a model's big new tensors apart, so
+    the head's timed seconds give theirs back at the fresh-memory cost (here every new tensor
+    from 64 KiB counts as mapped, and every step takes one second)."""
+    from hybridps.planner import calibrate, op_tally
+
+    monkeypatch.setattr(op_tally, "MAPPED_AFRESH_BYTES", 64 << 10)
+    monkeypatch.setattr(calibrate, "median_seconds", lambda *a, **k: 1.0)
+    cpu = torch.device("cpu")
+    logits = 64 * 1024  # tokens x vocabulary
+    whole = calibrate.head_s_per_logit(cpu, 32, tokens=64, vocab=1024)
+    assert whole == pytest.approx(1.0 / logits)
+    less = calibrate.head_s_per_logit(cpu, 32, tokens=64, vocab=1024, fresh_s_per_byte=1e-9)
+    # the fp32 logits and the loss's tensors of their size (256 KiB each) given back at 1 ns a byte
+    mapped = (1.0 - less * logits) / 1e-9
+    assert 2 * logits * 4 <= mapped <= 16 * logits * 4
+    # never below half the step: a cost timed on another tensor's pages is no more than an estimate
+    assert calibrate.head_s_per_logit(cpu, 32, tokens=64, vocab=1024, fresh_s_per_byte=1.0) == pytest.approx(0.5 / logits)

@@ -1,8 +1,8 @@
 """The host's C allocator as a training step meets it: which new tensors it maps afresh, and
 holding what it frees where the CPU stands for a GPU.
 
-Owns the size above which glibc's ``malloc`` maps every allocation afresh
-(``MAPPED_AFRESH_BYTES``, which the speed model prices: [Note: memory mapped afresh]) and telling
+Owns the size from which glibc's ``malloc`` maps an allocation afresh where its heap cannot
+serve it (``MAPPED_AFRESH_BYTES``, which the speed model prices: [Note: memory mapped afresh]) and telling
 glibc to keep what the process frees (``hold_freed_memory``, ``Config.hold_host_memory``:
 [Note: a simulated GPU holds its memory]).
 
@@ -32,8 +32,9 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-#: bytes from which glibc maps a ``malloc`` afresh whatever its state: its largest dynamic mmap
-#: threshold on a 64-bit machine (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x ``sizeof(long)``)
+#: bytes from which glibc maps a ``malloc`` afresh whenever its heap's free space cannot serve it,
+#: whatever its threshold has become: its largest dynamic mmap threshold on a 64-bit machine
+#: (``DEFAULT_MMAP_THRESHOLD_MAX``, 4 MiB x ``sizeof(long)``)
 MAPPED_AFRESH_BYTES = 32 << 20
 
 
