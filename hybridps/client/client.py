@@ -305,7 +305,9 @@ class Client:
             self.groups.begin_forward()
         if saved is None:
             return None
-        if self.parts.holds_host_memory:  # from the first step: what building and loading freed goes back
+        # from the first step: what building and loading freed goes back ([Note: a simulated GPU
+        # holds its memory] in common/host_allocator.py)
+        if self.config.hold_host_memory is True:
             hold_freed_memory()
         return self.grads.saved_tensors(saved)
 

@@ -124,9 +124,6 @@ class RankParts:
     managed: ManagedTensors
     #: param values: accessed for compute, read, written and given back (values.py)
     values: Values
-    #: whether the first training forward tells glibc to hold the host memory the process frees
-    #: (Config.hold_host_memory; [Note: a simulated GPU holds its memory] in common/host_allocator.py)
-    holds_host_memory: bool = False
 
 
 def build_rank(
@@ -149,7 +146,8 @@ def build_rank(
         config.devices, simulate=config.simulate, local_rank=local_rank, world_size=world_size, nvme_path=config.nvme_path
     )
     compute = inventory.compute_device
-    config = config.for_compute(on_gpu=compute.is_gpu, ranks=world_size)  # Config.grad_reuse "auto"
+    # Config.grad_reuse and hold_host_memory "auto"
+    config = config.for_compute(on_gpu=compute.is_gpu, ranks=world_size, simulated=compute.simulated and not compute.meta)
     scratch = _scratch_file(config, inventory, rank)
     if compute.is_gpu and not compute.simulated and config.expandable_segments:
         logger.info("CUDA allocator: %s", use_expandable_segments())
@@ -168,9 +166,7 @@ def build_rank(
     groups = _groups(store, mover, layout, placement=placement, trace=trace, process_group=process_group)
     guard = ParamGuard(facade, RunningForward(), placeholders(compute.torch_device))
     grads = Grads(store, mover, groups=groups, compute=compute, world_size=world_size)
-    holds = config.hold_host_memory is True or (config.hold_host_memory == "auto" and compute.simulated and not compute.meta)
     return RankParts(
-        holds_host_memory=holds,
         config=config,
         shard_layout=layout,
         local_rank=local_rank,

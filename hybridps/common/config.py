@@ -602,13 +602,17 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def for_compute(self, *, on_gpu: bool, ranks: int) -> Config:
+    def for_compute(self, *, on_gpu: bool, ranks: int, simulated: bool | None = None) -> Config:
         """This config with its "auto" choices that depend on where it runs made: whether the
         compute device is a GPU (real, simulated or the planner's) or the CPU, and the ranks
-        of the job (``grad_reuse``)."""
-        if self.grad_reuse != "auto":
-            return self
-        return self.replace(grad_reuse=on_gpu or self.precision != "fp32" or ranks > 1)
+        of the job (``grad_reuse``); whether it is a simulated GPU with memory behind it
+        (``hold_host_memory``; None: left as it is)."""
+        changes: dict[str, Any] = {}
+        if self.grad_reuse == "auto":
+            changes["grad_reuse"] = on_gpu or self.precision != "fp32" or ranks > 1
+        if self.hold_host_memory == "auto" and simulated is not None:
+            changes["hold_host_memory"] = simulated
+        return self.replace(**changes) if changes else self
 
     # -- files -------------------------------------------------------------------------------
 
