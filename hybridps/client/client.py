@@ -234,7 +234,7 @@ class Client:
         store, optimizer, compute = self.store, self.optimizer, self.compute
         if self.groups is not None or self.early_step is not None or optimizer is None:
             return False
-        if store.param_dtype != torch.float32 or store.compact_moments:
+        if optimizer.scaler is not None or store.compact_moments:  # fp16's overflow check reads the grad rows
             return False
         if any(part.torch_step is not None for part in optimizer.parts):
             return False
@@ -243,7 +243,8 @@ class Client:
             return False
         if not compute.is_gpu:
             return True
-        grad_bytes = sum(i.shape.numel() * 4 for i in store.params if i.kind is ChunkKind.PARAM and i.param.requires_grad)
+        elem = store.param_dtype.itemsize  # autograd makes a grad in its param's dtype
+        grad_bytes = sum(i.shape.numel() * elem for i in store.params if i.kind is ChunkKind.PARAM and i.param.requires_grad)
         # grad chunks the warm-up made on the device go at zero_grad: loose grads take their place
         grad_chunks = sum(
             c.nbytes for c in store.rows.get(ChunkKind.GRAD, ()) if c.payload is not None and c.device == compute.name

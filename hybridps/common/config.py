@@ -183,7 +183,7 @@ class Config:
             "micro-batches; set `False` to accumulate. In fp32 both layouts cost 16 B/param: with reuse, grads "
             "need no extra GPU room during backward but the step writes the params back from the master copy; "
             "without, the param chunks are the master copy and the step is a plain fused Adam. With one rank "
-            "in fp32, where every grad fits the compute device beside the activations, grads stay as autograd "
+            "in fp32 or bf16, where every grad fits the compute device beside the activations, grads stay as autograd "
             'made them until the step instead (*loose grads* in [CONCEPTS.md](CONCEPTS.md)). `"auto"`: off '
             "where one rank trains in fp32 on the CPU (no GPU room to save, so reuse would only add the write-back "
             "and, with loose grads, a master copy of 4 B/param), on otherwise (several ranks reduce their grads "

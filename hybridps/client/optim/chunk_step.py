@@ -137,9 +137,10 @@ class ChunkArithmetic:
     ) -> Callable[[], None]:
         """The step of ``infos`` over the taken ``rows``: grads into ``buffer`` (fp32) where
         given, divided by the loss scale and multiplied by ``clip_coef``; with ``backup``,
-        the chunk's values before are copied there first. ``loose``: the fp32 grads of
-        ``infos`` as autograd made them, in order (the grad row is not read; only the exact
-        Adam, without a buffer, casts or a backup: see ``takes_loose``)."""
+        the chunk's values before are copied there first. ``loose``: the grads of ``infos``
+        as autograd made them, in order (the grad row is not read; only the exact Adam,
+        without casts or a backup: see ``takes_loose``): fp32 grads are stepped as they are,
+        low-precision ones cast into ``buffer`` a param a copy, as the row would be."""
         used = rows.used
         master = rows.master.payload
         grad_payload = rows.grads.payload
@@ -158,7 +159,10 @@ class ChunkArithmetic:
             for part, of_part in by_part.values()
         ]
         pieces_of_loose: tuple = ()
-        if loose is not None:  # as a per-param plan cuts a row: param k is piece 2k + 1
+        loose_into: list[torch.Tensor] = []
+        if loose is not None and buffer is not None:  # each param's place in the fp32 buffer
+            loose_into = [buffer[i.slot.offset : i.slot.offset + i.slot.numel] for i in infos]
+        elif loose is not None:  # as a per-param plan cuts a row: param k is piece 2k + 1
             pieces: list[torch.Tensor | None] = [None] * (2 * len(loose) + 1)
             pieces[1::2] = loose
             pieces_of_loose = tuple(pieces)
@@ -173,7 +177,10 @@ class ChunkArithmetic:
         def compute() -> None:
             if capture is not None:
                 capture()
-            if loose is not None:
+            if loose is not None and buffer is not None:
+                grads = buffer
+                torch._foreach_copy_(loose_into, loose)  # to fp32, one pass; a per-param plan reads no gap
+            elif loose is not None:
                 grads = pieces_of_loose
             elif buffer is None:
                 grads = grad_payload
@@ -192,10 +199,11 @@ class ChunkArithmetic:
 
         return compute
 
-    def takes_loose(self, rows: StepRows, infos: Sequence[ParamInfo]) -> bool:
+    def takes_loose(self, rows: StepRows, infos: Sequence[ParamInfo], *, buffered: bool = False) -> bool:
         """Whether a step of ``infos`` can read their grads loose (optim/loose_grads.py): fp32
-        grads, fp32 moments, every one of them stepped by the exact Adam."""
-        if rows.grads.dtype != torch.float32 or self.store.compact_moments:
+        grads (or, ``buffered``, any the step casts into its fp32 buffer), fp32 moments, every
+        one of them stepped by the exact Adam."""
+        if (rows.grads.dtype != torch.float32 and not buffered) or self.store.compact_moments:
             return False
         if self._adam_only:
             return True
@@ -415,10 +423,12 @@ class ChunkStep:
 
     def _loose_of(self, rows: StepRows, infos: list[ParamInfo], device: str, *, taken_as_is: bool) -> list[torch.Tensor] | None:
         """The loose grads of ``infos`` where this step reads them as they are (on the compute
-        device, ``taken_as_is``: no scale, backup or casts, and the exact Adam); else None,
-        every loose one of them landed in its slot first (optim/loose_grads.py)."""
+        device, ``taken_as_is``: no scale, backup or casts, and the exact Adam; low-precision
+        grads through the step's fp32 buffer); else None, every loose one of them landed in
+        its slot first (optim/loose_grads.py)."""
         assert self.loose is not None
-        if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos):
+        buffered = rows.grads.dtype != torch.float32  # the step casts them into a buffer (``step``)
+        if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos, buffered=buffered):
             # without grad reuse the grads outlive the step (until zero_grad), as in grad chunks
             grads = self.loose.take(infos, keep=rows.grads.kind is ChunkKind.GRAD)
             if grads is not None:

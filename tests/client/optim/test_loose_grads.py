@@ -77,7 +77,7 @@ def test_a_loose_grad_leaves_its_slot_alone_reads_as_param_grad_and_counts_as_no
     "case, fraction, config",
     [
         ("no room beside the activations", 0.3, {}),
-        ("low precision", 2.0, {"precision": "bf16"}),
+        ("fp16: its overflow check reads the grad rows", 2.0, {"precision": "fp16"}),
         ("compact moments", 2.0, {"optimizer_states": "int8"}),
     ],
 )
@@ -85,6 +85,27 @@ def test_grads_land_in_their_slots_where_they_cannot_stay_loose(case, fraction, 
     engine, _ = _engine(fraction, **config)
     train_engine(engine, 3)
     assert not engine.client.grads.loose.enabled, case
+
+
+def test_bf16_grads_stay_loose_and_step_bit_equal_to_grads_landed_in_their_rows():
+    """bf16 (no loss scale): the grads stay loose, the model is one unit taking them at the end
+    of backward, and each step casts them into its fp32 buffer a param a copy, as it would the
+    row: the losses and the master rows bit-equal to the same engine with the grads landed."""
+    losses, masters = {}, {}
+    for loose in (True, False):
+        engine, _ = _engine(precision="bf16")
+        client = engine.client
+        if not loose:  # the same engine, its grads landing in their slots as they arrive
+            client._loose_grads_apply = lambda non_model_peak_bytes: False
+        losses[loose] = train_engine(engine, 6)
+        assert client.grads.loose.enabled is loose
+        assert engine.hooks.grads_at_end is loose and engine.hooks.units.whole is loose
+        store = client.store
+        masters[loose] = [c.payload.clone() for c in store.rows[store.master_kind] if c.payload is not None]
+        engine.close()
+    assert losses[True] == losses[False]
+    assert len(masters[True]) == len(masters[False]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(masters[True], masters[False], strict=True))
 
 
 def test_an_optimizer_other_than_adam_keeps_grads_in_their_slots():

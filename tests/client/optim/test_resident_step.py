@@ -63,7 +63,7 @@ def test_every_chunk_steps_at_once_where_the_model_fits_bitwise_as_plain_adamw(w
     ("fraction", "config"),
     [
         pytest.param(0.6, {}, id="chunks-move"),  # a tight GPU: the rows are not all resident
-        pytest.param(2.0, {"precision": "bf16"}, id="bf16"),  # no loose grads: a cast per chunk
+        pytest.param(2.0, {"precision": "bf16"}, id="bf16"),  # loose grads, cast into a buffer a chunk at a time
     ],
 )
 def test_the_chunk_by_chunk_loop_steps_wherever_something_differs(fraction, config):
