@@ -502,6 +502,12 @@ def test_a_precision_far_slower_than_the_base_is_timed_once_and_carried_at_that_
         return speed[precision], 0.3
 
     monkeypatch.setattr(calibrate, "compute_tflops", block)
+
+    def block_speed(device, hidden, *, tokens, seq, precision, repeats=3):
+        blocks_timed.append((hidden, tokens, precision))
+        return speed[precision] / speed[None]
+
+    monkeypatch.setattr(calibrate, "precision_speed", block_speed)
     monkeypatch.setattr(calibrate, "head_s_per_logit", lambda device, h, *, tokens, precision=None, **kw: 1e-9 / speed[precision])
     monkeypatch.setattr(calibrate_attention, "attention_rates", attention)
     cpu = torch.device("cpu")

@@ -44,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,27 @@ def compute_tflops(
     attention, timed apart at the block's shape in turns with it ([Note: a block's rate];
     [Note: attention apart] in calibrate_attention.py): the rate of the block's ``6 N T``
     FLOPs (N its own params) over the rest of its time."""
+    step, attention, flops = _block_steps(device, hidden, tokens=tokens, seq=seq, precision=precision)
+    # in turns, so that the machine's drift falls on both ([Note: attention apart])
+    rounds = interleaved_seconds((step, attention), repeats, sync=device_sync(device))
+    return dense_tflops(rounds, flops)
+
+
+def precision_speed(device, hidden: int, *, tokens: int, seq: int, precision: str, repeats: int = 3) -> float:
+    """The block of ``compute_tflops`` in ``precision`` over the same block in the base
+    precision, each less its attention, the four timed in turns and the ratio taken round by
+    round: a drift of the machine between two sizes, or while one precision is timed, falls on
+    both (two calibrations on the 2-vCPU VM minutes apart read bf16 at 2.08-3.43x fp32 and at
+    1.92-4.13x when its blocks were timed after fp32's; a 4 x 384 GPT's step ran at 3.75x)."""
+    base_step, base_attention, flops = _block_steps(device, hidden, tokens=tokens, seq=seq, precision=None)
+    step, attention, _ = _block_steps(device, hidden, tokens=tokens, seq=seq, precision=precision)
+    rounds = interleaved_seconds((base_step, base_attention, step, attention), repeats, sync=device_sync(device))
+    return statistics.median(dense_tflops([r[2:]], flops) / dense_tflops([r[:2]], flops) for r in rounds)
+
+
+def _block_steps(device, hidden: int, *, tokens: int, seq: int, precision: str | None) -> tuple[Callable, Callable, float]:
+    """A one-block step at ``hidden`` in ``precision`` (``compute_tflops``), the step of its
+    attention alone, and the block's dense FLOPs a step."""
     import torch
 
     dtype = _dtype(device, precision)
@@ -140,9 +162,7 @@ def compute_tflops(
         batch=x.shape[0],
         precision=precision or base_precision(device),
     )
-    # in turns, so that the machine's drift falls on both ([Note: attention apart])
-    rounds = interleaved_seconds((step, attention), repeats, sync=device_sync(device))
-    return dense_tflops(rounds, 6.0 * n * x.shape[0] * seq)
+    return step, attention, 6.0 * n * x.shape[0] * seq
 
 
 def head_s_per_logit(
@@ -222,7 +242,7 @@ def precision_speeds(
     fresh_s_per_byte: float = 0.0,
 ) -> tuple[dict[str, tuple[tuple[int, int, float], ...]], dict[str, tuple[tuple[int, int, float], ...]]]:
     """For each precision but ``base_precision``: the one-block step's speed against it at each
-    (hidden size, tokens) of ``by_tokens`` (the base TFLOPS there), and the head's at each
+    (hidden size, tokens) of ``by_tokens``, the two timed in turns (``precision_speed``), and the head's at each
     (hidden size, tokens) of ``head`` (its base seconds a logit there, at the first
     vocabulary) ([Note: compute by precision] in speed.py); a precision of ``slow`` at its
     probe's speed everywhere ([Note: a precision too slow to time])."""
@@ -238,8 +258,7 @@ def precision_speeds(
             heads[precision] = tuple((h, n, slow[precision]) for h, n in head)
             continue
         blocks[precision] = tuple(
-            (h, n, compute_tflops(device, h, tokens=n, seq=min(n, BLOCK_SEQ), precision=precision) / tflops)
-            for h, n, tflops in by_tokens
+            (h, n, precision_speed(device, h, tokens=n, seq=min(n, BLOCK_SEQ), precision=precision)) for h, n, _ in by_tokens
         )
         heads[precision] = tuple(
             (h, n, seconds / head_s_per_logit(device, h, tokens=n, precision=precision, fresh_s_per_byte=fresh_s_per_byte))
@@ -523,7 +542,7 @@ def compute_rates(device, *, quick: bool) -> tuple[dict[str, Any], dict[str, str
         "head_s_per_logit": f"a GPT of no blocks (embedding, norm, tied projection, fp32 cross-entropy) of "
         f"{' and '.join(map(str, HEAD_VOCABS))} entries at {head_tokens} tokens, forward and backward, {kind}, per "
         "token and entry (calibrate.head_s_per_logit)",
-        "precision_speed": f"the same one-block steps in each other precision, over the {base} ones",
+        "precision_speed": f"the same one-block steps in each other precision, over the {base} ones timed in turns with them",
         "precision_head_speed": f"the same head at {HEAD_VOCABS[0]} entries in each other precision, at {head_tokens} and "
         f"{more} tokens, over the {base} one",
     }
