@@ -444,23 +444,32 @@ def test_hook_units_beyond_the_first_add_host_time_at_the_rates_time_per_unit():
     assert predict_work(dataclasses.replace(WORK, hook_units=51), _rates()).parts["host"] == pytest.approx(one)
 
 
-@pytest.mark.parametrize("share", [None, 0.5, 0.2])
-def test_a_simulation_counts_the_hook_units_a_run_settles_on(share):
+@pytest.mark.parametrize(
+    ("share", "precision", "expected"),
+    [
+        (None, "fp32", UnitLayout.MODEL),  # it all fits, grads loose
+        (None, "fp16", UnitLayout.BLOCKS),  # it all fits, grads in their rows (the overflow check)
+        (0.5, "fp32", UnitLayout.MODULES),  # the params fit beside the activations, the optimizer rows not
+        (0.2, "fp32", UnitLayout.MODULES),
+    ],
+)
+def test_a_simulation_counts_the_hook_units_a_run_settles_on(share, precision, expected):
     """[Note: host time by hook unit]: the simulation runs every module a unit, and reports
-    the calls of the units a run with ``hook_units="auto"`` settles on: the model as one where it all fits,
-    the blocks where they fit beside the activations, every module otherwise."""
+    the calls of the units a run with ``hook_units="auto"`` settles on: the model as one where it
+    all fits and its grads stay loose, the blocks where every chunk of the iteration fits beside
+    the activations, every module otherwise ([Note: blocks as units])."""
     import hybridps
     from hybridps.planner.simulation import module_calls_counted, simulate
 
     shape = GPTShape(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=64, batch_size=2)
     gpu = 1 << 30
     if share is not None:
-        full = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="fp32")
+        full = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision=precision)
         gpu = int(full.model_data_bytes * share) + full.non_model_peak_bytes
-    sim = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision="fp32")
+    sim = simulate(shape, gpu_bytes=gpu, cpu_bytes=1 << 30, precision=precision)
     torch.manual_seed(0)
     model = shape.build()
-    config = hybridps.Config(devices={"cuda:0": gpu, "cpu": 1 << 30}, precision="fp32")
+    config = hybridps.Config(devices={"cuda:0": gpu, "cpu": 1 << 30}, precision=precision)
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), config)
     try:
         calls = collections.Counter()
@@ -471,7 +480,6 @@ def test_a_simulation_counts_the_hook_units_a_run_settles_on(share):
             engine.step()
             engine.zero_grad()
         assert sim.hook_units == sum(calls[id(m)] for m in engine.hooks.units.params)
-        expected = {None: UnitLayout.MODEL, 0.5: UnitLayout.BLOCKS, 0.2: UnitLayout.MODULES}[share]
         assert engine.hooks.units.layout is expected
     finally:
         engine.close()

@@ -345,8 +345,8 @@ def _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_byte
         devices=devices,
         simulate="meta",
         # per-module moments: where a run with the default hook_units="auto" makes blocks units,
-        # the model's chunks fit the GPU beside its activations, and per-module moments place and
-        # move the same chunks (blocks only save hook calls); the warm-up is then one iteration
+        # every chunk of its iteration fits the GPU beside its activations, and per-module moments
+        # place and move the same chunks (blocks only save hook calls); the warm-up is then one iteration
         hook_units="module",
         precision=precision,
         grad_reuse=grad_reuse,
