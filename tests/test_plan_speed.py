@@ -449,15 +449,16 @@ def test_hook_units_beyond_the_first_add_host_time_at_the_rates_time_per_unit():
     [
         (None, "fp32", UnitLayout.MODEL),  # it all fits, grads loose
         (None, "fp16", UnitLayout.BLOCKS),  # it all fits, grads in their rows (the overflow check)
-        (0.5, "fp32", UnitLayout.MODULES),  # the params fit beside the activations, the optimizer rows not
-        (0.2, "fp32", UnitLayout.MODULES),
+        (0.5, "fp32", UnitLayout.BLOCKS),  # the params and the rows that step on the GPU fit beside the activations
+        (0.2, "fp32", UnitLayout.MODULES),  # the params do not
     ],
 )
 def test_a_simulation_counts_the_hook_units_a_run_settles_on(share, precision, expected):
     """[Note: host time by hook unit]: the simulation runs every module a unit, and reports
     the calls of the units a run with ``hook_units="auto"`` settles on: the model as one where it
-    all fits and its grads stay loose, the blocks where every chunk of the iteration fits beside
-    the activations, every module otherwise ([Note: blocks as units])."""
+    all fits and its grads stay loose, the blocks where the params and the optimizer rows that
+    step on the GPU fit beside the activations, every module otherwise ([Note: blocks as units];
+    rows that do not fit: test_planner's disk-tier run)."""
     import hybridps
     from hybridps.planner.simulation import module_calls_counted, simulate
 

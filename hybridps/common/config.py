@@ -289,7 +289,7 @@ class Config:
         unit='`"auto"`, `"module"`',
         doc=(
             'What the engine\'s hooks wrap. `"auto"` (the default): once the warm-up shows the chunks of an iteration '
-            "(the params, and the optimizer rows the rank steps) fit the compute device beside its activations, each block (an element of an `nn.ModuleList` "
+            "(the params, and the optimizer rows stepping on the compute device) fit it beside its activations, each block (an element of an `nn.ModuleList` "
             "or `nn.Sequential` with submodules, such as a transformer layer) becomes one unit, its params accessed "
             "together when it starts: fewer hook calls where nothing moves; a model that does not fit keeps every "
             "module a unit. Where the whole iteration fits on one rank (grads stay loose until the step, every param "

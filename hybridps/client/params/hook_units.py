@@ -14,13 +14,14 @@ their own, all the block's params are accessed when it starts and released when 
 The chunks a block touches must then sit on the compute device together, beside whatever
 activations are live when it runs, which nobody knows before the warm-up. With
 ``Config(hook_units="auto")`` the warm-up iteration therefore runs with every module a
-unit; once its trace exists, blocks become units if the chunks of an iteration - those the
-model computes with and the optimizer rows the rank steps - fit the device beside the
-warm-up's non-model peak (``blocks_fit``) - where they stay on the device anyway and
-per-module units would only add hook calls - and the next iteration traces again with the
-new moments. A model that only fits module by module keeps every module a unit, and so does
-one whose params fit but whose optimizer rows move: a block accessed whole changes what the
-placement evicts and prefetches for them, and the planner simulates every module a unit (a
+unit; once its trace exists, blocks become units if the chunks of an iteration on the device -
+those the model computes with, and the optimizer rows of the chunks whose master lies there
+(they step there) - fit beside the warm-up's non-model peak (``blocks_fit``) - where they
+stay on the device anyway and per-module units would only add hook calls - and the next
+iteration traces again with the new moments. A model that only fits module by module keeps
+every module a unit, and so does one whose params fit but not beside the rows stepping on the
+device: a block accessed whole changes what the placement evicts for them, and the planner
+simulates every module a unit (a
 4 x 384 GPT in bf16 whose params fit a 60 MB simulated GPU beside its activations, its rows
 moving through 60 MB of host memory and a disk tier: blocks as units moved 39.5 MB each way
 to and from the disk a step, 3.4x its plan, 0.150 s a step; every module a unit, the plan's

@@ -238,15 +238,17 @@ class ModuleHooks:
             self.make_blocks_units()
 
     def _blocks_fit(self) -> bool:
-        """Whether the chunks of an iteration - those the model computes with and the optimizer
-        rows this rank steps - fit the device beside the trace's non-model peak
-        (``hook_units.blocks_fit``, [Note: blocks as units])."""
+        """Whether the chunks of an iteration on the device - those the model computes with,
+        and the optimizer rows of the chunks whose master lies there (they step there) - fit
+        beside the trace's non-model peak (``hook_units.blocks_fit``, [Note: blocks as units])."""
         store = self.client.store
         chunk_bytes = store.param_chunk_bytes(i.param for i in store.params)
         if not self.grad_reuse:
             chunk_bytes += sum(c.nbytes for c in store.rows[ChunkKind.GRAD] if c.slots)
+        device = store.compute.name
+        here = [c.index for c in store.rows[store.master_kind] if c.slots and c.payload is not None and c.device == device]
         rows = (ChunkKind.MASTER, *store.state_kinds) if store.has_master else store.state_kinds
-        chunk_bytes += sum(c.nbytes for kind in rows for c in store.rows.get(kind, ()) if c.owned and c.slots)
+        chunk_bytes += sum(store.rows[kind][i].nbytes for kind in rows if kind in store.rows for i in here)
         peak = max(self.tracer.non_model, default=0)
         margin = self.client.mover.margin_bytes
         return blocks_fit(
