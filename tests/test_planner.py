@@ -628,7 +628,7 @@ def test_a_disk_tier_makes_a_model_fit_and_its_steady_traffic_takes_bytes_over_b
 def test_a_plan_without_a_disk_reports_no_disk_figures():
     report = hybridps.plan(DISK_GPT.with_layers(2), gpus="1x3MiB", cpu="16MiB", precision="fp32", search_largest=False)
     out = report.to_dict()
-    assert report.iterations == 2
+    assert report.iterations == 3
     assert not any(k.startswith("nvme") for k in out["hybridps"]) and not any(k.startswith("nvme") for k in out["node"])
     assert list(out["node"]) == ["gpus", "gpu_bytes", "cpu_bytes", "ranks_per_node", "nodes", "world_size"]
     assert "disk" not in report.format_table() and "nvme" not in report.format_table()
@@ -810,10 +810,10 @@ def test_the_disk_flags_reach_the_plan_or_name_the_fix(argv, message, capsys):
 
 def test_a_run_with_a_disk_tier_moves_what_its_plan_simulated(tmp_path):
     """The plan simulates every module a unit; a run with ``hook_units="auto"`` makes blocks
-    units only where every chunk of an iteration fits beside the activations ([Note: blocks as
-    units]). Where the params fit but the optimizer rows do not, blocks as units moved 3.4x
-    the plan's disk bytes a step (a 4 x 384 GPT in bf16 on the VM, 0.150 s a step against
-    0.114): the steady run moves, direction by direction, what the plan did."""
+    units only where the params and the optimizer rows that step on the GPU fit beside the
+    activations ([Note: blocks as units]). Where the params fit but those rows do not, blocks
+    as units moved 3.4x the plan's disk bytes a step (a 4 x 384 GPT in bf16 on the VM, 0.150 s
+    a step against 0.114): the steady run moves into and out of each tier what the plan did."""
     shape = GPTShape(n_layer=4, d_model=384, n_head=6, vocab_size=256, seq_len=64, batch_size=8)
     caps = {"cuda:0": 60_000_000, "cpu": 60_000_000, "nvme": 200_000_000}
     report = hybridps.plan(

@@ -31,7 +31,6 @@ from hybridps.common.units import parse_bytes
 from hybridps.planner.defaults import (
     DEEPSPEED_BUFFER_FACTOR,
     DEFAULT_ITERATIONS,
-    DEFAULT_ITERATIONS_WITH_DISK,
     DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_LAYERS_WITH_DISK,
     DEFAULT_NVME_READ_GBPS,
@@ -197,8 +196,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "--iterations",
         type=_positive_int,
         default=None,
-        help=f"simulated iterations (default {DEFAULT_ITERATIONS}: warm-up + replay; {DEFAULT_ITERATIONS_WITH_DISK} with "
-        f"--nvme on one rank, whose steady disk traffic shows in the third)",
+        help=f"simulated iterations (default {DEFAULT_ITERATIONS}: the warm-up, a replay that still brings back what the "
+        f"warm-up's placement left behind, and the steady iteration whose traffic is reported)",
     )
     _add_node_arguments(p)
     _add_speed_arguments(p)

@@ -20,7 +20,6 @@ from hybridps.common.units import format_bytes, parse_bytes
 from hybridps.planner.defaults import (
     DEEPSPEED_BUFFER_FACTOR,
     DEFAULT_ITERATIONS,
-    DEFAULT_ITERATIONS_WITH_DISK,
     DEFAULT_MAX_LAYERS,
     DEFAULT_MAX_LAYERS_WITH_DISK,
     DEFAULT_MAX_PROBES,
@@ -56,7 +55,7 @@ class PlanRequest:
     #: plan a run on simulated GPUs (GPU chunks in host memory, the host arena unpinned, no
     #: real-GPU transients) instead of a real node
     simulated_gpus: bool = False
-    #: None: 2 (warm-up and replay), 3 for one rank with a disk tier (``DEFAULT_ITERATIONS_WITH_DISK``)
+    #: None: 3 (the warm-up, a replay, the steady iteration: ``DEFAULT_ITERATIONS``)
     iterations: int | None = None
     search_largest: bool = True
     #: None: 1024, 16384 with a disk tier
@@ -112,9 +111,7 @@ class PlanRequest:
             check_positive_int("chunk_size", self.chunk_size)
         disk = self.node.has_disk
         if self.iterations is None:
-            # the simulated rank of a multi-rank job has no disk (its share of it is derived)
-            simulated_disk = disk and self.node.world_size == 1
-            object.__setattr__(self, "iterations", DEFAULT_ITERATIONS_WITH_DISK if simulated_disk else DEFAULT_ITERATIONS)
+            object.__setattr__(self, "iterations", DEFAULT_ITERATIONS)
         if self.max_layers is None:
             object.__setattr__(self, "max_layers", DEFAULT_MAX_LAYERS_WITH_DISK if disk else DEFAULT_MAX_LAYERS)
         if self.search_seconds is None and disk:

@@ -37,6 +37,7 @@ from hybridps.common.errors import CapacityError, ConfigError
 from hybridps.engine import Engine
 from hybridps.planner.attention import meta_attention_as_flash
 from hybridps.planner.chunk_rows import ChunkRows, chunk_rows
+from hybridps.planner.defaults import DEFAULT_ITERATIONS
 from hybridps.planner.meta_kernels import remembered_meta_kernels
 from hybridps.planner.meta_values import stand_in_meta_values
 from hybridps.planner.model import PlannedModel, lookup_params
@@ -228,7 +229,7 @@ def simulate(
     grad_reuse: bool = True,
     margin_bytes: int = 0,
     chunk_size: int | None = None,
-    iterations: int = 2,
+    iterations: int = DEFAULT_ITERATIONS,
     nvme_bytes: int = 0,
     optimizer_states: str = "fp32",
     optimizer: str = DEFAULT_OPTIMIZER,
@@ -240,9 +241,11 @@ def simulate(
     ``optimizer_states`` says, every payload on the meta device, and report what happened.
 
     Iteration 1 is the warm-up (it records the trace); iteration 2 replays it with the tidal
-    budget and furthest-next-use eviction, as every later iteration would, so two show the
-    peaks and the bytes moved per step (with a disk tier three: the first replay still reads
-    back what the warm-up left there). Simulated GPUs: the same client and arena, unpinned.
+    budget and furthest-next-use eviction, as every later iteration would, but still brings
+    back what the warm-up's placement left where a steady iteration does not find it (params
+    written back to the host, rows moved to the GPU after it, chunks on the disk); the bytes
+    moved per step are the last iteration's, the third by default (``DEFAULT_ITERATIONS``).
+    Simulated GPUs: the same client and arena, unpinned.
     """
     start = time.perf_counter()
     config = _config(gpu_bytes, cpu_bytes, nvme_bytes, precision, grad_reuse, margin_bytes, chunk_size, optimizer_states)
