@@ -131,8 +131,9 @@ def precision_speed(device, hidden: int, *, tokens: int, seq: int, precision: st
     """The block of ``compute_tflops`` in ``precision`` over the same block in the base
     precision, each less its attention, the four timed in turns and the ratio taken round by
     round: a drift of the machine between two sizes, or while one precision is timed, falls on
-    both (two calibrations on the 2-vCPU VM minutes apart read bf16 at 2.08-3.43x fp32 and at
-    1.92-4.13x when its blocks were timed after fp32's; a 4 x 384 GPT's step ran at 3.75x)."""
+    both (timed after the whole fp32 sweep, two calibrations on the 2-vCPU VM minutes apart read
+    bf16 at 2.08-3.43x fp32 and at 1.92-4.13x; in turns 1.90-4.07x and 1.94-4.07x; a 4 x 384
+    GPT's step outside attention and Adam ran at 3.75x)."""
     base_step, base_attention, flops = _block_steps(device, hidden, tokens=tokens, seq=seq, precision=None)
     step, attention, _ = _block_steps(device, hidden, tokens=tokens, seq=seq, precision=precision)
     rounds = interleaved_seconds((base_step, base_attention, step, attention), repeats, sync=device_sync(device))

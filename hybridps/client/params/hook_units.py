@@ -21,11 +21,10 @@ stay on the device anyway and per-module units would only add hook calls - and t
 iteration traces again with the new moments. A model that only fits module by module keeps
 every module a unit, and so does one whose params fit but not beside the rows stepping on the
 device: a block accessed whole changes what the placement evicts for them, and the planner
-simulates every module a unit (a
-4 x 384 GPT in bf16 whose params fit a 60 MB simulated GPU beside its activations, its rows
-moving through 60 MB of host memory and a disk tier: blocks as units moved 39.5 MB each way
-to and from the disk a step, 3.4x its plan, 0.150 s a step; every module a unit, the plan's
-11.6 MB and 0.114 s). On the CPU (no device to fit) blocks are units from the start. With
+simulates every module a unit (a 4 x 384 GPT in bf16 whose params fit a 60 MB simulated GPU
+beside its activations, its rows moving through 60 MB of host memory and a disk tier: blocks
+as units moved 39.5 MB each way to and from the disk a step, 3.4x its plan, 0.150 s a step;
+every module a unit, the plan's 11.6 MB and 0.114 s). On the CPU (no device to fit) blocks are units from the start. With
 ``Config(compile=True)``, which needs blocks, they are units from the start whatever
 ``hook_units`` says, each while its own param chunks take at most ``BLOCK_SHARE`` of the
 device (a larger block is split into its modules and its own blocks). ``"auto"`` is the

@@ -248,7 +248,9 @@ class ModuleHooks:
         device = store.compute.name
         here = [c.index for c in store.rows[store.master_kind] if c.slots and c.payload is not None and c.device == device]
         rows = (ChunkKind.MASTER, *store.state_kinds) if store.has_master else store.state_kinds
-        chunk_bytes += sum(store.rows[kind][i].nbytes for kind in rows if kind in store.rows for i in here)
+        chunk_bytes += sum(
+            store.rows[kind][i].nbytes for kind in rows if kind in store.rows for i in here if store.rows[kind][i].slots
+        )
         peak = max(self.tracer.non_model, default=0)
         margin = self.client.mover.margin_bytes
         return blocks_fit(
