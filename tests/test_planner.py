@@ -827,14 +827,7 @@ def test_a_run_with_a_disk_tier_moves_what_its_plan_simulated(tmp_path):
     config = hybridps.Config(devices=caps, precision="bf16", nvme_path=str(tmp_path))
     engine = hybridps.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), config)
     try:
-        moved = []
-        for _ in range(5):
-            before = dict(engine.memory_stats()["moved_bytes"])
-            engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
-            engine.step()
-            engine.zero_grad()
-            after = engine.memory_stats()["moved_bytes"]
-            moved.append({k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)})
+        moved = _moved_by_step(engine, shape, 5)
         assert engine.hooks.units.blocks == []  # the optimizer rows do not fit beside the params
         assert moved[-1] == moved[-2]
 
@@ -869,15 +862,20 @@ def test_a_plans_bytes_moved_a_step_are_a_runs_steady_steps(share):
         model, torch.optim.AdamW(model.parameters(), fused=True), hybridps.Config(devices={"cuda:0": gpu, "cpu": 1 << 30})
     )
     try:
-        moved = []
-        for _ in range(5):
-            before = dict(engine.memory_stats()["moved_bytes"])
-            engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
-            engine.step()
-            engine.zero_grad()
-            moved.append(
-                {k: v - before.get(k, 0) for k, v in engine.memory_stats()["moved_bytes"].items() if v - before.get(k, 0)}
-            )
+        moved = _moved_by_step(engine, shape, 5)
         assert moved[-1] == moved[-2] == planned
     finally:
         engine.close()
+
+
+def _moved_by_step(engine, shape: GPTShape, steps: int) -> list[dict[str, int]]:
+    """The bytes each of ``steps`` training steps of ``engine`` moved, by direction."""
+    moved = []
+    for _ in range(steps):
+        before = dict(engine.memory_stats()["moved_bytes"])
+        engine.backward(shape.loss(engine(*shape.inputs(torch.device("cpu")))))
+        engine.step()
+        engine.zero_grad()
+        after = engine.memory_stats()["moved_bytes"]
+        moved.append({k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)})
+    return moved
