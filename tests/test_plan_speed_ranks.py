@@ -180,3 +180,9 @@ def test_ranks_that_cannot_run_leave_the_calibration_without_collectives_and_say
     assert measured is None and "RuntimeError" in why and "store refused" in why
     monkeypatch.setattr(calibrate_collectives, "node_collective_gbps", lambda *a, **k: None)
     assert calibrate_collectives.measured_or_why("cuda") == (None, "not measured: one GPU on this host")
+
+
+def test_a_plan_that_does_not_fit_says_why_it_predicts_no_speed():
+    report = _plan("1x256KiB")  # not even the activations of one module
+    assert not report.fits and report.speed is None
+    assert "no steady step to time" in report.speed_note and "Error" in report.speed_note, report.speed_note

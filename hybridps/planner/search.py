@@ -452,8 +452,8 @@ class Planner(LargestModelSearch):
         req, node = self.request, self.node
         if req.rates is None:
             return None, "no rates: run `hybridps calibrate`, or give --rates h100, h200 or a file"
-        if not ev.sim.completed:
-            return None, "the simulation did not finish: no steady step to time"
+        if not ev.sim.completed:  # why, in the words of what stopped it (it does not fit)
+            return None, f"the simulation did not finish ({ev.sim.failure or 'it failed'}): no steady step to time"
         disk = (node.nvme_read_gbps, node.nvme_write_gbps) if node.has_disk else None
         if ev.share is None:
             try:
