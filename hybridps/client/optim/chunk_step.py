@@ -427,8 +427,8 @@ class ChunkStep:
         grads through the step's fp32 buffer); else None, every loose one of them landed in
         its slot first (optim/loose_grads.py)."""
         assert self.loose is not None
-        buffered = rows.grads.dtype != torch.float32  # the step casts them into a buffer (``step``)
-        if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos, buffered=buffered):
+        # ``step`` casts grads of any other dtype than fp32 into a buffer of its own
+        if taken_as_is and device == self.store.compute.name and self.arithmetic.takes_loose(rows, infos, buffered=True):
             # without grad reuse the grads outlive the step (until zero_grad), as in grad chunks
             grads = self.loose.take(infos, keep=rows.grads.kind is ChunkKind.GRAD)
             if grads is not None:
