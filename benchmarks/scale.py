@@ -54,7 +54,7 @@ class CountingConnection:
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
-        if not callable(attr) or name.startswith("_") or name in ("close", "client_id"):
+        if not callable(attr) or name.startswith("_") or name in ("close", "client_id", "settle"):
             return attr
 
         def counted(*args, **kwargs):

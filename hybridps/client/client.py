@@ -91,6 +91,8 @@ class Client:
         """``host_registrar`` page-locks the host arena's segments; default: CUDA's when a
         real GPU computes, nothing otherwise (a recorder in tests stands for a real GPU)."""
         self._closed = False
+        #: whether the last forward was a training one (its releases stay held back: held_back.py)
+        self._training_forward = False
         #: the rank's parts, built once and in order (rank_parts.py)
         self.parts: RankParts = build_rank(
             self,
@@ -264,9 +266,13 @@ class Client:
         """A backward of the engine is running (for error messages)."""
         return self.grads.in_backward
 
-    def backward_running(self) -> contextlib.AbstractContextManager:
-        """The engine's backward runs inside this block."""
-        return self.grads.backward_running()
+    @contextlib.contextmanager
+    def backward_running(self) -> Iterator[None]:
+        """The engine's backward runs inside this block (its bookings held back from the start:
+        held_back.py)."""
+        self.mover.host.settle_bookings(hold_releases=True, phase="backward")
+        with self.grads.backward_running():
+            yield
 
     def holds_grads(self) -> bool:
         """Whether any param holds a grad, or one waits beside its slot."""
@@ -304,8 +310,10 @@ class Client:
         not training); returns them with the pending grads' count added where it is kept."""
         if self.groups is not None:
             self.groups.begin_forward()
+        self._training_forward = saved is not None
         if saved is None:
             return None
+        self.mover.host.settle_bookings(hold_releases=True, phase="forward")  # [Note: releases held back] in held_back.py
         # from the first step: what building and loading freed goes back ([Note: a simulated GPU
         # holds its memory] in common/host_allocator.py)
         if self.config.hold_host_memory is True:
@@ -313,9 +321,12 @@ class Client:
         return self.grads.saved_tensors(saved)
 
     def end_forward(self) -> None:
-        """The forward of an iteration returned (drops gathered groups it no longer needs)."""
+        """The forward of an iteration returned (drops gathered groups it no longer needs); the
+        node manager books what this client holds again, and a training forward's releases
+        are held back on through the backward (client/held_back.py)."""
         if self.groups is not None:
             self.groups.end_forward()
+        self.mover.host.settle_bookings(hold_releases=self._training_forward)
 
     def end_backward(self) -> None:
         """Backward returned: reduce what is left, step early what that made final
@@ -328,6 +339,7 @@ class Client:
             self.grads.agreed(end)
             if self.optimizer is not None:
                 self.optimizer.grads_landed(end.landed)
+        self.mover.host.settle_bookings(hold_releases=True)  # on through the step, which settles
 
     def step_ready(self) -> None:
         """Several ranks, Config.overlap_step: the owned chunks whose reduced grads the

@@ -6,12 +6,13 @@ mean, the holdings by its own count, riding out a daemon restart (see [Note: res
 closing it (see [Note: exit hook]). The mover cannot tell it from the embedded manager.
 
 Does not own the socket and one request's round trip (timeouts, bounded retries on a fresh
-socket: request_line.py), the thread that keeps the lease (lease_heartbeat.py), the wire
-format (common/protocol.py) or framing (common/transport.py).
+socket: request_line.py), the thread that keeps the lease (lease_heartbeat.py), which releases
+it holds back while a phase of training runs (held_back.py), the wire format (common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
 The stub keeps its own holdings per device: what its successful updates booked minus what
-they released. When a reply says the daemon no longer knows this client
+they released (also the releases it holds back, held_back.py, which the daemon still books
+until told). When a reply says the daemon no longer knows this client
 (``unknown_client``: the daemon restarted, or the lease expired while this process was
 stopped) or comes from a new daemon instance, the stub registers again under the same
 client id with its holdings in the register request, which the daemon books all or nothing,
@@ -46,6 +47,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
+from hybridps.client.held_back import HeldBackReleases
 from hybridps.client.lease_heartbeat import LeaseHeartbeat
 from hybridps.client.request_line import RequestLine
 from hybridps.common import protocol as p
@@ -160,9 +162,14 @@ class RemoteConnection(BookingVerbs):
         self.lease_s = 0.0
         #: How often the daemon was found restarted (or this client dropped) and recovered from.
         self.recoveries = 0
+        #: Requests sent to the daemon (each a round trip; retries on a fresh socket not counted).
+        self.requests_sent = 0
         self._token = token
         self._holdings: dict[str, int] = {}
-        self._lock = threading.Lock()  # serializes the line and the holdings
+        #: releases not told yet, while a phase of training runs (held_back.py)
+        self._held_back = HeldBackReleases()
+        self._holding = False
+        self._lock = threading.Lock()  # serializes the line, the holdings and what is held back
         self._line = RequestLine(endpoint)
         self._instance_id = ""
         #: Set while the daemon refuses to book our holdings again (see [Note: restarts]).
@@ -225,16 +232,35 @@ class RemoteConnection(BookingVerbs):
         exclude: Sequence[str] = (),
     ) -> str | None:
         """Release and book bytes per device and, with ``place_bytes``, book that many on the
-        device chosen near ``refer_device`` (not in ``exclude``): one request; returns the
-        chosen device (None without a placement)."""
-        releases, bookings, exclude = _by_device(release), _by_device(book), tuple(exclude)
+        device chosen near ``refer_device`` (not in ``exclude``): one request, or none while a
+        phase holds releases back and they cover the bookings (held_back.py, [Note: releases
+        held back]); returns the chosen device (None without a placement)."""
+        releases, bookings = _by_device(release), _by_device(book)
+        refer, exclude = _canonical(refer_device), tuple(_canonical(d) for d in exclude)
         with self._lock:
+            now_s = time.monotonic()
+            decision = self._held_back.decide(
+                holding=self._holding,
+                now_s=now_s,
+                held=self._holdings,
+                release=releases,
+                book=bookings,
+                place_bytes=place_bytes,
+                refer_device=refer,
+                exclude=exclude,
+            )
+            if decision.local:
+                self._held_back.settle_locally(releases, bookings, place_bytes, decision.chosen, now_s)
+                self._count(releases, bookings, place_bytes, decision.chosen)
+                return decision.chosen
+            sent = decision.sent_devices
             reply = self._request_locked(
                 lambda i: p.Update(
                     request_id=i,
                     token=self._token,
                     client_id=self.client_id,
-                    release=releases,
+                    # built on each try: a registration again voids what was held back
+                    release=self._held_back.release_of(sent, releases),
                     book=bookings,
                     place_bytes=place_bytes,
                     refer_device=refer_device,
@@ -243,18 +269,66 @@ class RemoteConnection(BookingVerbs):
             )
             _raise_for(reply)
             assert isinstance(reply, p.Scheduled)
-            for device, size in releases.items():
-                self._holdings[device] = self._holdings.get(device, 0) - size
-            for device, size in bookings.items():
-                self._holdings[device] = self._holdings.get(device, 0) + size
-            if not place_bytes:
-                return None
-            self._holdings[reply.device] = self._holdings.get(reply.device, 0) + place_bytes
-            return reply.device
+            self._held_back.sent(sent, releases, time.monotonic())
+            chosen = reply.device if place_bytes else None
+            self._count(releases, bookings, place_bytes, chosen)
+            return chosen
+
+    def settle(self, *, hold_releases: bool, phase: str | None = None) -> None:
+        """Tell the daemon every release held back, so that its ledger equals this client's
+        holdings, and hold releases back from now (``hold_releases``: a phase of training
+        begins or goes on) or not. A ``phase`` that begins books ahead, in the same request,
+        what it took the last time it ran (held_back.py, [Note: releases held back] and
+        [Note: a phase books ahead])."""
+        with self._lock:
+            try:
+                self._held_back.end_phase()
+                ahead = self._held_back.ahead(phase) if hold_releases and phase else {}
+                self._flush_locked(book_ahead=ahead)
+                if hold_releases and phase:
+                    self._held_back.begin_phase(phase, self._holdings)
+            finally:
+                self._holding = hold_releases
+
+    def _flush_locked(self, book_ahead: Mapping[str, int] | None = None) -> None:
+        """One update that releases every byte held back (and books ``book_ahead`` beyond
+        what this client holds; refused, the bytes held back are released alone)."""
+        ahead = {d: n for d, n in (book_ahead or {}).items() if n > 0}
+        if self._closed or not (self._held_back or ahead):
+            return
+        for book in (ahead, {}) if ahead else ({},):
+            if not (self._held_back or book):
+                return
+            reply = self._request_locked(
+                lambda i, book=book: p.Update(
+                    request_id=i,
+                    token=self._token,
+                    client_id=self.client_id,
+                    release=dict(self._held_back.bytes_by_device),
+                    book=book,
+                )
+            )
+            if book and not reply.ok and reply.code == "capacity":  # type: ignore[attr-defined]
+                continue  # no room to book ahead: the phase asks as it goes
+            _raise_for(reply)
+            self._held_back.clear()
+            self._held_back.booked_ahead(book, time.monotonic())
+            return
+
+    def _count(self, releases: Mapping[str, int], bookings: Mapping[str, int], place_bytes: int, chosen: str | None) -> None:
+        """This client's holdings after an update applied (by the daemon or here)."""
+        for device, size in releases.items():
+            self._holdings[device] = self._holdings.get(device, 0) - size
+        for device, size in bookings.items():
+            self._holdings[device] = self._holdings.get(device, 0) + size
+        if chosen is not None:
+            self._holdings[chosen] = self._holdings.get(chosen, 0) + place_bytes
+        self._held_back.observe(self._holdings)
 
     def schedule(self, size: int, refer_device: str, exclude: Sequence[str] = ()) -> str:
         exclude = tuple(exclude)
         with self._lock:
+            self._flush_locked()  # the daemon chooses by every device's room
             reply = self._request_locked(
                 lambda i: p.Schedule(
                     request_id=i,
@@ -271,6 +345,7 @@ class RemoteConnection(BookingVerbs):
 
     def status(self) -> dict:
         with self._lock:
+            self._flush_locked()  # the node's status as this client holds it
             reply = self._request_locked(lambda i: p.Status(request_id=i, token=self._token))
         _raise_for(reply)
         assert isinstance(reply, p.StatusReport)
@@ -315,6 +390,7 @@ class RemoteConnection(BookingVerbs):
 
     def _send_locked(self, build: Callable[[int], p.Request], retries: int | None = None) -> p.Reply:
         request = build(self._line.next_id())
+        self.requests_sent += 1
         retries = self.retries if retries is None else retries
         reply = self._roundtrip(request, self.request_timeout_s, retries)
         if reply is None:
@@ -353,6 +429,7 @@ class RemoteConnection(BookingVerbs):
         """Register again booking our holdings all or nothing; on a refusal remember it
         (self._lost) and raise it (see [Note: restarts])."""
         held = {d: s for d, s in self._holdings.items() if s}
+        self._held_back.clear()  # the registration books what this client holds, nothing more
         try:
             self._register_locked(held)
         except CapacityError as exc:
@@ -390,11 +467,15 @@ class RemoteConnection(BookingVerbs):
         return self._line.last_contact_s
 
     def beat(self, quiet_for_s: float) -> bool:
-        """Send a heartbeat unless a reply came within ``quiet_for_s`` (any request keeps
-        the lease); False once closed. Called by the heartbeat thread."""
+        """Tell the releases held back once they are old, else send a heartbeat unless a
+        reply came within ``quiet_for_s`` (any request keeps the lease); False once closed.
+        Called by the heartbeat thread."""
         with self._lock:
             if self._closed:
                 return False
+            if self._held_back.aged(time.monotonic()):
+                self._flush_locked()  # an update keeps the lease as a heartbeat does
+                return True
             if time.monotonic() - self._line.last_contact_s < quiet_for_s:
                 return True
             # No retries: the next heartbeat is the retry, and the lock is not held for long

@@ -53,6 +53,12 @@ class ManagerConnection(Protocol):
         """Release ``size`` bytes on ``device`` (``update(release={device: size})``)."""
         ...
 
+    def settle(self, *, hold_releases: bool, phase: str | None = None) -> None:
+        """Tell the manager every release held back and hold them back from now or not; a
+        ``phase`` that begins books ahead what it took the last time (a daemon's stub:
+        client/held_back.py); in-process bookings are told at once."""
+        ...
+
     def status(self) -> dict: ...
 
     def close(self) -> None: ...
@@ -106,6 +112,9 @@ class EmbeddedConnection(BookingVerbs):
                 refer_device=refer_device,
                 exclude=tuple(exclude),
             )
+
+    def settle(self, *, hold_releases: bool, phase: str | None = None) -> None:
+        """Nothing to tell: a booking here costs no round trip, so none is held back."""
 
     def status(self) -> dict:
         with self._manager._lock:

@@ -139,6 +139,14 @@ class HostBuffers:
         pool when ``pooled``, as booked from now on; an arena slot back to the arena)."""
         self._in_flight.append((event, buffer, pooled))
 
+    def settle_bookings(self, *, hold_releases: bool, phase: str | None = None) -> None:
+        """The node manager's ledger made equal to what this client holds, and releases held
+        back from now while a phase of training runs (``hold_releases``) or not; a ``phase``
+        that begins books ahead what it took the last time. The client calls this as its
+        forward, backward and step begin and end (client/held_back.py, [Note: releases held
+        back]; nothing to do with the embedded manager)."""
+        self.connection.settle(hold_releases=hold_releases, phase=phase)
+
     def side_bytes(self) -> int:
         """Host bytes this client holds outside its chunks and books on the CPU: idle pooled
         buffers, old payloads that a copy in flight still reads and that join the pool when

@@ -182,9 +182,12 @@ class ChunkedAdam(torch.optim.Optimizer):
                 loss = closure()
         with self.several.as_marked():  # several optimizers: each with its settings at its step()
             try:
+                self.mover.host.settle_bookings(hold_releases=True, phase="step")  # client/held_back.py
                 return self.iteration.run(loss)
             finally:
                 self.several.clear()
+                # the iteration's last phase ends: the node manager books what this client holds
+                self.mover.host.settle_bookings(hold_releases=False)
 
     # -- grads lifetime --------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ class CountingConnection:
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
-        if name in ("status", "close", "client_id") or not callable(attr):
+        if name in ("status", "close", "client_id", "settle") or not callable(attr):
             return attr
 
         def counted(*args, **kwargs):
