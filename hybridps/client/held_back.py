@@ -50,8 +50,14 @@ device's room, and books ahead for one phase at most.
 The rule for a placement mirrors the daemon's (manager/policy.py): the referred device if it
 has room, else the CPU. The first of the two not excluded is chosen here only where the bytes
 held back there cover it, which the daemon's room there includes; otherwise the daemon
-chooses. A daemon restart voids the bytes held back: the client registers again with what it
-holds (remote.py, [Note: restarts]).
+chooses.
+
+A daemon that restarted, or dropped the client whose process was stopped past its lease, no
+longer books the bytes held back. A process stopped that long finds them older than it may
+hold them (``HOLD_S``, at most half a lease: 10 s by default), so its next update is sent,
+and it registers again with what it holds (remote.py, [Note: restarts]). After a restart, bookings settled here in
+the second before the next request are in what the client holds, and are re-reported with
+it, all or nothing, as a client's bookings always are.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 #: seconds a release may wait for a request to carry it; an older one goes with the next
+#: (at most half the daemon's lease: the client stub lowers it at registration)
 HOLD_S = 1.0
 
 

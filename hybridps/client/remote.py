@@ -47,7 +47,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
-from hybridps.client.held_back import HeldBackReleases
+from hybridps.client.held_back import HOLD_S, HeldBackReleases
 from hybridps.client.lease_heartbeat import LeaseHeartbeat
 from hybridps.client.request_line import RequestLine
 from hybridps.common import protocol as p
@@ -455,6 +455,8 @@ class RemoteConnection(BookingVerbs):
         assert isinstance(reply, p.Registered)
         self._instance_id = reply.instance_id
         self.lease_s = reply.lease_s
+        # a process stopped past its lease finds every byte held back aged (held_back.py)
+        self._held_back.hold_s = min(HOLD_S, reply.lease_s / 2)
 
     def _roundtrip(self, request: p.Request, timeout_s: float, retries: int) -> p.Reply | None:
         """``request`` on the line: None if every try timed out (request_line.py)."""

@@ -174,7 +174,9 @@ def test_a_client_whose_lease_expired_while_holding_back_re_reports_what_it_hold
         conn.update(release={"cpu": 2 * MIB})  # held back
         conn._heartbeat.stop(join_s=5)  # as if this process had been stopped
         wait_for(lambda: usage_of(daemon.endpoint, conn.client_id) is None, 5 * LEASE_S, what="the lease expiring")
-        conn.update(release={"cuda:0": MIB}, book={"cpu": MIB})  # CPU uncovered: sent, after registering again
+        # covered by the CPU's bytes held back, but they are older than half a lease: sent, and
+        # the client registers again instead of booking on room the daemon reclaimed
+        conn.update(release={"cuda:0": MIB}, book={"cpu": MIB})
         assert conn.recoveries == 1
         assert conn.holdings == {"cpu": 2 * MIB}
         conn.settle(hold_releases=False)

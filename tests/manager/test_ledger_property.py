@@ -10,7 +10,9 @@ in about a second. After every step:
 
 - each device's booked bytes are the sum of its clients' and never above its capacity;
 - a client the service knows is booked exactly what the client holds, and what the test's
-  own model says it holds (the result of every call that did not raise);
+  own model says it holds (the result of every call that did not raise), plus, while a phase
+  of training holds releases back and books ahead (client/held_back.py), exactly the bytes
+  the client says it holds back, never less; none once the phase is settled;
 - a client the service does not know is either away (paused or restarted; it has not sent
   a request since) or was refused its holdings and says so (a CapacityError on its requests),
   never silently registered with less.
@@ -102,7 +104,11 @@ def check(node: Node, clients: dict[int, LoopbackConnection], model: dict[int, d
         assert conn.holdings == held, (k, conn.holdings, held)
         if conn.client_id in known:
             assert not refused(conn)
-            assert ledger_usage(node.service, conn.client_id) == held, (k, "ledger != client", held)
+            extra = {} if not conn._holding else conn._held_back.bytes_by_device
+            assert not extra or conn._holding, "bytes held back outside a phase"
+            assert all(n > 0 for n in extra.values()), extra
+            booked = {d: held.get(d, 0) + extra.get(d, 0) for d in {*held, *extra}}
+            assert ledger_usage(node.service, conn.client_id) == booked, (k, "ledger != client", held, extra)
         else:
             # Unknown to the service: away since its last request, or refused and saying so.
             assert k in away or refused(conn), (k, "silently unregistered")
@@ -131,8 +137,21 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
     try:
         for _ in range(steps):
             op = rng.choices(
-                ["place", "add", "move", "update", "remove", "remove0", "register", "unregister", "pause", "restart"],
-                weights=[30, 10, 20, 20, 20, 3, 4, 3, 4, 2],
+                [
+                    "place",
+                    "add",
+                    "move",
+                    "update",
+                    "remove",
+                    "remove0",
+                    "register",
+                    "unregister",
+                    "pause",
+                    "restart",
+                    "phase",
+                    "settle",
+                ],
+                weights=[30, 10, 20, 20, 20, 3, 4, 3, 4, 2, 6, 4],
             )[0]
             if op == "register" or not clients:
                 if len(clients) < 5:
@@ -142,6 +161,7 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                 continue
             k = rng.choice(list(clients))
             conn, held = clients[k], model[k]
+            sent_before = conn.requests_sent  # a phase's start or end may send nothing
             try:
                 if op == "place":
                     size = rng.randrange(1, 900)
@@ -193,6 +213,11 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                         held[got] = held.get(got, 0) + place
                 elif op == "remove0":
                     conn.update(release={rng.choice(NAMES): 0})  # a device maybe never booked (item 11a)
+                elif op == "phase":  # a phase of training begins: releases held back, its rise booked ahead
+                    conn.settle(hold_releases=True, phase=rng.choice(["forward", "backward", "step"]))
+                elif op == "settle":  # the iteration ends: the ledger exact again
+                    conn.settle(hold_releases=False)
+                    assert not conn._held_back
                 elif op == "unregister":
                     conn.close()
                     del clients[k], model[k]
@@ -213,7 +238,7 @@ def run_interleaving(seed: int, steps: int) -> dict[str, int]:
                 elif op == "restart":
                     node.restart()
                     away.update(clients)
-                if op not in ("pause", "restart", "unregister", "noop"):
+                if op not in ("pause", "restart", "unregister", "noop") and conn.requests_sent > sent_before:
                     away.discard(k)  # it made a request: it is registered again, or refused
                 outcome = op
             except CapacityError as exc:
@@ -236,6 +261,7 @@ def test_random_interleavings_keep_the_ledger_equal_to_what_every_live_client_ho
     assert counts.get("place", 0) > 50 and counts.get("move", 0) > 30 and counts.get("remove", 0) > 30
     assert counts.get("update", 0) > 30
     assert counts.get("place refused", 0) + counts.get("add refused", 0) > 0 and counts.get("update refused", 0) > 0
+    assert counts.get("phase", 0) > 10 and counts.get("settle", 0) > 10
 
 
 def test_across_seeds_a_paused_client_is_sometimes_refused_its_holdings_and_says_so():
