@@ -55,9 +55,12 @@ chooses.
 A daemon that restarted, or dropped the client whose process was stopped past its lease, no
 longer books the bytes held back. A process stopped that long finds them older than it may
 hold them (``HOLD_S``, at most half a lease: 10 s by default), so its next update is sent,
-and it registers again with what it holds (remote.py, [Note: restarts]). After a restart, bookings settled here in
-the second before the next request are in what the client holds, and are re-reported with
-it, all or nothing, as a client's bookings always are.
+and it registers again with what it holds (remote.py, [Note: restarts]). After a restart,
+bookings settled here in the second before the next request are in what the client holds,
+and are re-reported with it, all or nothing, as a client's bookings always are.
+
+Sizes that are not whole numbers of bytes of at least 0 are never settled here: the daemon
+refuses them as it always did.
 """
 
 from __future__ import annotations
@@ -78,10 +81,13 @@ class Decision:
     local: bool
     chosen: str | None = None
     sent_devices: frozenset[str] = frozenset()
+    #: sent as given, nothing held back with it (sizes the daemon refuses)
+    raw: bool = False
 
 
 class HeldBackReleases:
-    """The bytes per device a client released and has not told its daemon."""
+    """The bytes per device the daemon books for a client beyond what it holds (released and
+    not told, or booked ahead), and what each phase took the last time it ran."""
 
     def __init__(self, hold_s: float = HOLD_S):
         self.hold_s = hold_s
@@ -117,7 +123,11 @@ class HeldBackReleases:
         """Whether this update (bytes per canonical device) is settled here or sent; see
         [Note: releases held back]. ``held``: what the client holds now by its own count."""
         every = frozenset(self.bytes_by_device) | frozenset(release)
-        over_release = any(held.get(d, 0) < n for d, n in release.items())
+        sizes = (*release.values(), *book.values(), place_bytes)
+        malformed = not all(type(n) is int and n >= 0 for n in sizes)
+        over_release = not malformed and any(held.get(d, 0) < n for d, n in release.items())
+        if malformed:
+            return Decision(False, raw=True)  # for the daemon to refuse, as given
         if not holding or over_release or self.aged(now_s):
             return Decision(False, sent_devices=every)  # the daemon decides, and refuses an over-release
         room = dict(self.bytes_by_device)

@@ -6,8 +6,9 @@ mean, the holdings by its own count, riding out a daemon restart (see [Note: res
 closing it (see [Note: exit hook]). The mover cannot tell it from the embedded manager.
 
 Does not own the socket and one request's round trip (timeouts, bounded retries on a fresh
-socket: request_line.py), the thread that keeps the lease (lease_heartbeat.py), which releases
-it holds back while a phase of training runs (held_back.py), the wire format (common/protocol.py) or framing (common/transport.py).
+socket: request_line.py), the thread that keeps the lease (lease_heartbeat.py), which bytes it
+holds back or books ahead while a phase of training runs (held_back.py), the wire format
+(common/protocol.py) or framing (common/transport.py).
 
 [Note: restarts]
 The stub keeps its own holdings per device: what its successful updates booked minus what
@@ -260,7 +261,7 @@ class RemoteConnection(BookingVerbs):
                     token=self._token,
                     client_id=self.client_id,
                     # built on each try: a registration again voids what was held back
-                    release=self._held_back.release_of(sent, releases),
+                    release=releases if decision.raw else self._held_back.release_of(sent, releases),
                     book=bookings,
                     place_bytes=place_bytes,
                     refer_device=refer_device,
@@ -269,7 +270,8 @@ class RemoteConnection(BookingVerbs):
             )
             _raise_for(reply)
             assert isinstance(reply, p.Scheduled)
-            self._held_back.sent(sent, releases, time.monotonic())
+            if not decision.raw:
+                self._held_back.sent(sent, releases, time.monotonic())
             chosen = reply.device if place_bytes else None
             self._count(releases, bookings, place_bytes, chosen)
             return chosen
@@ -526,7 +528,7 @@ def _by_device(sizes: Mapping[str, int] | None) -> dict[str, int]:
     for device, size in (sizes or {}).items():
         if size:
             name = _canonical(device)
-            out[name] = out.get(name, 0) + size
+            out[name] = out[name] + size if name in out else size  # a bool stays one: the codec refuses it
     return out
 
 

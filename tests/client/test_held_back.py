@@ -10,7 +10,7 @@ import torch
 import hybridps
 from hybridps.client.held_back import HeldBackReleases
 from hybridps.client.remote import connect_remote, query_status
-from hybridps.common.errors import CapacityError, ManagerError
+from hybridps.common.errors import CapacityError, ManagerError, ProtocolError
 from hybridps.common.protocol import ClientInfo
 from hybridps.models import GPT, GPTConfig
 from hybridps.models.data import arithmetic_batch as batch
@@ -79,6 +79,8 @@ def test_the_rule_settles_here_only_what_the_bytes_held_back_cover():
     assert hb.release_of(d.sent_devices, {"cuda:0": 2 * MIB}) == {"cpu": MIB}
     hb.sent(d.sent_devices, {"cuda:0": 2 * MIB}, 0.7)
     assert hb.bytes_by_device == {"cuda:0": 2 * MIB} and hb.since_s == 0.7
+    # sizes the daemon refuses go to it as given, nothing held back with them
+    assert decide(hb, book={"cpu": -1}).raw and decide(hb, release={"cpu": 1.5}).raw and decide(hb, place=True).raw
     # a release of more than the client holds goes to the daemon, which refuses it
     assert not decide(hb, held={"cpu": 1}, release={"cpu": 2}).local
     # once the oldest waited hold_s, the next update takes them all
@@ -137,6 +139,22 @@ def test_a_phase_books_ahead_what_it_took_the_last_time_and_gives_back_what_it_d
             conn.update(book={"cuda:0": MIB})
         conn.settle(hold_releases=False)
         other.update(release={"cuda:0": 2 * MIB})
+
+
+@pytest.mark.parametrize("holding", [False, True])
+def test_bad_sizes_are_refused_alike_in_a_phase_and_out_of_one(daemon, holding):
+    with connect_remote(daemon.endpoint, info()) as conn:
+        conn.update(book={"cpu": MIB})
+        conn.settle(hold_releases=holding)
+        conn.update(release={"cpu": MIB // 2})  # bytes held back in a phase: they must not take these
+        for bad in ({"book": {"cpu": -5}}, {"release": {"cpu": -5}}, {"book": {"cpu": 1.5}}, {"book": {"cpu": True}}):
+            with pytest.raises(ProtocolError, match="negative|integer number of bytes"):
+                conn.update(**bad)
+        with pytest.raises(ProtocolError, match="negative"):
+            conn.update(place_bytes=-3, refer_device="cpu")
+        assert conn.holdings == {"cpu": MIB // 2}
+        conn.settle(hold_releases=False)
+        assert usage_of(daemon.endpoint, conn.client_id) == {"cpu": MIB // 2}
 
 
 def test_a_refused_booking_leaves_what_is_held_back_and_the_holdings_as_they_were(daemon):
