@@ -292,7 +292,7 @@ class RemoteConnection(BookingVerbs):
             finally:
                 self._holding = hold_releases
 
-    def _flush_locked(self, book_ahead: Mapping[str, int] | None = None) -> None:
+    def _flush_locked(self, book_ahead: Mapping[str, int] | None = None, retries: int | None = None) -> None:
         """One update that releases every byte held back (and books ``book_ahead`` beyond
         what this client holds; refused, the bytes held back are released alone)."""
         ahead = {d: n for d, n in (book_ahead or {}).items() if n > 0}
@@ -308,7 +308,8 @@ class RemoteConnection(BookingVerbs):
                     client_id=self.client_id,
                     release=dict(self._held_back.bytes_by_device),
                     book=book,
-                )
+                ),
+                retries=retries,
             )
             if book and not reply.ok and reply.code == "capacity":  # type: ignore[attr-defined]
                 continue  # no room to book ahead: the phase asks as it goes
@@ -478,7 +479,8 @@ class RemoteConnection(BookingVerbs):
             if self._closed:
                 return False
             if self._held_back.aged(time.monotonic()):
-                self._flush_locked()  # an update keeps the lease as a heartbeat does
+                # an update keeps the lease as a heartbeat does; no retries, as below
+                self._flush_locked(retries=0)
                 return True
             if time.monotonic() - self._line.last_contact_s < quiet_for_s:
                 return True
