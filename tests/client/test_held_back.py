@@ -157,6 +157,20 @@ def test_bad_sizes_are_refused_alike_in_a_phase_and_out_of_one(daemon, holding):
         assert usage_of(daemon.endpoint, conn.client_id) == {"cpu": MIB // 2}
 
 
+def test_the_memory_the_node_shares_is_never_booked_ahead(daemon):
+    with connect_remote(daemon.endpoint, info()) as conn:
+        for _ in range(2):
+            conn.settle(hold_releases=True, phase="step")
+            conn.update(book={"cpu": MIB, "cuda:0": MIB})
+            conn.update(release={"cpu": MIB, "cuda:0": MIB})
+            conn.settle(hold_releases=False)
+        assert conn._held_back.growth_by_phase["step"] == {"cpu": MIB, "cuda:0": MIB}
+        conn.settle(hold_releases=True, phase="step")
+        # the GPU's rise is booked ahead; the CPU's, which every rank of the node books from, is not
+        assert usage_of(daemon.endpoint, conn.client_id) == {"cuda:0": MIB}
+        conn.settle(hold_releases=False)
+
+
 def test_a_refused_booking_leaves_what_is_held_back_and_the_holdings_as_they_were(daemon):
     with connect_remote(daemon.endpoint, info()) as conn:
         conn.update(book={"cpu": 2 * MIB})
@@ -248,5 +262,6 @@ def test_a_run_through_the_daemon_is_exact_at_every_phase_end_with_fewer_round_t
     moved = _train(d.endpoint, 2)[2]
     per_step_moves = (moves - moved) / 2
     assert sum(steady) / len(steady) < 0.8 * per_step_moves, (steady, per_step_moves)
-    # each phase (forward, backward, step) books ahead at its start and gives back at its end
-    assert max(steady) <= 6 < per_step_moves, (steady, per_step_moves)
+    # each phase (forward, backward, step) books its GPU rise ahead at its start and gives back
+    # at its end; what is left are the CPU's bookings that no release held back covers
+    assert max(steady) <= per_step_moves // 4, (steady, per_step_moves)
