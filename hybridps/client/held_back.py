@@ -51,7 +51,8 @@ Only a rank's GPUs are booked ahead, not the host memory or the disk tier that e
 the node books from (``SHARED_DEVICES``): a rank holding its phase's peak for the whole phase
 would take room another rank's booking might have had in between, and near a full host that
 turns a run that fits into a CapacityError. There the phase's releases held back still cover
-its later bookings. On the ``manager_calls`` shape: 54 requests a step, 11 with the GPU booked
+its later bookings. (A GPU that several clients share, which no launcher here sets up, would
+be booked ahead as if it were one rank's.) On the ``manager_calls`` shape: 54 requests a step, 11 with the GPU booked
 ahead, 5 with the host too (two ranks of ``hybridps train`` with the daemon stepped 5-10 ms
 slower a step on the VM's two cores than with the host booked ahead).
 
