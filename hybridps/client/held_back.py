@@ -40,8 +40,8 @@ Within a phase the moves do not always release before they book: a forward first
 into the room the step freed on the GPU, a backward makes its grads' chunks there, a step
 moves grads to the CPU before it frees anything. A phase of training repeats what it did the
 iteration before, so at its start (the client names it: ``settle(phase=...)``) the stub books
-ahead, in one request, what the phase took above its start the last time it ran, device by
-device (its holdings' highest rise, ``growth_by_phase``), as bytes held back: the phase's
+ahead, in one request, what the phase took on the rank's GPU above its start the last time it
+ran (its holdings' highest rise there, ``growth_by_phase``), as bytes held back: the phase's
 bookings then take them without asking, and its end tells the daemon what is left, as every
 phase end does. A booking ahead the daemon refuses is not made (the phase asks as it goes);
 one the phase outgrows is topped up by the bookings it sends. The daemon never books beyond a
@@ -52,9 +52,10 @@ the node books from (``SHARED_DEVICES``): a rank holding its phase's peak for th
 would take room another rank's booking might have had in between, and near a full host that
 turns a run that fits into a CapacityError. There the phase's releases held back still cover
 its later bookings. (A GPU that several clients share, which no launcher here sets up, would
-be booked ahead as if it were one rank's.) On the ``manager_calls`` shape: 54 requests a step, 11 with the GPU booked
-ahead, 5 with the host too (two ranks of ``hybridps train`` with the daemon stepped 5-10 ms
-slower a step on the VM's two cores than with the host booked ahead).
+be booked ahead as if it were one rank's.) On the ``manager_calls`` shape: 54 requests a
+step, 11 with the GPU booked ahead, 5 with the host too (two ranks of ``hybridps train`` with
+the daemon stepped 5-10 ms slower a step on the VM's two cores than with the host booked
+ahead).
 
 The rule for a placement mirrors the daemon's (manager/policy.py): the referred device if it
 has room, else the CPU. The first of the two not excluded is chosen here only where the bytes
@@ -63,7 +64,8 @@ chooses.
 
 A daemon that restarted, or dropped the client whose process was stopped past its lease, no
 longer books the bytes held back. A process stopped that long finds them older than it may
-hold them (``HOLD_S``, at most half a lease: 10 s by default), so its next update is sent,
+hold them (``HOLD_S``, a second, or half the lease where that is shorter; a lease is 10 s by
+default), so its next update is sent,
 and it registers again with what it holds (remote.py, [Note: restarts]). After a restart,
 bookings settled here in the second before the next request are in what the client holds,
 and are re-reported with it, all or nothing, as a client's bookings always are.
