@@ -104,7 +104,7 @@ def check(node: Node, clients: dict[int, LoopbackConnection], model: dict[int, d
         assert conn.holdings == held, (k, conn.holdings, held)
         if conn.client_id in known:
             assert not refused(conn)
-            extra = {} if not conn._holding else conn._held_back.bytes_by_device
+            extra = conn._held_back.bytes_by_device
             assert not extra or conn._holding, "bytes held back outside a phase"
             assert all(n > 0 for n in extra.values()), extra
             booked = {d: held.get(d, 0) + extra.get(d, 0) for d in {*held, *extra}}
