@@ -61,6 +61,25 @@ def test_collectives_cost_their_bytes_at_the_node_rates_plus_a_fixed_time_each()
     assert sim.node_collective_bytes_per_step == 3 * 5 * 10**9
 
 
+def test_the_ranks_of_a_node_share_its_disk_tier():
+    work = StepWork(
+        n_params=10**6, n_layer=2, d_model=128, seq_len=64, batch_size=2,
+        disk_read_bytes=2 * 10**9, disk_write_bytes=10**9,
+    )  # fmt: skip
+    rates = _rates(disk_read_gbps=2.0, disk_write_gbps=1.0)
+    alone = predict_work(work, rates).parts["disk"]
+    assert alone == pytest.approx(2.0)
+    assert predict_work(dataclasses.replace(work, disk_sharing_ranks=2), rates).parts["disk"] == pytest.approx(2 * alone)
+    # a rank's work says how many ranks its node's disk serves: the ranks of its node, not the job's
+    from hybridps.planner.rank_speed import rank_step_work
+    from hybridps.planner.simulation import simulate
+
+    sim = simulate(SHAPE, gpu_bytes=1 << 30, cpu_bytes=1 << 30, precision="fp32")
+    for gpus, nodes, per_node in (("2x64MiB", 1, 2), ("2x64MiB", 2, 2), ("1x64MiB", 2, 1)):
+        share = _plan(gpus, nodes=nodes, rates=_rates(network_gbps=1.0)).hybridps.rank_share
+        assert rank_step_work(sim, SHAPE, share, gpu_bytes=64 << 20).disk_sharing_ranks == per_node
+
+
 def test_collectives_without_their_rates_are_refused_with_the_flag_that_gives_them():
     work = StepWork(n_params=10**6, n_layer=2, d_model=128, seq_len=64, batch_size=2, node_gather_bytes=10**6)
     with pytest.raises(ConfigError, match="--node-gbps"):

@@ -18,7 +18,10 @@ changes with the ranks:
   part of them on its CPU in the proportion of its share the GPU cannot hold
   (``share.cpu_bytes``), the rest on its GPU;
 - its host <-> GPU traffic is ``share.moved_bytes_per_step`` (the simulation's, scaled by
-  its share; none when the share lives on its GPU);
+  its share; none when the share lives on its GPU); its disk traffic the same, at the rate the
+  node's one disk tier gives each of the node's ranks moving as much at once (its rates over
+  ``ranks_per_node``: on two ranks of a 2-vCPU VM with a disk tier the plan read 0.77 of the
+  step at the disk's whole rate);
 - its grads are not loose (loose grads are for one rank): every micro-batch's grads go into
   the gathered groups' grad slots, and only its own master rows are written back;
 - its collectives, per micro-batch, for the layout's param chunks of ``P`` bytes (compute
@@ -139,6 +142,7 @@ def rank_step_work(
         gpu_step_params=owned_params - cpu_params,
         disk_read_bytes=moved.get("nvme->cpu", 0),
         disk_write_bytes=moved.get("cpu->nvme", 0),
+        disk_sharing_ranks=share.sharding.ranks_per_node,
         grads_loose=False,
         # the single rank's host memory work, in the proportion of its link bytes the share moves
         pageable_h2d_bytes=_scaled(base.pageable_h2d_bytes, h2d_bytes(moved), base.h2d_bytes),

@@ -41,7 +41,8 @@ Work per optimizer step (``micro_batches`` micro-batches of ``batch x seq_len`` 
   optimizer's step] in calibrate_optimizers.py), plus in 16-bit training the two dtype copies
   per param, plus Python per chunk; ``gpu_adam``: the rows stepped on the GPU at its rate (a
   simulated GPU's at the CPU's, the optimizer's speed included);
-- ``disk``: the disk tier's bytes read and written in the steady iteration at its rates;
+- ``disk``: the disk tier's bytes read and written in the steady iteration at its rates (which
+  the node's ranks share: each rank's bytes times the ranks of its node);
 - ``collectives``: several ranks' all-gathers and reductions, the bytes a rank sends in each
   ring at the rates' GB/s among a node's ranks and between nodes (rank_speed.py,
   [Note: a rank's step]); nothing at one rank;
@@ -215,6 +216,9 @@ class StepWork:
     gpu_step_params: int = 0
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    #: ranks of the node whose disk traffic the node's one disk tier serves beside this one's
+    #: (its own included): they read and write alike, at once ([Note: a rank's step])
+    disk_sharing_ranks: int = 1
     #: the steady step's grads stayed loose (no copy into chunks); the params keep an fp32
     #: master apart (written back after the step)
     grads_loose: bool = False
@@ -549,6 +553,7 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
         if not (read_gbps and write_gbps):
             raise ConfigError(f"rates {rates.name!r} measured no disk and none was given: no disk seconds to predict")
         disk = work.disk_read_bytes / (read_gbps * 1e9) + work.disk_write_bytes / (write_gbps * 1e9)
+        disk *= work.disk_sharing_ranks  # the node's ranks share the disk's rate
     return {
         "compute": compute,
         "host": (work.tensors * rates.host_s_per_tensor + max(0, work.hook_units - 1) * rates.host_s_per_unit) * m,
