@@ -104,6 +104,8 @@ class HeldBackReleases:
 
     def __init__(self, hold_s: float = HOLD_S):
         self.hold_s = hold_s
+        #: whether a phase of training runs: releases are held back (else each is sent at once)
+        self.holding = False
         #: bytes the daemon books for the client beyond what it holds, by device
         self.bytes_by_device: dict[str, int] = {}
         #: monotonic time of the oldest release held back; None when none is
@@ -124,7 +126,6 @@ class HeldBackReleases:
     def decide(
         self,
         *,
-        holding: bool,
         now_s: float,
         held: Mapping[str, int],
         release: Mapping[str, int],
@@ -141,7 +142,7 @@ class HeldBackReleases:
         over_release = not malformed and any(held.get(d, 0) < n for d, n in release.items())
         if malformed:
             return Decision(False, raw=True)  # for the daemon to refuse, as given
-        if not holding or over_release or self.aged(now_s):
+        if not self.holding or over_release or self.aged(now_s):
             return Decision(False, sent_devices=every)  # the daemon decides, and refuses an over-release
         room = dict(self.bytes_by_device)
         for device, size in release.items():

@@ -167,9 +167,8 @@ class RemoteConnection(BookingVerbs):
         self.requests_sent = 0
         self._token = token
         self._holdings: dict[str, int] = {}
-        #: releases not told yet, while a phase of training runs (held_back.py)
+        #: releases not told yet, and whether a phase of training holds them back (held_back.py)
         self._held_back = HeldBackReleases()
-        self._holding = False
         self._lock = threading.Lock()  # serializes the line, the holdings and what is held back
         self._line = RequestLine(endpoint)
         self._instance_id = ""
@@ -241,7 +240,6 @@ class RemoteConnection(BookingVerbs):
         with self._lock:
             now_s = time.monotonic()
             decision = self._held_back.decide(
-                holding=self._holding,
                 now_s=now_s,
                 held=self._holdings,
                 release=releases,
@@ -290,7 +288,7 @@ class RemoteConnection(BookingVerbs):
                 if hold_releases and phase:
                     self._held_back.begin_phase(phase, self._holdings)
             finally:
-                self._holding = hold_releases
+                self._held_back.holding = hold_releases
 
     def _flush_locked(self, book_ahead: Mapping[str, int] | None = None, retries: int | None = None) -> None:
         """One update that releases every byte held back (and books ``book_ahead`` beyond
@@ -298,25 +296,28 @@ class RemoteConnection(BookingVerbs):
         ahead = {d: n for d, n in (book_ahead or {}).items() if n > 0}
         if self._closed or not (self._held_back or ahead):
             return
-        for book in (ahead, {}) if ahead else ({},):
-            if not (self._held_back or book):
-                return
-            reply = self._request_locked(
-                lambda i, book=book: p.Update(
+
+        def send(book: Mapping[str, int]) -> p.Reply:
+            return self._request_locked(
+                lambda i: p.Update(
                     request_id=i,
                     token=self._token,
                     client_id=self.client_id,
-                    release=dict(self._held_back.bytes_by_device),
-                    book=book,
+                    release=dict(self._held_back.bytes_by_device),  # read on each try ([Note: restarts])
+                    book=dict(book),
                 ),
                 retries=retries,
             )
-            if book and not reply.ok and reply.code == "capacity":  # type: ignore[attr-defined]
-                continue  # no room to book ahead: the phase asks as it goes
-            _raise_for(reply)
-            self._held_back.clear()
-            self._held_back.booked_ahead(book, time.monotonic())
-            return
+
+        reply = send(ahead)
+        if ahead and not reply.ok and reply.code == "capacity":  # type: ignore[attr-defined]
+            ahead = {}  # no room to book ahead: the phase asks as it goes
+            if not self._held_back:
+                return
+            reply = send(ahead)
+        _raise_for(reply)
+        self._held_back.clear()
+        self._held_back.booked_ahead(ahead, time.monotonic())
 
     def _count(self, releases: Mapping[str, int], bookings: Mapping[str, int], place_bytes: int, chosen: str | None) -> None:
         """This client's holdings after an update applied (by the daemon or here)."""

@@ -41,8 +41,8 @@ def usage_of(endpoint, client_id):
 
 
 def decide(held_back, *, holding=True, now_s=0.0, held=None, release=None, book=None, place=0, refer="cpu", exclude=()):
+    held_back.holding = holding
     return held_back.decide(
-        holding=holding,
         now_s=now_s,
         held=held or {"cpu": 10 * MIB, "cuda:0": 10 * MIB},
         release=release or {},

@@ -105,7 +105,7 @@ def check(node: Node, clients: dict[int, LoopbackConnection], model: dict[int, d
         if conn.client_id in known:
             assert not refused(conn)
             extra = conn._held_back.bytes_by_device
-            assert not extra or conn._holding, "bytes held back outside a phase"
+            assert not extra or conn._held_back.holding, "bytes held back outside a phase"
             assert all(n > 0 for n in extra.values()), extra
             booked = {d: held.get(d, 0) + extra.get(d, 0) for d in {*held, *extra}}
             assert ledger_usage(node.service, conn.client_id) == booked, (k, "ledger != client", held, extra)
