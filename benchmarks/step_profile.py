@@ -26,7 +26,8 @@ Beside them, per step: the bytes each direction of the link moved, the bytes tha
 into page-locked arena slots (the rest came down pageable), the arena's segments grown and
 released, the mover's out-of-memory retries (each evicts every idle chunk from the GPU) and,
 on a GPU, the caching allocator's device allocations, frees and retries. ``--torch-profiler``
-adds torch's profiler over the measured steps: on a GPU the kernels' time, the copies'
+adds torch's profiler over one more step after the measured ones (its overhead kept out of their
+walls): on a GPU the kernels' time, the copies'
 time by kind (pinned or pageable, from the runtime's own names) and the runtime calls where the
 host waits for the GPU (count and time), on the CPU the ops that took the most time. With ``--meta`` (the planner's simulation) nothing computes: the columns are
 the engine's Python at sizes this machine cannot hold, and ``rest`` is mostly torch's meta
@@ -46,6 +47,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -187,9 +190,10 @@ def _torch_profile(prof, on_gpu: bool, steps: int) -> dict:
     """What torch's profiler saw over ``steps`` steps: on a GPU the kernels' and the copies'
     time by kind; on the CPU the ops with the most time of their own."""
     events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:16]
+    top_cpu = {"top_cpu_ops_s_per_step": {e.key: round(e.self_cpu_time_total / 1e6 / steps, 6) for e in top}}
     if not on_gpu:
-        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-        return {"top_cpu_ops_s_per_step": {e.key: round(e.self_cpu_time_total / 1e6 / steps, 6) for e in top}}
+        return top_cpu
     kernels = copies = 0.0
     by_copy: dict[str, float] = collections.Counter()
     host_calls: dict[str, float] = collections.Counter()
@@ -221,6 +225,7 @@ def _torch_profile(prof, on_gpu: bool, steps: int) -> dict:
         "gpu_copies_by_kind_s_per_step": {k: round(v / steps, 4) for k, v in sorted(by_copy.items())},
         "runtime_calls_s_per_step": {k: round(v / steps, 4) for k, v in sorted(host_calls.items())},
         "runtime_calls_per_step": {k: v / steps for k, v in sorted(host_call_counts.items())},
+        **top_cpu,
     }
 
 
@@ -298,14 +303,24 @@ def run(args) -> dict:
         pinned_down.clear()
         stack.callback(clock.restore)
         _instrument(clock, engine)
-        prof = None
+        for i in range(args.warmup, args.warmup + args.steps):
+            one_step(i, True)
+        after_moved = dict(mover.counts.moved_bytes)
+        after_retries = mover.counts.out_of_memory_retries
+        after_index = (index.rebuilds, index.pushes) if index is not None else (0, 0)
+        after_allocator = _allocator_counts() if on_gpu else {}
+        after_arena = arena.stats() if arena is not None else {}
+        prof = profiled_s = None
         if args.torch_profiler:
+            # one more step under torch's profiler, apart from the measured ones: its own overhead
+            # (a record a kernel and an op) stays out of their walls and columns
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
-            prof = stack.enter_context(profile(activities=activities))
-        for i in range(args.warmup, args.warmup + args.steps):
-            one_step(i, True)
+            t0 = time.perf_counter()
+            with profile(activities=activities) as prof:
+                one_step(args.warmup + args.steps, False)
+            profiled_s = time.perf_counter() - t0
     steps = args.steps
     phases = {}
     for phase in PHASES:
@@ -320,8 +335,7 @@ def run(args) -> dict:
     totals: collections.Counter = collections.Counter()
     for phase in phases.values():
         totals.update(phase["columns_s"])
-    moved = {k: (v - before_moved.get(k, 0)) / steps for k, v in sorted(mover.counts.moved_bytes.items())}
-    after_arena = arena.stats() if arena is not None else {}
+    moved = {k: (v - before_moved.get(k, 0)) / steps for k, v in sorted(after_moved.items())}
     out = {
         "model": {"params": cfg.n_params, "layers": args.layers, "d_model": args.d_model, "checkpoint": cfg.checkpoint},
         "tokens_per_step": args.batch * args.seq,
@@ -337,16 +351,16 @@ def run(args) -> dict:
         **(
             {
                 "victim_index_per_step": {
-                    "rebuilds": (mover.victims.rebuilds - index_before[0]) / steps,
-                    "pushes": (mover.victims.pushes - index_before[1]) / steps,
+                    "rebuilds": (after_index[0] - index_before[0]) / steps,
+                    "pushes": (after_index[1] - index_before[1]) / steps,
                 }
             }
             if getattr(mover, "victims", None) is not None
             else {}
         ),
-        "out_of_memory_retries_per_step": (mover.counts.out_of_memory_retries - before_retries) / steps,
+        "out_of_memory_retries_per_step": (after_retries - before_retries) / steps,
         **(
-            {"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in _allocator_counts().items()}}
+            {"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in after_allocator.items()}}
             if on_gpu
             else {}
         ),
@@ -355,7 +369,9 @@ def run(args) -> dict:
         },
     }
     if args.torch_profiler:
-        out["torch_profiler"] = _torch_profile(prof, on_gpu, steps)
+        out["torch_profiler"] = {"profiled_step_s": round(profiled_s, 4), **_torch_profile(prof, on_gpu, 1)}
+    # the figures before the close, which restores every param to its device (on a full GPU it can fail)
+    print("STEP_PROFILE_RESULT " + json.dumps(out), file=sys.stderr, flush=True)
     if args.meta:
         engine.client.close(restore=False)  # meta payloads have no values to give back to the model
     else:

@@ -12,7 +12,8 @@
 #   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step, fitting and at half
 #   bash scripts/gpu_session.sh profile  the plan's largest, its steady step in columns (arena, copies,
 #                                        waits, victims, optimizer, allocator, torch's kernels and
-#                                        copies by kind): benchmarks/step_profile.py
+#                                        copies by kind, one more step under torch's profiler):
+#                                        benchmarks/step_profile.py (LAYERS=N, PROFILE_TIMEOUT_S=S)
 #   bash scripts/gpu_session.sh tokens   1.31 B fitting against the GPU at half its model data,
 #                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024
 #                                        is noise-bound around 0.7x: 0.52-0.74x on an H200)
@@ -61,7 +62,8 @@ profile)
     *H200*) n=340; gpu=137590000000; cpu=119300000000 ;;
     *) n=260; gpu=77700000000; cpu=120240000000 ;;
   esac
-  timeout 560 python3 -m benchmarks step_profile --layers $n --d-model 2048 --heads 16 --seq 1024 --batch 8 --vocab 50304 \
+  n=${LAYERS:-$n}  # LAYERS=300: fewer layers, the same node
+  timeout ${PROFILE_TIMEOUT_S:-560} python3 -m benchmarks step_profile --layers $n --d-model 2048 --heads 16 --seq 1024 --batch 8 --vocab 50304 \
     --precision bf16 --gpu-bytes $gpu --cpu-bytes $cpu --steps 2 --warmup 1 --torch-profiler > $OUT/step_profile.json 2>> $OUT/log.txt
   echo "rc $? profile $n"
   python3 -c "
