@@ -13,6 +13,17 @@ materialized for a block of code (``gathered``, the engine's ``gathered_paramete
 Does not own where chunks go (the mover, the chunk groups' gathers), grads (grads.py) or what
 ops on a released param mean (placeholder.py).
 
+[Note: values back at close]
+``close`` gives the params their values as ordinary tensors on the compute device. A model
+trained because it does not fit there beside its chunks may fit without them (the largest GPT
+trained on one H200, 17.23 B: its chunks filled the GPU, and its values restored beside them ran
+out of memory at close), so the values come back in registration order and each chunk index's chunks of every kind are
+dropped once the last of its params has its value: the tensors take the room the chunks leave,
+and the host holds at most the values of one chunk (or chunk group) beyond them. A value the
+device still has no room for (torch's cached blocks given back first) comes back on the CPU,
+with every one after it, so the model is split at one place, and a warning names how many and
+from which param; nothing is lost.
+
 [Note: access counting]
 ``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
 recomputation during backward, a tied weight used by two modules) stays in COMPUTE until the
@@ -21,7 +32,9 @@ last ``release``. The state given to the last release is the one the param ends 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +45,7 @@ from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.chunks.states import ChunkState, TensorState
 from hybridps.client.params.placeholder import ParamGuard
 from hybridps.common.errors import ConfigError, StateError
+from hybridps.common.units import format_bytes
 
 if TYPE_CHECKING:
     from hybridps.client.chunks.chunk import Chunk
@@ -266,20 +280,64 @@ class Values:
                     info = store.params[slot.index]
                     yield info, rows[store.value_kind(info)][r][slot.offset : slot.end].view(info.shape).clone()
 
-    def restore_params(self) -> None:
+    def restore_params(self) -> int:
         """Give every param (and managed tensor) its value back as an ordinary tensor on the
-        compute device, in the dtype it was registered with."""
+        compute device, in the dtype it was registered with ([Note: values back at close]).
+        Returns how many params came back on the CPU instead, the device having no room."""
         device = self.compute.torch_device
+        store = self.store
+        pending = collections.Counter(info.chunk for info in store.params)
+        rows_at: dict[int, list[Chunk]] = collections.defaultdict(list)  # chunk index -> its chunks of every kind
+        for kind, chunks in store.rows.items():
+            for chunk in chunks if kind is not ChunkKind.BUFFER else ():
+                rows_at[chunk.index].append(chunk)
+        on_cpu: list[ParamInfo] = []
+        self.mover.sync()  # no copy may still read or fill a chunk dropped below
         for info, value in self.full_values():
-            ParamGuard.materialize(info, value.to(device=device, dtype=info.orig_dtype))
+            if on_cpu or not self._materialize_on(info, value, device):
+                ParamGuard.materialize(info, value.to(dtype=info.orig_dtype))
+                on_cpu.append(info)
             self.guard.forget(info)
             info.refs = 0
-        for info in self.store.buffers:
-            chunk = self.store.rows[ChunkKind.BUFFER][info.chunk]
+            pending[info.chunk] -= 1
+            if not pending[info.chunk]:  # its values are all out: the room goes to the next ones
+                for chunk in rows_at.pop(info.chunk, ()):
+                    self.mover.free(chunk)
+        for info in store.buffers:
+            chunk = store.rows[ChunkKind.BUFFER][info.chunk]
             assert chunk.payload is not None
             ParamGuard.materialize(info, chunk.view(info.slot).view(info.shape).to(device=device, copy=True))
             self.guard.forget(info)
             info.refs = 0
+        if on_cpu:
+            nbytes = sum(i.shape.numel() * i.orig_dtype.itemsize for i in on_cpu)
+            warnings.warn(
+                f"{len(on_cpu)} of {len(store.params)} params ({format_bytes(nbytes)}, from {on_cpu[0].describe()} on) "
+                f"came back on the CPU: {device} had no room for them beside what the process holds there. "
+                "Move the model with model.to(...) once it has, or save it with the engine's checkpoint "
+                "verbs before close() to keep it off the GPU",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return len(on_cpu)
+
+    @staticmethod
+    def _on_device(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return value.to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _materialize_on(info: ParamInfo, value: torch.Tensor, device: torch.device) -> bool:
+        """``info``'s param given ``value`` on ``device``; False where the device has no room
+        (torch's cached blocks given back first, once)."""
+        for attempt in range(2):
+            try:
+                ParamGuard.materialize(info, Values._on_device(value, device, info.orig_dtype))
+                return True
+            except torch.OutOfMemoryError:
+                if attempt or device.type != "cuda":
+                    return False
+                torch.cuda.empty_cache()
+        return False
 
     # -- the user's verbs over the model's values ------------------------------------------
 
