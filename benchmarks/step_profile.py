@@ -359,11 +359,7 @@ def run(args) -> dict:
             else {}
         ),
         "out_of_memory_retries_per_step": (after_retries - before_retries) / steps,
-        **(
-            {"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in after_allocator.items()}}
-            if on_gpu
-            else {}
-        ),
+        **({"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in after_allocator.items()}} if on_gpu else {}),
         "arena_per_step": {
             k: (after_arena[k] - before_arena[k]) / steps for k in ("grown", "released", "lends") if k in after_arena
         },
