@@ -90,10 +90,16 @@ memory copy alike) counts nothing here.
 [Note: the casts' trips]
 Where the GPU casts a CPU step's grads and master (``Config.casts_on_gpu``, [Note: casts on
 the GPU] in optim/device_casts.py), the CPU no longer casts (``cpu_cast_params_per_s``), but
-the thread that steps waits for each chunk's fp32 grads to come down before its Adam and sends
-its master up after, through one buffer per thread: 8 B a param over the pinned link, serial
-with the Adam. So the ``cpu_adam`` part counts those trips at the link's GB/s instead of the
-casts (the bytes count in ``link`` too: the copy engines are busy then as well). On the H200
+each chunk's fp32 grads come down before its Adam and its master goes up after: 8 B a param
+over the pinned link. The step worker stages the next chunk's grads while it steps one and
+does not wait for a master's copy up ([Note: the casts' trips beside the Adam] in
+optim/device_casts.py): on a real GPU the ``cpu_adam`` part counts the trips, at the link's
+GB/s, only where they outlast the Adam of the params they carry; on a simulated GPU, whose
+copies are memcpys on the cores that step, whole. The bytes count in ``link`` too: the copy
+engines are busy then as well. (Before the worker staged ahead the trips were serial with the
+Adam: the H200's largest model stepped its 9.88 G CPU params in 4.40 s, 2.24 G a second,
+where the plan counted 3.97 s; a run with ``overlap_step=False``, which steps on the calling
+thread, still is, and the plan, which takes the default, does not see it.) On the H200
 profile the trips (0.15 ns a param) and the casts (0.16 ns) come out alike, as measured there
 at 1.31 B with every optimizer row on the CPU, 8 x 1024 tokens: 0.789 s an iteration with the
 casts on the GPU, 0.779 s without (docs/benchmarks/2026-11-26-h200-third-session.md). The path's gain is where the host is full: the param
@@ -543,8 +549,12 @@ def part_seconds(work: StepWork, rates: MachineRates, *, disk_gbps: tuple[float,
     cpu = work.cpu_step_params / adam + work.cpu_step_chunks * rates.cpu_step_s_per_chunk
     if work.precision != "fp32":  # 16-bit grads to the fp32 master and the master back, on the CPU
         cpu += (work.cpu_step_params - work.cpu_step_params_cast_on_gpu) / rates.cpu_cast_params_per_s
-    # cast on the GPU instead: fp32 grads down and master up, serial with the Adam ([Note: the casts' trips])
-    cpu += work.cpu_step_params_cast_on_gpu * 4 * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
+    # cast on the GPU instead: fp32 grads down and master up ([Note: the casts' trips])
+    trips = work.cpu_step_params_cast_on_gpu * 4 * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
+    if rates.simulated_gpu:
+        cpu += trips  # memcpys on the cores that step, one after the other
+    else:  # on their stream beside the Adam of the params they carry
+        cpu += max(0.0, trips - work.cpu_step_params_cast_on_gpu / adam)
     read_gbps, write_gbps = rates.disk_read_gbps, rates.disk_write_gbps
     if disk_gbps is not None:
         read_gbps, write_gbps = read_gbps or disk_gbps[0], write_gbps or disk_gbps[1]

@@ -140,7 +140,8 @@ class ChunkArithmetic:
         the chunk's values before are copied there first. ``loose``: the grads of ``infos``
         as autograd made them, in order (the grad row is not read; only the exact Adam,
         without casts or a backup: see ``takes_loose``): fp32 grads are stepped as they are,
-        low-precision ones cast into ``buffer`` a param a copy, as the row would be."""
+        low-precision ones cast into ``buffer`` a param a copy, as the row would be. With
+        ``casts`` the master's copy up is queued, not waited for (``ChunkCasts.done``)."""
         used = rows.used
         master = rows.master.payload
         grad_payload = rows.grads.payload
@@ -185,15 +186,14 @@ class ChunkArithmetic:
             elif buffer is None:
                 grads = grad_payload
             elif casts is not None:
-                grads = buffer
-                casts.grads_down(grad_payload, grads, used)  # cast on the GPU, then down
+                grads = casts.grads_down()  # cast on the GPU, then down into ``buffer``
             else:
                 grads = buffer
                 grads[:used].copy_(grad_payload[:used])  # to fp32, one pass
             for update in updates:
                 update(grads)
             if casts is not None:
-                casts.params_up(master, param, used)  # up, then cast on the GPU
+                casts.params_up(master, param, used)  # up, then cast on the GPU: queued
             elif param is not None:
                 param[:used].copy_(master[:used])  # the write-back, booked by the caller
 
@@ -399,7 +399,8 @@ class ChunkStep:
                 buffers, numel = self.grad_buffers, rows.grads.capacity
                 buffer = buffers.on_worker(numel, index) if on_worker else buffers.on_device(device, numel, index)
             if casts is not None:
-                casts.landing = buffer
+                assert buffer is not None and rows.grads.payload is not None
+                casts.bind(rows.grads.payload, buffer, rows.used)
             compute = self.arithmetic.compute(
                 rows, infos, inv_scale=inv_scale, clip_coef=clip_coef, backup=backup, buffer=buffer, casts=casts, loose=loose
             )
@@ -410,12 +411,17 @@ class ChunkStep:
                     frozenset(chunk.chunk_id for chunk, _ in taken),
                     what=f"the optimizer step of chunk {index}",
                     after=[chunk.ready_event for chunk, _ in taken if chunk.ready_event is not None],
+                    # the grads' copy down beside the step before, into this step's own buffer
+                    stage=casts.stage if casts is not None and buffer is casts.host else None,
+                    queued=None if casts is None else casts.queued,
                 )
                 handed_over = True
                 for chunk, _ in taken:  # a use of one first finishes this step (chunk.py)
                     chunk.hand_over(self._settle)
                 return
             compute()
+            if casts is not None:
+                casts.wait_done()  # the copy up reads the master: it ends before the chunks go back
             self.count_transfers(rows, casts)
         finally:
             if not handed_over:

@@ -50,10 +50,22 @@ after ``step()`` does not reach the steps in flight (each takes a copy). Not on 
 ranks: a chunk group's gather reads other ranks' chunks, whose steps this rank cannot settle.
 
 [Note: a task's life]
-``submit`` -> RUNNING (on the worker) -> DONE (the compute ended) -> FINISHED (``finish``
-ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
+``submit`` -> RUNNING (on the worker) -> DONE (the compute ended, and the work it queued on
+a GPU stream: ``queued``'s events) -> FINISHED (``finish`` ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
 waiting; ``drain`` waits for and finishes all; ``finish_through`` waits for and finishes
 the tasks up to the last that holds a chunk (a use of a chunk handed over settles it so).
+
+[Note: one task staged ahead]
+A task may carry a stage: work it queues on a GPU stream and its compute then waits for (the
+casts on the GPU's copy of a chunk's fp32 grads down, device_casts.py). Run first thing in the
+compute, it leaves the CPU idle for the copy of every chunk: on the H200's largest model the
+step worker's Adam ran at 2.24 G params/s against 4.6-5.5 alone, each chunk's grads (39.5 GB a
+step) coming down and its master going up on the worker's wait. So before computing a task
+the worker takes the next one from the queue if it is there, and runs its stage then, where
+that task's own copies are done (a stage never waits): its transfer runs beside this compute.
+One task ahead, no more: a stage writes into one of two buffers that alternate (the task two
+ahead reuses this one's, which this compute still reads). A stage's error is its task's,
+raised when that task is finished.
 
 [Note: a lean worker]
 What the worker thread runs between two computes holds the GIL like the computes' own
@@ -61,7 +73,8 @@ Python (step_plan.py, [Note: the GIL beside backward]). A ``ThreadPoolExecutor``
 thirty Python calls per task there (its queue, the future's condition and waiters, a
 ``no_grad`` context); this thread runs none: it takes tasks from a ``queue.SimpleQueue`` and
 signals each one done by releasing a lock that ``submit`` took, both native calls, and its
-grad mode is switched off once when it starts (grad mode is per thread).
+grad mode is switched off once when it starts (grad mode is per thread). The look at the next
+task (a non-blocking ``get``, [Note: one task staged ahead]) is a native call too.
 """
 
 from __future__ import annotations
@@ -103,20 +116,32 @@ class _Task:
     what: str
     #: events of the copies that fill the task's chunks: the worker waits for them first
     after: tuple = ()
+    #: work to queue ahead of the compute (the grads' copy down, device_casts.py): the worker
+    #: runs it while the task before computes ([Note: one task staged ahead])
+    stage: Callable[[], None] | None = None
+    #: after the compute: the events of the work it queued, which the task waits for too
+    queued_by: Callable[[], Sequence] | None = None
     #: held from ``submit`` until the compute has ended (the worker releases it)
     running: _thread.LockType = dataclasses.field(default_factory=_thread.allocate_lock)
     #: what the compute raised, if it did
     error: BaseException | None = None
     state: TaskState = TaskState.RUNNING
+    #: the events ``queued_by`` gave: work the compute queued (the master's copy up, device_casts.py)
+    queued: tuple = ()
+    #: whether it was given a stage, and whether that ran beside the compute of the task before
+    has_stage: bool = False
+    staged_ahead: bool = False
 
     def computed(self) -> bool:
-        """Whether the compute has ended (without waiting)."""
-        return not self.running.locked()
+        """Whether the compute, and the work it queued, have ended (without waiting)."""
+        return not self.running.locked() and all(event.query() for event in self.queued)
 
     def wait(self) -> None:
-        """Wait until the compute has ended."""
+        """Wait until the compute, and the work it queued, have ended."""
         if self.running.acquire():
             self.running.release()
+        for event in self.queued:
+            event.synchronize()
 
 
 class StepWorker:
@@ -137,6 +162,8 @@ class StepWorker:
         self.wait_s = 0.0
         #: copies whose end the worker waited for before a compute (``submit``'s ``after``)
         self.copies_waited = 0
+        #: tasks finished whose stage ran beside the compute of the one before, and with one
+        self.staged_ahead = self.staged = 0
         #: what the interpreter's exit runs while the thread lives: wait for the computes in
         #: flight and stop the thread (a script may end right after ``step()``, which leaves CPU
         #: steps computing, and a thread killed inside a kernel aborts the process). Nothing
@@ -159,10 +186,17 @@ class StepWorker:
         what: str,
         *,
         after: Sequence = (),
+        stage: Callable[[], None] | None = None,
+        queued: Callable[[], Sequence] | None = None,
     ) -> None:
         """Run ``compute()`` on the worker (grad mode off), once the copies whose events are
-        ``after`` are done; ``finish()`` runs on this thread once it is done. With ``window``
-        tasks in flight the oldest is finished first (waiting for it)."""
+        ``after`` are done; ``finish()`` runs on this thread once it is done, and the work it
+        queued too (``queued()``, asked after the compute: its events): the worker goes on
+        meanwhile. With ``window``
+        tasks in flight the oldest is finished first (waiting for it). ``stage``: queued work
+        the compute then waits for, run on the worker before the previous task's compute
+        where this task is in the queue by then and its copies are done (else first thing at
+        its turn): it must not touch what the task before reads or writes."""
         self.reap()
         while len(self._tasks) >= self.window:
             self._finish_next()
@@ -170,7 +204,7 @@ class StepWorker:
             self._thread = threading.Thread(target=_work, args=(self._queue,), name=THREAD_NAME, daemon=True)
             self._thread.start()
             atexit.register(self._at_exit)
-        task = _Task(compute, finish, chunk_ids, what, tuple(after))
+        task = _Task(compute, finish, chunk_ids, what, tuple(after), stage, queued, has_stage=stage is not None)
         self.copies_waited += len(task.after)
         task.running.acquire()
         self._tasks.append(task)
@@ -236,6 +270,8 @@ class StepWorker:
         self._busy_ids.subtract(task.chunk_ids)
         self._busy_ids += collections.Counter()  # drop the zero counts
         error = task.error
+        self.staged += task.has_stage
+        self.staged_ahead += task.staged_ahead
         try:
             task.finish()
         finally:
@@ -259,19 +295,55 @@ def _stop_at_exit(ref: weakref.ref) -> None:
         worker._stop()
 
 
+_NOTHING = object()  # no task taken ahead (None, taken ahead, stops the thread)
+
+
 def _work(tasks: queue.SimpleQueue) -> None:
     """The worker thread: compute each task, record what it raised, signal it done; stop at
     None. Nothing here but the compute runs Python per task (see [Note: a lean worker])."""
     torch.set_grad_enabled(False)  # grad mode is per thread: this one never records a graph
-    get = tasks.get
+    get, get_nowait = tasks.get, tasks.get_nowait
+    ahead: _Task | None | object = _NOTHING  # taken from the queue (maybe staged), not yet computed
     while True:
-        task = get()
+        task = ahead if ahead is not _NOTHING else get()
+        ahead = _NOTHING
         if task is None:
             return
+        assert isinstance(task, _Task)
         try:
+            _run_stage(task)  # not run ahead: its copies were in flight, or it came late
+            try:
+                ahead = get_nowait()
+            except queue.Empty:
+                pass
+            if isinstance(ahead, _Task):
+                _stage_ahead(ahead)
             for event in task.after:  # waiting lets the GIL go
                 event.synchronize()
             task.compute()
+            if task.queued_by is not None:
+                task.queued = tuple(task.queued_by())
         except BaseException as error:  # raised again on the calling thread when it is finished
             task.error = error
         task.running.release()
+
+
+def _stage_ahead(task: _Task) -> None:
+    """Run ``task``'s stage now, beside the compute of the one before, if its copies are done
+    (a stage must not wait: the task before is computing nothing meanwhile)."""
+    if task.stage is None or task.error is not None or not all(event.query() for event in task.after):
+        return
+    task.staged_ahead = True
+    try:
+        _run_stage(task)
+    except BaseException as error:  # the task's own error, not the one computing now
+        task.error = error
+
+
+def _run_stage(task: _Task) -> None:
+    """Run ``task``'s stage once (re-raising what a stage run ahead raised)."""
+    if task.error is not None:
+        raise task.error
+    stage, task.stage = task.stage, None
+    if stage is not None:
+        stage()

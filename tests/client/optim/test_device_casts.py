@@ -123,8 +123,9 @@ def test_with_a_pinning_arena_the_masters_and_the_grads_buffer_are_page_locked_a
     client, arena = engine.client, engine.client.mover.arena
     masters = [c for c in client.store.rows[ChunkKind.MASTER] if c.payload is not None and c.device == "cpu"]
     assert masters and all(arena.owns(c.payload) for c in masters)
-    host = engine.optimizer.iteration.chunk_step.casts._hosts.get(True)
-    assert host is not None and arena.owns(host), "the worker's grads come down into an arena slot"
+    casts = engine.optimizer.iteration.chunk_step.casts
+    hosts = [casts._hosts.get((True, slot)) for slot in range(casts.slots(True))]
+    assert len(hosts) == 2 and all(h is not None and arena.owns(h) for h in hosts), "the worker's grads land in arena slots"
     usage = next(c["usage"] for c in client.connection.status()["clients"] if c["client_id"] == client.connection.client_id)
     cpu = client.mover.figures.device_stats()["cpu"]
     assert usage["cpu"] == cpu["booked_bytes"] == cpu["used_bytes"] + client.mover.pool.held_bytes + client.mover.arena_idle_bytes
