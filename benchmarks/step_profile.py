@@ -297,6 +297,8 @@ def run(args) -> dict:
         before_arena = arena.stats() if arena is not None else {}
         before_moved = dict(mover.counts.moved_bytes)
         before_retries = mover.counts.out_of_memory_retries
+        worker = engine.optimizer.worker
+        before_stages = (worker.staged, worker.staged_ahead)
         index = getattr(mover, "victims", None)  # None where victims go by LRU (or in a version before the index)
         index_before = (index.rebuilds, index.pushes) if index is not None else (0, 0)
         before_allocator = _allocator_counts() if on_gpu else {}
@@ -307,6 +309,7 @@ def run(args) -> dict:
             one_step(i, True)
         after_moved = dict(mover.counts.moved_bytes)
         after_retries = mover.counts.out_of_memory_retries
+        after_stages = (worker.staged, worker.staged_ahead)
         after_index = (index.rebuilds, index.pushes) if index is not None else (0, 0)
         after_allocator = _allocator_counts() if on_gpu else {}
         after_arena = arena.stats() if arena is not None else {}
@@ -359,6 +362,12 @@ def run(args) -> dict:
             else {}
         ),
         "out_of_memory_retries_per_step": (after_retries - before_retries) / steps,
+        # the casts' grads staged on the step worker, and of them beside the step before
+        # ([Note: one task staged ahead] in step_worker.py), counted as its tasks finish
+        "worker_stages_per_step": {
+            "staged": (after_stages[0] - before_stages[0]) / steps,
+            "staged_ahead": (after_stages[1] - before_stages[1]) / steps,
+        },
         **({"allocator_per_step": {k: (v - before_allocator[k]) / steps for k, v in after_allocator.items()}} if on_gpu else {}),
         "arena_per_step": {
             k: (after_arena[k] - before_arena[k]) / steps for k in ("grown", "released", "lends") if k in after_arena
