@@ -4,7 +4,8 @@
 # along in .whl/; results go to $OUT, default ./gpu-out):
 #   bash scripts/gpu_session.sh a        gpu tests; casts on the GPU against the CPU at 8 x 1024
 #                                        tokens (bit-equal, iteration time); meta_init on the GPU
-#   bash scripts/gpu_session.sh largest  the plan's largest (260 layers on an H100, 340 on an H200,
+#   bash scripts/gpu_session.sh largest  the plan's largest (259 layers on an H100, 339 on an H200;
+#                                        260 and 340 before the step worker's second buffer pair;
 #                                        trained on one 2026-11-27), the host arena's churn in its
 #                                        timed steps
 #   bash scripts/gpu_session.sh register what a host arena segment costs (map, pin, unpin, unmap)
@@ -43,12 +44,13 @@ for c, modes in d['cases'].items():
   ;;
 largest)
   # the plan for each node (hybridps plan --layers 240 --hidden 2048 --heads 16 --batch 8 --checkpoint
-  # --precision bf16 --gpus 1xG --cpu C): H100 1x77.7GB + 120.24GB -> 260 layers; H200 1x137.59GB
-  # + 119.3GB -> 340 layers (17.23 B), with the casts on the GPU (the default) or on the CPU.
+  # --precision bf16 --gpus 1xG --cpu C): H100 1x77.7GB + 120.24GB -> 259 layers; H200 1x137.59GB
+  # + 119.3GB -> 339 layers (17.18 B; 340 before the step worker's second pair of casts' buffers),
+  # with the casts on the GPU (the default) or on the CPU.
   # Planned = trained within 3%: the plan, else 3% fewer.
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
-    *H200*) n=340; low=330; cpu=119300000000 ;;
-    *) n=260; low=253; cpu=120240000000 ;;
+    *H200*) n=339; low=330; cpu=119300000000 ;;
+    *) n=259; low=253; cpu=120240000000 ;;
   esac
   timeout 400 $w --layers $n --checkpoint --steps 1 --cpu-bytes $cpu > $OUT/w_largest.txt 2>> $OUT/log.txt; rc=$?; echo "rc $rc largest $n"
   show $OUT/w_largest.txt
@@ -59,8 +61,8 @@ largest)
   ;;
 profile)
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in
-    *H200*) n=340; gpu=137590000000; cpu=119300000000 ;;
-    *) n=260; gpu=77700000000; cpu=120240000000 ;;
+    *H200*) n=339; gpu=137590000000; cpu=119300000000 ;;
+    *) n=259; gpu=77700000000; cpu=120240000000 ;;
   esac
   n=${LAYERS:-$n}  # LAYERS=300: fewer layers, the same node
   timeout ${PROFILE_TIMEOUT_S:-560} python3 -m benchmarks step_profile --layers $n --d-model 2048 --heads 16 --seq 1024 --batch 8 --vocab 50304 \
@@ -70,7 +72,7 @@ profile)
 import json; d=json.load(open('$OUT/step_profile.json'))
 print('step_s', d['step_s'], 'columns', d['columns_s_per_step'])
 for p, v in d['phases'].items(): print(p, v['wall_s'], v['columns_s'])
-for k in ('worker_s_per_step', 'moved_bytes_per_step', 'down_into_pinned_slots_bytes_per_step', 'arena_per_step', 'out_of_memory_retries_per_step', 'allocator_per_step', 'torch_profiler'):
+for k in ('worker_s_per_step', 'worker_stages_per_step', 'moved_bytes_per_step', 'down_into_pinned_slots_bytes_per_step', 'arena_per_step', 'out_of_memory_retries_per_step', 'allocator_per_step', 'torch_profiler'):
     print(k, d.get(k))
 "
   ;;
