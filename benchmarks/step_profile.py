@@ -38,6 +38,8 @@ kernels, written in Python, which say nothing of a GPU's launches.
     python -m benchmarks step_profile --meta --layers 340 --d-model 2048 --heads 16 --seq 1024 --batch 8 \\
         --vocab 50304 --precision bf16 --gpu-bytes 137.59e9 --cpu-bytes 119.3e9 --margin-bytes 1648361472 \\
         --steps 2 --warmup 2                   # the H200's largest, its Python only, on this machine
+    python -m benchmarks step_profile --layers 32 --d-model 4096 --heads 32 --seq 1024 --batch 8 --vocab 50304 \
+        --precision bf16 --micro-batches 16 --gpu-bytes 53.2e9    # 7 B, 128 x 1024 tokens, half on the GPU
     python -m benchmarks step_profile --gpu-bytes 137e9 --layers 340 --d-model 2048 --heads 16 \\
         --seq 1024 --batch 8 --vocab 50304 --precision bf16 --torch-profiler    # on the GPU node
 """
@@ -249,10 +251,13 @@ def run(args) -> dict:
         model = shape.build()
     model_bytes = cfg.n_params * 16
     gpu_bytes = int(args.gpu_bytes) if args.gpu_bytes else int(model_bytes * args.gpu_fraction)
+    micro = args.micro_batches
     config = hybridps.Config(
         devices={"cuda:0": gpu_bytes, **({"cpu": int(args.cpu_bytes)} if args.cpu_bytes else {})},
         simulate="meta" if args.meta else not on_gpu,
         precision=args.precision,
+        # micro-batches accumulate their grads apart from the params, as gpu_validate.py --accum trains
+        **({"grad_reuse": False} if micro > 1 else {}),
         casts_on_gpu={"auto": "auto", "on": True, "off": False}[args.casts_on_gpu],
         **({"margin": int(args.margin_bytes)} if args.margin_bytes is not None else {}),
     )
@@ -271,23 +276,28 @@ def run(args) -> dict:
     sync = clock.wrap(torch.cuda.synchronize if on_gpu else (lambda: None), "phase_end_sync")
     walls: dict[str, list[float]] = collections.defaultdict(list)
 
+    def timed(phase: str, measured: bool, run: Callable[[], object]) -> object:
+        t0 = time.perf_counter()
+        with clock.in_phase(phase) if measured else contextlib.nullcontext():
+            out = run()
+            sync()
+        if measured:
+            walls[phase].append(time.perf_counter() - t0)
+        return out
+
+    def optimizer_step() -> None:
+        if not args.meta:  # a norm of meta grads has no value to clip by
+            engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+
     def one_step(i: int, measured: bool) -> None:
-        x, y = shape.inputs(device) if args.meta else (t.to(device) for t in batch(i, args.batch, args.seq, args.vocab))
-        for phase in PHASES:
-            t0 = time.perf_counter()
-            with clock.in_phase(phase) if measured else contextlib.nullcontext():
-                if phase == "forward":
-                    loss = shape.loss(engine(x, y))
-                elif phase == "backward":
-                    engine.backward(loss)
-                else:
-                    if not args.meta:  # a norm of meta grads has no value to clip by
-                        engine.clip_grad_norm_(1.0)
-                    engine.step()
-                    engine.zero_grad()
-                sync()
-            if measured:
-                walls[phase].append(time.perf_counter() - t0)
+        for j in range(micro):  # each phase's wall is the sum over the micro-batches
+            k = i * micro + j
+            x, y = shape.inputs(device) if args.meta else (t.to(device) for t in batch(k, args.batch, args.seq, args.vocab))
+            loss = timed("forward", measured, lambda x=x, y=y: shape.loss(engine(x, y)) / micro)
+            timed("backward", measured, lambda loss=loss: engine.backward(loss))
+        timed("step", measured, optimizer_step)
 
     with contextlib.ExitStack() as stack:
         if args.meta:
@@ -341,7 +351,8 @@ def run(args) -> dict:
     moved = {k: (v - before_moved.get(k, 0)) / steps for k, v in sorted(after_moved.items())}
     out = {
         "model": {"params": cfg.n_params, "layers": args.layers, "d_model": args.d_model, "checkpoint": cfg.checkpoint},
-        "tokens_per_step": args.batch * args.seq,
+        "tokens_per_step": args.batch * args.seq * micro,
+        "micro_batches": micro,
         "gpu": "real" if on_gpu else "meta (the planner's simulation)" if args.meta else "simulated",
         "gpu_bytes": gpu_bytes,
         "model_data_bytes": model_bytes,
@@ -404,6 +415,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="the planner's simulation: every payload on meta, so the largest models run here; no compute, the engine's Python in full",
     )
     ap.add_argument("--margin-bytes", type=float, default=None, help="Config.margin (the plan's transient allowance)")
+    ap.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches a step, their grads accumulated apart (grad_reuse off)"
+    )
     ap.add_argument("--torch-profiler", action="store_true", help="torch's profiler over the measured steps as well")
     args = ap.parse_args(argv)
     out = harness.header(NAME, argv)

@@ -15,6 +15,8 @@
 #                                        waits, victims, optimizer, allocator, torch's kernels and
 #                                        copies by kind, one more step under torch's profiler):
 #                                        benchmarks/step_profile.py (LAYERS=N, PROFILE_TIMEOUT_S=S)
+#   bash scripts/gpu_session.sh profile7b the 7 B GPT at 128 x 1024 tokens (16 micro-batches), the GPU at
+#                                        half its model data, its steady step in columns
 #   bash scripts/gpu_session.sh tokens   1.31 B fitting against the GPU at half its model data,
 #                                        at 8, 32 and 128 x 1024 tokens a step (8 x 1024
 #                                        is noise-bound around 0.7x: 0.52-0.74x on an H200)
@@ -29,6 +31,19 @@ for line in open('$f'):
     if line.startswith('GPU_VALIDATE_RESULT '):
         d=json.loads(line[len('GPU_VALIDATE_RESULT '):]); print('$f', {k: d.get(k) for k in ('n_layer','init_s','init_device','step_s','step_s_all','tflops','losses','hybridps_arena_timed_steps','host_rss_bytes')})
 "; done; }
+show_profile() {  # the step profile's figures, from its JSON or else the line it printed before the close
+  python3 -c "
+import json, sys
+try:
+    d = json.load(open('$1'))
+except ValueError:
+    d = next(json.loads(l.split(' ', 1)[1]) for l in open('$OUT/log.txt') if l.startswith('STEP_PROFILE_RESULT '))
+print('step_s', d['step_s'], 'columns', d['columns_s_per_step'])
+for p, v in d['phases'].items(): print(p, v['wall_s'], v['columns_s'])
+for k in ('worker_s_per_step', 'worker_stages_per_step', 'moved_bytes_per_step', 'down_into_pinned_slots_bytes_per_step', 'arena_per_step', 'out_of_memory_retries_per_step', 'allocator_per_step', 'torch_profiler'):
+    print(k, d.get(k))
+"
+}
 case "${1:-a}" in
 a)
   timeout 100 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -3
@@ -68,13 +83,15 @@ profile)
   timeout ${PROFILE_TIMEOUT_S:-560} python3 -m benchmarks step_profile --layers $n --d-model 2048 --heads 16 --seq 1024 --batch 8 --vocab 50304 \
     --precision bf16 --gpu-bytes $gpu --cpu-bytes $cpu --steps 2 --warmup 1 --torch-profiler > $OUT/step_profile.json 2>> $OUT/log.txt
   echo "rc $? profile $n"
-  python3 -c "
-import json; d=json.load(open('$OUT/step_profile.json'))
-print('step_s', d['step_s'], 'columns', d['columns_s_per_step'])
-for p, v in d['phases'].items(): print(p, v['wall_s'], v['columns_s'])
-for k in ('worker_s_per_step', 'worker_stages_per_step', 'moved_bytes_per_step', 'down_into_pinned_slots_bytes_per_step', 'arena_per_step', 'out_of_memory_retries_per_step', 'allocator_per_step', 'torch_profiler'):
-    print(k, d.get(k))
-"
+  show_profile $OUT/step_profile.json
+  ;;
+profile7b)
+  # the 7 B GPT at 128 x 1024 tokens (16 micro-batches, grads apart), the GPU at half its model data
+  timeout ${PROFILE_TIMEOUT_S:-400} python3 -m benchmarks step_profile --layers 32 --d-model 4096 --heads 32 --seq 1024 --batch 8 \
+    --micro-batches 16 --vocab 50304 --precision bf16 --gpu-bytes 53200000000 --steps 2 --warmup 1 --torch-profiler \
+    > $OUT/step_profile_7b.json 2>> $OUT/log.txt
+  echo "rc $? profile7b"
+  show_profile $OUT/step_profile_7b.json
   ;;
 peers)
   timeout 580 python3 scripts/gpu_validate.py --phases env,peers --ds-layers 97 --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 570 --run-timeout-s 170 > $OUT/peers.json 2>> $OUT/log.txt

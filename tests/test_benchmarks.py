@@ -381,3 +381,16 @@ def test_plan_speed_plans_and_trains_beyond_the_defaults(capsys, tmp_path, resto
     small = plan_speed.shape_factory(GPTShape(n_layer=1, d_model=32, n_head=2, seq_len=16, batch_size=2, vocab_size=64))
     times = plan_speed.measure(small, 1 << 30, 1 << 30, 1, 1, plan_speed.Training())
     assert len(times) == 1 and times[0] > 0
+
+
+def test_step_profile_with_micro_batches_sums_each_phase_over_them(capsys, restore_process_state):
+    """A step of several micro-batches: the forward's and backward's walls and calls are their
+    sums over the micro-batches (one phase-end sync each), the tokens a step all of theirs."""
+    module = importlib.import_module("benchmarks.step_profile")
+    out = module.main([*TINY, "--steps", "1", "--warmup", "1", "--gpu-fraction", "0.5", "--micro-batches", "3"])
+    capsys.readouterr()
+    _check_step_profile({**out, "torch_profiler": {"top_cpu_ops_s_per_step": {"-": 0.0}}})
+    assert out["micro_batches"] == 3 and out["tokens_per_step"] == 3 * 8  # TINY: batch 1 x seq 8
+    assert out["phases"]["forward"]["calls"]["phase_end_sync"] == 3
+    assert out["phases"]["backward"]["calls"]["phase_end_sync"] == 3
+    assert out["phases"]["step"]["calls"]["phase_end_sync"] == 1
