@@ -50,10 +50,11 @@ after ``step()`` does not reach the steps in flight (each takes a copy). Not on 
 ranks: a chunk group's gather reads other ranks' chunks, whose steps this rank cannot settle.
 
 [Note: a task's life]
-``submit`` -> RUNNING (on the worker) -> DONE (the compute ended, and the work it queued on
-a GPU stream: ``queued``'s events) -> FINISHED (``finish`` ran on the calling thread). ``reap`` finishes the DONE tasks at the head of the queue without
-waiting; ``drain`` waits for and finishes all; ``finish_through`` waits for and finishes
-the tasks up to the last that holds a chunk (a use of a chunk handed over settles it so).
+``submit`` -> RUNNING (on the worker) -> DONE (the compute ended, and the work it queued on a
+GPU stream: ``queued``'s events) -> FINISHED (``finish`` ran on the calling thread). ``reap``
+finishes the DONE tasks at the head of the queue without waiting; ``drain`` waits for and
+finishes all; ``finish_through`` waits for and finishes the tasks up to the last that holds a
+chunk (a use of a chunk handed over settles it so).
 
 [Note: one task staged ahead]
 A task may carry a stage: work it queues on a GPU stream and its compute then waits for (the
@@ -191,12 +192,12 @@ class StepWorker:
     ) -> None:
         """Run ``compute()`` on the worker (grad mode off), once the copies whose events are
         ``after`` are done; ``finish()`` runs on this thread once it is done, and the work it
-        queued too (``queued()``, asked after the compute: its events): the worker goes on
-        meanwhile. With ``window``
-        tasks in flight the oldest is finished first (waiting for it). ``stage``: queued work
-        the compute then waits for, run on the worker before the previous task's compute
-        where this task is in the queue by then and its copies are done (else first thing at
-        its turn): it must not touch what the task before reads or writes."""
+        queued too (``queued()``, asked after the compute: its events), while the worker goes
+        on. With ``window`` tasks in flight the oldest is finished first (waiting for it).
+        ``stage``: work queued that the compute then waits for, run on the worker before the
+        previous task's compute where this task is in the queue by then and its copies are
+        done (else first thing at its turn): it must not touch what the task before reads or
+        writes."""
         self.reap()
         while len(self._tasks) >= self.window:
             self._finish_next()
@@ -309,7 +310,6 @@ def _work(tasks: queue.SimpleQueue) -> None:
         ahead = _NOTHING
         if task is None:
             return
-        assert isinstance(task, _Task)
         try:
             _run_stage(task)  # not run ahead: its copies were in flight, or it came late
             try:

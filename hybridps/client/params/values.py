@@ -16,13 +16,13 @@ ops on a released param mean (placeholder.py).
 [Note: values back at close]
 ``close`` gives the params their values as ordinary tensors on the compute device. A model
 trained because it does not fit there beside its chunks may fit without them (the largest GPT
-trained on one H200, 17.23 B: its chunks filled the GPU, and its values restored beside them ran
-out of memory at close), so the values come back in registration order and each chunk index's chunks of every kind are
-dropped once the last of its params has its value: the tensors take the room the chunks leave,
-and the host holds at most the values of one chunk (or chunk group) beyond them. A value the
-device still has no room for (torch's cached blocks given back first) comes back on the CPU,
-with every one after it, so the model is split at one place, and a warning names how many and
-from which param; nothing is lost.
+trained on one H200, 17.23 B: its chunks filled the GPU, and its values restored beside them
+ran out of memory at close), so the values come back in registration order and each chunk
+index's chunks of every kind are dropped once the last of its params has its value: the
+tensors take the room the chunks leave, and the host holds at most the values of one chunk (or
+chunk group) beyond them. A value the device still has no room for (torch's cached blocks
+given back first) comes back on the CPU, with every one after it, so the model is split at one
+place, and a warning names how many and from which param; nothing is lost.
 
 [Note: access counting]
 ``access`` and ``release`` nest: a param accessed twice (a module called twice, a checkpointed
@@ -313,9 +313,8 @@ class Values:
             nbytes = sum(i.shape.numel() * i.orig_dtype.itemsize for i in on_cpu)
             warnings.warn(
                 f"{len(on_cpu)} of {len(store.params)} params ({format_bytes(nbytes)}, from {on_cpu[0].describe()} on) "
-                f"came back on the CPU: {device} had no room for them beside what the process holds there. "
-                "Move the model with model.to(...) once it has, or save it with the engine's checkpoint "
-                "verbs before close() to keep it off the GPU",
+                f"came back on the CPU: {device} had no room for them beside what the process holds there; "
+                f"move them with model.to({str(device)!r}) once it has",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -124,9 +124,10 @@ def test_a_stop_taken_ahead_still_computes_the_task_before():
 
 
 def test_casts_on_the_worker_stage_each_step_ahead_and_stay_bit_equal():
-    """The worker's steps beside backward with casts on the GPU (a simulated one): every step
-    but the first of a backward has its grads staged beside the step before, alternating two
-    buffers; the training is bit-equal to the casts on the CPU."""
+    """The worker's steps beside backward with casts on the GPU (a simulated one): each step
+    with casts is given its stage (whether it runs ahead depends on when the next step is handed
+    out), its task alternates the worker's two buffer pairs, and the training is bit-equal to
+    the casts on the CPU."""
     from tests.client.optim.test_device_casts import _assert_same
 
     want = _train(_bf16_engine(False, overlap=True, worker=True), 4, clip=None)
