@@ -10,6 +10,8 @@
 #                                        timed steps
 #   bash scripts/gpu_session.sh register what a host arena segment costs (map, pin, unpin, unmap)
 #   bash scripts/gpu_session.sh peers    DeepSpeed's offload modes and HybridPS at 97 layers
+#   bash scripts/gpu_session.sh zero3    DeepSpeed ZeRO-3 offload (params and optimizer on the CPU)
+#                                        and HybridPS at 85 layers (LAYERS=N), the largest it holds
 #   bash scripts/gpu_session.sh 7b       a 7 B GPT at 128 x 1024 tokens a step, fitting and at half
 #   bash scripts/gpu_session.sh profile  the plan's largest, its steady step in columns (arena, copies,
 #                                        waits, victims, optimizer, allocator, torch's kernels and
@@ -85,7 +87,14 @@ profile)
   echo "rc $? profile $n"
   show_profile $OUT/step_profile.json
   ;;
-profile7b)
+profilezero3)
+  # DeepSpeed ZeRO-3 with params and optimizer on the CPU against HybridPS, same shape and tokens.
+  # At about 14 B it needs 18 B a param of host memory by its own estimator (x 1.5: 306 GiB at
+  # 4.4 B on this node's 111 GiB, `hybridps plan`'s peers): this node holds it only near 4.4-5 B
+  timeout 580 python3 scripts/gpu_validate.py --phases env,peers --ds-layers ${LAYERS:-85} --ds-modes zero3-offload --hidden 2048 --heads 16 --batch 8 --steps 2 --budget-s 570 --run-timeout-s 250 > $OUT/zero3.json 2>> $OUT/log.txt
+  echo "rc $? zero3"; python3 -c "import json; d=json.load(open('$OUT/zero3.json')); print(json.dumps(d.get('peers'))[:3000])"
+  ;;
+7b)
   # the 7 B GPT at 128 x 1024 tokens (16 micro-batches, grads apart), the GPU at half its model data
   timeout ${PROFILE_TIMEOUT_S:-400} python3 -m benchmarks step_profile --layers 32 --d-model 4096 --heads 32 --seq 1024 --batch 8 \
     --micro-batches 16 --vocab 50304 --precision bf16 --gpu-bytes 53200000000 --steps 2 --warmup 1 --torch-profiler \

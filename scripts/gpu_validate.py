@@ -23,7 +23,9 @@ still runs; the whole run stays inside ``--budget-s`` (default 570 s):
 8. ``peers``:      at one size (``--ds-layers``, else the largest ZeRO-Offload trained in
                    ``largest``), HybridPS against each of DeepSpeed's offload modes:
                    ZeRO-Offload, ZenFlow (stage 2) and ZeRO-Offload++ Twin-Flow (stage 3,
-                   ``--ds-ratio`` of the optimizer states on the CPU); HybridPS over the best.
+                   ``--ds-ratio`` of the optimizer states on the CPU), or the modes
+                   ``--ds-modes`` names (``zero3-offload``: ZeRO-3, params and optimizer on the
+                   CPU); HybridPS over the best.
 
 Prints one JSON object. On a machine without a GPU it prints one line and exits 0.
 
@@ -605,7 +607,7 @@ def phase_peers(clock: Clock, env: dict, args, largest: dict, have_deepspeed: bo
     out: dict = {"n_layer": n_layer, "runs": {}}
     # HybridPS first, then the peers in DEEPSPEED_MODES' order: a budget that runs out leaves
     # out the mode measured before (ZeRO-Offload), not the one this phase is about
-    for system in ("hybridps", *DEEPSPEED_MODES):
+    for system in ("hybridps", *args.ds_modes):
         if clock.left_s() < 60:
             out["runs"][system] = "skipped: the time budget is spent"
             continue
@@ -721,6 +723,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per training run (after one warm-up step)")
     ap.add_argument("--layers", type=int, default=None, help="HybridPS size to train instead of the planned largest")
     ap.add_argument("--ds-layers", type=int, default=None, help="DeepSpeed size to train instead of its planned largest")
+    ap.add_argument(
+        "--ds-modes",
+        type=lambda text: tuple(m for m in text.split(",") if m),
+        default=DEEPSPEED_MODES,
+        help=f"the peers phase's DeepSpeed modes, comma-separated, of {', '.join((*DEEPSPEED_MODES, 'zero3-offload'))}",
+    )
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True, help="measure the peer too")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     # worker mode (one training run in this process)
@@ -756,6 +764,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True, help="clip the grad norm to 1.0")
     ap.add_argument("--prefetch-window", type=int, default=None, help="moments to prefetch ahead (0: off; default: Config's)")
     args = ap.parse_args(argv)
+    unknown = set(args.ds_modes) - {*DEEPSPEED_MODES, "zero3-offload"}
+    if unknown or not args.ds_modes:
+        ap.error(f"--ds-modes {','.join(args.ds_modes)}: each of {', '.join((*DEEPSPEED_MODES, 'zero3-offload'))}")
 
     if args.worker:
         args.system = args.worker

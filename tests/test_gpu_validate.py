@@ -32,7 +32,9 @@ def test_the_peers_phase_compares_hybridps_with_the_best_deepspeed_mode_that_tra
     spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
     gv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gv)
-    tflops = {"deepspeed-zero-offload": 80.0, "deepspeed-zenflow": 100.0, "zero3-twinflow": None, "hybridps": 125.0}
+    tflops = {
+        "deepspeed-zero-offload": 80.0, "deepspeed-zenflow": 100.0, "zero3-twinflow": None, "zero3-offload": 50.0, "hybridps": 125.0,
+    }  # fmt: skip
     asked = []
 
     def fake_train(system, n_layer, clock, env, args, steps, timeout_s, **kw):
@@ -42,7 +44,7 @@ def test_the_peers_phase_compares_hybridps_with_the_best_deepspeed_mode_that_tra
         return {"trained": True, "tflops": tflops[system], "step_s": 1.0, "n_params": 10}
 
     monkeypatch.setattr(gv, "_train", fake_train)
-    args = argparse.Namespace(ds_layers=None, steps=2, run_timeout_s=60.0)
+    args = argparse.Namespace(ds_layers=None, steps=2, run_timeout_s=60.0, ds_modes=gv.DEEPSPEED_MODES)
     largest = {"deepspeed-zero-offload": {"largest": {"n_layer": 97}}}
     out = gv.phase_peers(gv.Clock(600.0), {}, args, largest, have_deepspeed=True)
     assert [s for s, _ in asked] == ["hybridps", *gv.DEEPSPEED_MODES] and {n for _, n in asked} == {97}
@@ -50,3 +52,9 @@ def test_the_peers_phase_compares_hybridps_with_the_best_deepspeed_mode_that_tra
     assert out["hybridps_over_best_deepspeed_tflops"] == 1.25
     assert out["runs"]["zero3-twinflow"]["out_of_memory"] is True
     assert "skipped" in gv.phase_peers(gv.Clock(600.0), {}, args, {}, have_deepspeed=True)
+    # --ds-modes zero3-offload --ds-layers 85: ZeRO-3 with params and optimizer on the CPU alone
+    asked.clear()
+    args = argparse.Namespace(ds_layers=85, steps=2, run_timeout_s=60.0, ds_modes=("zero3-offload",))
+    out = gv.phase_peers(gv.Clock(600.0), {}, args, {}, have_deepspeed=True)
+    assert asked == [("hybridps", 85), ("zero3-offload", 85)]
+    assert out["best_deepspeed_mode"] == "zero3-offload" and out["hybridps_over_best_deepspeed_tflops"] == 2.5
