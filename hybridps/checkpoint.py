@@ -15,7 +15,9 @@ A checkpoint is a directory:
 
 Each rank writes only the chunks it owns, so nothing is gathered on one rank, and because
 everything is keyed by param name a checkpoint written by N ranks loads into M ranks (each
-reads what its own chunks cover).
+reads what its own chunks cover). A rank writes its files a param at a time
+(common/safetensors_stream.py, [Note: a checkpoint streamed]): the host holds one param's
+values beside its chunks, never the shard's.
 
 [Note: crash safety]
 A save may die at any instruction, and the next save may die too: the newest complete
@@ -60,12 +62,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from hybridps.client.chunks.chunk import ChunkKind
 from hybridps.client.optim import adam_state
 from hybridps.client.optim.moment_codes import dequantize_codes
 from hybridps.common.errors import ConfigError
+from hybridps.common.safetensors_stream import SafetensorsWriter, header_room
 
 if TYPE_CHECKING:
     from hybridps.client.client import Client
@@ -157,17 +159,24 @@ def save_checkpoint(
     if groups is not None:
         groups.everyone.barrier(what="checkpoint directory")
     keys, buffers = _keys_by_param(engine)
-    weights, states, steps, values = _owned_tensors(client, engine.optimizer, keys, writes=writes)
-    if rank == 0:
-        for key, buf in buffers.items():
-            weights[key] = buf.detach().to("cpu", copy=True).contiguous()
     model_file = _shard("model", shard, world)
-    if writes:
-        _fs_step(f"write {model_file}")
-        save_file(weights, str(partial / model_file), metadata={"format": "pt"})
-        _fs_step(f"write {_shard('optimizer', shard, world)}")
-        save_file(states, str(partial / _shard("optimizer", shard, world)), metadata={"format": "pt"})
-    shard_info = ({k: model_file for k in weights}, sum(v.numel() * v.element_size() for v in weights.values()), steps, values)
+    weights: dict[str, str] = {}
+    weight_bytes, steps, values = 0, {}, {}
+    if writes:  # each tensor written as it is read ([Note: a checkpoint streamed])
+        files = _open_shards(client, partial, keys, buffers if rank == 0 else {}, model_file, _shard("optimizer", shard, world))
+        try:
+            steps, values = _write_owned(client, engine.optimizer, keys, *files)
+            if rank == 0:
+                for key, buf in buffers.items():
+                    files[0].add(key, buf)
+            for f in files:
+                f.close()
+        except BaseException:
+            for f in files:
+                f.abandon()
+            raise
+        weights, weight_bytes = dict.fromkeys(files[0].entries, model_file), files[0].nbytes
+    shard_info = (weights, weight_bytes, steps, values)
     everyone = groups.everyone.all_gather_object(shard_info, what="checkpoint index") if groups is not None else [shard_info]
     if rank == 0:
         if world > 1:
@@ -183,35 +192,61 @@ def save_checkpoint(
     logger.info("checkpoint written to %s", final)
 
 
-def _owned_tensors(
-    client: Client, optimizer: ChunkedAdam, keys: dict[int, list[str]], *, writes: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int], dict[str, dict]]:
-    """What this rank writes of the params it owns (nothing unless it ``writes``: the first
-    replica of its shard place): the fp32 weights under each of their ``state_dict`` keys,
-    Adam's two states of each param that has taken a step, and every owned param's step count."""
-    weights: dict[str, torch.Tensor] = {}
-    states: dict[str, torch.Tensor] = {}
+def _open_shards(
+    client: Client,
+    partial: Path,
+    keys: dict[int, list[str]],
+    buffers: dict[str, torch.Tensor],
+    model_file: str,
+    optimizer_file: str,
+) -> tuple[SafetensorsWriter, SafetensorsWriter]:
+    """This rank's model and optimizer files, open for writing, each with room for the header
+    of what it will hold (its names known now, an optimizer's other states estimated)."""
+    names = [k for info in client.params if client.owns(info.chunk) for k in keys.get(id(info.param), [info.name])]
+    names += list(buffers)
+    owned = [info.name for info in client.params if client.owns(info.chunk)]
+    meta = {"format": "pt"}
+    _fs_step(f"write {model_file}")
+    model = SafetensorsWriter(partial / model_file, room_bytes=header_room(len(names), sum(map(len, names)), meta), metadata=meta)
+    _fs_step(f"write {optimizer_file}")
+    states = 4 * len(owned)  # Adam's two moments, as codes and scales under compact states
+    room = header_room(states, 4 * sum(len(n) + len(CODES_SUFFIX) + len(".exp_avg_sq") for n in owned), meta)
+    try:
+        optimizer = SafetensorsWriter(partial / optimizer_file, room_bytes=room, metadata=meta)
+    except BaseException:
+        model.abandon()
+        raise
+    return model, optimizer
+
+
+def _write_owned(
+    client: Client, optimizer: ChunkedAdam, keys: dict[int, list[str]], weights: SafetensorsWriter, states: SafetensorsWriter
+) -> tuple[dict[str, int], dict[str, dict]]:
+    """Write the params this rank owns, one at a time: the fp32 weights under each of their
+    ``state_dict`` keys, and the optimizer's states of each param that has taken a step;
+    returns every owned param's step count, and the optimizer's states that are not tensors."""
     steps: dict[str, int] = {}
     #: an optimizer's states that are not tensors (a Python step count): into hybridps.json
     values: dict[str, dict] = {}
     for info in client.params:
-        if not writes or not client.owns(info.chunk):
+        if not client.owns(info.chunk):
             continue
-        value = client.read_param(info.param).contiguous()
+        value = client.read_param(info.param)
         for key in keys.get(id(info.param), [info.name]):
-            weights[key] = value if key == keys[id(info.param)][0] else value.clone()
+            weights.add(key, value)
+        del value  # the host holds one param's values at a time
         step = optimizer.steps[info.slot.index]
         steps[info.name] = step
         part = optimizer.parts_by_param[info.slot.index]
         if part is not None and part.torch_step is not None:  # another optimizer's states, by torch's names
-            for key, value in (optimizer.state_of(info) or {}).items():
-                if torch.is_tensor(value):
-                    states[f"{info.name}.{key}"] = value.contiguous()
-                elif _jsonable(value):
-                    values.setdefault(info.name, {})[key] = value
+            for key, state in (optimizer.state_of(info) or {}).items():
+                if torch.is_tensor(state):
+                    states.add(f"{info.name}.{key}", state)
+                elif _jsonable(state):
+                    values.setdefault(info.name, {})[key] = state
                 else:
                     raise ConfigError(
-                        f"optimizer state {key!r} of {info.describe()} is a {type(value).__name__}, which a checkpoint "
+                        f"optimizer state {key!r} of {info.describe()} is a {type(state).__name__}, which a checkpoint "
                         f"cannot hold (tensors go to safetensors, numbers and strings to hybridps.json); keep it as a "
                         f"tensor or a number in optimizer.state[p]"
                     )
@@ -219,11 +254,11 @@ def _owned_tensors(
             for suffix, kind in MOMENT_SUFFIXES:
                 if client.store.compact_moments:  # the codes themselves: lossless ([Note: compact states saved])
                     codes, scales = optimizer._read_codes(kind, info)
-                    states[f"{info.name}{suffix}{CODES_SUFFIX}"] = codes
-                    states[f"{info.name}{suffix}{SCALES_SUFFIX}"] = scales
+                    states.add(f"{info.name}{suffix}{CODES_SUFFIX}", codes)
+                    states.add(f"{info.name}{suffix}{SCALES_SUFFIX}", scales)
                 else:
-                    states[f"{info.name}{suffix}"] = optimizer._read(kind, info).contiguous()
-    return weights, states, steps, values
+                    states.add(f"{info.name}{suffix}", optimizer._read(kind, info))
+    return steps, values
 
 
 def _meta(

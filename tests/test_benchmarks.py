@@ -64,6 +64,7 @@ SMOKE: dict[str, list[str]] = {
     "overlap_step": [*TINY, "--steps", "1", "--warmup", "1", "--modes", "off,on_step_worker", "--clips", "no_clip"],
     "plan_speed": ["--rates", "h100", "--shapes", "0", "--steps", "1", "--warmup", "1", "--vocab", "256"],
     "scale": ["--worlds", "64,512", "--steps", "1", "--warmup", "1"],
+    "checkpoint_memory": ["--d-model", "256", "--layers", "3"],
     "step_profile": [*TINY, "--steps", "2", "--warmup", "2", "--gpu-fraction", "0.5", "--torch-profiler"],
     "transfers": [*TINY, "--steps", "1", "--warmup", "1"],
     "watchdog": ["--worlds", "8", "--gloo-worlds", "", "--iterations", "2", "--overhead-calls", "10"],
@@ -230,6 +231,12 @@ def _check_step_profile(out: dict) -> None:
     assert not hasattr(Chunk.wait_ready, "__wrapped__") and not hasattr(ChunkArithmetic.compute, "__wrapped__"), "restored"
 
 
+def _check_checkpoint_memory(out: dict) -> None:
+    """The streamed save holds far less beside the chunks than one that gathers first."""
+    assert out["cases"]["streamed"]["written_bytes"] == out["cases"]["gathered"]["written_bytes"] > 0
+    assert out["streamed_over_gathered_peak"] < 0.5, out["cases"]
+
+
 def _check_manager_calls(out: dict) -> None:
     """Every case's manager books what its client holds (the standard the daemon keeps)."""
     for manager, cases in out["results"].items():
@@ -238,6 +245,7 @@ def _check_manager_calls(out: dict) -> None:
 
 
 CHECKS = {
+    "checkpoint_memory": _check_checkpoint_memory,
     "manager_calls": _check_manager_calls,
     "step_profile": _check_step_profile,
     "optimizers": _check_optimizers,

@@ -82,18 +82,20 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
     good = engine.state_dict()
     _steps(engine, sched, 2, 4)
     calls = []
+    from hybridps.common.safetensors_stream import SafetensorsWriter
 
-    def crash_on_second_file(*args, **kwargs):
-        calls.append(args[1])
-        if len(calls) == 2:
+    def crash_midway(self, name, tensor):  # the disk fills while the files are half written
+        calls.append(name)
+        if len(calls) == 5:
             raise OSError("disk full (simulated)")
-        return real(*args, **kwargs)
+        return real(self, name, tensor)
 
-    real = ckpt.save_file
-    monkeypatch.setattr(ckpt, "save_file", crash_on_second_file)
+    real = SafetensorsWriter.add
+    monkeypatch.setattr(SafetensorsWriter, "add", crash_midway)
     with pytest.raises(OSError, match="simulated"):
         engine.save_checkpoint(tmp_path / "ck")
     monkeypatch.undo()
+    assert len(calls) == 5
     other, _ = _engine(seed=3)
     other.load_checkpoint(tmp_path / "ck")
     assert all(torch.equal(other.state_dict()[k], v) for k, v in good.items())
