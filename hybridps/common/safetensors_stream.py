@@ -75,7 +75,11 @@ class SafetensorsWriter:
             raise ConfigError(f"{self.path.name}: tensor {name!r} written twice")
         dtype = DTYPES.get(tensor.dtype)
         if dtype is None:
-            raise ConfigError(f"{self.path.name}: tensor {name!r} is {tensor.dtype}, which safetensors files here do not hold")
+            held = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+            raise ConfigError(
+                f"{self.path.name}: tensor {name!r} is {tensor.dtype}, which safetensors files here do not hold; "
+                f"keep it as one of {held}"
+            )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self._file.write(memoryview(data))
         self.entries[name] = {
